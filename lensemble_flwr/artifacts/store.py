@@ -1,0 +1,208 @@
+"""A content-addressed artifact store on a plain folder.
+
+Layout under ``root``:
+
+* ``blobs/<first 2 hex>/<digest>``: the bytes whose ``hashlib.sha256`` hex digest is
+  ``<digest>``, so any blob can be checked with ``sha256sum``.
+* ``names/<name>``: a file holding the 64-hex digest a name is bound to. Names are
+  relative slash-separated paths such as ``round/3/averaging``.
+* ``tmp/``: scratch space. Every write goes to a temp file here, is flushed and
+  fsynced, then published with ``os.replace`` (or ``os.link`` for :meth:`Store.claim`),
+  after which the destination directory is fsynced. Nothing half-written is ever
+  visible under ``blobs/`` or ``names/``, and temp files are removed on every path.
+
+Flower-free; standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
+# A name path that collides with another name used as a prefix (or vice versa).
+_CONFLICT = (FileExistsError, IsADirectoryError, NotADirectoryError)
+
+
+def _check_digest(digest: str) -> None:
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise StoreError(f"malformed digest {digest!r}: expected 64 lower-case hex characters")
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise StoreError(f"invalid name {name!r}: not a string")
+    for part in name.split("/"):
+        if part in (".", "..") or not _COMPONENT.fullmatch(part):
+            raise StoreError(f"invalid name {name!r}: components must match [A-Za-z0-9._-]+")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """Content-addressed blobs plus a namespace of names bound to blob digests."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        """Open (creating if needed) the store at ``root``.
+
+        Args:
+            root: Folder holding ``blobs/``, ``names/`` and ``tmp/``.
+        """
+        self.root: Path = Path(root)
+        self._blobs = self.root / "blobs"
+        self._names = self.root / "names"
+        self._tmp = self.root / "tmp"
+        for folder in (self._blobs, self._names, self._tmp):
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def put(self, data: bytes) -> str:
+        """Store ``data`` and return its SHA-256 hex digest; an existing blob is not rewritten."""
+        digest = hashlib.sha256(data).hexdigest()
+        path = self._blob_path(digest)
+        if not path.exists():
+            self._publish(data, path, exclusive=False)
+        return digest
+
+    def get(self, digest: str) -> bytes:
+        """Return the bytes stored under ``digest``, re-hashed on read.
+
+        Raises:
+            StoreError: ``digest`` is malformed or not in the store.
+            CheckpointIntegrityError: The stored bytes do not hash to ``digest``.
+        """
+        _check_digest(digest)
+        try:
+            data = self._blob_path(digest).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"unknown digest {digest}") from None
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise CheckpointIntegrityError(f"blob {digest} hashes to {actual}")
+        return data
+
+    def has(self, digest: str) -> bool:
+        """Return whether a blob is stored under ``digest`` (not re-hashed).
+
+        Raises:
+            StoreError: ``digest`` is malformed.
+        """
+        _check_digest(digest)
+        return self._blob_path(digest).is_file()
+
+    def bind(self, name: str, digest: str) -> None:
+        """Bind ``name`` to ``digest``, atomically replacing any existing binding.
+
+        Raises:
+            StoreError: The name is invalid or clashes with a name prefix, or the digest
+                is malformed or not in the store.
+        """
+        path = self._writable_name(name, digest)
+        try:
+            self._publish(digest.encode("ascii") + b"\n", path, exclusive=False)
+        except _CONFLICT as exc:
+            raise StoreError(f"name {name!r} clashes with an existing name") from exc
+
+    def claim(self, name: str, digest: str) -> bool:
+        """Bind ``name`` to ``digest`` only if it is unbound, atomically.
+
+        Returns:
+            True if this call bound the name, False if it was already bound (the
+            existing binding is kept).
+
+        Raises:
+            StoreError: As for :meth:`bind`.
+        """
+        path = self._writable_name(name, digest)
+        try:
+            return self._publish(digest.encode("ascii") + b"\n", path, exclusive=True)
+        except _CONFLICT as exc:
+            raise StoreError(f"name {name!r} clashes with an existing name") from exc
+
+    def resolve(self, name: str) -> str:
+        """Return the digest ``name`` is bound to.
+
+        Raises:
+            StoreError: The name is invalid or unbound, or its file holds no valid digest.
+        """
+        _check_name(name)
+        try:
+            digest = (self._names / name).read_text("ascii").strip()
+        except (FileNotFoundError, *_CONFLICT):
+            raise StoreError(f"unbound name {name!r}") from None
+        _check_digest(digest)
+        return digest
+
+    def bound(self, prefix: str = "") -> list[str]:
+        """Return the sorted bound names equal to ``prefix`` or under ``prefix/``.
+
+        ``prefix`` matches whole components: ``"round/3"`` lists ``round/3/averaging``
+        but not ``round/30/averaging``. The empty prefix lists every name.
+
+        Raises:
+            StoreError: A non-empty ``prefix`` is not a valid name.
+        """
+        prefix = prefix.rstrip("/")
+        if prefix:
+            _check_name(prefix)
+        files = (p for p in self._names.rglob("*") if p.is_file())
+        names = sorted(p.relative_to(self._names).as_posix() for p in files)
+        return [n for n in names if not prefix or n == prefix or n.startswith(prefix + "/")]
+
+    def _blob_path(self, digest: str) -> Path:
+        return self._blobs / digest[:2] / digest
+
+    def _writable_name(self, name: str, digest: str) -> Path:
+        _check_name(name)
+        if not self.has(digest):
+            raise StoreError(f"cannot bind {name!r} to {digest}: digest not in the store")
+        return self._names / name
+
+    def _ensure_dir(self, folder: Path) -> None:
+        missing = []
+        while not folder.is_dir():
+            missing.append(folder)
+            folder = folder.parent
+        for new in reversed(missing):
+            new.mkdir(exist_ok=True)
+            _fsync_dir(new.parent)
+
+    def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
+        """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
+
+        Returns:
+            False only if ``exclusive`` and ``dest`` already exists; True otherwise.
+        """
+        self._ensure_dir(dest.parent)
+        fd, tmp = tempfile.mkstemp(dir=self._tmp)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if not exclusive:
+                os.replace(tmp, dest)
+            else:
+                try:
+                    os.link(tmp, dest)
+                except FileExistsError:
+                    if dest.is_dir():
+                        raise
+                    return False
+            _fsync_dir(dest.parent)
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

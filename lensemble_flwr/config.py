@@ -1,0 +1,222 @@
+"""One frozen configuration for a federation, loadable from Python or a Flower run_config.
+
+Python::
+
+    cfg = LensembleConfig(federation={"min_participants": 3}, outer={"lr": 0.5})
+
+Flower (``[tool.flwr.app.config]`` in ``pyproject.toml``, flat kebab-case keys)::
+
+    cfg = LensembleConfig.from_run_config(context.run_config, extra_keys={"num-server-rounds"})
+
+Every flat key is ``<section prefix><field name with '-' for '_'>``; the full list is
+:func:`run_config_keys` and ``docs/configuration.md``. A bad value or an unknown key
+raises :class:`~lensemble_flwr.errors.ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lensemble_flwr.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _error_from(exc, type(self).__name__) from None
+
+
+class FederationConfig(_Section):
+    """Who must be present, for how long the coordinator waits, and how rounds are seeded."""
+
+    min_participants: int = Field(2, ge=1, description="Floor on the quorum K.")
+    secagg_threshold: int = Field(
+        0, ge=0, description="Dropout threshold of secure aggregation (0: no masking)."
+    )
+    open_timeout: float = Field(
+        60.0, gt=0, description="Seconds the round stays OPEN waiting for K commitments."
+    )
+    collect_timeout: float = Field(
+        300.0, gt=0, description="Seconds COLLECTING waits for updates before completing."
+    )
+    root_seed: int = Field(0, ge=0, description="Root of every reproducible seed (s_t).")
+    max_round_attempts: int = Field(
+        3, ge=1, description="Attempts of one round index before the federation stops."
+    )
+    retry_wait: float = Field(
+        5.0, ge=0, description="Seconds to wait for (re)joins before retrying an aborted round."
+    )
+    weighting: Literal["uniform", "num-examples"] = Field(
+        "uniform", description="Per-update weight in the mean: 1, or the update's example count."
+    )
+
+    @property
+    def quorum(self) -> int:
+        """K = max(min_participants, secagg_threshold)."""
+        return max(self.min_participants, self.secagg_threshold)
+
+
+class AggregationConfig(_Section):
+    """The exact fixed-point accumulator that sums released updates."""
+
+    fraction_bits: int = Field(
+        32, ge=8, le=40, description="Fixed-point grid 2**-fraction_bits of the exact sum."
+    )
+    max_abs_update: float = Field(
+        64.0, gt=0, le=2.0**20, description="Largest |value| an update may carry (ingress check)."
+    )
+    max_weight: int = Field(
+        2**16, ge=1, le=2**30, description="Largest per-update weight (example count)."
+    )
+    fold_batch: int = Field(
+        8, ge=1, le=64, description="Admitted updates folded per pass over the accumulator."
+    )
+
+    @model_validator(mode="after")
+    def _one_update_fits(self) -> AggregationConfig:
+        if self.max_abs_update * self.max_weight * 2.0**self.fraction_bits >= 2.0**62:
+            raise ValueError(
+                "max_abs_update * max_weight * 2**fraction_bits must stay below 2**62 "
+                "so that a single update fits the int64 accumulator"
+            )
+        return self
+
+
+class InnerLoopConfig(_Section):
+    """The participant's H local AdamW steps."""
+
+    steps: int = Field(10, ge=1, description="H, inner steps per round.")
+    lr: float = Field(1e-3, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    batch_size: int = Field(32, ge=1)
+    deterministic: bool = Field(True, description="Run under torch.use_deterministic_algorithms.")
+
+
+class OuterOptimizerConfig(_Section):
+    """The DiLoCo outer step on the mean pseudo-gradient."""
+
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class ParamGroupsConfig(_Section):
+    """Which parameter names are shared (encoder/predictor) and which stay local.
+
+    A name belongs to a group entry ``g`` if it equals ``g`` or starts with ``g + "."``.
+    The entry ``"*"`` in ``shared`` means every name that is not local.
+    """
+
+    shared: tuple[str, ...] = ("encoder", "predictor")
+    local: tuple[str, ...] = ("action_head",)
+
+    @field_validator("shared", "local", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> ParamGroupsConfig:
+        if not self.shared:
+            raise ValueError("shared must name at least one group")
+        overlap = set(self.shared) & set(self.local)
+        if overlap:
+            raise ValueError(f"groups both shared and local: {sorted(overlap)}")
+        if "*" in self.local:
+            raise ValueError("'*' is only meaningful in shared")
+        return self
+
+
+_SECTIONS: dict[str, tuple[str, type[_Section]]] = {
+    # field name in LensembleConfig -> (run_config key prefix, section type)
+    "federation": ("", FederationConfig),
+    "aggregation": ("", AggregationConfig),
+    "inner": ("inner-", InnerLoopConfig),
+    "outer": ("outer-", OuterOptimizerConfig),
+    "groups": ("", ParamGroupsConfig),
+}
+_GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups"}
+
+
+def run_config_keys() -> dict[str, tuple[str, str]]:
+    """Map every flat run_config key to its (section, field)."""
+    keys: dict[str, tuple[str, str]] = {}
+    for section, (prefix, model) in _SECTIONS.items():
+        for field in model.model_fields:
+            key = _GROUP_KEYS.get(field) if section == "groups" else None
+            key = key or prefix + field.replace("_", "-")
+            assert key not in keys, f"run_config key collision: {key}"
+            keys[key] = (section, field)
+    return keys
+
+
+def _error_from(exc: ValidationError, owner: str) -> ConfigError:
+    first = exc.errors()[0]
+    field = ".".join([owner, *(str(p) for p in first["loc"])])
+    return ConfigError(field, f"{first['msg']} (got {first.get('input')!r})")
+
+
+class LensembleConfig(_Section):
+    """Everything a federation needs to agree on. Frozen; hashable into the run manifest."""
+
+    federation: FederationConfig = FederationConfig()
+    aggregation: AggregationConfig = AggregationConfig()
+    inner: InnerLoopConfig = InnerLoopConfig()
+    outer: OuterOptimizerConfig = OuterOptimizerConfig()
+    groups: ParamGroupsConfig = ParamGroupsConfig()
+
+    @classmethod
+    def from_run_config(
+        cls, run_config: Mapping[str, Any], *, extra_keys: Iterable[str] = ()
+    ) -> LensembleConfig:
+        """Build a config from a flat Flower ``run_config`` (kebab-case keys).
+
+        Args:
+            run_config: e.g. ``context.run_config``; values are str, int, float or bool.
+                Group lists are comma-separated strings (``"encoder,predictor"``).
+            extra_keys: keys that belong to the app, not to lensemble (e.g.
+                ``num-server-rounds``); they are ignored instead of refused.
+
+        Raises:
+            ConfigError: a key that is neither known nor in ``extra_keys``, or a bad value;
+                the message names the run_config key.
+        """
+        keys = run_config_keys()
+        extra = set(extra_keys)
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in run_config.items():
+            if key in extra:
+                continue
+            if key not in keys:
+                raise ConfigError(key, "unknown lensemble run_config key")
+            section, field = keys[key]
+            nested.setdefault(section, {})[field] = value
+        try:
+            return cls(**nested)
+        except ConfigError as exc:
+            names = {
+                f"{_SECTIONS[s][1].__name__}.{f}": k for k, (s, f) in keys.items()
+            }
+            if exc.field in names:
+                raise ConfigError(names[exc.field], exc.reason) from None
+            raise
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The flat kebab-case mapping that :meth:`from_run_config` reads back to ``self``."""
+        flat: dict[str, Any] = {}
+        for key, (section, field) in run_config_keys().items():
+            value = getattr(getattr(self, section), field)
+            flat[key] = ",".join(value) if isinstance(value, tuple) else value
+        return flat

@@ -1,0 +1,141 @@
+"""The typed error taxonomy and the response each error gets.
+
+Every error the runtime raises derives from :class:`LensembleError`. What the
+coordinator does about an error is not decided by ``if`` chains at the raise
+site: it looks the error up in :data:`RESPONSES`, one table, through
+:func:`response_to`. Subclasses inherit the response of their nearest listed
+ancestor, so a new, more specific error cannot silently fall through.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+
+class Response(str, enum.Enum):
+    """What the runtime does when an error is raised."""
+
+    REJECT_MESSAGE = "reject-message"
+    """Drop the offending message, log it, and leave the round where it was."""
+
+    RETRY_ROUND = "retry-round"
+    """Abort the round (global state unchanged) and retry the same round index."""
+
+    STOP_FEDERATION = "stop-federation"
+    """Abort the round fail-closed and stop the federation; no retry."""
+
+    REFUSE_RELEASE = "refuse-release"
+    """Participant side: release nothing for this round (the coordinator sees a dropout)."""
+
+
+class LensembleError(Exception):
+    """Base class of every error lensemble-flwr raises on purpose."""
+
+
+class RoundError(LensembleError):
+    """A message or event that the current round cannot accept (malformed, wrong round,
+    illegal transition)."""
+
+
+class IllegalTransition(RoundError):
+    """An event that the round state machine has no transition for."""
+
+
+class ParameterMismatch(RoundError):
+    """Named arrays that do not fit a model or a template (unknown, missing or mis-shaped)."""
+
+
+class FaultToleranceExceeded(LensembleError):
+    """Fewer than K participants present at the quorum check or during collection."""
+
+
+class SecureAggregationError(LensembleError):
+    """Too few participants remain to unmask the secure sum."""
+
+
+class NonDeterministicAggregation(LensembleError):
+    """The aggregate did not reproduce under the self-check."""
+
+
+class PrivacyBudgetExceeded(LensembleError):
+    """A release would exceed a participant's (epsilon, delta) budget."""
+
+
+class CommitmentMismatch(LensembleError):
+    """An update is not bound to its sender's dataset commitment."""
+
+
+class ProbeError(LensembleError):
+    """The probe set announced by the round differs from the participant's pinned probe."""
+
+
+class GaugeError(LensembleError):
+    """Warm-start or sketch-consistency violation of the latent frame."""
+
+
+class DegenerateProcrustes(LensembleError):
+    """The probe cross-covariance is too ill-conditioned for a stable alignment."""
+
+
+class ConfigError(LensembleError):
+    """A configuration value or key that is not acceptable; the message names the field.
+
+    Deliberately not a ``ValueError``: pydantic would re-wrap it when it is raised while
+    validating a nested section, and the field name would be lost.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class CheckpointIntegrityError(LensembleError):
+    """An artifact's bytes do not hash to the digest it is known by."""
+
+
+class ResidencyViolation(LensembleError):
+    """Something that must stay on the participant was about to leave it."""
+
+
+class StoreError(LensembleError):
+    """The artifact store cannot satisfy a request (unknown digest or name, bad name)."""
+
+
+class LedgerError(LensembleError):
+    """The ledger's hash chain or one of its references does not verify."""
+
+
+RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
+    {
+        RoundError: Response.REJECT_MESSAGE,
+        FaultToleranceExceeded: Response.RETRY_ROUND,
+        SecureAggregationError: Response.RETRY_ROUND,
+        # Raised only after the single re-sum also failed; see Coordinator._aggregate.
+        NonDeterministicAggregation: Response.STOP_FEDERATION,
+        PrivacyBudgetExceeded: Response.STOP_FEDERATION,
+        CommitmentMismatch: Response.STOP_FEDERATION,
+        CheckpointIntegrityError: Response.STOP_FEDERATION,
+        ResidencyViolation: Response.STOP_FEDERATION,
+        ProbeError: Response.REFUSE_RELEASE,
+        GaugeError: Response.REFUSE_RELEASE,
+        DegenerateProcrustes: Response.REFUSE_RELEASE,
+        ConfigError: Response.STOP_FEDERATION,
+        StoreError: Response.STOP_FEDERATION,
+        LedgerError: Response.STOP_FEDERATION,
+    }
+)
+
+
+def response_to(error: BaseException) -> Response:
+    """Return the response the runtime gives to ``error``.
+
+    The most specific class listed in :data:`RESPONSES` wins. An exception that is
+    not a :class:`LensembleError` (a bug, not a protocol outcome) stops the federation.
+    """
+    for cls in type(error).__mro__:
+        if cls in RESPONSES:
+            return RESPONSES[cls]  # type: ignore[index]
+    return Response.STOP_FEDERATION

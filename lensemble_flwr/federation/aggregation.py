@@ -1,0 +1,260 @@
+"""Exact, order-independent aggregation of released updates in bounded memory.
+
+:class:`FixedPointAggregator` sums updates on the fixed-point grid 2**-F in int64.
+Integer addition is associative, so the sum — and its digest — is bitwise the same
+whatever order updates arrive in, and the same on every machine. Memory does not grow
+with the number of participants: an admitted update is held only until it is folded
+into the accumulator, at most ``fold_batch`` at a time (folding several updates per
+pass over the accumulator is what makes the fold run near memory bandwidth).
+
+Each value is rounded half-to-even from ``float64(x) * weight * 2**F``; the rounding is
+per update, so it is deterministic. While a batch's bound allows it, the batch is summed
+in float64 (exact for integers below 2**53), otherwise in int64; both give the same
+integers.
+
+The self-check: while folding, the aggregator accumulates two linear checksums of what
+it adds (the plain sum and a sum weighted by a seeded vector, modulo 2**64). ``verify``
+recomputes them from the revealed sums. Any lost, doubled or corrupted fold shows up as
+a mismatch, :class:`NonDeterministicAggregation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+
+from lensemble_flwr.canonical import digest_arrays, digest_record
+from lensemble_flwr.config import AggregationConfig
+from lensemble_flwr.errors import NonDeterministicAggregation, RoundError
+from lensemble_flwr.federation.chunked import CHUNK, run_ranges
+from lensemble_flwr.federation.messages import Update
+from lensemble_flwr.params import NamedArrays, check_same_layout
+
+_MOD = 1 << 64
+_FLOAT_EXACT = 1 << 53
+_INT_CAPACITY = (1 << 63) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregateSum:
+    """The revealed sum of one round's contributing updates.
+
+    ``sums`` are int64 on the grid 2**-fraction_bits, read-only; ``total_weight`` is the
+    sum of the contributors' weights (C_t under uniform weighting).
+    """
+
+    sums: NamedArrays
+    total_weight: int
+    contributors: tuple[str, ...]
+    fraction_bits: int
+    checksum: int
+
+    @property
+    def count(self) -> int:
+        """C_t, the number of contributing updates."""
+        return len(self.contributors)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the sum and everything it depends on (canonical encoding)."""
+        return digest_record(
+            "aggregate",
+            {
+                "sums": digest_arrays(self.sums, "aggregate-sums"),
+                "total_weight": self.total_weight,
+                "contributors": list(self.contributors),
+                "fraction_bits": self.fraction_bits,
+            },
+        )
+
+    def mean(self) -> NamedArrays:
+        """The weighted mean update, float32: ``sums / (total_weight * 2**F)``."""
+        denom = np.float64(self.total_weight) * np.float64(2.0**self.fraction_bits)
+        out: NamedArrays = {}
+        for name, total in self.sums.items():
+            flat_in = total.reshape(-1)
+            flat_out = np.empty(flat_in.shape, np.float32)
+
+            def kernel(lo: int, hi: int, src=flat_in, dst=flat_out) -> None:
+                np.divide(src[lo:hi], denom, out=dst[lo:hi], dtype=np.float64, casting="unsafe")
+
+            run_ranges(flat_in.size, kernel)
+            out[name] = flat_out.reshape(total.shape)
+        return out
+
+
+class Aggregator(Protocol):
+    """What the coordinator sums updates with (plaintext here; masked in secure aggregation)."""
+
+    def admit(self, update: Update, *, weight: int) -> None:
+        """Fold ``update`` into the round's sum, or raise (and change nothing)."""
+
+    def reveal(self) -> AggregateSum:
+        """Freeze the contributing set and return the sum."""
+
+    def verify(self, result: AggregateSum) -> None:
+        """Recompute the self-check; raise NonDeterministicAggregation on a mismatch."""
+
+
+def _checksum_vector(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 1 << 31, size=CHUNK, dtype=np.int64)
+
+
+def _chunk_checksum(q: np.ndarray, r: np.ndarray) -> int:
+    return int(q.sum()) + int(np.dot(q, r[: q.size]))
+
+
+@dataclasses.dataclass
+class _Pending:
+    participant_id: str
+    delta: Mapping[str, np.ndarray]
+    scale: np.float64
+    bound: int
+
+
+class FixedPointAggregator:
+    """Exact int64 fixed-point sum of updates with the layout of ``template``.
+
+    Args:
+        template: names and shapes every update must have (the global params).
+        config: the aggregation section of the federation's config.
+        check_seed: seeds the checksum vector of the self-check.
+    """
+
+    def __init__(
+        self, template: Mapping[str, np.ndarray], config: AggregationConfig, *, check_seed: int
+    ) -> None:
+        self._template = {name: template[name] for name in sorted(template)}
+        self._config = config
+        self._scale_unit = np.float64(2.0**config.fraction_bits)
+        self._acc = {n: np.zeros(a.shape, np.int64) for n, a in self._template.items()}
+        self._r = _checksum_vector(check_seed)
+        self._pending: list[_Pending] = []
+        self._contributors: list[str] = []
+        self._weight = 0
+        self._bound = 0
+        self._checksum = 0
+        self._revealed: AggregateSum | None = None
+
+    @property
+    def contributors(self) -> tuple[str, ...]:
+        return tuple(sorted(self._contributors))
+
+    def admit(self, update: Update, *, weight: int) -> None:
+        """Admit ``update`` with integer ``weight``.
+
+        Raises:
+            RoundError: after reveal, a second update from the same participant, a weight
+                outside [1, max_weight], a value beyond max_abs_update, or an update that
+                would overflow the accumulator. Nothing is admitted when it raises.
+            ParameterMismatch: the update's names or shapes differ from the template.
+        """
+        pid = update.participant_id
+        if self._revealed is not None:
+            raise RoundError(f"{pid}: the contributing set is frozen; update not admitted")
+        if pid in self._contributors:
+            raise RoundError(f"{pid}: already contributed to this round")
+        if not 1 <= weight <= self._config.max_weight:
+            raise RoundError(f"{pid}: weight {weight} outside [1, {self._config.max_weight}]")
+        if update.max_abs > self._config.max_abs_update:
+            raise RoundError(
+                f"{pid}: |value| {update.max_abs:.3g} exceeds max_abs_update "
+                f"{self._config.max_abs_update:.3g}"
+            )
+        check_same_layout(self._template, update.delta, f"update from {pid}")
+        bound = weight * (math.ceil(update.max_abs * float(self._scale_unit)) + 1)
+        if self._bound + bound > _INT_CAPACITY:
+            raise RoundError(f"{pid}: admitting this update would overflow the accumulator")
+        self._bound += bound
+        self._weight += weight
+        self._contributors.append(pid)
+        scale = np.float64(weight) * self._scale_unit
+        self._pending.append(_Pending(pid, update.delta, scale, bound))
+        if len(self._pending) >= self._config.fold_batch:
+            self._fold()
+
+    def _fold(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        exact_in_float = sum(p.bound for p in batch) < _FLOAT_EXACT
+        r = self._r
+        for name, acc in self._acc.items():
+            flat_acc = acc.reshape(-1)
+            inputs = [(p.delta[name].reshape(-1), p.scale) for p in batch]
+
+            def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
+                t = np.empty(CHUNK, np.float64)
+                b = np.empty(CHUNK, np.float64)
+                q = np.empty(CHUNK, np.int64)
+                ti = np.empty(CHUNK, np.int64)
+                check = 0
+                for s in range(lo, hi, CHUNK):
+                    e = min(s + CHUNK, hi)
+                    k = e - s
+                    tk, bk, qk, tik = t[:k], b[:k], q[:k], ti[:k]
+                    (x0, s0), rest = inputs[0], inputs[1:]
+                    np.multiply(x0[s:e], s0, out=tk, dtype=np.float64)
+                    np.rint(tk, out=tk)
+                    if exact_in_float:
+                        for x, sc in rest:
+                            np.multiply(x[s:e], sc, out=bk, dtype=np.float64)
+                            np.rint(bk, out=bk)
+                            np.add(tk, bk, out=tk)
+                        np.copyto(qk, tk, casting="unsafe")
+                    else:
+                        np.copyto(tik, tk, casting="unsafe")
+                        for x, sc in rest:
+                            np.multiply(x[s:e], sc, out=bk, dtype=np.float64)
+                            np.rint(bk, out=bk)
+                            np.copyto(qk, bk, casting="unsafe")
+                            np.add(tik, qk, out=tik)
+                        qk[...] = tik
+                    np.add(flat_acc[s:e], qk, out=flat_acc[s:e])
+                    check += _chunk_checksum(qk, r)
+                return check
+
+            self._checksum = (self._checksum + sum(run_ranges(flat_acc.size, kernel))) % _MOD
+
+    def reveal(self) -> AggregateSum:
+        """Fold what is pending and freeze the contributing set."""
+        if self._revealed is None:
+            self._fold()
+            for acc in self._acc.values():
+                acc.setflags(write=False)
+            self._revealed = AggregateSum(
+                sums=dict(self._acc),
+                total_weight=self._weight,
+                contributors=self.contributors,
+                fraction_bits=self._config.fraction_bits,
+                checksum=self._checksum,
+            )
+        return self._revealed
+
+    def verify(self, result: AggregateSum) -> None:
+        """Recompute the linear checksums from ``result`` and compare them with ingress."""
+        r = self._r
+        total = 0
+        for acc in result.sums.values():
+            flat = acc.reshape(-1)
+
+            def kernel(lo: int, hi: int, flat=flat) -> int:
+                return sum(
+                    _chunk_checksum(flat[s : min(s + CHUNK, hi)], r) for s in range(lo, hi, CHUNK)
+                )
+
+            total += sum(run_ranges(flat.size, kernel))
+        total %= _MOD
+        expected = (self._checksum, self._weight, self.contributors)
+        actual = (total, result.total_weight, result.contributors)
+        if actual != expected or result.checksum != self._checksum:
+            raise NonDeterministicAggregation(
+                f"revealed sum does not reproduce: checksum {total:#x} vs ingress "
+                f"{self._checksum:#x}, weight {result.total_weight} vs {self._weight}, "
+                f"{result.count} vs {len(self._contributors)} contributors"
+            )

@@ -1,0 +1,460 @@
+"""The coordinator: one round loop driving the RoundState machine over any Transport.
+
+A round attempt, in order::
+
+    OPEN         broadcast RoundOpen; admit commitments until K = max(min_participants,
+                 secagg_threshold) are bound, or abort at the open timeout
+    COLLECTING   admit updates until every expected participant delivered (or became
+                 unreachable), or the collect deadline; the contributing set freezes here
+    AGGREGATING  reveal the exact sum; self-check, one re-sum on a mismatch
+    ALIGNING     aggregate-level diagnostics only
+    COMMITTING   outer step, checkpoint, ledger record — then, and only then, the new
+                 global state replaces the old one in memory (the single state change)
+    CLOSED       RoundClose broadcast
+
+Any typed error on the way aborts the attempt with the global state untouched; what
+happens next (retry the round, stop the federation, or just drop the message) is looked
+up in :data:`lensemble_flwr.errors.RESPONSES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.config import AggregationConfig, LensembleConfig
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    CommitmentMismatch,
+    FaultToleranceExceeded,
+    LensembleError,
+    NonDeterministicAggregation,
+    ParameterMismatch,
+    Response,
+    RoundError,
+    StoreError,
+    response_to,
+)
+from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
+from lensemble_flwr.federation.messages import (
+    Commitment,
+    ControlMessage,
+    RoundClose,
+    RoundOpen,
+    Update,
+    WirePayload,
+    from_wire,
+    message_digest,
+)
+from lensemble_flwr.federation.outer_optimizer import outer_step, zero_momentum
+from lensemble_flwr.federation.round import (
+    GlobalState,
+    RoundEvent,
+    RoundMachine,
+    RoundState,
+    l2_norm,
+)
+from lensemble_flwr.federation.transport import COORDINATOR, Transport
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.provenance.ledger import (
+    GENESIS,
+    ContributionRecord,
+    Ledger,
+    RoundEntry,
+    RunManifest,
+)
+
+log = logging.getLogger(__name__)
+
+AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
+
+
+def fixed_point_aggregator(
+    template: Mapping[str, np.ndarray], config: AggregationConfig, check_seed: int
+) -> Aggregator:
+    """The default aggregator: the exact plaintext fixed-point sum."""
+    return FixedPointAggregator(template, config, check_seed=check_seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """How one round attempt ended (also recorded in the run manifest)."""
+
+    round: int
+    attempt: int
+    state: RoundState
+    error: LensembleError | None
+    count: int
+    contributors: tuple[str, ...]
+    late: tuple[str, ...]
+    rejected: int
+    global_hash: str
+    diagnostics: Mapping[str, float]
+    elapsed: float
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """Everything one round attempt accumulates; discarded when it ends."""
+
+    machine: RoundMachine
+    state: GlobalState
+    aggregator: Aggregator
+    expected: frozenset[str]
+    committed: dict[str, Commitment] = dataclasses.field(default_factory=dict)
+    admitted: set[str] = dataclasses.field(default_factory=set)
+    update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    late: set[str] = dataclasses.field(default_factory=set)
+    rejected: int = 0
+
+
+class Coordinator:
+    """Drives rounds, holds the canonical global state, runs the outer optimizer.
+
+    Args:
+        config: the federation's config.
+        transport: the coordinator's end of any :class:`Transport`.
+        initial_params: θ_0, the shared groups' initial arrays (float).
+        store: the run directory's artifact store (checkpoints, ledger, manifest).
+        run_id: names the run in every message; messages of other runs are rejected.
+        aggregator_factory: builds the round's :class:`Aggregator` from the global params,
+            the aggregation config and the self-check seed.
+        on_round: called with every :class:`RoundOutcome`, closed or aborted.
+    """
+
+    def __init__(
+        self,
+        config: LensembleConfig,
+        *,
+        transport: Transport,
+        initial_params: Mapping[str, np.ndarray],
+        store: Store,
+        run_id: str = "lensemble-run",
+        aggregator_factory: AggregatorFactory = fixed_point_aggregator,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+    ) -> None:
+        for name, array in initial_params.items():
+            if not np.issubdtype(np.asarray(array).dtype, np.floating):
+                raise ParameterMismatch(f"{name}: initial params must be floating-point")
+        if store.bound("ledger/") or store.bound("manifest"):
+            raise StoreError(f"{store.root} already holds a run; use a fresh run directory")
+        self.config = config
+        self.transport = transport
+        self.store = store
+        self.run_id = run_id
+        self._aggregator_factory = aggregator_factory
+        self._on_round = on_round
+        self._ledger = Ledger(store)
+        self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
+        self._momentum: NamedArrays = zero_momentum(self._global.params)
+        self._head_hash = GENESIS
+        self._machine: RoundMachine | None = None
+        self.outcomes: list[RoundOutcome] = []
+        initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
+        self._manifest = RunManifest(
+            run_id=run_id,
+            config=config.to_run_config(),
+            root_seed=config.federation.root_seed,
+            initial_params_hash=self._global.params_hash,
+            initial_checkpoint=initial,
+        )
+        self._manifest.save(store)
+
+    # -- observability -----------------------------------------------------------------
+    def round_state(self) -> RoundState:
+        """State of the current (or last) round attempt; CLOSED before the first round."""
+        return self._machine.state if self._machine else RoundState.CLOSED
+
+    def global_state(self) -> GlobalState:
+        """The canonical committed global state (the state the next round starts from)."""
+        return self._global
+
+    def momentum(self) -> NamedArrays:
+        """The outer optimizer's momentum (read-only copies)."""
+        return {n: a.copy() for n, a in self._momentum.items()}
+
+    @property
+    def manifest(self) -> RunManifest:
+        return self._manifest
+
+    # -- the round loop ----------------------------------------------------------------
+    def run(self, num_rounds: int) -> None:
+        """Drive ``num_rounds`` rounds to CLOSED, retrying aborted rounds per the error table.
+
+        Raises:
+            LensembleError: the error of an attempt whose response is to stop the
+                federation, or the last error once ``max_round_attempts`` is used up.
+        """
+        if num_rounds < 0:
+            raise ValueError("num_rounds must be >= 0")
+        target = self._global.round + num_rounds
+        attempt = 1
+        while self._global.round < target:
+            outcome = self._run_attempt(self._global.round, attempt)
+            if outcome.state is RoundState.CLOSED:
+                attempt = 1
+                continue
+            assert outcome.error is not None
+            response = response_to(outcome.error)
+            retries_left = attempt < self.config.federation.max_round_attempts
+            if response is Response.RETRY_ROUND and retries_left:
+                log.info("round %d: retrying after %s", outcome.round, outcome.reason)
+                self._wait_for_joins()
+                attempt += 1
+                continue
+            log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
+            raise outcome.error
+
+    def _pin(self, round: int, params: Mapping[str, np.ndarray]) -> GlobalState:
+        fed = self.config.federation
+        return GlobalState.create(
+            round,
+            params,
+            sketch_seed=derive_seed(fed.root_seed, "round", round),
+            h_steps=self.config.inner.steps,
+        )
+
+    def _run_attempt(self, t: int, attempt: int) -> RoundOutcome:
+        started = self.transport.now()
+        state = self._global
+        machine = RoundMachine(t, attempt)
+        self._machine = machine
+        self.transport.broadcast(
+            RoundOpen(
+                run_id=self.run_id,
+                round=t,
+                sender=COORDINATOR,
+                attempt=attempt,
+                global_hash=state.params_hash,
+                params=state.params,
+                sketch_seed=state.sketch_seed,
+                h_steps=state.h_steps,
+                probe_hash=state.probe_hash,
+                landmark_hashes=state.landmark_hashes,
+            )
+        )
+        ctx = _Attempt(
+            machine=machine,
+            state=state,
+            aggregator=self._aggregator_factory(
+                state.params,
+                self.config.aggregation,
+                derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
+            ),
+            expected=frozenset(self.transport.peers()),
+        )
+        result: AggregateSum | None = None
+        diagnostics: dict[str, float] = {}
+        error: LensembleError | None = None
+        try:
+            self._open(ctx)
+            machine.fire(RoundEvent.QUORUM_REACHED)
+            self._collect(ctx)
+            machine.fire(RoundEvent.COLLECTION_CLOSED)
+            result = self._aggregate(ctx.aggregator)
+            machine.fire(RoundEvent.SUM_REPRODUCED)
+            mean = result.mean()
+            diagnostics = {"mean_delta_l2": l2_norm(mean)}
+            machine.fire(RoundEvent.DIAGNOSED)
+            self._commit(ctx, result, mean)
+            machine.fire(RoundEvent.COMMITTED)
+        except LensembleError as exc:
+            error = exc
+            machine.fire(RoundEvent.ABORT, reason=f"{type(exc).__name__}: {exc}")
+            log.warning("round %d attempt %d ABORTED: %s", t, attempt, machine.abort_reason)
+        return self._record(ctx, result, diagnostics, error, started)
+
+    def _open(self, ctx: _Attempt) -> None:
+        quorum = self.config.federation.quorum
+        deadline = self.transport.now() + self.config.federation.open_timeout
+        while len(ctx.committed) < quorum:
+            remaining = deadline - self.transport.now()
+            if remaining <= 0:
+                raise FaultToleranceExceeded(
+                    f"{len(ctx.committed)} of quorum {quorum} committed by the open timeout"
+                )
+            self._ingest(self.transport.recv(timeout_s=remaining), ctx)
+
+    def _collect(self, ctx: _Attempt) -> None:
+        quorum = self.config.federation.quorum
+        deadline = self.transport.now() + self.config.federation.collect_timeout
+        while True:
+            reachable = set(self.transport.peers())
+            outstanding = (ctx.expected | set(ctx.committed)) & reachable - ctx.admitted
+            if not outstanding:
+                break
+            if len(ctx.admitted) + len(outstanding) < quorum:
+                raise FaultToleranceExceeded(
+                    f"{len(ctx.admitted)} updates and {len(outstanding)} reachable "
+                    f"participants left; quorum {quorum} cannot be met"
+                )
+            remaining = deadline - self.transport.now()
+            if remaining <= 0:
+                break
+            self._ingest(self.transport.recv(timeout_s=remaining), ctx)
+        if len(ctx.admitted) < quorum:
+            raise FaultToleranceExceeded(
+                f"{len(ctx.admitted)} updates by the collect deadline, quorum {quorum}"
+            )
+
+    def _ingest(self, payload: WirePayload | None, ctx: _Attempt) -> None:
+        """Validate and admit one payload; errors whose response is to reject the message
+        are logged and counted, every other error propagates and aborts the round."""
+        if payload is None:
+            return
+        try:
+            self._accept(from_wire(payload), ctx)
+        except LensembleError as exc:
+            if response_to(exc) is not Response.REJECT_MESSAGE:
+                raise
+            ctx.rejected += 1
+            log.warning("round %d: message rejected: %s", ctx.machine.round, exc)
+
+    def _accept(self, msg: ControlMessage, ctx: _Attempt) -> None:
+        if not isinstance(msg, (Commitment, Update)):
+            raise RoundError(f"a participant may not send {msg.kind} (from {msg.sender})")
+        if msg.run_id != self.run_id:
+            raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
+        if (msg.round, msg.attempt) != (ctx.machine.round, ctx.machine.attempt):
+            ctx.late.add(msg.sender)
+            log.info(
+                "round %d: late %s from %s (round %d attempt %d) dropped",
+                ctx.machine.round, msg.kind, msg.sender, msg.round, msg.attempt,
+            )
+            return
+        pid = msg.participant_id
+        if isinstance(msg, Commitment):
+            prior = ctx.committed.get(pid)
+            if prior is not None and prior.dataset_root != msg.dataset_root:
+                raise CommitmentMismatch(f"{pid} committed two dataset roots in one round")
+            ctx.committed[pid] = msg
+            return
+        commitment = ctx.committed.get(pid)
+        if commitment is None:
+            raise RoundError(f"{pid}: update without a commitment")
+        if msg.dataset_root != commitment.dataset_root:
+            raise CommitmentMismatch(
+                f"{pid}: update bound to {msg.dataset_root[:12]}…, committed "
+                f"{commitment.dataset_root[:12]}…"
+            )
+        if msg.num_examples != commitment.num_examples:
+            raise RoundError(f"{pid}: update and commitment disagree on num_examples")
+        uniform = self.config.federation.weighting == "uniform"
+        ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
+        ctx.admitted.add(pid)
+        ctx.update_digests[pid] = message_digest(msg)
+
+    def _aggregate(self, aggregator: Aggregator) -> AggregateSum:
+        """Reveal and self-check the sum; a mismatch is re-summed once, a second one raises."""
+        result = aggregator.reveal()
+        try:
+            aggregator.verify(result)
+        except NonDeterministicAggregation as exc:
+            log.warning("self-check mismatch, re-summing once: %s", exc)
+            result = aggregator.reveal()
+            aggregator.verify(result)
+        return result
+
+    def _commit(self, ctx: _Attempt, result: AggregateSum, mean: NamedArrays) -> None:
+        t, prior = ctx.machine.round, ctx.state
+        params, momentum = outer_step(prior.params, self._momentum, mean, self.config.outer)
+        new_state = self._pin(t + 1, params)
+        digest = self.store.put(encode_checkpoint(t + 1, new_state.params, momentum))
+        stored = decode_checkpoint(self.store.get(digest))
+        if stored.params_hash != new_state.params_hash:
+            raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")
+        record = self._ledger.append(
+            ContributionRecord(
+                round=t,
+                attempt=ctx.machine.attempt,
+                contributors=result.contributors,
+                count=result.count,
+                total_weight=result.total_weight,
+                dataset_roots={p: ctx.committed[p].dataset_root for p in result.contributors},
+                update_digests=dict(sorted(ctx.update_digests.items())),
+                aggregate_digest=result.digest,
+                previous_global_hash=prior.params_hash,
+                new_global_hash=new_state.params_hash,
+                checkpoint=digest,
+                round_seed=prior.sketch_seed,
+                previous_record_hash=self._head_hash,
+            )
+        )
+        # The commit: the only place the canonical state changes.
+        self._global, self._momentum, self._head_hash = new_state, momentum, record.record_hash
+        self.transport.broadcast(
+            RoundClose(
+                run_id=self.run_id,
+                round=t,
+                sender=COORDINATOR,
+                previous_hash=prior.params_hash,
+                global_hash=new_state.params_hash,
+                contributors=result.contributors,
+                record_hash=record.record_hash,
+            )
+        )
+
+    def _record(
+        self,
+        ctx: _Attempt,
+        result: AggregateSum | None,
+        diagnostics: dict[str, float],
+        error: LensembleError | None,
+        started: float,
+    ) -> RoundOutcome:
+        closed = ctx.machine.state is RoundState.CLOSED
+        contributors = result.contributors if result is not None else ()
+        outcome = RoundOutcome(
+            round=ctx.machine.round,
+            attempt=ctx.machine.attempt,
+            state=ctx.machine.state,
+            error=error,
+            count=len(contributors),
+            contributors=contributors,
+            late=tuple(sorted(ctx.late)),
+            rejected=ctx.rejected,
+            global_hash=self._global.params_hash,
+            diagnostics=diagnostics,
+            elapsed=self.transport.now() - started,
+        )
+        entry = RoundEntry(
+            round=outcome.round,
+            attempt=outcome.attempt,
+            state="closed" if closed else "aborted",
+            reason=outcome.reason,
+            round_seed=ctx.state.sketch_seed,
+            prior_global_hash=ctx.state.params_hash,
+            contributors=contributors,
+            count=outcome.count,
+            total_weight=result.total_weight if result is not None else 0,
+            update_digests=dict(sorted(ctx.update_digests.items())),
+            aggregate_digest=result.digest if result is not None else None,
+            new_global_hash=self._global.params_hash if closed else None,
+            late=outcome.late,
+            rejected=outcome.rejected,
+            diagnostics=diagnostics,
+        )
+        self._manifest = self._manifest.with_round(entry)
+        self._manifest.save(self.store)
+        self.outcomes.append(outcome)
+        if self._on_round is not None:
+            self._on_round(outcome)
+        return outcome
+
+    def _wait_for_joins(self) -> None:
+        """Give (re)joining participants ``retry_wait`` seconds; drop what arrives."""
+        deadline = self.transport.now() + self.config.federation.retry_wait
+        while (remaining := deadline - self.transport.now()) > 0:
+            payload = self.transport.recv(timeout_s=remaining)
+            if payload is not None:
+                log.info("between attempts: dropped a %s", dict(payload).get("kind", "message"))

@@ -1,0 +1,185 @@
+"""The four control-plane messages, validated at ingress.
+
+A transport carries *wire payloads*: plain mappings of JSON-like values and numpy
+arrays. The receiver, never the sender's transport, turns a payload into a message
+with :func:`from_wire`; anything that does not validate raises :class:`RoundError`
+and the round does not move. :func:`message_digest` hashes a message in the
+canonical encoding of :mod:`lensemble_flwr.canonical`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from lensemble_flwr.canonical import digest_arrays, digest_record
+from lensemble_flwr.errors import RoundError
+
+WirePayload = Mapping[str, Any]
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_HEX64 = r"^[0-9a-f]{64}$"
+
+
+def _validate_arrays(value: Any) -> dict[str, np.ndarray]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping of named arrays, got {type(value).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(value, key=str):
+        array = value[name]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"array names must be non-empty strings, got {name!r}")
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"{name}: expected a numpy array, got {type(array).__name__}")
+        if array.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name}: dtype {array.dtype} is not float32 or float64")
+        out[name] = array
+    return out
+
+
+NamedArraysField = Annotated[dict[str, np.ndarray], PlainValidator(_validate_arrays)]
+
+
+def _finite_max_abs(arrays: Mapping[str, np.ndarray]) -> float:
+    """Largest |value| over all arrays; ValueError naming the first non-finite array."""
+    largest = 0.0
+    for name, array in arrays.items():
+        if array.size == 0:
+            continue
+        hi, lo = float(array.max()), float(array.min())
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            raise ValueError(f"{name}: contains NaN or infinity")
+        largest = max(largest, hi, -lo)
+    return largest
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    run_id: str = Field(min_length=1, max_length=128)
+    round: int = Field(ge=0)
+    sender: str = Field(min_length=1, max_length=128)
+
+
+class RoundOpen(_Message):
+    """Coordinator → participants: round ``round`` is open on this pinned global state."""
+
+    kind: Literal["round-open"] = "round-open"
+    attempt: int = Field(1, ge=1)
+    global_hash: str = Field(pattern=_HEX64)
+    params: NamedArraysField
+    sketch_seed: int = Field(ge=0)
+    h_steps: int = Field(ge=1)
+    probe_hash: str = ""
+    landmark_hashes: tuple[str, ...] = ()
+
+
+class Commitment(_Message):
+    """Participant → coordinator: I take part in this round, bound to this dataset root."""
+
+    kind: Literal["commitment"] = "commitment"
+    attempt: int = Field(1, ge=1)
+    participant_id: str = Field(min_length=1, max_length=128)
+    dataset_root: str = Field(pattern=_HEX64)
+    num_examples: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _sender_is_participant(self) -> Commitment:
+        if self.sender != self.participant_id:
+            raise ValueError("sender and participant_id differ")
+        return self
+
+
+class Update(_Message):
+    """Participant → aggregator: the released pseudo-gradient, bound to the dataset root."""
+
+    kind: Literal["update"] = "update"
+    attempt: int = Field(1, ge=1)
+    participant_id: str = Field(min_length=1, max_length=128)
+    dataset_root: str = Field(pattern=_HEX64)
+    delta: NamedArraysField
+    l2_norm: float = Field(ge=0, allow_inf_nan=False)
+    num_examples: int = Field(ge=1)
+    transforms: tuple[str, ...] = ()
+    _max_abs: float = PrivateAttr(0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Update:
+        if self.sender != self.participant_id:
+            raise ValueError("sender and participant_id differ")
+        if not self.delta:
+            raise ValueError("delta is empty")
+        self._max_abs = _finite_max_abs(self.delta)
+        return self
+
+    @property
+    def max_abs(self) -> float:
+        """Largest |value| in ``delta`` (computed once, at validation)."""
+        return self._max_abs
+
+
+class RoundClose(_Message):
+    """Coordinator → participants: round ``round`` closed on this new global state."""
+
+    kind: Literal["round-close"] = "round-close"
+    previous_hash: str = Field(pattern=_HEX64)
+    global_hash: str = Field(pattern=_HEX64)
+    contributors: tuple[str, ...]
+    record_hash: str = Field(pattern=_HEX64)
+
+
+ControlMessage = Union[RoundOpen, Commitment, Update, RoundClose]  # noqa: UP007
+_ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
+    Annotated[ControlMessage, Field(discriminator="kind")]
+)
+_ARRAY_FIELDS = ("params", "delta")
+
+
+def to_wire(message: ControlMessage) -> dict[str, Any]:
+    """The wire payload of a message (a shallow mapping; arrays are not copied)."""
+    return {name: getattr(message, name) for name in type(message).model_fields}
+
+
+def from_wire(payload: Any) -> ControlMessage:
+    """Validate a wire payload into a message.
+
+    Raises:
+        RoundError: the payload is not a well-formed control message; the error names
+            the first offending field.
+    """
+    if isinstance(payload, (RoundOpen, Commitment, Update, RoundClose)):
+        payload = to_wire(payload)
+    if not isinstance(payload, Mapping):
+        raise RoundError(f"malformed message: expected a mapping, got {type(payload).__name__}")
+    try:
+        return _ADAPTER.validate_python(dict(payload))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise RoundError(f"malformed {payload.get('kind', 'message')!s:.32}: {where}: "
+                         f"{first['msg']}") from None
+
+
+def message_digest(message: ControlMessage) -> str:
+    """SHA-256 of a message in the canonical encoding (arrays by their own digest)."""
+    fields: dict[str, Any] = {}
+    for name, value in to_wire(message).items():
+        if name in _ARRAY_FIELDS:
+            fields[name] = digest_arrays(value, name)
+        elif isinstance(value, tuple):
+            fields[name] = list(value)
+        else:
+            fields[name] = value
+    return digest_record(f"message/{message.kind}", fields)

@@ -1,0 +1,77 @@
+"""The DiLoCo outer step: Nesterov momentum on the mean pseudo-gradient, as a pure function.
+
+With Δ = local − global (what participants release) and mean Δ̄::
+
+    m' = μ·m + Δ̄
+    θ' = θ + η·(Δ̄ + μ·m')      (Nesterov)      or      θ' = θ + η·m'   (heavy ball)
+
+This is exactly ``torch.optim.SGD(lr=η, momentum=μ, nesterov=True)`` stepping on the
+gradient −Δ̄ (its momentum buffer is −m). With η = 1 and μ = 0 it is plain averaging:
+θ' = θ + Δ̄ = mean of the local models. Arithmetic is in the parameters' dtype (float32),
+element-wise, so the result is bitwise reproducible and independent of how the arrays
+are split between threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from lensemble_flwr.config import OuterOptimizerConfig
+from lensemble_flwr.errors import ParameterMismatch
+from lensemble_flwr.federation.chunked import CHUNK, run_ranges
+from lensemble_flwr.params import NamedArrays, check_same_layout
+
+
+def zero_momentum(params: Mapping[str, np.ndarray]) -> NamedArrays:
+    """The initial momentum: zeros shaped like ``params``."""
+    return {name: np.zeros_like(params[name]) for name in sorted(params)}
+
+
+def outer_step(
+    params: Mapping[str, np.ndarray],
+    momentum: Mapping[str, np.ndarray],
+    mean_delta: Mapping[str, np.ndarray],
+    config: OuterOptimizerConfig,
+) -> tuple[NamedArrays, NamedArrays]:
+    """Return ``(new_params, new_momentum)``; the inputs are not modified.
+
+    Raises:
+        ParameterMismatch: the three mappings differ in names or shapes, or a parameter
+            is not floating-point (integer buffers are never stepped).
+    """
+    check_same_layout(params, momentum, "momentum")
+    check_same_layout(params, mean_delta, "mean delta")
+    new_params: NamedArrays = {}
+    new_momentum: NamedArrays = {}
+    for name in sorted(params):
+        p = params[name]
+        if not np.issubdtype(p.dtype, np.floating):
+            raise ParameterMismatch(f"{name}: integer tensors are never stepped ({p.dtype})")
+        dtype = p.dtype.type
+        lr, mu = dtype(config.lr), dtype(config.momentum)
+        p_in, m_in = p.reshape(-1), momentum[name].astype(p.dtype, copy=False).reshape(-1)
+        g_in = mean_delta[name].astype(p.dtype, copy=False).reshape(-1)
+        p_out, m_out = np.empty_like(p_in), np.empty_like(p_in)
+
+        def kernel(lo: int, hi: int, p_in=p_in, m_in=m_in, g_in=g_in, p_out=p_out,
+                   m_out=m_out, lr=lr, mu=mu) -> None:
+            tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
+            for s in range(lo, hi, CHUNK):
+                e = min(s + CHUNK, hi)
+                g, m, t = g_in[s:e], m_out[s:e], tmp[: e - s]
+                np.multiply(m_in[s:e], mu, out=m)
+                np.add(m, g, out=m)  # m' = mu*m + g
+                if config.nesterov:
+                    np.multiply(m, mu, out=t)
+                    np.add(g, t, out=t)  # g + mu*m'
+                else:
+                    t[...] = m
+                np.multiply(t, lr, out=t)
+                np.add(p_in[s:e], t, out=p_out[s:e])
+
+        run_ranges(p_in.size, kernel)
+        new_params[name] = p_out.reshape(p.shape)
+        new_momentum[name] = m_out.reshape(p.shape)
+    return new_params, new_momentum

@@ -1,0 +1,143 @@
+"""Named arrays, parameter groups, and moving a model's shared groups in and out of torch.
+
+Named arrays (``dict[str, np.ndarray]`` with sorted keys) are the currency between
+layers; torch stays inside participants. Only floating-point tensors of the shared
+groups ever leave a model: integer buffers such as BatchNorm's
+``num_batches_tracked`` are counts, and the mean of two counts is not a count, so
+they are never exported, averaged or stepped. Optimizer state is not part of a
+module's ``state_dict`` and is never exported either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from lensemble_flwr.config import ParamGroupsConfig
+from lensemble_flwr.errors import ParameterMismatch
+
+NamedArrays = dict[str, np.ndarray]
+
+
+def canonical(arrays: Mapping[str, np.ndarray]) -> NamedArrays:
+    """The same arrays in canonical (sorted) key order."""
+    return {name: arrays[name] for name in sorted(arrays)}
+
+
+def frozen(arrays: Mapping[str, np.ndarray]) -> NamedArrays:
+    """Read-only snapshots of ``arrays`` in canonical order (copies, never views)."""
+    out: NamedArrays = {}
+    for name in sorted(arrays):
+        copy = np.array(arrays[name], copy=True)
+        copy.setflags(write=False)
+        out[name] = copy
+    return out
+
+
+def _matches(name: str, entry: str) -> bool:
+    return name == entry or name.startswith(entry + ".")
+
+
+def is_local(name: str, groups: ParamGroupsConfig) -> bool:
+    """True if ``name`` belongs to a local (never shared) group."""
+    return any(_matches(name, entry) for entry in groups.local)
+
+
+def is_shared(name: str, groups: ParamGroupsConfig) -> bool:
+    """True if ``name`` belongs to a shared group (``"*"`` shares all non-local names)."""
+    if is_local(name, groups):
+        return False
+    return any(entry == "*" or _matches(name, entry) for entry in groups.shared)
+
+
+def _shared_float_entries(
+    module: torch.nn.Module, groups: ParamGroupsConfig
+) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor
+        for name, tensor in sorted(module.state_dict(keep_vars=True).items())
+        if is_shared(name, groups) and torch.is_floating_point(tensor)
+    }
+
+
+def shared_names(module: torch.nn.Module, groups: ParamGroupsConfig) -> list[str]:
+    """Names of the module's floating-point tensors in shared groups, sorted."""
+    return list(_shared_float_entries(module, groups))
+
+
+def export_shared(module: torch.nn.Module, groups: ParamGroupsConfig) -> NamedArrays:
+    """Snapshot the module's shared floating-point tensors as named numpy arrays.
+
+    The arrays are copies: training the module afterwards does not change them.
+    """
+    return {
+        name: tensor.detach().cpu().numpy().copy()
+        for name, tensor in _shared_float_entries(module, groups).items()
+    }
+
+
+def load_shared(
+    module: torch.nn.Module, arrays: Mapping[str, np.ndarray], groups: ParamGroupsConfig
+) -> None:
+    """Load named arrays into the module's shared groups, all or nothing.
+
+    Raises:
+        ParameterMismatch: a name the module does not have, a name that is not a shared
+            floating-point tensor, a missing shared name, a non-floating array, or a wrong
+            shape (both shapes are given). Nothing is written when it raises.
+    """
+    state = module.state_dict(keep_vars=True)
+    targets = _shared_float_entries(module, groups)
+    unknown = sorted(set(arrays) - set(state))
+    if unknown:
+        raise ParameterMismatch(f"the model has no tensor named {unknown}")
+    not_shared = sorted(set(arrays) - set(targets))
+    if not_shared:
+        raise ParameterMismatch(f"not shared floating-point tensors, refusing {not_shared}")
+    missing = sorted(set(targets) - set(arrays))
+    if missing:
+        raise ParameterMismatch(f"missing shared tensors {missing}")
+    for name, tensor in targets.items():
+        value = np.asarray(arrays[name])
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise ParameterMismatch(
+                f"{name}: model shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
+            )
+        if not np.issubdtype(value.dtype, np.floating):
+            raise ParameterMismatch(f"{name}: expected a floating-point array, got {value.dtype}")
+    with torch.no_grad():
+        for name, tensor in targets.items():
+            tensor.copy_(torch.from_numpy(np.array(arrays[name], copy=True)).to(tensor.dtype))
+
+
+def check_same_layout(
+    expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], what: str
+) -> None:
+    """Raise ParameterMismatch unless ``actual`` has exactly the names and shapes of
+    ``expected``."""
+    if set(expected) != set(actual):
+        missing = sorted(set(expected) - set(actual))
+        extra = sorted(set(actual) - set(expected))
+        raise ParameterMismatch(f"{what}: missing {missing}, unexpected {extra}")
+    for name in expected:
+        if expected[name].shape != actual[name].shape:
+            raise ParameterMismatch(
+                f"{what}: {name} expected shape {expected[name].shape}, "
+                f"got {actual[name].shape}"
+            )
+
+
+def subtract(left: Mapping[str, np.ndarray], right: Mapping[str, np.ndarray]) -> NamedArrays:
+    """``left - right`` name by name, in float32, over identical layouts."""
+    check_same_layout(left, right, "subtract")
+    return {
+        name: left[name].astype(np.float32) - right[name].astype(np.float32)
+        for name in sorted(left)
+    }
+
+
+def total_size(arrays: Iterable[np.ndarray]) -> int:
+    """Number of scalars in ``arrays``."""
+    return int(sum(a.size for a in arrays))

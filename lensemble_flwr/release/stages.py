@@ -1,0 +1,53 @@
+"""The release stages this package supplies: difference and bind.
+
+``difference`` turns trained local weights into Δ = local − global over the shared
+groups. ``bind`` attaches the participant's dataset Merkle root; the coordinator refuses
+an update whose root differs from its sender's commitment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lensemble_flwr.errors import RoundError
+from lensemble_flwr.params import subtract
+from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
+
+
+def _no_state(_params: Mapping[str, np.ndarray]) -> None:
+    return None
+
+
+def difference() -> ReleaseTransform:
+    """Δ = local − global, name by name (float32); ``local`` is dropped afterwards."""
+
+    def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
+        if release.local is None:
+            raise RoundError("difference: no local weights to difference")
+        delta = subtract(release.local, ctx.global_state.params)
+        return release.replace(local=None, delta=delta), state
+
+    return ReleaseTransform("difference", Stage.DIFFERENCE, _no_state, update)
+
+
+def bind() -> ReleaseTransform:
+    """Bind the release to the participant's dataset commitment (one root per release)."""
+
+    def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
+        if release.delta is None or release.local is not None:
+            raise RoundError("bind: only a differenced delta can be bound")
+        if release.bound_root is not None:
+            raise RoundError("bind: release is already bound")
+        return release.replace(bound_root=ctx.dataset_root), state
+
+    return ReleaseTransform("bind", Stage.BIND, _no_state, update)
+
+
+def default_pipeline() -> ReleaseTransform:
+    """The plaintext release: difference, then bind."""
+    from lensemble_flwr.release.pipeline import chain
+
+    return chain(difference(), bind())

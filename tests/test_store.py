@@ -1,0 +1,219 @@
+"""Tests of the content-addressed artifact store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lensemble_flwr.artifacts.store as store_module
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
+
+# Folder that must be on sys.path for ``import lensemble_flwr`` in a child process.
+_IMPORT_ROOT = str(Path(store_module.__file__).resolve().parents[2])
+
+
+def _blob_files(store: Store) -> list[Path]:
+    return [p for p in (store.root / "blobs").rglob("*") if p.is_file()]
+
+
+def test_put_get_round_trip_and_sha256_address(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"weights")
+    assert digest == hashlib.sha256(b"weights").hexdigest()
+    assert store.get(digest) == b"weights"
+    assert store.has(digest)
+    blob = tmp_path / "blobs" / digest[:2] / digest
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest  # sha256sum-checkable
+
+
+def test_put_is_idempotent_and_does_not_rewrite(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    first = store.put(b"same")
+    inode = (tmp_path / "blobs" / first[:2] / first).stat().st_ino
+    second = store.put(b"same")
+    assert first == second
+    assert len(_blob_files(store)) == 1
+    assert (tmp_path / "blobs" / first[:2] / first).stat().st_ino == inode
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_get_of_tampered_blob_raises_integrity_error(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"original")
+    (tmp_path / "blobs" / digest[:2] / digest).write_bytes(b"tampered")
+    with pytest.raises(CheckpointIntegrityError, match=digest):
+        store.get(digest)
+
+
+def test_get_of_unknown_or_malformed_digest_raises_store_error(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(StoreError):
+        store.get(hashlib.sha256(b"never stored").hexdigest())
+    for bad in ["", "abc", "A" * 64, "g" * 64, "0" * 63, "0" * 65, "../" + "0" * 61]:
+        with pytest.raises(StoreError):
+            store.get(bad)
+
+
+def test_bind_resolve_and_replace(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    a, b = store.put(b"a"), store.put(b"b")
+    store.bind("checkpoints/latest", a)
+    assert store.resolve("checkpoints/latest") == a
+    store.bind("checkpoints/latest", b)
+    assert store.resolve("checkpoints/latest") == b
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_resolve_unbound_and_bind_missing_digest_raise(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(StoreError):
+        store.resolve("round/1/averaging")
+    with pytest.raises(StoreError):
+        store.bind("round/1/averaging", hashlib.sha256(b"absent").hexdigest())
+    with pytest.raises(StoreError):
+        store.resolve("round/1/averaging")
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs", "a//b", "", "a/./b", "sp ace", "a/", "a/.."])
+def test_bad_names_raise(tmp_path: Path, name: str) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"x")
+    with pytest.raises(StoreError):
+        store.bind(name, digest)
+    with pytest.raises(StoreError):
+        store.claim(name, digest)
+    with pytest.raises(StoreError):
+        store.resolve(name)
+    assert not (tmp_path / "x").exists()
+    assert store.bound() == []
+
+
+def test_name_that_clashes_with_a_prefix_raises(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"x")
+    store.bind("a/b", digest)
+    with pytest.raises(StoreError):
+        store.bind("a", digest)
+    with pytest.raises(StoreError):
+        store.claim("a/b/c", digest)
+    with pytest.raises(StoreError):
+        store.resolve("a")
+
+
+def test_claim_takes_a_free_name_once(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    first, second = store.put(b"first"), store.put(b"second")
+    assert store.claim("round/3/averaging", first) is True
+    assert store.resolve("round/3/averaging") == first
+    assert store.claim("round/3/averaging", second) is False
+    assert store.claim("round/3/averaging", first) is False
+    assert store.resolve("round/3/averaging") == first
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_claim_refuses_what_bind_would_replace(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    old, new = store.put(b"old"), store.put(b"new")
+    store.bind("checkpoints/latest", old)
+    assert store.claim("checkpoints/latest", new) is False
+    assert store.resolve("checkpoints/latest") == old
+    with pytest.raises(StoreError):
+        store.claim("checkpoints/other", hashlib.sha256(b"absent").hexdigest())
+
+
+def test_failed_write_leaves_no_temp_file_and_no_binding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"x")
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(store_module.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk gone"):
+        store.bind("n", digest)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    monkeypatch.undo()
+    with pytest.raises(StoreError):
+        store.resolve("n")
+
+
+def test_bound_lists_sorted_names_under_prefix(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    digest = store.put(b"x")
+    for name in ["round/3/b", "round/30/a", "round/3/a", "checkpoints/latest", "round/1/a"]:
+        store.bind(name, digest)
+    assert store.bound() == [
+        "checkpoints/latest",
+        "round/1/a",
+        "round/3/a",
+        "round/3/b",
+        "round/30/a",
+    ]
+    assert store.bound("round/3") == ["round/3/a", "round/3/b"]
+    assert store.bound("round") == ["round/1/a", "round/3/a", "round/3/b", "round/30/a"]
+    assert store.bound("nothing") == []
+
+
+_RACER = """
+import json, os, sys, time
+from lensemble_flwr.artifacts.store import Store
+
+root, start, i = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = Store(root)
+digest = store.put(f"racer-{i}".encode())
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not os.path.exists(start):
+    if time.monotonic() > deadline:
+        sys.exit("start signal never came")
+    time.sleep(0.0005)
+print(json.dumps({"i": i, "digest": digest, "won": store.claim("race/winner", digest)}))
+"""
+
+
+def test_eight_processes_race_to_claim_one_name(tmp_path: Path) -> None:
+    root, start = tmp_path / "store", tmp_path / "start"
+    Store(root)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_IMPORT_ROOT, *sys.path])}
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(root), str(start), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(8)
+    ]
+    try:
+        for racer in racers:  # everyone has put its blob and is spinning on the start file
+            assert racer.stdout is not None
+            assert racer.stdout.readline() == "ready\n", racer.communicate(timeout=30)[1]
+        start.touch()
+        results = []
+        for racer in racers:
+            out, err = racer.communicate(timeout=30)
+            assert racer.returncode == 0, err
+            results.append(json.loads(out))
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+                racer.wait()
+
+    assert sorted(r["i"] for r in results) == list(range(8))
+    winners = [r for r in results if r["won"]]
+    # A resolve-then-bind claim tells several racers they won; an atomic one tells one.
+    assert len(winners) == 1, winners
+    assert Store(root).resolve("race/winner") == winners[0]["digest"]
+    assert winners[0]["digest"] == hashlib.sha256(f"racer-{winners[0]['i']}".encode()).hexdigest()
+    assert list((root / "tmp").iterdir()) == []
