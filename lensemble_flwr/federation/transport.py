@@ -86,9 +86,10 @@ class _Corrupt:
 
 @dataclasses.dataclass
 class FaultPlan:
-    """A script of faults, keyed by participant and round.
+    """A script of faults, keyed by participant and round index.
 
-    Rounds are round indices (a retried round index matches every attempt).
+    Each fault fires once, at the first attempt of its round that reaches it; a retried
+    attempt of the same round runs without it unless it is scripted again.
     """
 
     drops: list[_Drop] = dataclasses.field(default_factory=list)
@@ -224,19 +225,24 @@ class InProcessNetwork:
         delay = self.latency_s
         if source != COORDINATOR and kind == "update":
             delay += self._compute.get(source, self.compute_s)
-            delay += self.faults.delays.get((source, rnd), 0.0)  # type: ignore[arg-type]
-            if self._drops(source, rnd, RoundState.COLLECTING):
+            delay += self.faults.delays.pop((source, rnd), 0.0)  # type: ignore[arg-type]
+            if self._take_drop(source, rnd, RoundState.COLLECTING):
                 log.info("fault: %s drops in round %s before its update", source, rnd)
                 self._offline.add(source)
                 return
-        for c in self.faults.corruptions:
+        for c in list(self.faults.corruptions):
             if (c.participant_id, c.round, c.kind) == (source, rnd, kind):
+                self.faults.corruptions.remove(c)
                 payload = c.mutate(dict(payload))
         due = self.clock.time + delay
         heapq.heappush(self._queue, (due, next(self._seq), source, dest, payload))
 
-    def _drops(self, pid: str, rnd: Any, at: RoundState) -> bool:
-        return any(d == _Drop(pid, rnd, at) for d in self.faults.drops)
+    def _take_drop(self, pid: str, rnd: Any, at: RoundState) -> bool:
+        drop = _Drop(pid, rnd, at)
+        if drop in self.faults.drops:
+            self.faults.drops.remove(drop)
+            return True
+        return False
 
     def _round_opens(self, rnd: int) -> None:
         """Apply the rejoins and OPEN-state drops scripted for round ``rnd``."""
@@ -248,7 +254,7 @@ class InProcessNetwork:
                 if join is not None:
                     log.info("fault: %s rejoins at round %s", pid, rnd)
                     join(self.join_endpoint)
-            if self._drops(pid, rnd, RoundState.OPEN):
+            if self._take_drop(pid, rnd, RoundState.OPEN):
                 log.info("fault: %s drops in round %s before RoundOpen", pid, rnd)
                 self._offline.add(pid)
 
@@ -273,6 +279,13 @@ class InProcessNetwork:
                 self.crashes.append((dest, exc))
                 self._offline.add(dest)
                 return
+
+    def flush(self) -> None:
+        """Deliver everything still in flight (e.g. the last RoundClose after ``run``)."""
+        while self._queue:
+            t, _, source, dest, payload = heapq.heappop(self._queue)
+            self.clock.advance_to(t)
+            self._deliver(source, dest, payload)
 
     def _run_until_coordinator_message(self, timeout_s: float) -> WirePayload | None:
         deadline = self.clock.time + max(0.0, timeout_s)

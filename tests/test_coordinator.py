@@ -1,0 +1,311 @@
+"""The round runtime on the in-process transport: the specification's testing strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from federation_helpers import federation, small_config
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import AggregationConfig
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    CommitmentMismatch,
+    FaultToleranceExceeded,
+    NonDeterministicAggregation,
+    StoreError,
+)
+from lensemble_flwr.federation.aggregation import AggregateSum, FixedPointAggregator
+from lensemble_flwr.federation.round import RoundEvent, RoundState
+from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+
+PROGRESS = [
+    RoundState.OPEN,
+    RoundState.COLLECTING,
+    RoundState.AGGREGATING,
+    RoundState.ALIGNING,
+    RoundState.COMMITTING,
+    RoundState.CLOSED,
+]
+
+
+def states_of(coordinator) -> list[RoundState]:
+    machine = coordinator._machine
+    return [machine.history[0][0], *(after for _, _, after in machine.history)]
+
+
+def test_happy_path_walks_all_six_states_and_commits(tmp_path: Path) -> None:
+    coordinator, network, nodes = federation(tmp_path)
+    before = coordinator.global_state()
+    coordinator.run(1)
+    network.flush()
+
+    assert states_of(coordinator) == PROGRESS
+    assert coordinator.round_state() is RoundState.CLOSED
+    after = coordinator.global_state()
+    assert after.round == 1 and after.params_hash != before.params_hash
+    outcome = coordinator.outcomes[-1]
+    assert outcome.count == 4 and outcome.contributors == ("p00", "p01", "p02", "p03")
+    # every participant heard the close, with the new hash
+    assert {n.last_close.global_hash for n in nodes} == {after.params_hash}
+    records = verify(Store(tmp_path / "run"))
+    assert [r.round for r in records] == [0]
+    assert records[0].count == 4 and records[0].new_global_hash == after.params_hash
+    assert set(records[0].dataset_roots.values()) == {n.dataset_root for n in nodes}
+    assert network.crashes == []
+
+
+def test_many_rounds_reduce_the_loss_and_ledger_chains(tmp_path: Path) -> None:
+    from lensemble_flwr.simulations.toy import global_loss
+
+    coordinator, _, nodes = federation(tmp_path)
+    trainers = [n.trainer for n in nodes]
+    start = global_loss(coordinator.global_state().params, trainers)
+    coordinator.run(6)
+    assert global_loss(coordinator.global_state().params, trainers) < 0.5 * start
+    records = verify(Store(tmp_path / "run"))
+    assert [r.round for r in records] == list(range(6))
+    assert all(b.previous_record_hash == a.record_hash for a, b in zip(records, records[1:]))
+
+
+def assert_aborted_unchanged(coordinator, before_hash: str, error: type) -> None:
+    assert coordinator.round_state() is RoundState.ABORTED
+    assert coordinator.global_state().params_hash == before_hash
+    last = coordinator.outcomes[-1]
+    assert last.state is RoundState.ABORTED and isinstance(last.error, error)
+    assert coordinator._machine.history[-1][1] is RoundEvent.ABORT
+
+
+def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) -> None:
+    cfg = small_config(min_participants=5, max_round_attempts=2)
+    coordinator, network, _ = federation(tmp_path, participants=4, config=cfg)
+    before = coordinator.global_state().params_hash
+    with pytest.raises(FaultToleranceExceeded, match="open timeout"):
+        coordinator.run(1)
+    assert_aborted_unchanged(coordinator, before, FaultToleranceExceeded)
+    assert [o.attempt for o in coordinator.outcomes] == [1, 2]  # retried once, then stopped
+    manifest = RunManifest.load(Store(tmp_path / "run"))
+    assert [e.state for e in manifest.rounds] == ["aborted", "aborted"]
+    assert Ledger(Store(tmp_path / "run")).head() is None
+
+
+def test_dropout_below_quorum_aborts_and_retry_after_rejoin_closes(tmp_path: Path) -> None:
+    faults = (
+        FaultPlan()
+        .drop("p01", round=0, at=RoundState.COLLECTING)
+        .drop("p02", round=0, at=RoundState.COLLECTING)
+        .rejoin("p01", round=0)
+        .rejoin("p02", round=0)
+    )
+    coordinator, network, _ = federation(tmp_path, participants=4, faults=faults)
+    before = coordinator.global_state().params_hash
+    coordinator.run(1)
+    first, second = coordinator.outcomes
+    assert first.state is RoundState.ABORTED and isinstance(first.error, FaultToleranceExceeded)
+    assert second.state is RoundState.CLOSED and second.attempt == 2 and second.count == 4
+    # the aborted attempt changed nothing: the retry started from the same global state
+    manifest = RunManifest.load(Store(tmp_path / "run"))
+    assert manifest.rounds[0].prior_global_hash == manifest.rounds[1].prior_global_hash == before
+    assert manifest.rounds[0].new_global_hash is None
+    verify(Store(tmp_path / "run"))
+
+
+def test_dropout_above_quorum_completes_elastically_with_recorded_ct(tmp_path: Path) -> None:
+    faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
+    coordinator, network, _ = federation(tmp_path, participants=5, faults=faults)
+    coordinator.run(3)
+    assert [o.count for o in coordinator.outcomes] == [5, 4, 4]
+    assert all(o.state is RoundState.CLOSED for o in coordinator.outcomes)
+    records = verify(Store(tmp_path / "run"))
+    assert [r.count for r in records] == [5, 4, 4]
+    assert "p03" not in records[1].contributors
+    # dropping mid-round did not wait for the deadline: the transport reported it gone
+    assert coordinator.outcomes[1].elapsed < small_config().federation.collect_timeout
+
+
+def test_rejoiner_absent_for_several_rounds_recovers_and_contributes(tmp_path: Path) -> None:
+    faults = FaultPlan().drop("p02", round=1, at=RoundState.OPEN).rejoin("p02", round=4)
+    coordinator, network, nodes = federation(tmp_path, participants=4, faults=faults)
+    joined = []
+    original_join = nodes[2].join
+    nodes[2].join = lambda endpoint: joined.append(original_join(endpoint)) or joined[-1]
+    coordinator.run(5)
+    assert [o.count for o in coordinator.outcomes] == [4, 3, 3, 3, 4]
+    assert "p02" in coordinator.outcomes[-1].contributors
+    # join recovered the latest committed state (the one round 4 started from)
+    records = Ledger(Store(tmp_path / "run")).records()
+    assert joined[0].round == 4 and joined[0].params_hash == records[3].new_global_hash
+    assert network.crashes == []
+
+
+def test_rejoin_refuses_a_tampered_checkpoint(tmp_path: Path) -> None:
+    coordinator, _, nodes = federation(tmp_path)
+    coordinator.run(2)
+    store = Store(tmp_path / "run")
+    head = Ledger(store).head()
+    blob = store.root / "blobs" / head.checkpoint[:2] / head.checkpoint
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x01
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError):
+        nodes[0].join(str(store.root))
+
+
+def test_late_update_is_dropped_and_its_sender_contributes_next_round(tmp_path: Path) -> None:
+    cfg = small_config()
+    # p01's round-0 update lands after the round-0 deadline, while round 1 is collecting
+    faults = FaultPlan().delay("p01", round=0, seconds=cfg.federation.collect_timeout - 0.5)
+    coordinator, network, _ = federation(tmp_path, faults=faults, config=cfg)
+    coordinator.run(3)
+    r0, r1, r2 = coordinator.outcomes
+    assert r0.count == 3 and "p01" not in r0.contributors
+    # its round-0 update arrives during round 1 and is logged as late, never admitted
+    assert "p01" in r1.late and "p01" in r1.contributors
+    assert all(o.state is RoundState.CLOSED for o in (r0, r1, r2))
+    manifest = RunManifest.load(Store(tmp_path / "run"))
+    assert "p01" not in manifest.rounds[0].update_digests
+
+
+def test_identical_seeds_give_identical_manifests_and_digests(tmp_path: Path) -> None:
+    faults = lambda: FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)  # noqa: E731
+    runs = []
+    for name in ("a", "b"):
+        coordinator, _, _ = federation(tmp_path, faults=faults(), name=name)
+        coordinator.run(3)
+        store = Store(tmp_path / name)
+        runs.append((store.resolve("manifest"), [r.aggregate_digest for r in Ledger(store).records()]))
+    assert runs[0] == runs[1]
+
+
+def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
+    digests = []
+    for name, order in (("fwd", [0, 1, 2, 3]), ("rev", [3, 2, 1, 0]), ("mix", [2, 0, 3, 1])):
+        coordinator, network, nodes = federation(tmp_path, name=name)
+        for rank, index in enumerate(order):
+            network.set_compute_time(nodes[index].participant_id, 1.0 + rank)
+        coordinator.run(2)
+        arrivals = [d[1] for d in network.delivered if d[3] == "update" and d[4] == 0]
+        assert arrivals == [nodes[i].participant_id for i in order]
+        store = Store(tmp_path / name)
+        digests.append([(r.aggregate_digest, r.new_global_hash) for r in Ledger(store).records()])
+    assert digests[0] == digests[1] == digests[2]
+
+
+class CorruptingAggregator(FixedPointAggregator):
+    """Tampers with the revealed sum: every time, or only the first time."""
+
+    def __init__(self, *args, transient: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.transient = transient
+        self.reveals = 0
+
+    def reveal(self) -> AggregateSum:
+        honest = super().reveal()
+        self.reveals += 1
+        if self.transient and self.reveals > 1:
+            return honest
+        sums = {n: a.copy() for n, a in honest.sums.items()}
+        first = next(iter(sums))
+        sums[first].reshape(-1)[0] += 1
+        return dataclasses.replace(honest, sums=sums)
+
+
+def corrupting(transient: bool, log: list):
+    def factory(template, config: AggregationConfig, seed: int):
+        agg = CorruptingAggregator(template, config, check_seed=seed, transient=transient)
+        log.append(agg)
+        return agg
+
+    return factory
+
+
+def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> None:
+    made: list = []
+    coordinator, network, _ = federation(tmp_path)
+    coordinator._aggregator_factory = corrupting(transient=False, log=made)
+    before = coordinator.global_state().params_hash
+    with pytest.raises(NonDeterministicAggregation):
+        coordinator.run(1)
+    assert made[0].reveals == 2  # the single re-sum happened
+    assert_aborted_unchanged(coordinator, before, NonDeterministicAggregation)
+    assert len(coordinator.outcomes) == 1  # stop, no retry
+    assert Ledger(Store(tmp_path / "run")).head() is None
+
+
+def test_transient_determinism_mismatch_recovers_on_the_resum(tmp_path: Path) -> None:
+    made: list = []
+    coordinator, _, _ = federation(tmp_path)
+    coordinator._aggregator_factory = corrupting(transient=True, log=made)
+    coordinator.run(1)
+    assert made[0].reveals == 2 and coordinator.round_state() is RoundState.CLOSED
+
+
+def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path) -> None:
+    def forge_root(payload: dict) -> dict:
+        payload["dataset_root"] = "f" * 64
+        return payload
+
+    faults = FaultPlan().corrupt("p02", round=1, kind="update", mutate=forge_root)
+    coordinator, _, _ = federation(tmp_path, faults=faults)
+    coordinator.run(1)
+    before = coordinator.global_state().params_hash
+    with pytest.raises(CommitmentMismatch, match="p02"):
+        coordinator.run(1)
+    assert_aborted_unchanged(coordinator, before, CommitmentMismatch)
+    assert len(coordinator.outcomes) == 2  # no retry after a commitment mismatch
+    verify(Store(tmp_path / "run"))  # round 0 stays committed and verifiable
+
+
+class RottingStore(Store):
+    """A store whose checkpoint blobs rot on disk right after they are written."""
+
+    rot = False
+
+    def put(self, data: bytes) -> str:
+        digest = super().put(data)
+        if self.rot and data[:8] != b"{" and b"lensemble-checkpoint" in data[:400]:
+            path = self.root / "blobs" / digest[:2] / digest
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        return digest
+
+
+def test_checkpoint_that_fails_its_hash_aborts_and_changes_nothing(tmp_path: Path) -> None:
+    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.simulations.toy import initial_params
+
+    _, network, _ = federation(tmp_path, name="scratch")
+    store = RottingStore(tmp_path / "rot")
+    coordinator = Coordinator(
+        small_config(), transport=network.coordinator, initial_params=initial_params(), store=store
+    )
+    store.rot = True
+    before = coordinator.global_state().params_hash
+    with pytest.raises(CheckpointIntegrityError):
+        coordinator.run(1)
+    assert_aborted_unchanged(coordinator, before, CheckpointIntegrityError)
+    assert Ledger(store).head() is None
+
+
+def test_malformed_update_is_rejected_and_the_round_closes_without_it(tmp_path: Path) -> None:
+    def break_delta(payload: dict) -> dict:
+        payload["delta"] = {k: np.full_like(v, np.nan) for k, v in payload["delta"].items()}
+        return payload
+
+    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=break_delta)
+    coordinator, _, _ = federation(tmp_path, faults=faults)
+    coordinator.run(1)
+    outcome = coordinator.outcomes[0]
+    assert outcome.state is RoundState.CLOSED and outcome.rejected == 1
+    assert "p01" not in outcome.contributors and outcome.count == 3
+
+
+def test_a_run_directory_holds_one_run(tmp_path: Path) -> None:
+    federation(tmp_path)
+    with pytest.raises(StoreError, match="already holds a run"):
+        federation(tmp_path)
