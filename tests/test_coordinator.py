@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_many_rounds_reduce_the_loss_and_ledger_chains(tmp_path: Path) -> None:
     assert global_loss(coordinator.global_state().params, trainers) < 0.5 * start
     records = verify(Store(tmp_path / "run"))
     assert [r.round for r in records] == list(range(6))
-    assert all(b.previous_record_hash == a.record_hash for a, b in zip(records, records[1:]))
+    assert all(b.previous_record_hash == a.record_hash for a, b in itertools.pairwise(records))
 
 
 def assert_aborted_unchanged(coordinator, before_hash: str, error: type) -> None:
@@ -82,7 +83,7 @@ def assert_aborted_unchanged(coordinator, before_hash: str, error: type) -> None
 
 def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) -> None:
     cfg = small_config(min_participants=5, max_round_attempts=2)
-    coordinator, network, _ = federation(tmp_path, participants=4, config=cfg)
+    coordinator, _network, _ = federation(tmp_path, participants=4, config=cfg)
     before = coordinator.global_state().params_hash
     with pytest.raises(FaultToleranceExceeded, match="open timeout"):
         coordinator.run(1)
@@ -101,7 +102,7 @@ def test_dropout_below_quorum_aborts_and_retry_after_rejoin_closes(tmp_path: Pat
         .rejoin("p01", round=0)
         .rejoin("p02", round=0)
     )
-    coordinator, network, _ = federation(tmp_path, participants=4, faults=faults)
+    coordinator, _network, _ = federation(tmp_path, participants=4, faults=faults)
     before = coordinator.global_state().params_hash
     coordinator.run(1)
     first, second = coordinator.outcomes
@@ -116,7 +117,7 @@ def test_dropout_below_quorum_aborts_and_retry_after_rejoin_closes(tmp_path: Pat
 
 def test_dropout_above_quorum_completes_elastically_with_recorded_ct(tmp_path: Path) -> None:
     faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
-    coordinator, network, _ = federation(tmp_path, participants=5, faults=faults)
+    coordinator, _network, _ = federation(tmp_path, participants=5, faults=faults)
     coordinator.run(3)
     assert [o.count for o in coordinator.outcomes] == [5, 4, 4]
     assert all(o.state is RoundState.CLOSED for o in coordinator.outcomes)
@@ -159,7 +160,7 @@ def test_late_update_is_dropped_and_its_sender_contributes_next_round(tmp_path: 
     cfg = small_config()
     # p01's round-0 update lands after the round-0 deadline, while round 1 is collecting
     faults = FaultPlan().delay("p01", round=0, seconds=cfg.federation.collect_timeout - 0.5)
-    coordinator, network, _ = federation(tmp_path, faults=faults, config=cfg)
+    coordinator, _network, _ = federation(tmp_path, faults=faults, config=cfg)
     coordinator.run(3)
     r0, r1, r2 = coordinator.outcomes
     assert r0.count == 3 and "p01" not in r0.contributors
@@ -177,7 +178,8 @@ def test_identical_seeds_give_identical_manifests_and_digests(tmp_path: Path) ->
         coordinator, _, _ = federation(tmp_path, faults=faults(), name=name)
         coordinator.run(3)
         store = Store(tmp_path / name)
-        runs.append((store.resolve("manifest"), [r.aggregate_digest for r in Ledger(store).records()]))
+        digests = [r.aggregate_digest for r in Ledger(store).records()]
+        runs.append((store.resolve("manifest"), digests))
     assert runs[0] == runs[1]
 
 
@@ -225,7 +227,7 @@ def corrupting(transient: bool, log: list):
 
 def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> None:
     made: list = []
-    coordinator, network, _ = federation(tmp_path)
+    coordinator, _network, _ = federation(tmp_path)
     coordinator._aggregator_factory = corrupting(transient=False, log=made)
     before = coordinator.global_state().params_hash
     with pytest.raises(NonDeterministicAggregation):

@@ -107,7 +107,8 @@ def test_malformed_update_is_rejected_with_round_error(mutate) -> None:
 
 json_like = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
 arrays = st.builds(
@@ -148,7 +149,9 @@ def test_non_mapping_payloads_are_rejected(payload: Any) -> None:
         from_wire(payload)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(which=st.lists(st.integers(0, len(MALFORMED) - 1), min_size=1, max_size=3, unique=True))
 def test_malformed_messages_never_move_the_round(tmp_path_factory, which: list[int]) -> None:
     """A round with malformed updates from some senders closes over the honest rest."""
