@@ -93,21 +93,21 @@ class InnerLoopConfig(_Section):
     """The participant's H local AdamW steps."""
 
     steps: int = Field(10, ge=1, description="H, inner steps per round.")
-    lr: float = Field(1e-3, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay.")
+    batch_size: int = Field(32, ge=1, description="Examples per inner step.")
     deterministic: bool = Field(True, description="Run under torch.use_deterministic_algorithms.")
 
 
 class OuterOptimizerConfig(_Section):
     """The DiLoCo outer step on the mean pseudo-gradient."""
 
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    lr: float = Field(0.7, gt=0, description="Outer learning rate η.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum μ.")
+    nesterov: bool = Field(True, description="Nesterov momentum (else heavy ball).")
 
 
 class ParamGroupsConfig(_Section):
@@ -117,8 +117,12 @@ class ParamGroupsConfig(_Section):
     The entry ``"*"`` in ``shared`` means every name that is not local.
     """
 
-    shared: tuple[str, ...] = ("encoder", "predictor")
-    local: tuple[str, ...] = ("action_head",)
+    shared: tuple[str, ...] = Field(
+        ("encoder", "predictor"), description="Shared groups (comma-separated; '*': all)."
+    )
+    local: tuple[str, ...] = Field(
+        ("action_head",), description="Groups that never leave a participant."
+    )
 
     @field_validator("shared", "local", mode="before")
     @classmethod
@@ -220,3 +224,15 @@ class LensembleConfig(_Section):
             value = getattr(getattr(self, section), field)
             flat[key] = ",".join(value) if isinstance(value, tuple) else value
         return flat
+
+
+def run_config_table() -> str:
+    """Every run_config key with its field, default and meaning, as markdown (for the docs)."""
+    defaults = LensembleConfig()
+    rows = ["| run_config key | field | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, (section, field) in run_config_keys().items():
+        info = type(getattr(defaults, section)).model_fields[field]
+        value = getattr(getattr(defaults, section), field)
+        shown = ",".join(value) if isinstance(value, tuple) else value
+        rows.append(f"| `{key}` | `{section}.{field}` | `{shown!r}` | {info.description} |")
+    return "\n".join(rows)

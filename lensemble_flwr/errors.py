@@ -139,3 +139,12 @@ def response_to(error: BaseException) -> Response:
         if cls in RESPONSES:
             return RESPONSES[cls]  # type: ignore[index]
     return Response.STOP_FEDERATION
+
+
+def response_table() -> str:
+    """The error table as markdown (error, response, what it means); used by the docs."""
+    rows = ["| error | response | raised when |", "| --- | --- | --- |"]
+    for cls, response in RESPONSES.items():
+        summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+        rows.append(f"| `{cls.__name__}` | {response.value} | {summary} |")
+    return "\n".join(rows)

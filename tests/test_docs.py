@@ -1,0 +1,40 @@
+"""The generated parts of the docs are in step with the code they describe."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lensemble_flwr.config import run_config_keys, run_config_table
+from lensemble_flwr.errors import response_table
+from lensemble_flwr.federation.round import transition_diagram
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def generated_block(page: str, name: str) -> str:
+    text = (DOCS / page).read_text()
+    match = re.search(
+        rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)\n<!-- END GENERATED: {name} -->", text, re.S
+    )
+    assert match, f"{page} has no generated block {name!r}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    ("page", "name", "expected"),
+    [
+        ("runtime.md", "transitions", f"```mermaid\n{transition_diagram()}\n```"),
+        ("runtime.md", "errors", response_table()),
+        ("configuration.md", "run-config", run_config_table()),
+    ],
+)
+def test_generated_blocks_match_the_code(page: str, name: str, expected: str) -> None:
+    assert generated_block(page, name) == expected
+
+
+def test_every_run_config_key_is_documented() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    assert all(f"`{key}`" in text for key in run_config_keys())
