@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from lensemble_flwr.artifacts.store import Store
@@ -30,6 +31,7 @@ def build(
     participants: int,
     faults: FaultPlan | None = None,
     compute_s: float = 1.0,
+    on_round: Callable[[RoundOutcome], None] | None = None,
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
     """Wire a coordinator and ``participants`` toy participants on one in-process network."""
     network = InProcessNetwork(faults=faults, compute_s=compute_s, join_endpoint=str(run_dir))
@@ -42,7 +44,11 @@ def build(
         network.attach(node)
         nodes.append(node)
     coordinator = Coordinator(
-        config, transport=network.coordinator, initial_params=initial_params(), store=Store(run_dir)
+        config,
+        transport=network.coordinator,
+        initial_params=initial_params(),
+        store=Store(run_dir),
+        on_round=on_round,
     )
     return coordinator, network, nodes
 
@@ -68,16 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         .rejoin("p03", round=4)
     )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="lensemble-run-"))
-    coordinator, network, nodes = build(
-        config, run_dir, participants=args.participants, faults=faults
-    )
-    trainers = [n.trainer for n in nodes]
-    print(f"run directory: {run_dir}")
-    start_loss = global_loss(coordinator.global_state().params, trainers)  # type: ignore[arg-type]
-    print(f"round 0 start: loss on the union {start_loss:.4f}")
+    trainers = [ToyTrainer(i) for i in range(args.participants)]
 
     def report(o: RoundOutcome) -> None:
-        loss = global_loss(coordinator.global_state().params, trainers)  # type: ignore[arg-type]
+        loss = global_loss(coordinator.global_state().params, trainers)
         late = f" late={','.join(o.late)}" if o.late else ""
         why = f" reason={o.reason}" if o.reason else ""
         print(
@@ -86,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             f"global={o.global_hash[:12]}{why}"
         )
 
-    coordinator._on_round = report
+    coordinator, network, _ = build(
+        config, run_dir, participants=args.participants, faults=faults, on_round=report
+    )
+    print(f"run directory: {run_dir}")
+    start_loss = global_loss(coordinator.global_state().params, trainers)
+    print(f"round 0: loss of the initial model on the union of the data {start_loss:.4f}")
     coordinator.run(args.rounds)
     records = verify(Store(run_dir))
     print(f"ledger verified: {len(records)} records, head {records[-1].record_hash[:12]}")
