@@ -75,7 +75,9 @@ def digest_arrays(arrays: Mapping[str, np.ndarray], domain: str = "arrays") -> s
     h.update(len(header).to_bytes(8, "big"))
     h.update(header)
     for name in sorted(arrays):
-        h.update(memoryview(little_endian(arrays[name])).cast("B"))
+        array = little_endian(arrays[name])
+        if array.size:  # a zero-size array has no bytes (and memoryview.cast refuses it)
+            h.update(memoryview(array).cast("B"))
     return h.hexdigest()
 
 

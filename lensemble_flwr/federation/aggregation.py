@@ -16,6 +16,9 @@ The self-check: while folding, the aggregator accumulates two linear checksums o
 it adds (the plain sum and a sum weighted by a seeded vector, modulo 2**64). ``verify``
 recomputes them from the revealed sums. Any lost, doubled or corrupted fold shows up as
 a mismatch, :class:`NonDeterministicAggregation`.
+
+An admitted update's arrays are held by reference until they are folded: a caller must
+not modify them after ``admit`` (messages validated at ingress own their arrays).
 """
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""Tests of the frozen federation config: defaults, validation, run_config round trip."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from lensemble_flwr.config import (
+    AggregationConfig,
+    FederationConfig,
+    LensembleConfig,
+    OuterOptimizerConfig,
+    ParamGroupsConfig,
+    run_config_keys,
+)
+from lensemble_flwr.errors import ConfigError
+
+
+def test_defaults() -> None:
+    cfg = LensembleConfig()
+    assert cfg.outer.lr == 0.7
+    assert cfg.outer.momentum == 0.9
+    assert cfg.outer.nesterov is True
+    assert cfg.groups.shared == ("encoder", "predictor")
+    assert cfg.groups.local == ("action_head",)
+
+
+@pytest.mark.parametrize(
+    ("min_participants", "secagg_threshold", "quorum"),
+    [(2, 0, 2), (3, 5, 5), (4, 4, 4), (7, 2, 7)],
+)
+def test_quorum_is_max_of_min_participants_and_secagg_threshold(
+    min_participants: int, secagg_threshold: int, quorum: int
+) -> None:
+    fed = FederationConfig(min_participants=min_participants, secagg_threshold=secagg_threshold)
+    assert fed.quorum == quorum
+
+
+def test_config_is_frozen() -> None:
+    cfg = LensembleConfig()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.outer.lr = 0.1  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.outer = OuterOptimizerConfig(lr=0.1)  # type: ignore[misc]
+    assert cfg.outer.lr == 0.7
+
+
+def test_bad_nested_value_from_python_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"min_participants") as info:
+        LensembleConfig(federation={"min_participants": 0})
+    assert info.value.field.endswith("min_participants")
+
+
+def test_bad_value_in_section_constructed_directly_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"^FederationConfig\.min_participants: ") as info:
+        FederationConfig(min_participants=0)
+    assert info.value.field == "FederationConfig.min_participants"
+    with pytest.raises(ConfigError, match=r"^OuterOptimizerConfig\.momentum: "):
+        OuterOptimizerConfig(momentum=1.0)
+
+
+def test_unknown_field_from_python_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no_such_field"):
+        OuterOptimizerConfig(no_such_field=1)  # type: ignore[call-arg]
+
+
+def test_bad_value_from_run_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^outer-lr: ") as info:
+        LensembleConfig.from_run_config({"outer-lr": -1})
+    assert info.value.field == "outer-lr"
+    with pytest.raises(ConfigError, match=r"^min-participants: "):
+        LensembleConfig.from_run_config({"min-participants": 0})
+
+
+def test_unknown_run_config_key_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"^outer-lrr: unknown") as info:
+        LensembleConfig.from_run_config({"outer-lr": 0.5, "outer-lrr": 0.5})
+    assert info.value.field == "outer-lrr"
+
+
+def test_extra_keys_are_ignored() -> None:
+    cfg = LensembleConfig.from_run_config(
+        {"num-server-rounds": 3, "outer-lr": 0.5}, extra_keys={"num-server-rounds"}
+    )
+    assert cfg.outer.lr == 0.5
+    assert cfg == LensembleConfig(outer={"lr": 0.5})
+    with pytest.raises(ConfigError, match="num-server-rounds"):
+        LensembleConfig.from_run_config({"num-server-rounds": 3})
+
+
+def test_group_lists_are_comma_separated() -> None:
+    cfg = LensembleConfig.from_run_config(
+        {"shared-groups": "encoder, predictor,,projector ", "local-groups": "action_head"}
+    )
+    assert cfg.groups.shared == ("encoder", "predictor", "projector")
+    assert cfg.groups.local == ("action_head",)
+    assert ParamGroupsConfig(shared="a,b", local="").local == ()
+
+
+def test_run_config_round_trip_equals_original() -> None:
+    original = LensembleConfig(
+        federation={
+            "min_participants": 3,
+            "secagg_threshold": 4,
+            "weighting": "num-examples",
+            "root_seed": 17,
+            "open_timeout": 1.5,
+        },
+        aggregation={"fraction_bits": 24, "max_abs_update": 8.0, "fold_batch": 3},
+        inner={"steps": 5, "lr": 3e-4, "deterministic": False},
+        outer={"lr": 0.5, "momentum": 0.8, "nesterov": False},
+        groups={"shared": ("encoder", "head.proj"), "local": ()},
+    )
+    flat = original.to_run_config()
+    assert set(flat) == set(run_config_keys())
+    assert flat["shared-groups"] == "encoder,head.proj"
+    assert all(isinstance(v, str | int | float | bool) for v in flat.values())
+    restored = LensembleConfig.from_run_config(flat)
+    assert restored == original
+    assert restored != LensembleConfig()
+    assert LensembleConfig.from_run_config(LensembleConfig().to_run_config()) == LensembleConfig()
+
+
+def test_shared_and_local_overlap_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"both shared and local: \['b'\]"):
+        ParamGroupsConfig(shared=("a", "b"), local=("b",))
+    with pytest.raises(ConfigError, match="both shared and local"):
+        LensembleConfig.from_run_config({"shared-groups": "a", "local-groups": "a"})
+
+
+def test_star_is_refused_in_local_and_shared_must_be_non_empty() -> None:
+    with pytest.raises(ConfigError, match=r"'\*' is only meaningful in shared"):
+        ParamGroupsConfig(shared=("encoder",), local=("*",))
+    with pytest.raises(ConfigError, match="shared must name at least one group"):
+        ParamGroupsConfig(shared="")
+
+
+def test_fixed_point_capacity_check_is_refused() -> None:
+    # 2**20 * 4 * 2**40 == 2**62: one update would not fit the int64 accumulator.
+    with pytest.raises(ConfigError, match=r"^AggregationConfig: .*below 2\*\*62"):
+        AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=4)
+    with pytest.raises(ConfigError, match=r"below 2\*\*62"):
+        LensembleConfig.from_run_config(
+            {"fraction-bits": 40, "max-abs-update": 2.0**20, "max-weight": 4}
+        )
+    # One step below the limit is accepted.
+    ok = AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=3)
+    assert ok.max_weight == 3
