@@ -57,6 +57,7 @@ def test_happy_path_walks_all_six_states_and_commits(tmp_path: Path) -> None:
     assert [r.round for r in records] == [0]
     assert records[0].count == 4 and records[0].new_global_hash == after.params_hash
     assert set(records[0].dataset_roots.values()) == {n.dataset_root for n in nodes}
+    assert RunManifest.load(Store(tmp_path / "run")) == coordinator.manifest
     assert network.crashes == []
 
 
@@ -179,7 +180,7 @@ def test_identical_seeds_give_identical_manifests_and_digests(tmp_path: Path) ->
         coordinator.run(3)
         store = Store(tmp_path / name)
         digests = [r.aggregate_digest for r in Ledger(store).records()]
-        runs.append((store.resolve("manifest"), digests))
+        runs.append((RunManifest.load(store).digest, digests))
     assert runs[0] == runs[1]
 
 

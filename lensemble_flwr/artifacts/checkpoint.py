@@ -38,15 +38,23 @@ class Checkpoint:
 
 
 def encode_checkpoint(
-    round: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]
+    round: int,
+    params: Mapping[str, np.ndarray],
+    momentum: Mapping[str, np.ndarray],
+    *,
+    params_hash: str | None = None,
 ) -> bytes:
-    """Serialize a checkpoint; the bytes are a deterministic function of the inputs."""
+    """Serialize a checkpoint; the bytes are a deterministic function of the inputs.
+
+    ``params_hash`` may be passed when the caller already computed it (it must be
+    ``digest_arrays(params, "params")``; decoding checks it).
+    """
     tensors = {f"params/{n}": np.ascontiguousarray(params[n]) for n in sorted(params)}
     tensors |= {f"momentum/{n}": np.ascontiguousarray(momentum[n]) for n in sorted(momentum)}
     info = {
         "format": FORMAT,
         "round": round,
-        "params_hash": digest_arrays(params, "params"),
+        "params_hash": params_hash or digest_arrays(params, "params"),
         "momentum_hash": digest_arrays(momentum, "momentum"),
     }
     # safetensors writes its metadata map in hash-map order, so several keys would make

@@ -202,18 +202,22 @@ class FixedPointAggregator:
                     k = e - s
                     tk, bk, qk, tik = t[:k], b[:k], q[:k], ti[:k]
                     (x0, s0), rest = inputs[0], inputs[1:]
-                    np.multiply(x0[s:e], s0, out=tk, dtype=np.float64)
+                    # copy-then-scale in place: same values, faster than a mixed-dtype ufunc
+                    np.copyto(tk, x0[s:e])
+                    np.multiply(tk, s0, out=tk)
                     np.rint(tk, out=tk)
                     if exact_in_float:
                         for x, sc in rest:
-                            np.multiply(x[s:e], sc, out=bk, dtype=np.float64)
+                            np.copyto(bk, x[s:e])
+                            np.multiply(bk, sc, out=bk)
                             np.rint(bk, out=bk)
                             np.add(tk, bk, out=tk)
                         np.copyto(qk, tk, casting="unsafe")
                     else:
                         np.copyto(tik, tk, casting="unsafe")
                         for x, sc in rest:
-                            np.multiply(x[s:e], sc, out=bk, dtype=np.float64)
+                            np.copyto(bk, x[s:e])
+                            np.multiply(bk, sc, out=bk)
                             np.rint(bk, out=bk)
                             np.copyto(qk, bk, casting="unsafe")
                             np.add(tik, qk, out=tik)

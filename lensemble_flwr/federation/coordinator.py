@@ -168,7 +168,7 @@ class Coordinator:
             initial_params_hash=self._global.params_hash,
             initial_checkpoint=initial,
         )
-        self._manifest.save(store)
+        self._manifest.start(store)
 
     # -- observability -----------------------------------------------------------------
     def round_state(self) -> RoundState:
@@ -215,13 +215,16 @@ class Coordinator:
             log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
             raise outcome.error
 
-    def _pin(self, round: int, params: Mapping[str, np.ndarray]) -> GlobalState:
+    def _pin(
+        self, round: int, params: Mapping[str, np.ndarray], *, copy: bool = True
+    ) -> GlobalState:
         fed = self.config.federation
         return GlobalState.create(
             round,
             params,
             sketch_seed=derive_seed(fed.root_seed, "round", round),
             h_steps=self.config.inner.steps,
+            copy=copy,
         )
 
     def _run_attempt(self, t: int, attempt: int) -> RoundOutcome:
@@ -368,8 +371,10 @@ class Coordinator:
     def _commit(self, ctx: _Attempt, result: AggregateSum, mean: NamedArrays) -> None:
         t, prior = ctx.machine.round, ctx.state
         params, momentum = outer_step(prior.params, self._momentum, mean, self.config.outer)
-        new_state = self._pin(t + 1, params)
-        digest = self.store.put(encode_checkpoint(t + 1, new_state.params, momentum))
+        new_state = self._pin(t + 1, params, copy=False)  # outer_step's arrays are fresh
+        digest = self.store.put(
+            encode_checkpoint(t + 1, new_state.params, momentum, params_hash=new_state.params_hash)
+        )
         stored = decode_checkpoint(self.store.get(digest))
         if stored.params_hash != new_state.params_hash:
             raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")
@@ -444,8 +449,7 @@ class Coordinator:
             rejected=outcome.rejected,
             diagnostics=diagnostics,
         )
-        self._manifest = self._manifest.with_round(entry)
-        self._manifest.save(self.store)
+        self._manifest = self._manifest.with_round(self.store, entry)
         self.outcomes.append(outcome)
         if self._on_round is not None:
             self._on_round(outcome)

@@ -133,9 +133,19 @@ class GlobalState:
         h_steps: int,
         probe_hash: str = "",
         landmark_hashes: tuple[str, ...] = (),
+        copy: bool = True,
     ) -> GlobalState:
-        """Snapshot ``params`` and compute their hash."""
-        snap = frozen(params)
+        """Snapshot ``params`` and compute their hash.
+
+        With ``copy=False`` the arrays are adopted (made read-only, not copied): for a
+        caller that just created them and keeps no other reference.
+        """
+        if copy:
+            snap = frozen(params)
+        else:
+            snap = {name: params[name] for name in sorted(params)}
+            for array in snap.values():
+                array.setflags(write=False)
         return cls(
             round=round,
             params=snap,

@@ -5,8 +5,10 @@ the record before it, so rewriting any past round breaks every later link. Recor
 stored as blobs and *claimed* under ``ledger/<round>``: a round can be recorded once.
 The :class:`RunManifest` lists every attempt of every round, closed or aborted, with the
 inputs that make the outer step a pure function (prior global hash, round seed,
-contributing set and C_t, update digests). Neither holds a timestamp or a path: two runs
-with the same seeds and inputs produce byte-identical manifests.
+contributing set and C_t, update digests). It is stored as a header (written once) and
+one claimed entry per attempt, so recording an attempt costs the same in round 1000 as
+in round 1. Neither holds a timestamp or a path: two runs with the same seeds and inputs
+have the same manifest digest.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from lensemble_flwr.canonical import canonical_json, digest_record
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
 
 GENESIS = "0" * 64
-MANIFEST_NAME = "manifest"
+MANIFEST_HEADER = "manifest/header"
+MANIFEST_ROUNDS = "manifest/rounds"
 
 
 def _ledger_name(round: int) -> str:
@@ -80,6 +83,14 @@ class RoundEntry(_Frozen):
     diagnostics: dict[str, float] = {}
 
 
+class _Header(_Frozen):
+    run_id: str
+    config: dict[str, Any]
+    root_seed: int
+    initial_params_hash: str
+    initial_checkpoint: str
+
+
 class RunManifest(_Frozen):
     """The configuration, seeds and per-round inputs of a run."""
 
@@ -90,19 +101,39 @@ class RunManifest(_Frozen):
     initial_checkpoint: str
     rounds: tuple[RoundEntry, ...] = ()
 
-    def with_round(self, entry: RoundEntry) -> RunManifest:
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the whole manifest (header and every entry) in canonical encoding."""
+        return digest_record("manifest", self.model_dump(mode="json"))
+
+    def start(self, store: Store) -> None:
+        """Write the header of a new run (refused if the store already holds one)."""
+        header = canonical_json(self.model_dump(mode="json", exclude={"rounds"}))
+        if not store.claim(MANIFEST_HEADER, store.put(header)):
+            raise LedgerError(f"{store.root} already holds a run manifest")
+        for entry in self.rounds:
+            self._store_entry(store, entry)
+
+    def with_round(self, store: Store, entry: RoundEntry) -> RunManifest:
+        """Record one more attempt, durably; returns the extended manifest."""
+        self._store_entry(store, entry)
         return self.model_copy(update={"rounds": (*self.rounds, entry)})
 
-    def save(self, store: Store) -> str:
-        """Store the manifest and bind it as the run's manifest; returns its digest."""
-        digest = store.put(canonical_json(self.model_dump(mode="json")))
-        store.bind(MANIFEST_NAME, digest)
-        return digest
+    @staticmethod
+    def _store_entry(store: Store, entry: RoundEntry) -> None:
+        name = f"{MANIFEST_ROUNDS}/{entry.round:08d}-{entry.attempt:04d}"
+        if not store.claim(name, store.put(canonical_json(entry.model_dump(mode="json")))):
+            raise LedgerError(f"round {entry.round} attempt {entry.attempt} is already recorded")
 
     @classmethod
     def load(cls, store: Store) -> RunManifest:
-        """The run's current manifest. Raises StoreError or LedgerError."""
-        return _parse(cls, store.get(store.resolve(MANIFEST_NAME)), "manifest")
+        """The run's manifest as stored. Raises StoreError or LedgerError."""
+        header = _parse(_Header, store.get(store.resolve(MANIFEST_HEADER)), "manifest header")
+        entries = tuple(
+            _parse(RoundEntry, store.get(store.resolve(name)), name)
+            for name in store.bound(MANIFEST_ROUNDS)
+        )
+        return cls(**dict(header), rounds=entries)
 
 
 def _parse(model: type[BaseModel], data: bytes, what: str) -> Any:
