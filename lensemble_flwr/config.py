@@ -53,6 +53,10 @@ class FederationConfig(_Section):
     retry_wait: float = Field(
         5.0, ge=0, description="Seconds to wait for (re)joins before retrying an aborted round."
     )
+    require_binding: bool = Field(
+        False,
+        description="Refuse updates not bound to a dataset commitment (e.g. stock ClientApps).",
+    )
     weighting: Literal["uniform", "num-examples"] = Field(
         "uniform", description="Per-update weight in the mean: 1, or the update's example count."
     )

@@ -43,6 +43,10 @@ class IllegalTransition(RoundError):
     """An event that the round state machine has no transition for."""
 
 
+class UnboundContribution(RoundError):
+    """An update without a dataset commitment, while the configuration requires binding."""
+
+
 class ParameterMismatch(RoundError):
     """Named arrays that do not fit a model or a template (unknown, missing or mis-shaped)."""
 

@@ -1,4 +1,7 @@
-"""The generated parts of the docs are in step with the code they describe."""
+"""The generated parts of the docs are in step with the code they describe.
+
+Regenerate them with ``python docs/update_generated.py``.
+"""
 
 from __future__ import annotations
 

@@ -2,9 +2,11 @@
 
 A round attempt, in order::
 
-    OPEN         broadcast RoundOpen; admit commitments until K = max(min_participants,
-                 secagg_threshold) are bound, or abort at the open timeout
-    COLLECTING   admit updates until every expected participant delivered (or became
+    OPEN         send RoundOpen to every reachable participant (and to any that appears
+                 while the round is open); leave once K = max(min_participants,
+                 secagg_threshold) are ready — bound to a dataset commitment, or merely
+                 reachable when binding is not required — or abort at the open timeout
+    COLLECTING   admit updates until every invited participant delivered (or became
                  unreachable), or the collect deadline; the contributing set freezes here
     AGGREGATING  reveal the exact sum; self-check, one re-sum on a mismatch
     ALIGNING     aggregate-level diagnostics only
@@ -15,6 +17,9 @@ A round attempt, in order::
 Any typed error on the way aborts the attempt with the global state untouched; what
 happens next (retry the round, stop the federation, or just drop the message) is looked
 up in :data:`lensemble_flwr.errors.RESPONSES`.
+
+A participant binds its dataset commitment once and stays bound: later RoundOpens tell
+it not to resend it, so a steady-state round is one exchange (RoundOpen → Update).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from lensemble_flwr.errors import (
     Response,
     RoundError,
     StoreError,
+    UnboundContribution,
     response_to,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
@@ -71,6 +77,9 @@ from lensemble_flwr.provenance.ledger import (
 )
 
 log = logging.getLogger(__name__)
+
+_DISCOVERY_INTERVAL = 1.0
+"""Seconds between looks for newly reachable participants while a round is OPEN."""
 
 AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
 
@@ -110,9 +119,10 @@ class _Attempt:
     machine: RoundMachine
     state: GlobalState
     aggregator: Aggregator
-    expected: frozenset[str]
-    committed: dict[str, Commitment] = dataclasses.field(default_factory=dict)
+    round_open: RoundOpen
+    invited: set[str] = dataclasses.field(default_factory=set)
     admitted: set[str] = dataclasses.field(default_factory=set)
+    roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
     update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
     late: set[str] = dataclasses.field(default_factory=set)
     rejected: int = 0
@@ -159,6 +169,8 @@ class Coordinator:
         self._momentum: NamedArrays = zero_momentum(self._global.params)
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
+        self._commitments: dict[str, Commitment] = {}
+        self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
         initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
         self._manifest = RunManifest(
@@ -232,8 +244,15 @@ class Coordinator:
         state = self._global
         machine = RoundMachine(t, attempt)
         self._machine = machine
-        self.transport.broadcast(
-            RoundOpen(
+        ctx = _Attempt(
+            machine=machine,
+            state=state,
+            aggregator=self._aggregator_factory(
+                state.params,
+                self.config.aggregation,
+                derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
+            ),
+            round_open=RoundOpen(
                 run_id=self.run_id,
                 round=t,
                 sender=COORDINATOR,
@@ -244,18 +263,9 @@ class Coordinator:
                 h_steps=state.h_steps,
                 probe_hash=state.probe_hash,
                 landmark_hashes=state.landmark_hashes,
-            )
-        )
-        ctx = _Attempt(
-            machine=machine,
-            state=state,
-            aggregator=self._aggregator_factory(
-                state.params,
-                self.config.aggregation,
-                derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
             ),
-            expected=frozenset(self.transport.peers()),
         )
+        self._invite(ctx)
         result: AggregateSum | None = None
         diagnostics: dict[str, float] = {}
         error: LensembleError | None = None
@@ -277,23 +287,43 @@ class Coordinator:
             log.warning("round %d attempt %d ABORTED: %s", t, attempt, machine.abort_reason)
         return self._record(ctx, result, diagnostics, error, started)
 
+    def _invite(self, ctx: _Attempt) -> None:
+        """Send this attempt's RoundOpen to every reachable participant not yet invited."""
+        for peer in self.transport.peers():
+            if peer not in ctx.invited:
+                ctx.invited.add(peer)
+                bound = peer in self._commitments
+                self.transport.send(
+                    peer, ctx.round_open.model_copy(update={"needs_commitment": not bound})
+                )
+
+    def _ready(self, ctx: _Attempt) -> set[str]:
+        """Invited, reachable participants that count toward the quorum."""
+        reachable = ctx.invited & set(self.transport.peers())
+        if self.config.federation.require_binding:
+            return {p for p in reachable if p in self._commitments}
+        return reachable
+
     def _open(self, ctx: _Attempt) -> None:
         quorum = self.config.federation.quorum
         deadline = self.transport.now() + self.config.federation.open_timeout
-        while len(ctx.committed) < quorum:
+        while len(ready := self._ready(ctx)) < quorum:
             remaining = deadline - self.transport.now()
             if remaining <= 0:
+                what = "bound" if self.config.federation.require_binding else "reachable"
                 raise FaultToleranceExceeded(
-                    f"{len(ctx.committed)} of quorum {quorum} committed by the open timeout"
+                    f"{len(ready)} of quorum {quorum} participants {what} by the open timeout"
                 )
-            self._ingest(self.transport.recv(timeout_s=remaining), ctx)
+            self._ingest(self.transport.recv(timeout_s=min(remaining, _DISCOVERY_INTERVAL)), ctx)
+            self._invite(ctx)
 
     def _collect(self, ctx: _Attempt) -> None:
         quorum = self.config.federation.quorum
         deadline = self.transport.now() + self.config.federation.collect_timeout
         while True:
+            self._invite(ctx)  # a participant that became reachable may still contribute
             reachable = set(self.transport.peers())
-            outstanding = (ctx.expected | set(ctx.committed)) & reachable - ctx.admitted
+            outstanding = (ctx.invited & reachable) - ctx.admitted
             if not outstanding:
                 break
             if len(ctx.admitted) + len(outstanding) < quorum:
@@ -337,25 +367,53 @@ class Coordinator:
             return
         pid = msg.participant_id
         if isinstance(msg, Commitment):
-            prior = ctx.committed.get(pid)
-            if prior is not None and prior.dataset_root != msg.dataset_root:
-                raise CommitmentMismatch(f"{pid} committed two dataset roots in one round")
-            ctx.committed[pid] = msg
-            return
-        commitment = ctx.committed.get(pid)
-        if commitment is None:
-            raise RoundError(f"{pid}: update without a commitment")
-        if msg.dataset_root != commitment.dataset_root:
+            self._bind(msg)
+        else:
+            self._check_binding(msg)
+            uniform = self.config.federation.weighting == "uniform"
+            ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
+            ctx.admitted.add(pid)
+            ctx.roots[pid] = msg.dataset_root
+            ctx.update_digests[pid] = message_digest(msg)
+
+    def _bind(self, commitment: Commitment) -> None:
+        """Bind a participant to its dataset root; the binding outlives the round."""
+        pid = commitment.participant_id
+        prior = self._commitments.get(pid)
+        if prior is not None and prior.dataset_root != commitment.dataset_root:
             raise CommitmentMismatch(
-                f"{pid}: update bound to {msg.dataset_root[:12]}…, committed "
+                f"{pid} is bound to {prior.dataset_root[:12]}… and committed "
                 f"{commitment.dataset_root[:12]}…"
             )
-        if msg.num_examples != commitment.num_examples:
+        if prior is None:
+            log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
+        self._commitments[pid] = commitment
+
+    def _check_binding(self, update: Update) -> None:
+        pid = update.participant_id
+        if update.dataset_root is None:
+            if self.config.federation.require_binding:
+                raise UnboundContribution(
+                    f"{pid}: update without a dataset commitment (a stock ClientApp?) "
+                    "refused because require-binding is set"
+                )
+            if pid not in self._warned_unbound:
+                self._warned_unbound.add(pid)
+                log.warning(
+                    "%s contributes UNBOUND updates: no dataset commitment, no participant-side "
+                    "alignment or privacy; they are recorded as unbound in the ledger", pid
+                )
+            return
+        commitment = self._commitments.get(pid)
+        if commitment is None:
+            raise RoundError(f"{pid}: update bound to a root it never committed")
+        if update.dataset_root != commitment.dataset_root:
+            raise CommitmentMismatch(
+                f"{pid}: update bound to {update.dataset_root[:12]}…, committed "
+                f"{commitment.dataset_root[:12]}…"
+            )
+        if update.num_examples != commitment.num_examples:
             raise RoundError(f"{pid}: update and commitment disagree on num_examples")
-        uniform = self.config.federation.weighting == "uniform"
-        ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
-        ctx.admitted.add(pid)
-        ctx.update_digests[pid] = message_digest(msg)
 
     def _aggregate(self, aggregator: Aggregator) -> AggregateSum:
         """Reveal and self-check the sum; a mismatch is re-summed once, a second one raises."""
@@ -385,7 +443,7 @@ class Coordinator:
                 contributors=result.contributors,
                 count=result.count,
                 total_weight=result.total_weight,
-                dataset_roots={p: ctx.committed[p].dataset_root for p in result.contributors},
+                dataset_roots={p: ctx.roots[p] for p in result.contributors},
                 update_digests=dict(sorted(ctx.update_digests.items())),
                 aggregate_digest=result.digest,
                 previous_global_hash=prior.params_hash,

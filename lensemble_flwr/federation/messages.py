@@ -84,6 +84,9 @@ class RoundOpen(_Message):
     h_steps: int = Field(ge=1)
     probe_hash: str = ""
     landmark_hashes: tuple[str, ...] = ()
+    needs_commitment: bool = Field(
+        True, description="The recipient is not bound yet: send a Commitment with the update."
+    )
 
 
 class Commitment(_Message):
@@ -103,12 +106,17 @@ class Commitment(_Message):
 
 
 class Update(_Message):
-    """Participant → aggregator: the released pseudo-gradient, bound to the dataset root."""
+    """Participant → aggregator: the released pseudo-gradient, bound to the dataset root.
+
+    ``dataset_root`` is None for an *unbound* contribution (a stock Flower ClientApp, or
+    a participant that cannot commit to its data); the coordinator admits those only when
+    the configuration does not require binding, and records them as unbound.
+    """
 
     kind: Literal["update"] = "update"
     attempt: int = Field(1, ge=1)
     participant_id: str = Field(min_length=1, max_length=128)
-    dataset_root: str = Field(pattern=_HEX64)
+    dataset_root: str | None = Field(pattern=_HEX64)
     delta: NamedArraysField
     l2_norm: float = Field(ge=0, allow_inf_nan=False)
     num_examples: int = Field(ge=1)

@@ -1,18 +1,15 @@
 """The participant: holds its data, trains H inner steps, releases a bound pseudo-gradient.
 
-The participant never sends anything but a :class:`Commitment` (its dataset Merkle root)
-and an :class:`Update` (the output of its release pipeline). Its model, inner optimizer
-state, local groups (action heads) and data stay with it.
+The participant never sends anything but a :class:`Commitment` (its dataset Merkle root,
+once, until the coordinator says it is bound) and an :class:`Update` (the output of its
+release pipeline). Its model, inner optimizer state, local groups (action heads) and data
+stay with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
@@ -24,6 +21,14 @@ from lensemble_flwr.errors import (
     ResidencyViolation,
     RoundError,
 )
+from lensemble_flwr.federation.local_training import (
+    LocalTraining,
+    PortableState,
+    Trainer,
+    as_local_training,
+    deterministic_algorithms,
+    run_inner_loop,
+)
 from lensemble_flwr.federation.messages import (
     Commitment,
     RoundClose,
@@ -34,70 +39,26 @@ from lensemble_flwr.federation.messages import (
 )
 from lensemble_flwr.federation.round import GlobalState, PseudoGradient, l2_norm
 from lensemble_flwr.federation.transport import Transport
-from lensemble_flwr.params import export_shared, is_shared, load_shared
+from lensemble_flwr.params import is_shared
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.merkle import merkle_root
-from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform, default_pipeline
+from lensemble_flwr.release import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    bind,
+    chain,
+    difference,
+)
+
+__all__ = [
+    "Participant",
+    "Trainer",
+    "deterministic_algorithms",
+    "run_inner_loop",
+]
 
 log = logging.getLogger(__name__)
-
-
-class Trainer(Protocol):
-    """A participant's model and private data, as the inner loop needs them."""
-
-    model: torch.nn.Module
-
-    def num_examples(self) -> int:
-        """Number of private training examples."""
-
-    def dataset_records(self) -> Iterable[bytes]:
-        """Canonical bytes of every private example, in a fixed order (the Merkle leaves)."""
-
-    def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
-        """A training batch drawn with ``generator`` (so the inner loop is seeded)."""
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        """The scalar training loss of ``model`` on ``batch``."""
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(enabled: bool) -> Iterator[None]:
-    """Run the block under ``torch.use_deterministic_algorithms(enabled)``, then restore."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(enabled)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
-def run_inner_loop(
-    trainer: Trainer,
-    optimizer: torch.optim.Optimizer,
-    *,
-    steps: int,
-    seed: int,
-    batch_size: int,
-) -> float:
-    """H optimizer steps on batches drawn from a generator seeded with ``seed``.
-
-    Returns:
-        The loss of the last step.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    # Dropout and other layers draw from the CPU default generator. (torch.manual_seed
-    # would also queue seeding of every accelerator backend, ~0.25 ms a call on CPU.)
-    torch.random.default_generator.manual_seed(seed)
-    trainer.model.train()
-    loss_value = float("nan")
-    for _ in range(steps):
-        batch = trainer.sample_batch(generator, batch_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss = trainer.loss(trainer.model, batch)
-        loss.backward()
-        optimizer.step()
-        loss_value = float(loss.detach())
-    return loss_value
 
 
 class Participant:
@@ -106,9 +67,11 @@ class Participant:
     Args:
         config: the federation's config (must match the coordinator's).
         participant_id: this node's stable identity.
-        transport: its end of the transport; messages go to whoever opened the round.
-        trainer: its model and private data.
-        pipeline: the release pipeline; defaults to difference → bind.
+        transport: its end of the transport; replies go to whoever opened the round.
+        trainer: a :class:`Trainer` (trained with AdamW for H steps) or any
+            :class:`~lensemble_flwr.federation.local_training.LocalTraining`.
+        pipeline: the release pipeline; defaults to difference → bind, or difference alone
+            for a participant that cannot commit to its data (its updates are unbound).
     """
 
     def __init__(
@@ -117,21 +80,29 @@ class Participant:
         *,
         participant_id: str,
         transport: Transport,
-        trainer: Trainer,
+        trainer: Trainer | LocalTraining,
         pipeline: ReleaseTransform | None = None,
     ) -> None:
         self.config = config
         self.participant_id = participant_id
         self.transport = transport
         self.trainer = trainer
-        self.pipeline = pipeline or default_pipeline()
-        self.dataset_root = merkle_root(trainer.dataset_records())
-        self.num_examples = int(trainer.num_examples())
+        self.training = as_local_training(trainer, config)
+        records = self.training.dataset_records()
+        self.dataset_root: str | None = None if records is None else merkle_root(records)
+        self.num_examples = self.training.num_examples()
+        if pipeline is None:
+            stages = (difference(), bind()) if self.dataset_root else (difference(),)
+            pipeline = chain(*stages)
+        self.pipeline = pipeline
         self._pipeline_state: Any = None
-        self._optimizer: torch.optim.Optimizer | None = None
         self._last_open: tuple[int, int] | None = None
         self.last_close: RoundClose | None = None
-        self.last_loss: float | None = None
+
+    @property
+    def last_loss(self) -> float | None:
+        """Loss of the last inner step (when the training reports one)."""
+        return getattr(self.training, "last_loss", None)
 
     # -- the protocol ------------------------------------------------------------------
     def handle(self, payload: WirePayload) -> None:
@@ -166,17 +137,20 @@ class Participant:
             log.warning("%s: refusing round %d: %s", self.participant_id, msg.round, exc)
             return
         self._last_open = (msg.round, msg.attempt)
-        common = {"run_id": msg.run_id, "round": msg.round, "sender": self.participant_id}
-        self.transport.send(
-            msg.sender,
-            Commitment(
-                **common,
-                attempt=msg.attempt,
-                participant_id=self.participant_id,
-                dataset_root=self.dataset_root,
-                num_examples=self.num_examples,
-            ),
-        )
+        common = {
+            "run_id": msg.run_id,
+            "round": msg.round,
+            "attempt": msg.attempt,
+            "sender": self.participant_id,
+            "participant_id": self.participant_id,
+        }
+        if msg.needs_commitment and self.dataset_root is not None:
+            self.transport.send(
+                msg.sender,
+                Commitment(
+                    **common, dataset_root=self.dataset_root, num_examples=self.num_examples
+                ),
+            )
         try:
             released = self.local_round(state, msg.sketch_seed)
         except LensembleError as exc:
@@ -186,8 +160,6 @@ class Participant:
             msg.sender,
             Update(
                 **common,
-                attempt=msg.attempt,
-                participant_id=self.participant_id,
                 dataset_root=released.dataset_root,
                 delta=released.delta,
                 l2_norm=released.l2_norm,
@@ -198,32 +170,18 @@ class Participant:
 
     # -- the spec's surface ------------------------------------------------------------
     def local_round(self, global_state: GlobalState, round_seed: int) -> PseudoGradient:
-        """Train H inner AdamW steps from ``global_state`` and release the bound delta.
+        """Train H inner steps from ``global_state`` and release the (bound) delta.
 
         Raises:
             ParameterMismatch: the global params do not fit the model.
             ResidencyViolation: the release carries a name outside the shared groups.
-            RoundError: the pipeline did not produce a bound delta.
+            RoundError: the pipeline did not produce a delta bound as it should be.
         """
-        groups = self.config.groups
-        load_shared(self.trainer.model, global_state.params, groups)
-        if self._optimizer is None:
-            inner = self.config.inner
-            self._optimizer = torch.optim.AdamW(
-                self.trainer.model.parameters(),
-                lr=inner.lr,
-                betas=(inner.beta1, inner.beta2),
-                eps=inner.eps,
-                weight_decay=inner.weight_decay,
-            )
-        with deterministic_algorithms(self.config.inner.deterministic):
-            self.last_loss = run_inner_loop(
-                self.trainer,
-                self._optimizer,
-                steps=global_state.h_steps,
-                seed=derive_seed(round_seed, "inner", self.participant_id),
-                batch_size=self.config.inner.batch_size,
-            )
+        local = self.training.fit(
+            global_state.params,
+            steps=global_state.h_steps,
+            seed=derive_seed(round_seed, "inner", self.participant_id),
+        )
         if self._pipeline_state is None:
             self._pipeline_state = self.pipeline.init(global_state.params)
         ctx = ReleaseContext(
@@ -233,13 +191,12 @@ class Participant:
             dataset_root=self.dataset_root,
             num_examples=self.num_examples,
         )
-        local = export_shared(self.trainer.model, groups)
         release, self._pipeline_state = self.pipeline.update(
             Release(local=local), self._pipeline_state, ctx
         )
         if release.delta is None or release.bound_root != self.dataset_root:
-            raise RoundError(f"{self.participant_id}: the pipeline did not bind a delta")
-        leaked = sorted(n for n in release.delta if not is_shared(n, groups))
+            raise RoundError(f"{self.participant_id}: the pipeline did not bind its delta")
+        leaked = sorted(n for n in release.delta if not is_shared(n, self.config.groups))
         if leaked:
             raise ResidencyViolation(f"{self.participant_id}: release carries local {leaked}")
         return PseudoGradient(
@@ -255,8 +212,7 @@ class Participant:
     def join(self, coordinator_endpoint: str) -> GlobalState:
         """Recover the latest committed global state from the run directory and verify it.
 
-        A rejoiner's stale local state (inner optimizer, last answered round) is discarded
-        and the model starts from the recovered global state.
+        A rejoiner's stale local state (inner optimizer, last answered round) is discarded.
 
         Args:
             coordinator_endpoint: the coordinator's run directory (its artifact store).
@@ -283,9 +239,29 @@ class Participant:
             sketch_seed=derive_seed(self.config.federation.root_seed, "round", checkpoint.round),
             h_steps=self.config.inner.steps,
         )
-        load_shared(self.trainer.model, state.params, self.config.groups)
-        self._optimizer = None
+        self.training.forget()
         self._last_open = None
         log.info("%s: joined at round %d (%s…)", self.participant_id, state.round,
                  state.params_hash[:12])
         return state
+
+    # -- state that must outlive a process ---------------------------------------------
+    def export_state(self) -> PortableState:
+        """Everything this participant must remember until its next message."""
+        inner = self.training.export_state()
+        meta = {
+            "last_open": list(self._last_open) if self._last_open else None,
+            "training": inner.meta,
+        }
+        arrays = {f"training/{k}": v for k, v in inner.arrays.items()}
+        return PortableState(arrays=arrays, meta=meta)
+
+    def import_state(self, state: PortableState) -> None:
+        """Restore what :meth:`export_state` returned (a fresh participant if empty)."""
+        last_open = state.meta.get("last_open")
+        self._last_open = tuple(last_open) if last_open else None  # type: ignore[assignment]
+        prefix = "training/"
+        arrays = {k[len(prefix) :]: v for k, v in state.arrays.items() if k.startswith(prefix)}
+        self.training.import_state(
+            PortableState(arrays=arrays, meta=state.meta.get("training") or {})
+        )

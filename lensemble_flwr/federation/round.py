@@ -189,6 +189,6 @@ class PseudoGradient:
     round: int
     delta: NamedArrays
     l2_norm: float
-    dataset_root: str
+    dataset_root: str | None
     num_examples: int
     transforms: tuple[str, ...] = ()

@@ -142,8 +142,6 @@ class InProcessTransport:
 
     def broadcast(self, message: ControlMessage) -> None:
         payload = to_wire(message)
-        if self.party == COORDINATOR and message.kind == "round-open":
-            self._network._round_opens(message.round)
         for peer in self.peers():
             self._network._post(self.party, peer, payload)
 
@@ -192,6 +190,7 @@ class InProcessNetwork:
         self._compute: dict[str, float] = {}
         self._offline: set[str] = set()
         self._queue: list[tuple[float, int, str, str, WirePayload]] = []
+        self._opened: set[tuple[Any, Any]] = set()
         self._seq = itertools.count()
         self.crashes: list[tuple[str, BaseException]] = []
         self.delivered: list[tuple[float, str, str, str, int]] = []
@@ -220,6 +219,11 @@ class InProcessNetwork:
     # -- delivery ----------------------------------------------------------------------
     def _post(self, source: str, dest: str, payload: WirePayload) -> None:
         kind, rnd = payload.get("kind"), payload.get("round")
+        if source == COORDINATOR and kind == "round-open":
+            key = (rnd, payload.get("attempt"))
+            if key not in self._opened:  # the first RoundOpen of an attempt
+                self._opened.add(key)
+                self._round_opens(rnd)  # type: ignore[arg-type]
         if source in self._offline or dest in self._offline:
             return
         delay = self.latency_s

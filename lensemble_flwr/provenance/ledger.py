@@ -44,7 +44,9 @@ class ContributionRecord(_Frozen):
     contributors: tuple[str, ...]
     count: int = Field(ge=1, description="C_t")
     total_weight: int = Field(ge=1)
-    dataset_roots: dict[str, str]
+    dataset_roots: dict[str, str | None] = Field(
+        description="Each contributor's committed dataset root; None for an unbound one."
+    )
     update_digests: dict[str, str]
     aggregate_digest: str
     previous_global_hash: str

@@ -42,7 +42,7 @@ class ReleaseContext:
     participant_id: str
     global_state: GlobalState
     round_seed: int
-    dataset_root: str
+    dataset_root: str | None
     num_examples: int
 
 

@@ -14,7 +14,13 @@ import numpy as np
 
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.params import subtract
-from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
+from lensemble_flwr.release.pipeline import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    chain,
+)
 
 
 def _no_state(_params: Mapping[str, np.ndarray]) -> None:
@@ -41,6 +47,8 @@ def bind() -> ReleaseTransform:
             raise RoundError("bind: only a differenced delta can be bound")
         if release.bound_root is not None:
             raise RoundError("bind: release is already bound")
+        if ctx.dataset_root is None:
+            raise RoundError("bind: this participant has no dataset commitment to bind to")
         return release.replace(bound_root=ctx.dataset_root), state
 
     return ReleaseTransform("bind", Stage.BIND, _no_state, update)
@@ -48,6 +56,4 @@ def bind() -> ReleaseTransform:
 
 def default_pipeline() -> ReleaseTransform:
     """The plaintext release: difference, then bind."""
-    from lensemble_flwr.release.pipeline import chain
-
     return chain(difference(), bind())

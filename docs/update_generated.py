@@ -1,0 +1,36 @@
+"""Rewrite the generated blocks of the docs from the code: ``python docs/update_generated.py``.
+
+``tests/test_docs.py`` fails when a block is stale.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lensemble_flwr.config import run_config_table
+from lensemble_flwr.errors import response_table
+from lensemble_flwr.federation.round import transition_diagram
+
+DOCS = Path(__file__).resolve().parent
+BLOCKS = {
+    ("runtime.md", "transitions"): lambda: f"```mermaid\n{transition_diagram()}\n```",
+    ("runtime.md", "errors"): response_table,
+    ("configuration.md", "run-config"): run_config_table,
+}
+
+
+def main() -> None:
+    for (page, name), render in BLOCKS.items():
+        path = DOCS / page
+        begin, end = f"<!-- BEGIN GENERATED: {name} -->\n", f"\n<!-- END GENERATED: {name} -->"
+        text = path.read_text()
+        new = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: begin + render() + end,
+                     text, flags=re.S)
+        if new != text:
+            path.write_text(new)
+            print(f"updated {page} [{name}]")
+
+
+if __name__ == "__main__":
+    main()

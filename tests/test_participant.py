@@ -1,0 +1,145 @@
+"""Participant behaviour: binding once, unbound contributions, state that outlives a process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from federation_helpers import federation, small_config
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import RoundError
+from lensemble_flwr.federation.coordinator import Coordinator
+from lensemble_flwr.federation.local_training import PortableState, TorchTraining
+from lensemble_flwr.federation.participant import Participant
+from lensemble_flwr.federation.round import GlobalState, RoundState
+from lensemble_flwr.federation.transport import InProcessNetwork
+from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.release import bind, chain, difference
+from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+
+
+def messages_per_round(network: InProcessNetwork, kind: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for _, _, _, k, rnd in network.delivered:
+        if k == kind:
+            counts[rnd] = counts.get(rnd, 0) + 1
+    return counts
+
+
+def test_commitment_is_bound_once_then_a_round_is_one_exchange(tmp_path: Path) -> None:
+    coordinator, network, _ = federation(tmp_path, participants=4)
+    coordinator.run(3)
+    assert messages_per_round(network, "commitment") == {0: 4}
+    assert messages_per_round(network, "update") == {0: 4, 1: 4, 2: 4}
+    assert messages_per_round(network, "round-open") == {0: 4, 1: 4, 2: 4}
+
+
+class UnboundToy(ToyTrainer):
+    """A participant that cannot commit to its data (like a stock Flower ClientApp)."""
+
+    def dataset_records(self) -> Iterable[bytes] | None:  # type: ignore[override]
+        return None
+
+
+def mixed_federation(tmp_path: Path, *, require_binding: bool):
+    config = small_config(require_binding=require_binding, min_participants=2)
+    network = InProcessNetwork(join_endpoint=str(tmp_path / "run"))
+    for i in range(3):
+        trainer = UnboundToy(i) if i == 2 else ToyTrainer(i)
+        pid = f"p{i:02d}"
+        network.attach(Participant(config, participant_id=pid,
+                                   transport=network.transport_for(pid), trainer=trainer))
+    coordinator = Coordinator(config, transport=network.coordinator,
+                              initial_params=initial_params(), store=Store(tmp_path / "run"))
+    return coordinator, network
+
+
+def test_unbound_contributions_are_admitted_and_recorded_as_unbound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    coordinator, _ = mixed_federation(tmp_path, require_binding=False)
+    coordinator.run(2)
+    records = verify(Store(tmp_path / "run"))
+    assert all(r.count == 3 for r in records)
+    assert records[0].dataset_roots["p02"] is None
+    assert records[0].dataset_roots["p00"] is not None
+    warnings = [r for r in caplog.records if "UNBOUND" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not every round
+
+
+def test_require_binding_refuses_unbound_contributions(tmp_path: Path) -> None:
+    coordinator, _ = mixed_federation(tmp_path, require_binding=True)
+    coordinator.run(2)
+    assert all(o.rejected == 1 and "p02" not in o.contributors for o in coordinator.outcomes)
+    records = Ledger(Store(tmp_path / "run")).records()
+    assert all(None not in r.dataset_roots.values() for r in records)
+
+
+def test_bind_refuses_a_participant_without_a_commitment() -> None:
+    config = small_config()
+    participant = Participant(config, participant_id="p", transport=InProcessNetwork()
+                              .transport_for("p"), trainer=UnboundToy(0),
+                              pipeline=chain(difference(), bind()))
+    state = GlobalState.create(0, initial_params(), sketch_seed=1, h_steps=1)
+    with pytest.raises(RoundError, match="no dataset commitment"):
+        participant.local_round(state, 1)
+
+
+def test_exported_state_continues_training_exactly(tmp_path: Path) -> None:
+    """A participant rebuilt from its exported state releases what the original would."""
+    config = small_config()
+    network = InProcessNetwork()
+    original = Participant(config, participant_id="p", transport=network.transport_for("p"),
+                           trainer=ToyTrainer(1))
+    state0 = GlobalState.create(0, initial_params(), sketch_seed=11, h_steps=3)
+    original.local_round(state0, 11)  # builds AdamW state and trains the local head
+    exported = original.export_state()
+    assert any(k.startswith("training/optimizer/") for k in exported.arrays)
+    assert any("action_head" in k for k in exported.arrays)
+    assert not any(k.startswith("training/model/encoder") for k in exported.arrays)
+
+    rebuilt = Participant(config, participant_id="p", transport=network.transport_for("q"),
+                          trainer=ToyTrainer(1))
+    rebuilt.import_state(exported)
+    state1 = GlobalState.create(1, initial_params(seed=3), sketch_seed=12, h_steps=3)
+    a = original.local_round(state1, 12)
+    b = rebuilt.local_round(state1, 12)
+    assert a.delta.keys() == b.delta.keys()
+    for name in a.delta:
+        np.testing.assert_array_equal(a.delta[name], b.delta[name])
+
+    fresh = Participant(config, participant_id="p", transport=network.transport_for("r"),
+                        trainer=ToyTrainer(1))
+    c = fresh.local_round(state1, 12)  # no AdamW history, no trained head: differs
+    assert any(not np.array_equal(a.delta[n], c.delta[n]) for n in a.delta)
+
+
+def test_empty_state_imports_as_a_fresh_participant() -> None:
+    config = small_config()
+    p = Participant(config, participant_id="p", transport=InProcessNetwork().transport_for("p"),
+                    trainer=ToyTrainer(0))
+    p.import_state(PortableState())
+    assert isinstance(p.training, TorchTraining) and p.training.optimizer is None
+
+
+def test_a_participant_appearing_while_the_round_is_open_is_invited(tmp_path: Path) -> None:
+    config = small_config(min_participants=4, open_timeout=30.0)
+    coordinator, network, nodes = federation(tmp_path, participants=3, config=config)
+    late = Participant(config, participant_id="p09", transport=network.transport_for("p09"),
+                       trainer=ToyTrainer(9))
+    # it attaches 5 simulated seconds into round 0's OPEN phase
+    network.clock.advance_to(0.0)
+    original_recv = network._run_until_coordinator_message
+
+    def recv(timeout_s: float):
+        if network.clock.time >= 5.0 and "p09" not in network.online():
+            network.attach(late)
+        return original_recv(timeout_s)
+
+    network._run_until_coordinator_message = recv  # type: ignore[method-assign]
+    coordinator.run(1)
+    outcome = coordinator.outcomes[0]
+    assert outcome.state is RoundState.CLOSED and "p09" in outcome.contributors
