@@ -127,7 +127,7 @@ def test_empty_state_imports_as_a_fresh_participant() -> None:
 
 def test_a_participant_appearing_while_the_round_is_open_is_invited(tmp_path: Path) -> None:
     config = small_config(min_participants=4, open_timeout=30.0)
-    coordinator, network, nodes = federation(tmp_path, participants=3, config=config)
+    coordinator, network, _nodes = federation(tmp_path, participants=3, config=config)
     late = Participant(config, participant_id="p09", transport=network.transport_for("p09"),
                        trainer=ToyTrainer(9))
     # it attaches 5 simulated seconds into round 0's OPEN phase

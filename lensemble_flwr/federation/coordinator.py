@@ -106,6 +106,7 @@ class RoundOutcome:
     global_hash: str
     diagnostics: Mapping[str, float]
     elapsed: float
+    path: tuple[RoundState, ...] = ()
 
     @property
     def reason(self) -> str | None:
@@ -170,6 +171,7 @@ class Coordinator:
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
         self._commitments: dict[str, Commitment] = {}
+        self.last_close: RoundClose | None = None
         self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
         initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
@@ -210,22 +212,52 @@ class Coordinator:
         if num_rounds < 0:
             raise ValueError("num_rounds must be >= 0")
         target = self._global.round + num_rounds
-        attempt = 1
         while self._global.round < target:
-            outcome = self._run_attempt(self._global.round, attempt)
+            outcome = self.run_attempt()
             if outcome.state is RoundState.CLOSED:
-                attempt = 1
                 continue
             assert outcome.error is not None
             response = response_to(outcome.error)
-            retries_left = attempt < self.config.federation.max_round_attempts
+            retries_left = outcome.attempt < self.config.federation.max_round_attempts
             if response is Response.RETRY_ROUND and retries_left:
                 log.info("round %d: retrying after %s", outcome.round, outcome.reason)
                 self._wait_for_joins()
-                attempt += 1
                 continue
             log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
             raise outcome.error
+
+    def next_attempt(self) -> int:
+        """The attempt number the current round's next attempt will carry."""
+        t = self._global.round
+        return 1 + sum(1 for o in self.outcomes if o.round == t)
+
+    def round_open_for(self, peer: str) -> RoundOpen:
+        """The RoundOpen the next attempt sends to ``peer``."""
+        state = self._global
+        return RoundOpen(
+            run_id=self.run_id,
+            round=state.round,
+            sender=COORDINATOR,
+            attempt=self.next_attempt(),
+            global_hash=state.params_hash,
+            params=state.params,
+            sketch_seed=state.sketch_seed,
+            h_steps=state.h_steps,
+            probe_hash=state.probe_hash,
+            landmark_hashes=state.landmark_hashes,
+            needs_commitment=peer not in self._commitments,
+        )
+
+    def run_attempt(self, *, transport: Transport | None = None) -> RoundOutcome:
+        """Run one attempt of the current round, without retrying; optionally over another
+        transport (e.g. replies that were already collected)."""
+        if transport is None:
+            return self._run_attempt(self._global.round, self.next_attempt())
+        own, self.transport = self.transport, transport
+        try:
+            return self._run_attempt(self._global.round, self.next_attempt())
+        finally:
+            self.transport = own
 
     def _pin(
         self, round: int, params: Mapping[str, np.ndarray], *, copy: bool = True
@@ -252,18 +284,7 @@ class Coordinator:
                 self.config.aggregation,
                 derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
             ),
-            round_open=RoundOpen(
-                run_id=self.run_id,
-                round=t,
-                sender=COORDINATOR,
-                attempt=attempt,
-                global_hash=state.params_hash,
-                params=state.params,
-                sketch_seed=state.sketch_seed,
-                h_steps=state.h_steps,
-                probe_hash=state.probe_hash,
-                landmark_hashes=state.landmark_hashes,
-            ),
+            round_open=self.round_open_for(COORDINATOR),
         )
         self._invite(ctx)
         result: AggregateSum | None = None
@@ -455,17 +476,16 @@ class Coordinator:
         )
         # The commit: the only place the canonical state changes.
         self._global, self._momentum, self._head_hash = new_state, momentum, record.record_hash
-        self.transport.broadcast(
-            RoundClose(
-                run_id=self.run_id,
-                round=t,
-                sender=COORDINATOR,
-                previous_hash=prior.params_hash,
-                global_hash=new_state.params_hash,
-                contributors=result.contributors,
-                record_hash=record.record_hash,
-            )
+        self.last_close = RoundClose(
+            run_id=self.run_id,
+            round=t,
+            sender=COORDINATOR,
+            previous_hash=prior.params_hash,
+            global_hash=new_state.params_hash,
+            contributors=result.contributors,
+            record_hash=record.record_hash,
         )
+        self.transport.broadcast(self.last_close)
 
     def _record(
         self,
@@ -489,6 +509,7 @@ class Coordinator:
             global_hash=self._global.params_hash,
             diagnostics=diagnostics,
             elapsed=self.transport.now() - started,
+            path=(RoundState.OPEN, *(after for _, _, after in ctx.machine.history)),
         )
         entry = RoundEntry(
             round=outcome.round,

@@ -1,0 +1,148 @@
+"""ClientApps whose train function is a lensemble Participant.
+
+``make_client_app(trainer_fn)`` gives a Message-API ClientApp: for every train
+instruction it rebuilds the participant from ``trainer_fn(context)`` and the state kept
+in ``context.state``, lets it handle the instruction's RoundClose and RoundOpen, and
+replies with what it sent (its commitment, once, and its update). Evaluate instructions
+run ``evaluate_fn``; query instructions (the strategy's warm-up) are answered at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from lensemble_flwr.clients.state import load_state, save_state
+from lensemble_flwr.config import LensembleConfig, run_config_keys
+from lensemble_flwr.federation.local_training import LocalTraining, Trainer
+from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.federation.participant import Participant
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.strategies import records
+
+log = logging.getLogger(__name__)
+
+TrainerFn = Callable[[Context], "Trainer | LocalTraining"]
+EvaluateFn = Callable[[Any, NamedArrays, Mapping[str, Any]], Mapping[str, float]]
+REFUSED = 3201
+"""Error code of a train reply when the participant released nothing (see its log)."""
+
+
+class ReplyCollector:
+    """A Transport that keeps what the participant sends, to return it as one reply."""
+
+    def __init__(self) -> None:
+        self.sent: list[ControlMessage] = []
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def broadcast(self, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        return None
+
+    def peers(self) -> Sequence[str]:
+        return []
+
+    def now(self) -> float:
+        return 0.0
+
+
+def config_from_context(context: Context) -> LensembleConfig:
+    """The lensemble part of the run config; the app's own keys are ignored here (the
+    server validates the run config strictly)."""
+    run_config = dict(context.run_config)
+    extra = set(run_config) - set(run_config_keys())
+    return LensembleConfig.from_run_config(run_config, extra_keys=extra)
+
+
+def default_evaluate(trainer: Any, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
+    """Call ``trainer.evaluate(params)`` returning (loss, accuracy, num_examples)."""
+    loss, accuracy, count = trainer.evaluate(params)
+    return {"loss": float(loss), "accuracy": float(accuracy), "num-examples": int(count)}
+
+
+def handle_train(
+    message: Message,
+    context: Context,
+    trainer: Trainer | LocalTraining,
+    config: LensembleConfig,
+) -> Message:
+    """Run one train instruction through a Participant rebuilt from ``context.state``."""
+    payloads = records.decode_instruction(message.content)
+    if not any(p.get("kind") == "round-open" for p in payloads):
+        return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
+    collector = ReplyCollector()
+    participant = Participant(
+        config,
+        participant_id=records.participant_id(context.node_id),
+        transport=collector,
+        trainer=trainer,
+    )
+    participant.import_state(load_state(context.state))
+    for payload in payloads:
+        participant.handle(payload)
+    save_state(context.state, participant.export_state())
+    if not any(m.kind == "update" for m in collector.sent):
+        return Message(
+            Error(code=REFUSED, reason=f"{participant.participant_id} released nothing"),
+            reply_to=message,
+        )
+    metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
+    if participant.last_loss is not None:
+        metrics["train-loss"] = float(participant.last_loss)
+    content = records.encode_reply([to_wire(m) for m in collector.sent], metrics)
+    return Message(content=content, reply_to=message)
+
+
+def handle_evaluate(message: Message, context: Context, trainer: Any, evaluate_fn: EvaluateFn) -> Message:
+    """Evaluate the instruction's global arrays on the participant's local data."""
+    arrays = message.content.array_records.get(records.ARRAYS)
+    if arrays is None:
+        return Message(Error(code=REFUSED, reason="evaluate without arrays"), reply_to=message)
+    config = dict(message.content.config_records.get(records.CONFIG, ConfigRecord()))
+    metrics = evaluate_fn(trainer, records.record_to_arrays(arrays), config)
+    return Message(content=RecordDict({records.METRICS: MetricRecord(dict(metrics))}),
+                   reply_to=message)
+
+
+def make_client_app(
+    trainer_fn: TrainerFn,
+    *,
+    config_fn: Callable[[Context], LensembleConfig] = config_from_context,
+    evaluate_fn: EvaluateFn | None = default_evaluate,
+) -> ClientApp:
+    """A ClientApp whose participants are built by ``trainer_fn(context)``.
+
+    Args:
+        trainer_fn: builds this node's Trainer (torch model + private data) or
+            LocalTraining; called for every message (a SuperNode may use a new process
+            per message), so it should be cheap and deterministic.
+        config_fn: the federation config on this node (default: from the run config).
+        evaluate_fn: ``(trainer, global_arrays, config) -> metrics`` with ``num-examples``;
+            None to refuse evaluate instructions.
+    """
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        return handle_train(message, context, trainer_fn(context), config_fn(context))
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        if evaluate_fn is None:
+            return Message(Error(code=REFUSED, reason="no evaluate_fn"), reply_to=message)
+        return handle_evaluate(message, context, trainer_fn(context), evaluate_fn)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return Message(content=RecordDict({records.METRICS: MetricRecord({"ready": 1})}),
+                       reply_to=message)
+
+    return app

@@ -1,0 +1,118 @@
+"""Existing NumPyClient code as a lensemble participant.
+
+``wrap_numpy_client(client_fn)`` returns a ClientApp in which the user's unmodified
+``NumPyClient.fit`` is the inner loop: the participant gives it the global arrays (as the
+ordered list a NumPyClient expects), takes the arrays it returns as the local weights,
+and forms the delta and the release from them. Without ``records_fn`` the participant
+cannot commit to its data and its updates are unbound; with it, they are bound to the
+Merkle root of those records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Context
+from flwr.client import NumPyClient
+from flwr.clientapp import ClientApp
+
+from lensemble_flwr.clients.app import config_from_context, make_client_app
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.params import NamedArrays
+
+
+def ordered_names(names: Iterable[str]) -> list[str]:
+    """Names in the order of the list a NumPyClient works with: ``"0", "1", ..., "10"``
+    numerically (how Flower names a list of arrays), anything else as given sorted."""
+    names = list(names)
+    if all(n.isdigit() for n in names):
+        return sorted(names, key=int)
+    return sorted(names)
+
+
+class NumPyClientTraining:
+    """LocalTraining whose inner loop is ``client.fit``.
+
+    Args:
+        client: the user's NumPyClient.
+        records: the records its data commits to, or None (unbound updates).
+        fit_config: extra config passed to every ``fit`` (besides ``local-steps`` and
+            ``seed``, which come from the round).
+    """
+
+    def __init__(
+        self,
+        client: NumPyClient,
+        *,
+        records: Iterable[bytes] | None = None,
+        fit_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.client = client
+        self._records = list(records) if records is not None else None
+        self.fit_config = dict(fit_config or {})
+        self._num_examples = len(self._records) if self._records is not None else 1
+        self.last_loss: float | None = None
+
+    def num_examples(self) -> int:
+        return self._num_examples
+
+    def dataset_records(self) -> Iterable[bytes] | None:
+        return self._records
+
+    def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
+        names = ordered_names(global_params)
+        config = {**self.fit_config, "local-steps": steps, "seed": seed}
+        params, count, metrics = self.client.fit([np.array(global_params[n]) for n in names],
+                                                 config)
+        if len(params) != len(names):
+            raise ValueError(f"fit returned {len(params)} arrays for {len(names)} parameters")
+        if self._records is None:  # unbound: the example count is what fit reports
+            self._num_examples = max(1, int(count))
+        loss = (metrics or {}).get("loss", (metrics or {}).get("train-loss"))
+        self.last_loss = float(loss) if isinstance(loss, (int, float)) else None
+        return {n: np.asarray(p) for n, p in zip(names, params, strict=True)}
+
+    def forget(self) -> None:
+        """A NumPyClient keeps no state the participant could discard."""
+
+    def export_state(self) -> PortableState:
+        return PortableState(meta={"num_examples": self._num_examples})
+
+    def import_state(self, state: PortableState) -> None:
+        if self._records is None and "num_examples" in state.meta:
+            self._num_examples = int(state.meta["num_examples"])
+
+    def evaluate(self, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
+        names = ordered_names(params)
+        loss, count, metrics = self.client.evaluate([params[n] for n in names], dict(config))
+        out = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
+        return {**out, "loss": float(loss), "num-examples": int(count)}
+
+
+def _numpy_client(client: Any) -> NumPyClient:
+    """The NumPyClient of what a client_fn returns (a NumPyClient or its ``to_client()``)."""
+    inner = getattr(client, "numpy_client", client)
+    if not isinstance(inner, NumPyClient):
+        raise TypeError(f"client_fn must return a NumPyClient, got {type(client).__name__}")
+    return inner
+
+
+def wrap_numpy_client(
+    client_fn: Callable[[Context], Any],
+    *,
+    records_fn: Callable[[Context], Iterable[bytes]] | None = None,
+    config_fn: Callable[[Context], LensembleConfig] = config_from_context,
+) -> ClientApp:
+    """A lensemble ClientApp around an existing ``client_fn`` returning a NumPyClient."""
+
+    def trainer_fn(context: Context) -> NumPyClientTraining:
+        records = records_fn(context) if records_fn is not None else None
+        return NumPyClientTraining(_numpy_client(client_fn(context)), records=records)
+
+    def evaluate(training: Any, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
+        return training.evaluate(params, config)
+
+    return make_client_app(trainer_fn, config_fn=config_fn, evaluate_fn=evaluate)

@@ -1,0 +1,36 @@
+"""A participant's PortableState kept in Flower's ``Context.state`` between messages.
+
+A SuperNode may start a fresh process for every message, so nothing a participant must
+remember (inner optimizer, local groups, the last round it answered; later its keys and
+privacy accountant) can live in module globals. It lives in ``context.state``: the arrays
+in one ArrayRecord, the metadata as canonical JSON in one ConfigRecord.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from lensemble_flwr.canonical import canonical_json
+from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
+
+ARRAYS_KEY = "lensemble.state.arrays"
+META_KEY = "lensemble.state.meta"
+
+
+def load_state(state: RecordDict) -> PortableState:
+    """The participant state stored in ``state`` (empty for a new participant)."""
+    arrays = state.array_records.get(ARRAYS_KEY)
+    meta = state.config_records.get(META_KEY)
+    return PortableState(
+        arrays=record_to_arrays(arrays) if arrays is not None else {},
+        meta=json.loads(str(meta["json"])) if meta is not None else {},
+    )
+
+
+def save_state(state: RecordDict, portable: PortableState) -> None:
+    """Store ``portable`` in ``state``, replacing what was there."""
+    state[ARRAYS_KEY] = arrays_to_record(portable.arrays) if portable.arrays else ArrayRecord()
+    state[META_KEY] = ConfigRecord({"json": canonical_json(portable.meta).decode("ascii")})

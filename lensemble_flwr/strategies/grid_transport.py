@@ -1,0 +1,333 @@
+"""Flower's Grid as one more Transport for the coordinator.
+
+The coordinator's state machine runs unchanged; this class only moves payloads:
+
+* ``send`` queues an instruction for a node; the next ``recv`` pushes every queued
+  instruction in one ``push_messages`` call. Each instruction's TTL is set from the
+  round's deadlines, so an unanswered one expires in the SuperLink instead of lingering
+  for Flower's default 12 hours.
+* ``recv`` pulls replies for every outstanding instruction — including those of earlier
+  rounds, so a late reply is pulled (which also deletes it from the SuperLink), decoded,
+  and handed to the coordinator, which logs it with its round and drops it. Error replies
+  (a ClientApp exception, an expired TTL) are logged and dropped here.
+* ``broadcast(RoundClose)`` costs no exchange: the close rides on the next instruction
+  to each node.
+* A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
+  *unbound* update: the delta is its arrays minus the global params it was sent.
+* Participants are named ``node-<node_id>``; a payload whose sender is not the node the
+  SuperLink says it came from is dropped (the SuperLink authenticates nodes, not us).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.federation.round import l2_norm
+from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.records import node_id_of, participant_id
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class SentInstruction:
+    """What the transport remembers about an instruction until its reply is pulled."""
+
+    peer: str
+    kind: str
+    round: int
+    attempt: int
+    run_id: str
+    params: Mapping[str, np.ndarray] | None
+    pushed_at: float
+
+
+class GridTransport:
+    """The coordinator's end of a Flower Grid.
+
+    Args:
+        grid: the ServerApp's Grid (in-memory in simulation, HTTP in deployment).
+        message_ttl: seconds an instruction may wait in the SuperLink (set it to the open
+            plus collect timeout, so it expires with the round that sent it).
+        user_config: the train config every instruction carries (as FedAvg would).
+        poll_interval: seconds between pulls while waiting.
+        peer_refresh: seconds a node list from the SuperLink is reused.
+        clock, sleep: injectable for tests.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        *,
+        message_ttl: float,
+        user_config: Mapping[str, Any] | None = None,
+        poll_interval: float = 0.05,
+        peer_refresh: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.grid = grid
+        self.message_ttl = message_ttl
+        self.user_config = dict(user_config or {})
+        self.poll_interval = poll_interval
+        self.peer_refresh = peer_refresh
+        self._clock = clock
+        self._sleep = sleep
+        self._queue: list[Message] = []
+        self._queued_info: list[SentInstruction] = []
+        self._outstanding: dict[str, SentInstruction] = {}
+        self._inbox: deque[WirePayload] = deque()
+        self._close: WirePayload | None = None
+        self._peers: list[str] = []
+        self._peers_at = -float("inf")
+        self.sent_per_round: dict[int, dict[str, int]] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.client_metrics: dict[tuple[int, str], dict[str, float]] = {}
+        self.dropped: list[tuple[str, int, str]] = []
+
+    # -- Transport ---------------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock()
+
+    def peers(self) -> Sequence[str]:
+        if self.now() - self._peers_at >= self.peer_refresh:
+            self._peers = sorted(participant_id(n) for n in self.grid.get_node_ids())
+            self._peers_at = self.now()
+        return list(self._peers)
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        payload = to_wire(message)
+        if message.kind != "round-open":
+            raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
+        content = records.encode_instruction(
+            payload,
+            server_round=message.round + 1,
+            user_config=self.user_config,
+            round_close=self._close,
+        )
+        self._queue_message(peer_id, content, MessageType.TRAIN, payload)
+
+    def broadcast(self, message: ControlMessage) -> None:
+        if message.kind != "round-close":
+            raise ValueError(f"only RoundClose is broadcast over a Grid, not {message.kind}")
+        self._close = to_wire(message)  # rides on the next instruction to each node
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        self._flush()
+        deadline = self.now() + max(0.0, timeout_s)
+        while not self._inbox:
+            self._pull()
+            if self._inbox:
+                break
+            remaining = deadline - self.now()
+            if remaining <= 0:
+                return None
+            self._sleep(min(self.poll_interval, remaining))
+        return self._inbox.popleft()
+
+    # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
+    def pending_close(self) -> ConfigRecord | None:
+        """The RoundClose that would ride on the next instruction, as a record."""
+        return None if self._close is None else records.encode_close(self._close)
+
+    def request(
+        self, contents: Mapping[str, RecordDict], message_type: str, *, timeout_s: float
+    ) -> list[Message]:
+        """Send one message per participant and wait for their replies (at most
+        ``timeout_s``); replies that come later are pulled and dropped by later calls."""
+        ids: list[str] = []
+        for peer, content in contents.items():
+            self._queue_message(peer, content, message_type, None)
+        ids = [m.metadata.message_id for m in self._flush()]
+        wanted = set(ids)
+        deadline = self.now() + timeout_s
+        replies: list[Message] = []
+        while wanted and self.now() < deadline:
+            for reply in self._pull_raw():
+                reply_to = reply.metadata.reply_to_message_id
+                if reply_to in wanted:
+                    wanted.discard(reply_to)
+                    self._outstanding.pop(reply_to, None)
+                    replies.append(reply)
+                else:
+                    self._absorb(reply)
+            if wanted:
+                self._sleep(self.poll_interval)
+        return replies
+
+    def warm_up(self, *, min_nodes: int, timeout_s: float) -> list[str]:
+        """Wait until ``min_nodes`` nodes are connected and every connected node has
+        answered one cheap query (a Ray actor or SuperNode process is then up), so the
+        first round's deadlines are not spent on cold starts.
+
+        Returns:
+            The participants that answered (an error reply also proves the node is up).
+        """
+        deadline = self.now() + timeout_s
+        while len(self.peers()) < min_nodes and self.now() < deadline:
+            self._peers_at = -float("inf")
+            self._sleep(min(1.0, max(0.0, deadline - self.now())))
+        contents = {
+            peer: RecordDict({records.PREFIX + "warm-up": ConfigRecord({"ping": 1})})
+            for peer in self.peers()
+        }
+        replies = self.request(contents, MessageType.QUERY, timeout_s=max(0.0, deadline - self.now()))
+        return sorted(participant_id(r.metadata.src_node_id) for r in replies)
+
+    def exchanges(self, round: int) -> int:
+        """Instructions the busiest participant had to answer in ``round`` (1 when a round
+        is a single exchange)."""
+        return max(self.sent_per_round.get(round, {}).values(), default=0)
+
+    # -- internals ---------------------------------------------------------------------
+    def _queue_message(
+        self, peer: str, content: RecordDict, message_type: str, payload: WirePayload | None
+    ) -> None:
+        rnd = int(payload["round"]) if payload else -1
+        message = Message(
+            content=content,
+            dst_node_id=node_id_of(peer),
+            message_type=message_type,
+            ttl=self.message_ttl,
+            group_id=str(rnd),
+        )
+        self._queue.append(message)
+        self._queued_info.append(
+            SentInstruction(
+                peer=peer,
+                kind=str(payload["kind"]) if payload else message_type,
+                round=rnd,
+                attempt=int(payload["attempt"]) if payload else 0,
+                run_id=str(payload["run_id"]) if payload else "",
+                params=payload["params"] if payload else None,
+                pushed_at=0.0,
+            )
+        )
+        if payload is not None:
+            per_peer = self.sent_per_round.setdefault(rnd, {})
+            per_peer[peer] = per_peer.get(peer, 0) + 1
+
+    def _flush(self) -> list[Message]:
+        if not self._queue:
+            return []
+        queue, infos = self._queue, self._queued_info
+        self._queue, self._queued_info = [], []
+        for message in queue:
+            self.bytes_sent += _content_bytes(message.content)
+        ids = list(self.grid.push_messages(queue))
+        now = self.now()
+        for message_id, info in zip(ids, infos, strict=True):
+            if message_id:
+                self._outstanding[message_id] = dataclasses.replace(info, pushed_at=now)
+        return [m for m, i in zip(queue, ids, strict=True) if i]
+
+    def _pull_raw(self) -> Iterable[Message]:
+        if not self._outstanding:
+            return []
+        self._expire()
+        return list(self.grid.pull_messages(list(self._outstanding)))
+
+    def _pull(self) -> None:
+        for reply in self._pull_raw():
+            self._absorb(reply)
+
+    def _expire(self) -> None:
+        """Forget instructions whose TTL passed long ago and that no reply will ever match."""
+        horizon = self.now() - 2 * self.message_ttl
+        for message_id, info in list(self._outstanding.items()):
+            if info.pushed_at < horizon:
+                del self._outstanding[message_id]
+
+    def _absorb(self, reply: Message) -> None:
+        info = self._outstanding.pop(reply.metadata.reply_to_message_id, None)
+        source = participant_id(reply.metadata.src_node_id)
+        if info is None:
+            log.info("dropped a reply to an unknown instruction from %s", source)
+            return
+        if reply.has_error():
+            self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
+            log.info(
+                "round %d: %s from %s dropped: error %s (%s)",
+                info.round, info.kind, info.peer, reply.error.code, reply.error.reason,
+            )
+            return
+        self.bytes_received += _content_bytes(reply.content)
+        if info.kind == "round-open":
+            self._unpack_train_reply(reply.content, info, source)
+        else:
+            log.debug("dropped a late %s reply from %s", info.kind, info.peer)
+
+    def _unpack_train_reply(self, content: RecordDict, info: SentInstruction, source: str) -> None:
+        try:
+            self._inbox.extend(train_reply_payloads(content, info, source))
+        except ValueError as exc:
+            self.dropped.append((info.peer, info.round, str(exc)))
+            log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
+            return
+        metrics = content.metric_records.get(records.METRICS)
+        if metrics is not None:
+            self.client_metrics[(info.round, info.peer)] = {
+                k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
+            }
+
+
+def train_reply_payloads(content: RecordDict, info: SentInstruction, source: str) -> list[WirePayload]:
+    """The payloads a train reply stands for.
+
+    A lensemble participant's reply carries its payloads; a stock ClientApp's reply
+    becomes one unbound update (its arrays minus the global params it was sent).
+
+    Raises:
+        ValueError: a payload names another sender than the node it came from, or the
+            reply is neither kind.
+    """
+    if records.is_lensemble_reply(content):
+        payloads = records.decode_reply(content)
+        for payload in payloads:
+            if payload.get("sender") != source or source != info.peer:
+                raise ValueError(f"a {payload.get('kind')} claiming to be {payload.get('sender')!r}")
+        return list(payloads)
+    stock = records.stock_reply(content)
+    if stock is None or info.params is None:
+        raise ValueError("neither a lensemble nor a stock train reply")
+    arrays, count, _ = stock
+    delta: dict[str, np.ndarray] = arrays  # wrong names: ingress refuses it, with the reason
+    norm = 0.0
+    if set(arrays) == set(info.params):
+        delta = {
+            n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
+            for n in sorted(arrays)
+        }
+        norm = l2_norm(delta)
+    return [
+        {
+            "kind": "update",
+            "run_id": info.run_id,
+            "round": info.round,
+            "attempt": info.attempt,
+            "sender": info.peer,
+            "participant_id": info.peer,
+            "dataset_root": None,
+            "delta": delta,
+            "l2_norm": norm,
+            "num_examples": count,
+            "transforms": ("stock-clientapp",),
+        }
+    ]
+
+
+def _content_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays in ``content`` (what dominates the wire)."""
+    return sum(record.count_bytes() for record in content.array_records.values())

@@ -1,0 +1,328 @@
+"""LensembleStrategy: the coordinator as a drop-in Flower (Message API) Strategy.
+
+Replace ``FedAvg(...)`` with ``LensembleStrategy(config)`` and call ``start`` as before::
+
+    strategy = LensembleStrategy(LensembleConfig.from_run_config(context.run_config, ...))
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(...), num_rounds=10)
+
+``start`` drives the package's Coordinator over a :class:`GridTransport`: the same
+state machine, quorum, deadlines, elastic completion, exact sum, outer step, checkpoints
+and ledger as in-process. ``configure_train``/``aggregate_train`` also work on their own
+(Flower's stock loop): ``aggregate_train`` runs one round attempt of the same
+coordinator over the replies it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.federation.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.federation.messages import to_wire
+from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.grid_transport import (
+    GridTransport,
+    SentInstruction,
+    train_reply_payloads,
+)
+from lensemble_flwr.strategies.records import participant_id
+from lensemble_flwr.strategies.replay import ReplayTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LensembleResult(Result):
+    """Flower's Result, plus what a MetricRecord cannot hold: why attempts aborted."""
+
+    aborted: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    outcomes: list[RoundOutcome] = dataclasses.field(default_factory=list)
+    run_dir: Path | None = None
+
+
+class LensembleStrategy(Strategy):
+    """A Flower Strategy whose rounds are lensemble rounds.
+
+    Args:
+        config: the federation's config (defaults to ``LensembleConfig()``).
+        run_dir: where checkpoints, the ledger and the manifest go (a fresh temporary
+            directory if omitted; ``result.run_dir`` says where).
+        run_id: names the run in every message (default ``flwr-<Flower run id>``).
+        warmup_timeout: seconds ``start`` waits, before round 1, for K nodes to connect
+            and for every node to answer one query (Ray actors and SuperNode processes
+            take seconds to start; round deadlines should not pay for that).
+        fraction_evaluate: share of nodes asked to evaluate after each round (0: none).
+        poll_interval: seconds between pulls of the Grid.
+        on_round: called with a one-line report after every round attempt.
+    """
+
+    def __init__(
+        self,
+        config: LensembleConfig | None = None,
+        *,
+        run_dir: str | Path | None = None,
+        run_id: str | None = None,
+        warmup_timeout: float = 120.0,
+        fraction_evaluate: float = 1.0,
+        poll_interval: float = 0.05,
+        on_round: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config or LensembleConfig()
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.run_id = run_id
+        self.warmup_timeout = warmup_timeout
+        self.fraction_evaluate = fraction_evaluate
+        self.poll_interval = poll_interval
+        self.on_round = on_round
+        self.coordinator: Coordinator | None = None
+        self.transport: GridTransport | None = None
+
+    # -- Strategy's abstract surface ---------------------------------------------------
+    def summary(self) -> None:
+        fed, outer = self.config.federation, self.config.outer
+        log.info("LensembleStrategy: quorum K=%d (min %d, secagg %d), open %.0fs, collect %.0fs",
+                 fed.quorum, fed.min_participants, fed.secagg_threshold, fed.open_timeout,
+                 fed.collect_timeout)
+        log.info("  outer step: lr %.3g, momentum %.3g, nesterov %s; weighting %s; "
+                 "require-binding %s", outer.lr, outer.momentum, outer.nesterov,
+                 fed.weighting, fed.require_binding)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """RoundOpen instructions for every node, for the coordinator's current round."""
+        coordinator = self._ensure_coordinator(grid, arrays)
+        close = coordinator.last_close
+        messages = []
+        for node in grid.get_node_ids():
+            payload = to_wire(coordinator.round_open_for(participant_id(node)))
+            content = records.encode_instruction(
+                payload,
+                server_round=server_round,
+                user_config=dict(config),
+                round_close=to_wire(close) if close else None,
+            )
+            messages.append(Message(content=content, dst_node_id=node,
+                                    message_type=MessageType.TRAIN))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Run one attempt of the current round over the collected ``replies``.
+
+        Returns the new global arrays (None if the attempt aborted) and the round metrics.
+        """
+        if self.coordinator is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        coordinator = self.coordinator
+        template = coordinator.round_open_for("")
+        payloads, peers = [], []
+        for reply in replies:
+            peer = participant_id(reply.metadata.src_node_id)
+            peers.append(peer)
+            if reply.has_error():
+                log.info("round %d: error reply from %s: %s", server_round, peer,
+                         reply.error.reason)
+                continue
+            info = SentInstruction(peer=peer, kind="round-open", round=template.round,
+                                   attempt=template.attempt, run_id=template.run_id,
+                                   params=template.params, pushed_at=0.0)
+            try:
+                payloads.extend(train_reply_payloads(reply.content, info, peer))
+            except ValueError as exc:
+                log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
+        outcome = coordinator.run_attempt(transport=ReplayTransport(payloads, peers))
+        metrics = MetricRecord(self._metrics(outcome))
+        if outcome.state is not RoundState.CLOSED:
+            return None, metrics
+        return records.arrays_to_record(coordinator.global_state().params), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluate instructions (global arrays + config) for a share of the nodes."""
+        nodes = sorted(grid.get_node_ids())
+        if self.fraction_evaluate <= 0 or not nodes:
+            return []
+        count = max(1, int(len(nodes) * self.fraction_evaluate))
+        return [
+            Message(content=self._evaluate_content(server_round, arrays, config),
+                    dst_node_id=node, message_type=MessageType.EVALUATE)
+            for node in nodes[:count]
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Average the replies' metrics weighted by ``num-examples`` (as FedAvg does)."""
+        contents = [r.content for r in replies if not r.has_error() and r.content.metric_records]
+        valid = [c for c in contents
+                 if "num-examples" in next(iter(c.metric_records.values()))]
+        if not valid:
+            return None
+        return aggregate_metricrecords(valid, "num-examples")
+
+    # -- the round loop ----------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> LensembleResult:
+        """Run ``num_rounds`` lensemble rounds over ``grid``.
+
+        ``timeout`` bounds each evaluation exchange; training rounds use the config's open
+        and collect timeouts. A round whose attempts abort is retried as configured; an
+        error that stops the federation is raised (the result so far is in the run dir).
+        """
+        self.summary()
+        fed = self.config.federation
+        transport = GridTransport(
+            grid,
+            message_ttl=fed.open_timeout + fed.collect_timeout,
+            user_config=dict(train_config or {}),
+            poll_interval=self.poll_interval,
+        )
+        self.transport = transport
+        coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
+        result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
+        warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
+        log.info("warm-up: %d node(s) answered: %s", len(warm), ", ".join(warm) or "none")
+        if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
+        for _ in range(num_rounds):
+            t = coordinator.global_state().round
+            seen = len(coordinator.outcomes)
+            try:
+                coordinator.run(1)
+            finally:
+                new = coordinator.outcomes[seen:]
+                result.outcomes.extend(new)
+                aborted = [o.reason or "" for o in new if o.state is RoundState.ABORTED]
+                if aborted:
+                    result.aborted[t + 1] = aborted
+            closed = new[-1]
+            result.arrays = records.arrays_to_record(coordinator.global_state().params)
+            metrics = self._metrics(closed, attempts=len(new))
+            result.train_metrics_clientapp[t + 1] = MetricRecord(metrics)
+            evaluation = self._evaluate(t + 1, result.arrays, evaluate_config, timeout)
+            if evaluation is not None:
+                result.evaluate_metrics_clientapp[t + 1] = evaluation
+            if evaluate_fn is not None and (res := evaluate_fn(t + 1, result.arrays)) is not None:
+                result.evaluate_metrics_serverapp[t + 1] = res
+            self._report(closed, metrics, evaluation, aborted)
+        return result
+
+    # -- helpers -----------------------------------------------------------------------
+    def _ensure_coordinator(
+        self, grid: Grid, arrays: ArrayRecord, *, transport: Any = None
+    ) -> Coordinator:
+        if self.coordinator is None or transport is not None:
+            if self.run_dir is None:
+                self.run_dir = Path(tempfile.mkdtemp(prefix="lensemble-run-"))
+            run_id = self.run_id or f"flwr-{_flower_run_id(grid)}"
+            self.coordinator = Coordinator(
+                self.config,
+                transport=transport or ReplayTransport((), ()),
+                initial_params=records.record_to_arrays(arrays),
+                store=Store(self.run_dir),
+                run_id=run_id,
+            )
+            log.info("run directory: %s", self.run_dir)
+        return self.coordinator
+
+    def _evaluate_content(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None
+    ) -> RecordDict:
+        cfg = dict(config or {})
+        cfg["server-round"] = server_round
+        content = RecordDict({records.ARRAYS: arrays, records.CONFIG: ConfigRecord(cfg)})
+        if self.transport is not None and (close := self.transport.pending_close()) is not None:
+            content[records.CLOSE_RECORD] = close
+        elif self.coordinator is not None and self.coordinator.last_close is not None:
+            content[records.CLOSE_RECORD] = records.encode_close(
+                to_wire(self.coordinator.last_close))
+        return content
+
+    def _evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None, timeout: float
+    ) -> MetricRecord | None:
+        transport = self.transport
+        if transport is None or self.fraction_evaluate <= 0:
+            return None
+        peers = list(transport.peers())
+        count = max(1, int(len(peers) * self.fraction_evaluate)) if peers else 0
+        contents = {p: self._evaluate_content(server_round, arrays, config) for p in peers[:count]}
+        replies = transport.request(contents, MessageType.EVALUATE, timeout_s=timeout)
+        return self.aggregate_evaluate(server_round, replies)
+
+    def _metrics(self, outcome: RoundOutcome, attempts: int = 1) -> dict[str, float]:
+        metrics: dict[str, float] = {
+            "C_t": float(outcome.count),
+            "attempts": float(attempts),
+            "aborted-attempts": float(attempts - (outcome.state is RoundState.CLOSED)),
+            "seconds": float(outcome.elapsed),
+            "late": float(len(outcome.late)),
+            "rejected": float(outcome.rejected),
+        }
+        transport = self.transport
+        if transport is not None:
+            metrics["exchanges"] = float(transport.exchanges(outcome.round))
+            metrics["bytes-sent"] = float(transport.bytes_sent)
+            metrics["bytes-received"] = float(transport.bytes_received)
+            losses = [
+                (m["train-loss"], m.get("num-examples", 1.0))
+                for (rnd, peer), m in transport.client_metrics.items()
+                if rnd == outcome.round and peer in outcome.contributors and "train-loss" in m
+            ]
+            if losses:
+                total = sum(w for _, w in losses)
+                metrics["train-loss"] = sum(v * w for v, w in losses) / total
+        return metrics
+
+    def _report(
+        self,
+        outcome: RoundOutcome,
+        metrics: dict[str, float],
+        evaluation: MetricRecord | None,
+        aborted: list[str],
+    ) -> None:
+        path = "→".join(s.value for s in outcome.path)
+        parts = [f"round {outcome.round + 1}: {path}", f"C_t={outcome.count}"]
+        if evaluation is not None:
+            parts += [f"{k}={float(v):.4f}" for k, v in evaluation.items()
+                      if k != "num-examples" and isinstance(v, (int, float))]
+        if "train-loss" in metrics:
+            parts.append(f"train-loss={metrics['train-loss']:.4f}")
+        parts.append(f"exchanges={metrics.get('exchanges', 0):.0f}")
+        parts.append(f"sent={metrics.get('bytes-sent', 0) / 1e6:.2f}MB")
+        if aborted:
+            parts.append(f"aborted={len(aborted)} ({aborted[-1]})")
+        line = " ".join(parts)
+        log.info(line)
+        if self.on_round is not None:
+            self.on_round(line)
+
+
+def _flower_run_id(grid: Grid) -> str:
+    try:
+        return str(grid.run.run_id)
+    except Exception:  # a Grid without a run (tests): name the run by its object
+        return f"{id(grid):x}"

@@ -1,0 +1,179 @@
+"""Carrying lensemble wire payloads inside Flower messages, both directions.
+
+An instruction (server → node) is a Flower ``RecordDict`` that any ClientApp can read:
+
+* ``"arrays"`` — the global params (what a stock Message-API ClientApp trains on);
+* ``"config"`` — a ConfigRecord with ``server-round`` and the user's train config, plus
+  the RoundOpen's fields under ``lensemble.*`` keys;
+* ``"lensemble.round-close"`` — the previous round's RoundClose, when one is pending
+  (it rides on the next instruction instead of costing an exchange of its own).
+
+A reply (node → server) from a lensemble participant carries one ConfigRecord per
+message it sends (``"lensemble.commitment"``, ``"lensemble.update"``), the update's
+delta as the ArrayRecord ``"lensemble.update.delta"``, and a ``"metrics"``
+MetricRecord (``num-examples``, and ``train-loss`` when known). A reply from a stock
+ClientApp (``"arrays"`` + a MetricRecord with ``num-examples``) is turned into an
+*unbound* update by the receiver, which knows what it sent.
+
+Nothing here validates: receivers run the result through ``messages.from_wire``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from lensemble_flwr.federation.messages import WirePayload
+
+NODE_PREFIX = "node-"
+PREFIX = "lensemble."
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+CLOSE_RECORD = PREFIX + "round-close"
+_ARRAY_FIELD = {"round-open": "params", "update": "delta"}
+# Flower's ConfigRecord cannot carry None, and chokes on "" and [] (count_bytes raises,
+# an empty list has no element type); such fields travel as lists of their names.
+_NULLS, _EMPTY_LISTS, _EMPTY_STRINGS = "__null__", "__empty_list__", "__empty_str__"
+_REPLY_KINDS = ("commitment", "update")
+
+
+def participant_id(node_id: int) -> str:
+    """The participant id of a Flower node: ``node-<node_id>``."""
+    return f"{NODE_PREFIX}{node_id}"
+
+
+def node_id_of(participant: str) -> int:
+    """The Flower node id of a participant id (``node-<id>``)."""
+    if not participant.startswith(NODE_PREFIX):
+        raise ValueError(f"{participant!r} is not a Flower node participant")
+    return int(participant[len(NODE_PREFIX) :])
+
+
+def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Named numpy arrays → ArrayRecord (sorted names; arrays are copied by Flower)."""
+    return ArrayRecord({name: Array(np.asarray(arrays[name])) for name in sorted(arrays)})
+
+
+def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """ArrayRecord → named numpy arrays."""
+    return {name: record[name].numpy() for name in record}
+
+
+def _fields_to_config(payload: WirePayload, skip: str | None, prefix: str = "") -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    special: dict[str, list[str]] = {_NULLS: [], _EMPTY_LISTS: [], _EMPTY_STRINGS: []}
+    for name, value in payload.items():
+        if name == skip:
+            continue
+        if value is None:
+            special[_NULLS].append(name)
+        elif isinstance(value, (tuple, list)) and not value:
+            special[_EMPTY_LISTS].append(name)
+        elif isinstance(value, str) and not value:
+            special[_EMPTY_STRINGS].append(name)
+        else:
+            config[prefix + name] = list(value) if isinstance(value, tuple) else value
+    for key, names in special.items():
+        if names:
+            config[prefix + key] = names
+    return config
+
+
+def _config_to_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    fields = {k[len(prefix) :]: v for k, v in config.items() if k.startswith(prefix)}
+    for key, value in ((_NULLS, None), (_EMPTY_LISTS, []), (_EMPTY_STRINGS, "")):
+        for name in fields.pop(key, []):
+            fields[name] = value
+    return fields
+
+
+def encode_instruction(
+    round_open: WirePayload,
+    *,
+    server_round: int,
+    user_config: Mapping[str, Any] | None = None,
+    round_close: WirePayload | None = None,
+) -> RecordDict:
+    """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads."""
+    config = dict(user_config or {})
+    config["server-round"] = server_round
+    config.update(_fields_to_config(round_open, skip="params", prefix=PREFIX))
+    content = RecordDict(
+        {ARRAYS: arrays_to_record(round_open["params"]), CONFIG: ConfigRecord(config)}
+    )
+    if round_close is not None:
+        content[CLOSE_RECORD] = ConfigRecord(_fields_to_config(round_close, skip=None))
+    return content
+
+
+def encode_close(round_close: WirePayload) -> ConfigRecord:
+    """A RoundClose as the record that rides on the next instruction."""
+    return ConfigRecord(_fields_to_config(round_close, skip=None))
+
+
+def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
+    """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
+    payloads: list[dict[str, Any]] = []
+    if CLOSE_RECORD in content.config_records:
+        payloads.append(_config_to_fields(content.config_records[CLOSE_RECORD]))
+    config = content.config_records.get(CONFIG)
+    if config is not None and config.get(PREFIX + "kind") == "round-open":
+        fields = _config_to_fields(config, prefix=PREFIX)
+        arrays = content.array_records.get(ARRAYS)
+        fields["params"] = record_to_arrays(arrays) if arrays is not None else None
+        payloads.append(fields)
+    return payloads
+
+
+def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> RecordDict:
+    """What a lensemble participant sends back: its messages, in order, and metrics."""
+    content = RecordDict()
+    for payload in payloads:
+        kind = str(payload["kind"])
+        if kind not in _REPLY_KINDS:
+            raise ValueError(f"a participant does not send {kind}")
+        array_field = _ARRAY_FIELD.get(kind)
+        content[PREFIX + kind] = ConfigRecord(_fields_to_config(payload, skip=array_field))
+        if array_field is not None:
+            content[f"{PREFIX}{kind}.{array_field}"] = arrays_to_record(payload[array_field])
+    content[METRICS] = MetricRecord(dict(metrics))
+    return content
+
+
+def is_lensemble_reply(content: RecordDict) -> bool:
+    """True if the reply came from a lensemble participant (not a stock ClientApp)."""
+    return any(PREFIX + kind in content.config_records for kind in _REPLY_KINDS)
+
+
+def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
+    """A lensemble participant's payloads, in protocol order (commitment, then update)."""
+    payloads = []
+    for kind in _REPLY_KINDS:
+        record = content.config_records.get(PREFIX + kind)
+        if record is None:
+            continue
+        fields = _config_to_fields(record)
+        array_field = _ARRAY_FIELD.get(kind)
+        if array_field is not None:
+            arrays = content.array_records.get(f"{PREFIX}{kind}.{array_field}")
+            fields[array_field] = record_to_arrays(arrays) if arrays is not None else None
+        payloads.append(fields)
+    return payloads
+
+
+def stock_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
+    """(arrays, num-examples, metrics) of a stock Message-API train reply, or None."""
+    arrays = content.array_records.get(ARRAYS)
+    if arrays is None and len(content.array_records) == 1:
+        arrays = next(iter(content.array_records.values()))
+    metric_records = list(content.metric_records.values())
+    if arrays is None or len(metric_records) != 1:
+        return None
+    metrics = dict(metric_records[0])
+    count = metrics.get("num-examples")
+    if not isinstance(count, (int, float)) or count < 1:
+        return None
+    scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    return record_to_arrays(arrays), int(count), scalars
