@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtualenv (once, and again when pyproject.toml changes), then run a job.
-#   ./dev.sh main   the main job: a federation (see README)
-#   ./dev.sh test   the test suite
+#   ./dev.sh main        the main job: `flwr run .` on Flower's local simulation engine
+#   ./dev.sh inprocess   the same runtime in one process, on a simulated clock
+#   ./dev.sh test        the test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${LENSEMBLE_VENV:-.venv}"
@@ -23,13 +24,42 @@ setup() {
 flower_env() {
   FLWR_HOME="$(mktemp -d)"
   export FLWR_HOME FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-  export PATH="$PWD/$VENV/bin:$PATH"
+  export PATH="$(cd "$VENV" && pwd)/bin:$PATH"
+}
+
+run_flower_app() {
+  # Start the local simulation SuperLink ourselves, so that we know its PID and stop it
+  # afterwards (a SuperLink that `flwr run` starts on its own keeps running).
+  local port="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-39091}" control="${FLWR_LOCAL_CONTROL_API_PORT:-39093}"
+  setsid "$VENV/bin/flower-superlink" --insecure --simulation --isolation subprocess \
+    --control-api-address "127.0.0.1:$control" --host 127.0.0.1 --port "$port" \
+    --database "$FLWR_HOME/state.db" --log-file "$FLWR_HOME/superlink.log" \
+    >"$FLWR_HOME/superlink.out" 2>&1 &
+  local superlink=$!
+  trap 'kill -- -'"$superlink"' 2>/dev/null || true' EXIT
+  for _ in $(seq 100); do
+    "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=0.5)" 2>/dev/null && break
+    sleep 0.2
+  done
+  "$VENV/bin/flwr" run . --stream --federation-config "num-supernodes=${NUM_SUPERNODES:-10}" "$@"
+  # `flwr run` exits 0 even when the run failed: ask the SuperLink.
+  "$VENV/bin/flwr" ls --format json | "$VENV/bin/python" -c '
+import json, sys
+runs = json.load(sys.stdin)["runs"]
+status = runs[-1]["status"] if runs else "no run"
+print(f"run status: {status}")
+sys.exit(0 if status == "finished:completed" else 1)'
 }
 
 case "${1:-}" in
   main)
     setup
     flower_env
+    shift
+    run_flower_app "$@"
+    ;;
+  inprocess)
+    setup
     shift
     exec "$VENV/bin/python" -m lensemble_flwr.simulations.inprocess "$@"
     ;;
@@ -40,7 +70,7 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: ./dev.sh main|test [args...]" >&2
+    echo "usage: ./dev.sh main|inprocess|test [args...]" >&2
     exit 2
     ;;
 esac
