@@ -25,8 +25,9 @@ def main() -> None:
         path = DOCS / page
         begin, end = f"<!-- BEGIN GENERATED: {name} -->\n", f"\n<!-- END GENERATED: {name} -->"
         text = path.read_text()
-        new = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: begin + render() + end,
-                     text, flags=re.S)
+        block = begin + render() + end
+        new = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _, b=block: b, text,
+                     flags=re.S)
         if new != text:
             path.write_text(new)
             print(f"updated {page} [{name}]")

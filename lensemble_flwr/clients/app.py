@@ -62,7 +62,9 @@ def config_from_context(context: Context) -> LensembleConfig:
     return LensembleConfig.from_run_config(run_config, extra_keys=extra)
 
 
-def default_evaluate(trainer: Any, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
+def default_evaluate(
+    trainer: Any, params: NamedArrays, config: Mapping[str, Any]
+) -> dict[str, float]:
     """Call ``trainer.evaluate(params)`` returning (loss, accuracy, num_examples)."""
     loss, accuracy, count = trainer.evaluate(params)
     return {"loss": float(loss), "accuracy": float(accuracy), "num-examples": int(count)}
@@ -101,15 +103,18 @@ def handle_train(
     return Message(content=content, reply_to=message)
 
 
-def handle_evaluate(message: Message, context: Context, trainer: Any, evaluate_fn: EvaluateFn) -> Message:
+def handle_evaluate(
+    message: Message, context: Context, trainer: Any, evaluate_fn: EvaluateFn
+) -> Message:
     """Evaluate the instruction's global arrays on the participant's local data."""
     arrays = message.content.array_records.get(records.ARRAYS)
     if arrays is None:
         return Message(Error(code=REFUSED, reason="evaluate without arrays"), reply_to=message)
     config = dict(message.content.config_records.get(records.CONFIG, ConfigRecord()))
     metrics = evaluate_fn(trainer, records.record_to_arrays(arrays), config)
-    return Message(content=RecordDict({records.METRICS: MetricRecord(dict(metrics))}),
-                   reply_to=message)
+    return Message(
+        content=RecordDict({records.METRICS: MetricRecord(dict(metrics))}), reply_to=message
+    )
 
 
 def make_client_app(
@@ -142,7 +147,8 @@ def make_client_app(
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
-        return Message(content=RecordDict({records.METRICS: MetricRecord({"ready": 1})}),
-                       reply_to=message)
+        return Message(
+            content=RecordDict({records.METRICS: MetricRecord({"ready": 1})}), reply_to=message
+        )
 
     return app

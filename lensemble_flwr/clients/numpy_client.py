@@ -65,8 +65,9 @@ class NumPyClientTraining:
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
         names = ordered_names(global_params)
         config = {**self.fit_config, "local-steps": steps, "seed": seed}
-        params, count, metrics = self.client.fit([np.array(global_params[n]) for n in names],
-                                                 config)
+        params, count, metrics = self.client.fit(
+            [np.array(global_params[n]) for n in names], config
+        )
         if len(params) != len(names):
             raise ValueError(f"fit returned {len(params)} arrays for {len(names)} parameters")
         if self._records is None:  # unbound: the example count is what fit reports

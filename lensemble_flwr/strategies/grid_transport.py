@@ -39,7 +39,6 @@ from lensemble_flwr.strategies.records import node_id_of, participant_id
 log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SentInstruction:
     """What the transport remembers about an instruction until its reply is pulled."""
@@ -183,7 +182,9 @@ class GridTransport:
             peer: RecordDict({records.PREFIX + "warm-up": ConfigRecord({"ping": 1})})
             for peer in self.peers()
         }
-        replies = self.request(contents, MessageType.QUERY, timeout_s=max(0.0, deadline - self.now()))
+        replies = self.request(
+            contents, MessageType.QUERY, timeout_s=max(0.0, deadline - self.now())
+        )
         return sorted(participant_id(r.metadata.src_node_id) for r in replies)
 
     def exchanges(self, round: int) -> int:
@@ -260,7 +261,11 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
             log.info(
                 "round %d: %s from %s dropped: error %s (%s)",
-                info.round, info.kind, info.peer, reply.error.code, reply.error.reason,
+                info.round,
+                info.kind,
+                info.peer,
+                reply.error.code,
+                reply.error.reason,
             )
             return
         self.bytes_received += _content_bytes(reply.content)
@@ -283,7 +288,9 @@ class GridTransport:
             }
 
 
-def train_reply_payloads(content: RecordDict, info: SentInstruction, source: str) -> list[WirePayload]:
+def train_reply_payloads(
+    content: RecordDict, info: SentInstruction, source: str
+) -> list[WirePayload]:
     """The payloads a train reply stands for.
 
     A lensemble participant's reply carries its payloads; a stock ClientApp's reply
@@ -297,7 +304,9 @@ def train_reply_payloads(content: RecordDict, info: SentInstruction, source: str
         payloads = records.decode_reply(content)
         for payload in payloads:
             if payload.get("sender") != source or source != info.peer:
-                raise ValueError(f"a {payload.get('kind')} claiming to be {payload.get('sender')!r}")
+                raise ValueError(
+                    f"a {payload.get('kind')} claiming to be {payload.get('sender')!r}"
+                )
         return list(payloads)
     stock = records.stock_reply(content)
     if stock is None or info.params is None:

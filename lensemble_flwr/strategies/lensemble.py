@@ -92,12 +92,22 @@ class LensembleStrategy(Strategy):
     # -- Strategy's abstract surface ---------------------------------------------------
     def summary(self) -> None:
         fed, outer = self.config.federation, self.config.outer
-        log.info("LensembleStrategy: quorum K=%d (min %d, secagg %d), open %.0fs, collect %.0fs",
-                 fed.quorum, fed.min_participants, fed.secagg_threshold, fed.open_timeout,
-                 fed.collect_timeout)
-        log.info("  outer step: lr %.3g, momentum %.3g, nesterov %s; weighting %s; "
-                 "require-binding %s", outer.lr, outer.momentum, outer.nesterov,
-                 fed.weighting, fed.require_binding)
+        log.info(
+            "LensembleStrategy: quorum K=%d (min %d, secagg %d), open %.0fs, collect %.0fs",
+            fed.quorum,
+            fed.min_participants,
+            fed.secagg_threshold,
+            fed.open_timeout,
+            fed.collect_timeout,
+        )
+        log.info(
+            "  outer step: lr %.3g, momentum %.3g, nesterov %s; weighting %s; require-binding %s",
+            outer.lr,
+            outer.momentum,
+            outer.nesterov,
+            fed.weighting,
+            fed.require_binding,
+        )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -114,8 +124,9 @@ class LensembleStrategy(Strategy):
                 user_config=dict(config),
                 round_close=to_wire(close) if close else None,
             )
-            messages.append(Message(content=content, dst_node_id=node,
-                                    message_type=MessageType.TRAIN))
+            messages.append(
+                Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+            )
         return messages
 
     def aggregate_train(
@@ -134,12 +145,19 @@ class LensembleStrategy(Strategy):
             peer = participant_id(reply.metadata.src_node_id)
             peers.append(peer)
             if reply.has_error():
-                log.info("round %d: error reply from %s: %s", server_round, peer,
-                         reply.error.reason)
+                log.info(
+                    "round %d: error reply from %s: %s", server_round, peer, reply.error.reason
+                )
                 continue
-            info = SentInstruction(peer=peer, kind="round-open", round=template.round,
-                                   attempt=template.attempt, run_id=template.run_id,
-                                   params=template.params, pushed_at=0.0)
+            info = SentInstruction(
+                peer=peer,
+                kind="round-open",
+                round=template.round,
+                attempt=template.attempt,
+                run_id=template.run_id,
+                params=template.params,
+                pushed_at=0.0,
+            )
             try:
                 payloads.extend(train_reply_payloads(reply.content, info, peer))
             except ValueError as exc:
@@ -159,8 +177,11 @@ class LensembleStrategy(Strategy):
             return []
         count = max(1, int(len(nodes) * self.fraction_evaluate))
         return [
-            Message(content=self._evaluate_content(server_round, arrays, config),
-                    dst_node_id=node, message_type=MessageType.EVALUATE)
+            Message(
+                content=self._evaluate_content(server_round, arrays, config),
+                dst_node_id=node,
+                message_type=MessageType.EVALUATE,
+            )
             for node in nodes[:count]
         ]
 
@@ -169,8 +190,7 @@ class LensembleStrategy(Strategy):
     ) -> MetricRecord | None:
         """Average the replies' metrics weighted by ``num-examples`` (as FedAvg does)."""
         contents = [r.content for r in replies if not r.has_error() and r.content.metric_records]
-        valid = [c for c in contents
-                 if "num-examples" in next(iter(c.metric_records.values()))]
+        valid = [c for c in contents if "num-examples" in next(iter(c.metric_records.values()))]
         if not valid:
             return None
         return aggregate_metricrecords(valid, "num-examples")
@@ -258,7 +278,8 @@ class LensembleStrategy(Strategy):
             content[records.CLOSE_RECORD] = close
         elif self.coordinator is not None and self.coordinator.last_close is not None:
             content[records.CLOSE_RECORD] = records.encode_close(
-                to_wire(self.coordinator.last_close))
+                to_wire(self.coordinator.last_close)
+            )
         return content
 
     def _evaluate(
@@ -307,8 +328,11 @@ class LensembleStrategy(Strategy):
         path = "→".join(s.value for s in outcome.path)
         parts = [f"round {outcome.round + 1}: {path}", f"C_t={outcome.count}"]
         if evaluation is not None:
-            parts += [f"{k}={float(v):.4f}" for k, v in evaluation.items()
-                      if k != "num-examples" and isinstance(v, (int, float))]
+            parts += [
+                f"{k}={float(v):.4f}"
+                for k, v in evaluation.items()
+                if k != "num-examples" and isinstance(v, (int, float))
+            ]
         if "train-loss" in metrics:
             parts.append(f"train-loss={metrics['train-loss']:.4f}")
         parts.append(f"exchanges={metrics.get('exchanges', 0):.0f}")
