@@ -91,9 +91,9 @@ def handle_train(
     for payload in payloads:
         participant.handle(payload)
     save_state(context.state, participant.export_state())
-    if not any(m.kind == "update" for m in collector.sent):
+    if not collector.sent:  # it did not even accept the round (e.g. a tampered state)
         return Message(
-            Error(code=REFUSED, reason=f"{participant.participant_id} released nothing"),
+            Error(code=REFUSED, reason=f"{participant.participant_id} refused the round"),
             reply_to=message,
         )
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}

@@ -51,6 +51,7 @@ from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, Fixe
 from lensemble_flwr.federation.messages import (
     Commitment,
     ControlMessage,
+    Refusal,
     RoundClose,
     RoundOpen,
     Update,
@@ -121,9 +122,11 @@ class _Attempt:
     state: GlobalState
     aggregator: Aggregator
     round_open: RoundOpen
+    grace: float = 0.0
     invited: set[str] = dataclasses.field(default_factory=set)
     admitted: set[str] = dataclasses.field(default_factory=set)
     roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
     update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
     late: set[str] = dataclasses.field(default_factory=set)
     rejected: int = 0
@@ -172,6 +175,7 @@ class Coordinator:
         self._machine: RoundMachine | None = None
         self._commitments: dict[str, Commitment] = {}
         self.last_close: RoundClose | None = None
+        self._grace = 0.0
         self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
         initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
@@ -225,6 +229,15 @@ class Coordinator:
                 continue
             log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
             raise outcome.error
+
+    def grant_grace(self, seconds: float) -> None:
+        """Extend the open and collect deadlines of the next attempt (only) by ``seconds``.
+
+        For a cold start: the first messages of a run can wait on processes that are still
+        starting (Ray actors, SuperNode ClientApp processes), which is not the
+        participants' fault and should not abort the first round.
+        """
+        self._grace = max(0.0, float(seconds))
 
     def next_attempt(self) -> int:
         """The attempt number the current round's next attempt will carry."""
@@ -285,7 +298,9 @@ class Coordinator:
                 derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
             ),
             round_open=self.round_open_for(COORDINATOR),
+            grace=self._grace,
         )
+        self._grace = 0.0
         self._invite(ctx)
         result: AggregateSum | None = None
         diagnostics: dict[str, float] = {}
@@ -327,7 +342,7 @@ class Coordinator:
 
     def _open(self, ctx: _Attempt) -> None:
         quorum = self.config.federation.quorum
-        deadline = self.transport.now() + self.config.federation.open_timeout
+        deadline = self.transport.now() + self.config.federation.open_timeout + ctx.grace
         while len(ready := self._ready(ctx)) < quorum:
             remaining = deadline - self.transport.now()
             if remaining <= 0:
@@ -340,11 +355,11 @@ class Coordinator:
 
     def _collect(self, ctx: _Attempt) -> None:
         quorum = self.config.federation.quorum
-        deadline = self.transport.now() + self.config.federation.collect_timeout
+        deadline = self.transport.now() + self.config.federation.collect_timeout + ctx.grace
         while True:
             self._invite(ctx)  # a participant that became reachable may still contribute
             reachable = set(self.transport.peers())
-            outstanding = (ctx.invited & reachable) - ctx.admitted
+            outstanding = (ctx.invited & reachable) - ctx.admitted - set(ctx.refused)
             if not outstanding:
                 break
             if len(ctx.admitted) + len(outstanding) < quorum:
@@ -375,7 +390,7 @@ class Coordinator:
             log.warning("round %d: message rejected: %s", ctx.machine.round, exc)
 
     def _accept(self, msg: ControlMessage, ctx: _Attempt) -> None:
-        if not isinstance(msg, (Commitment, Update)):
+        if not isinstance(msg, (Commitment, Update, Refusal)):
             raise RoundError(f"a participant may not send {msg.kind} (from {msg.sender})")
         if msg.run_id != self.run_id:
             raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
@@ -387,7 +402,11 @@ class Coordinator:
             )
             return
         pid = msg.participant_id
-        if isinstance(msg, Commitment):
+        if isinstance(msg, Refusal):
+            ctx.refused[pid] = f"{msg.error}: {msg.reason}"
+            log.warning("round %d: %s releases nothing: %s", ctx.machine.round, pid,
+                        ctx.refused[pid])
+        elif isinstance(msg, Commitment):
             self._bind(msg)
         else:
             self._check_binding(msg)
@@ -526,6 +545,7 @@ class Coordinator:
             new_global_hash=self._global.params_hash if closed else None,
             late=outcome.late,
             rejected=outcome.rejected,
+            refused=dict(sorted(ctx.refused.items())),
             diagnostics=diagnostics,
         )
         self._manifest = self._manifest.with_round(self.store, entry)

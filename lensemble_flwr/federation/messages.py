@@ -138,6 +138,27 @@ class Update(_Message):
         return self._max_abs
 
 
+class Refusal(_Message):
+    """Participant → coordinator: I release nothing this round, and why.
+
+    Not one of the specification's four messages: it is how a participant's typed error
+    (e.g. a privacy budget that a release would exceed) reaches the coordinator, so the
+    round stops waiting for that participant and the error table can decide.
+    """
+
+    kind: Literal["refusal"] = "refusal"
+    attempt: int = Field(1, ge=1)
+    participant_id: str = Field(min_length=1, max_length=128)
+    error: str = Field(min_length=1, max_length=64, description="The error's class name.")
+    reason: str = Field("", max_length=2000)
+
+    @model_validator(mode="after")
+    def _sender_is_participant(self) -> Refusal:
+        if self.sender != self.participant_id:
+            raise ValueError("sender and participant_id differ")
+        return self
+
+
 class RoundClose(_Message):
     """Coordinator → participants: round ``round`` closed on this new global state."""
 
@@ -148,7 +169,7 @@ class RoundClose(_Message):
     record_hash: str = Field(pattern=_HEX64)
 
 
-ControlMessage = Union[RoundOpen, Commitment, Update, RoundClose]  # noqa: UP007
+ControlMessage = Union[RoundOpen, Commitment, Update, Refusal, RoundClose]  # noqa: UP007
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
     Annotated[ControlMessage, Field(discriminator="kind")]
 )
@@ -167,7 +188,7 @@ def from_wire(payload: Any) -> ControlMessage:
         RoundError: the payload is not a well-formed control message; the error names
             the first offending field.
     """
-    if isinstance(payload, (RoundOpen, Commitment, Update, RoundClose)):
+    if isinstance(payload, (RoundOpen, Commitment, Update, Refusal, RoundClose)):
         payload = to_wire(payload)
     if not isinstance(payload, Mapping):
         raise RoundError(f"malformed message: expected a mapping, got {type(payload).__name__}")

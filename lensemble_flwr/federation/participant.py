@@ -31,6 +31,7 @@ from lensemble_flwr.federation.local_training import (
 )
 from lensemble_flwr.federation.messages import (
     Commitment,
+    Refusal,
     RoundClose,
     RoundOpen,
     Update,
@@ -90,7 +91,6 @@ class Participant:
         self.training = as_local_training(trainer, config)
         records = self.training.dataset_records()
         self.dataset_root: str | None = None if records is None else merkle_root(records)
-        self.num_examples = self.training.num_examples()
         if pipeline is None:
             stages = (difference(), bind()) if self.dataset_root else (difference(),)
             pipeline = chain(*stages)
@@ -148,13 +148,18 @@ class Participant:
             self.transport.send(
                 msg.sender,
                 Commitment(
-                    **common, dataset_root=self.dataset_root, num_examples=self.num_examples
+                    **common,
+                    dataset_root=self.dataset_root,
+                    num_examples=self.training.num_examples(),
                 ),
             )
         try:
             released = self.local_round(state, msg.sketch_seed)
         except LensembleError as exc:
             log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
+            self.transport.send(
+                msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
+            )
             return
         self.transport.send(
             msg.sender,
@@ -189,7 +194,7 @@ class Participant:
             global_state=global_state,
             round_seed=round_seed,
             dataset_root=self.dataset_root,
-            num_examples=self.num_examples,
+            num_examples=self.training.num_examples(),
         )
         release, self._pipeline_state = self.pipeline.update(
             Release(local=local), self._pipeline_state, ctx
@@ -205,7 +210,7 @@ class Participant:
             delta=release.delta,
             l2_norm=l2_norm(release.delta),
             dataset_root=release.bound_root,
-            num_examples=self.num_examples,
+            num_examples=ctx.num_examples,  # after fit: a NumPyClient reports it there
             transforms=release.applied,
         )
 

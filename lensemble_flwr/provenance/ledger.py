@@ -82,6 +82,7 @@ class RoundEntry(_Frozen):
     new_global_hash: str | None = None
     late: tuple[str, ...] = ()
     rejected: int = 0
+    refused: dict[str, str] = {}
     diagnostics: dict[str, float] = {}
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
 from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
@@ -185,7 +186,13 @@ class GridTransport:
         replies = self.request(
             contents, MessageType.QUERY, timeout_s=max(0.0, deadline - self.now())
         )
-        return sorted(participant_id(r.metadata.src_node_id) for r in replies)
+        # a SuperLink-generated error (expired TTL, node unavailable) comes from the
+        # SuperLink's own node id and proves nothing about the node
+        return sorted(
+            participant_id(r.metadata.src_node_id)
+            for r in replies
+            if r.metadata.src_node_id != SUPERLINK_NODE_ID
+        )
 
     def exchanges(self, round: int) -> int:
         """Instructions the busiest participant had to answer in ``round`` (1 when a round
@@ -227,12 +234,18 @@ class GridTransport:
         self._queue, self._queued_info = [], []
         for message in queue:
             self.bytes_sent += _content_bytes(message.content)
-        ids = list(self.grid.push_messages(queue))
+        # Grids name each message in place; InMemoryGrid leaves the ones it refuses out of
+        # the returned ids, the HTTP grid returns None for them (or [] when the push is
+        # too large), so match by id, not by position.
+        pushed = {i for i in self.grid.push_messages(queue) if i}
         now = self.now()
-        for message_id, info in zip(ids, infos, strict=True):
-            if message_id:
+        sent = []
+        for message, info in zip(queue, infos, strict=True):
+            message_id = message.metadata.message_id
+            if message_id and message_id in pushed:
                 self._outstanding[message_id] = dataclasses.replace(info, pushed_at=now)
-        return [m for m, i in zip(queue, ids, strict=True) if i]
+                sent.append(message)
+        return sent
 
     def _pull_raw(self) -> Iterable[Message]:
         if not self._outstanding:

@@ -223,8 +223,18 @@ class LensembleStrategy(Strategy):
         self.transport = transport
         coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
+        started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
-        log.info("warm-up: %d node(s) answered: %s", len(warm), ", ".join(warm) or "none")
+        cold_start = transport.now() - started
+        log.info(
+            "warm-up: %d node(s) answered in %.1fs: %s",
+            len(warm),
+            cold_start,
+            ", ".join(warm) or "none",
+        )
+        # Nodes answering a query does not mean every worker process is up (Ray starts
+        # its actors lazily): the first round's deadlines get the cold start as grace.
+        coordinator.grant_grace(cold_start)
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         for _ in range(num_rounds):

@@ -36,7 +36,7 @@ _ARRAY_FIELD = {"round-open": "params", "update": "delta"}
 # Flower's ConfigRecord cannot carry None, and chokes on "" and [] (count_bytes raises,
 # an empty list has no element type); such fields travel as lists of their names.
 _NULLS, _EMPTY_LISTS, _EMPTY_STRINGS = "__null__", "__empty_list__", "__empty_str__"
-_REPLY_KINDS = ("commitment", "update")
+_REPLY_KINDS = ("commitment", "update", "refusal")
 
 
 def participant_id(node_id: int) -> str:

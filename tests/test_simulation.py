@@ -1,0 +1,256 @@
+"""LensembleStrategy on Flower's simulation engine (Ray): a few end-to-end runs.
+
+Each test pays Ray's start-up (~10 s on 2 cores), so there are few of them. The ServerApp
+runs in this process (a thread of ``run_simulation``); results are handed back through
+the ``box`` dicts the apps close over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client import NumPyClient
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+from flwr.simulation import run_simulation
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.clients import make_client_app, wrap_numpy_client
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import FaultToleranceExceeded
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.simulations.toy import ToyTrainer
+from lensemble_flwr.simulations.toy import initial_params as toy_params
+from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
+
+pytestmark = pytest.mark.simulation
+
+BACKEND = {"client_resources": {"num_cpus": 0.5}}  # several actors on 2 cores
+
+
+def simulate(server: ServerApp, client: ClientApp, nodes: int) -> float:
+    started = time.perf_counter()
+    run_simulation(server_app=server, client_app=client, num_supernodes=nodes,
+                   backend_config=BACKEND)
+    return time.perf_counter() - started
+
+
+def lensemble_server(config: LensembleConfig, run_dir: Path, rounds: int, box: dict,
+                     initial: dict[str, np.ndarray], **strategy_args: Any) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = LensembleStrategy(config, run_dir=run_dir, fraction_evaluate=0.0,
+                                     **strategy_args)
+        box["strategy"] = strategy
+        try:
+            box["result"] = strategy.start(grid=grid, initial_arrays=arrays_to_record(initial),
+                                           num_rounds=rounds)
+        except Exception as exc:  # handed back to the test, which asserts on it
+            box["error"] = exc
+
+    return app
+
+
+# -- a participant that sleeps past the deadline once ------------------------------------
+def sleepy_client_app(marker: Path, slow_partition: int, seconds: float) -> ClientApp:
+    """The slow partition's second fit (its second round) sleeps ``seconds`` first."""
+
+    class SleepyToy(ToyTrainer):
+        checked = False
+
+        def sample_batch(self, generator, batch_size):  # type: ignore[no-untyped-def]
+            if not self.checked and self.pid == slow_partition:
+                self.checked = True
+                fits = marker.read_text().count("x") if marker.exists() else 0
+                marker.write_text("x" * (fits + 1))
+                if fits == 1:
+                    time.sleep(seconds)
+            return super().sample_batch(generator, batch_size)
+
+    def trainer_fn(context: Context) -> ToyTrainer:
+        trainer = SleepyToy(int(context.node_config["partition-id"]))
+        trainer.pid = int(context.node_config["partition-id"])  # type: ignore[attr-defined]
+        return trainer
+
+    return make_client_app(trainer_fn)
+
+
+def test_elastic_completion_with_a_participant_past_the_deadline(tmp_path: Path) -> None:
+    """One node's second fit takes 6 s; the collect deadline is 4 s. Round 2 closes at its
+    deadline without it; its round-2 update arrives during a later round, is pulled,
+    logged as late and dropped, and the node contributes again afterwards."""
+    config = LensembleConfig(
+        federation={"min_participants": 2, "open_timeout": 20.0, "collect_timeout": 4.0},
+        inner={"steps": 2, "batch_size": 8},
+    )
+    box: dict = {}
+    server = lensemble_server(config, tmp_path / "run", 5, box, toy_params())
+    simulate(server, sleepy_client_app(tmp_path / "fits", 1, seconds=6.0), nodes=3)
+    assert "error" not in box, box.get("error")
+    outcomes = box["result"].outcomes
+    assert [o.state.value for o in outcomes] == ["closed"] * 5  # the cold start cost nothing
+    r1, r2, *later = outcomes
+    assert r1.count == 3 and r2.count == 2  # round 2 closed elastically, without the sleeper
+    nodes = {f"node-{n}" for n in box["strategy"].transport.grid.get_node_ids()}
+    (slow,) = nodes - set(r2.contributors)
+    assert any(slow in o.late for o in later)  # pulled, logged as late, dropped
+    assert any(slow in o.contributors for o in later)  # and it contributes again
+    records = verify(Store(tmp_path / "run"))
+    assert slow not in records[1].contributors
+    metrics = box["result"].train_metrics_clientapp
+    assert metrics[2]["C_t"] == 2.0 and metrics[2]["exchanges"] == 1.0
+    assert 4.0 <= metrics[2]["seconds"] < 6.0  # it waited for the deadline, not the sleeper
+
+
+def test_quorum_failure_aborts_and_leaves_the_global_arrays_unchanged(tmp_path: Path) -> None:
+    config = LensembleConfig(
+        federation={"min_participants": 3, "open_timeout": 2.0, "collect_timeout": 5.0,
+                    "max_round_attempts": 2, "retry_wait": 0.5},
+        inner={"steps": 1},
+    )
+    box: dict = {}
+    server = lensemble_server(config, tmp_path / "run", 2, box, toy_params(),
+                              warmup_timeout=20.0)
+    simulate(server, make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"]))),
+             nodes=2)
+    assert isinstance(box.get("error"), FaultToleranceExceeded)
+    coordinator = box["strategy"].coordinator
+    assert [o.state.value for o in coordinator.outcomes] == ["aborted", "aborted"]
+    assert coordinator.global_state().round == 0
+    for name, array in toy_params().items():
+        np.testing.assert_array_equal(coordinator.global_state().params[name], array)
+    store = Store(tmp_path / "run")
+    assert Ledger(store).head() is None
+    assert all("FaultToleranceExceeded" in (e.reason or "") for e in RunManifest.load(store).rounds)
+
+
+# -- a stock Message-API ClientApp, exactly as in Flower's quickstarts -------------------
+TARGETS = {p: np.array([p + 1.0, -2.0 * p, 0.5], np.float32) for p in range(4)}
+
+
+def stock_client_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        w = msg.content["arrays"]["w"].numpy()
+        local = w + np.float32(0.5) * (TARGETS[pid] - w)  # half-way to its own target
+        content = RecordDict({
+            "arrays": ArrayRecord({"w": Array(local)}),
+            "metrics": MetricRecord({"num-examples": 10 * (pid + 1), "train_loss": 0.1}),
+        })
+        return Message(content=content, reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    return app
+
+
+def fedavg_server(rounds: int, box: dict, initial: dict[str, np.ndarray]) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=4, min_train_nodes=4)
+        result = strategy.start(grid=grid, initial_arrays=arrays_to_record(initial),
+                                num_rounds=rounds, train_config=ConfigRecord({"lr": 0.1}))
+        box["arrays"] = record_to_arrays(result.arrays)
+
+    return app
+
+
+def test_fedavg_equivalence_with_a_stock_clientapp_unchanged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """outer lr 1, momentum 0, example-count weighting: the same arrays as FedAvg.
+
+    Tolerance: rtol 1e-6, atol 1e-7. FedAvg sums w_i/W * x_i in float32 in arrival order;
+    lensemble adds the exact fixed-point mean of the deltas (grid 2**-32) to θ and rounds
+    once to float32, so the two agree to a few float32 ulps per round.
+    """
+    initial = {"w": np.zeros(3, np.float32)}
+    rounds = 3
+    fedavg: dict = {}
+    simulate(fedavg_server(rounds, fedavg, initial), stock_client_app(), nodes=4)
+
+    config = LensembleConfig(
+        federation={"min_participants": 4, "weighting": "num-examples",
+                    "collect_timeout": 30.0},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        groups={"shared": "*", "local": ""},
+    )
+    box: dict = {}
+    with caplog.at_level(logging.WARNING):
+        simulate(lensemble_server(config, tmp_path / "run", rounds, box, initial),
+                 stock_client_app(), nodes=4)
+    assert "error" not in box, box.get("error")
+    ours = record_to_arrays(box["result"].arrays)
+    np.testing.assert_allclose(ours["w"], fedavg["arrays"]["w"], rtol=1e-6, atol=1e-7)
+    # and both equal the closed form: w_{t+1} = w_t + 0.5 (Σ n_p target_p / Σ n_p − w_t)
+    weights = np.array([10.0 * (p + 1) for p in range(4)])
+    mean_target = sum(w * TARGETS[p] for p, w in enumerate(weights)) / weights.sum()
+    expected = np.zeros(3)
+    for _ in range(rounds):
+        expected = expected + 0.5 * (mean_target - expected)
+    np.testing.assert_allclose(ours["w"], expected, rtol=1e-5)
+    # the stock contributions are recorded as unbound, and the log says so (once each)
+    records = verify(Store(tmp_path / "run"))
+    assert all(set(r.dataset_roots.values()) == {None} for r in records)
+    unbound_logs = [r for r in caplog.records if "UNBOUND" in r.getMessage()]
+    assert len(unbound_logs) == 4
+
+
+# -- an unmodified NumPyClient -----------------------------------------------------------
+class QuickstartClient(NumPyClient):
+    """A NumPyClient as users write them: fit moves towards a local target."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+        w = parameters[0]
+        return [w + np.float32(0.5) * (TARGETS[self.pid] - w)], 10 * (self.pid + 1), {}
+
+    def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
+        return float(np.abs(parameters[0] - TARGETS[self.pid]).sum()), 5, {"mae": 1.0}
+
+
+def client_fn(context: Context):  # type: ignore[no-untyped-def]
+    return QuickstartClient(int(context.node_config["partition-id"])).to_client()
+
+
+def test_numpyclient_drop_in(tmp_path: Path) -> None:
+    config = LensembleConfig(
+        federation={"min_participants": 3, "weighting": "num-examples", "collect_timeout": 30.0},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+        groups={"shared": "*", "local": ""},
+    )
+    box: dict = {}
+    initial = {"0": np.zeros(3, np.float32)}  # a NumPyClient's list of arrays, by position
+    # run_simulation has no run config to share: the clients get the config explicitly
+    simulate(lensemble_server(config, tmp_path / "run", 2, box, initial),
+             wrap_numpy_client(client_fn, config_fn=lambda _: config), nodes=3)
+    assert "error" not in box, box.get("error")
+    weights = np.array([10.0, 20.0, 30.0])
+    mean_target = sum(w * TARGETS[p] for p, w in enumerate(weights)) / weights.sum()
+    expected = np.zeros(3)
+    for _ in range(2):
+        expected = expected + 0.5 * (mean_target - expected)
+    np.testing.assert_allclose(record_to_arrays(box["result"].arrays)["0"], expected, rtol=1e-5)
+    records = verify(Store(tmp_path / "run"))
+    assert [r.count for r in records] == [3, 3]
+    assert all(set(r.dataset_roots.values()) == {None} for r in records)  # no records_fn
