@@ -1,0 +1,735 @@
+"""GridTransport over a fake Flower Grid on a fake clock: no Ray, no network, no real sleep."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from federation_helpers import small_config
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_ins_message
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.clients.app import handle_train
+from lensemble_flwr.clients.state import load_state
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.federation.coordinator import Coordinator
+from lensemble_flwr.federation.messages import (
+    Commitment,
+    RoundClose,
+    RoundOpen,
+    Update,
+    from_wire,
+    to_wire,
+)
+from lensemble_flwr.federation.round import RoundState, l2_norm
+from lensemble_flwr.federation.transport import COORDINATOR
+from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.grid_transport import GridTransport
+from lensemble_flwr.strategies.records import participant_id
+
+ROOT = "ab" * 32
+HASH = "cd" * 32
+PARAMS = {
+    "b": np.array([0.5, -1.0], dtype=np.float32),
+    "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+}
+COMMITMENT = records.PREFIX + "commitment"
+UPDATE = records.PREFIX + "update"
+
+NodeFn = Callable[[Message], "Message | None"]
+
+
+@pytest.fixture(autouse=True)
+def _serverapp_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Message(content, dst_node_id, message_type)`` reads the sending process's identity,
+    which Flower sets when it starts a ServerApp; tests set it the same way. Real sleeping
+    is forbidden: every wait goes through the fake clock."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", SUPERLINK_NODE_ID)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+    def no_real_sleep(seconds: float) -> None:
+        raise AssertionError(f"a test slept for real ({seconds} s)")
+
+    monkeypatch.setattr(time, "sleep", no_real_sleep)
+
+
+# -- the fakes ----------------------------------------------------------------------------
+class FakeClock:
+    """Time moves only when the transport sleeps."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0, seconds
+        self.sleeps.append(seconds)
+        self.t += seconds
+
+
+@dataclasses.dataclass
+class Stored:
+    """One instruction held by the fake SuperLink, and the reply its node will give."""
+
+    instruction: Message
+    pushed_at: float
+    reply: Message | None
+    ready_at: float
+
+    @property
+    def expires_at(self) -> float:
+        return self.pushed_at + self.instruction.metadata.ttl
+
+
+class FakeGrid(Grid):
+    """A SuperLink in a dict, on the fake clock.
+
+    * ``push_messages`` names each message in place, as ``InMemoryGrid`` does
+      (``metadata.__dict__["_message_id"] = uuid4()``), and leaves the messages it refuses
+      (a destination that is not a connected node) out of the returned ids, as
+      ``InMemoryGrid`` does. The destination's node function answers at once; its reply
+      becomes pullable ``delay(node_id, instruction)`` seconds later (compute + network).
+    * Node functions build their reply with ``Message(content, reply_to=instruction)``: with
+      flwr 1.42 that derives the reply's metadata from the instruction (``src_node_id`` =
+      the instruction's ``dst_node_id``, ``reply_to_message_id`` = its ``message_id``), which
+      is why the message id must be set on the instruction before the node sees it. Nothing
+      is faked in the reply's metadata.
+    * ``pull_messages`` returns the ready replies and deletes them with their instructions.
+      An instruction whose TTL passed unanswered (or answered too late) yields, once, the
+      error reply a SuperLink generates (``create_message_error_unavailable_ins_message``:
+      code 3 MESSAGE_UNAVAILABLE, from the SuperLink's node id) and is deleted. (A real
+      SuperLink answers code 3 again whenever asked for an id it no longer holds; here an
+      unknown id yields nothing, so a transport that keeps asking is visible in
+      ``pull_requests`` instead.)
+    """
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        nodes: dict[int, NodeFn] | None = None,
+        *,
+        appear_at: dict[int, float] | None = None,
+        delay: Callable[[int, Message], float] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.nodes: dict[int, NodeFn] = dict(nodes or {})
+        self.appear_at = dict(appear_at or {})
+        self.delay = delay or (lambda node_id, message: 0.0)
+        self.stored: dict[str, Stored] = {}
+        self.pushes: list[list[Message]] = []
+        self.pull_requests: list[list[str]] = []
+        self.delivered: list[tuple[Message, Message]] = []  # (instruction, reply) pulled
+        self.errors: list[Message] = []  # SuperLink-generated error replies pulled
+        self._run: Run | None = None
+
+    # Grid ---------------------------------------------------------------------------------
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        assert self._run is not None
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        now = self.clock.now()
+        return [n for n in self.nodes if self.appear_at.get(n, 0.0) <= now]
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        batch = list(messages)
+        self.pushes.append(batch)
+        connected = set(self.get_node_ids())
+        ids = []
+        for message in batch:
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            meta = message.metadata
+            assert meta.message_id and meta.reply_to_message_id == "" and meta.ttl > 0
+            if meta.dst_node_id not in connected:
+                continue
+            reply = self.nodes[meta.dst_node_id](message)
+            if reply is not None:
+                assert reply.metadata.reply_to_message_id == meta.message_id
+            now = self.clock.now()
+            self.stored[meta.message_id] = Stored(
+                message, now, reply, now + self.delay(meta.dst_node_id, message)
+            )
+            ids.append(meta.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        ids = list(message_ids)
+        self.pull_requests.append(ids)
+        now = self.clock.now()
+        out: list[Message] = []
+        for message_id in ids:
+            held = self.stored.get(message_id)
+            if held is None:
+                continue
+            if held.reply is not None and held.ready_at <= min(now, held.expires_at):
+                out.append(held.reply)
+                self.delivered.append((held.instruction, held.reply))
+            elif now > held.expires_at:
+                error = create_message_error_unavailable_ins_message(message_id, 1)
+                out.append(error)
+                self.errors.append(error)
+            else:
+                continue
+            del self.stored[message_id]
+        return out
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    # for the tests --------------------------------------------------------------------
+    def pushed(self) -> list[Message]:
+        return [m for batch in self.pushes for m in batch]
+
+    def asked_after(self, pull: int) -> set[str]:
+        """Every message id the transport asked about in pulls number ``pull`` and later."""
+        return {i for ids in self.pull_requests[pull:] for i in ids}
+
+
+def silent(message: Message) -> None:
+    """A node that never answers."""
+    return None
+
+
+def lensemble_node(node_id: int, *, sender: str | None = None) -> NodeFn:
+    """Answers a train instruction as a lensemble participant does: a commitment when the
+    RoundOpen asks for one, then an update of 0.25 everywhere (sent as ``sender``)."""
+    pid = sender or participant_id(node_id)
+
+    def answer(message: Message) -> Message:
+        payloads = records.decode_instruction(message.content)
+        opened = from_wire(payloads[-1])
+        assert isinstance(opened, RoundOpen)
+        common = {
+            "run_id": opened.run_id,
+            "round": opened.round,
+            "attempt": opened.attempt,
+            "sender": pid,
+            "participant_id": pid,
+        }
+        sent: list[Any] = []
+        if opened.needs_commitment:
+            sent.append(Commitment(**common, dataset_root=ROOT, num_examples=8))
+        delta = {n: np.full_like(a, 0.25) for n, a in opened.params.items()}
+        sent.append(
+            Update(**common, dataset_root=ROOT, delta=delta, l2_norm=l2_norm(delta), num_examples=8)
+        )
+        content = records.encode_reply([to_wire(m) for m in sent], {"num-examples": 8})
+        return Message(content, reply_to=message)
+
+    return answer
+
+
+def quickstart_node(message: Message) -> Message:
+    """A stock Message-API ClientApp's train: adds 1.5 to every array it was sent."""
+    trained = {n: Array(a.numpy() + 1.5) for n, a in message.content["arrays"].items()}
+    metrics = MetricRecord({"num-examples": 32, "train_loss": 0.75})
+    return Message(
+        RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=message
+    )
+
+
+def round_open(round: int = 0, *, attempt: int = 1, needs_commitment: bool = True) -> RoundOpen:
+    return RoundOpen(
+        run_id="run",
+        round=round,
+        sender=COORDINATOR,
+        attempt=attempt,
+        global_hash=HASH,
+        params=PARAMS,
+        sketch_seed=5,
+        h_steps=2,
+        needs_commitment=needs_commitment,
+    )
+
+
+def round_close(round: int = 0) -> RoundClose:
+    return RoundClose(
+        run_id="run",
+        round=round,
+        sender=COORDINATOR,
+        previous_hash=ROOT,
+        global_hash=HASH,
+        contributors=("node-11", "node-12"),
+        record_hash="ef" * 32,
+    )
+
+
+def make_transport(grid: FakeGrid, clock: FakeClock, **kwargs: Any) -> GridTransport:
+    kwargs.setdefault("message_ttl", 30.0)
+    kwargs.setdefault("poll_interval", 0.05)
+    return GridTransport(grid, clock=clock.now, sleep=clock.sleep, **kwargs)
+
+
+def drain(transport: GridTransport, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+    out = []
+    while (payload := transport.recv(timeout_s=timeout_s)) is not None:
+        out.append(dict(payload))
+    return out
+
+
+# -- (a) deadlines ------------------------------------------------------------------------
+def test_recv_returns_none_at_the_deadline_and_never_sleeps_past_it() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent})
+    transport = make_transport(grid, clock, poll_interval=0.3)
+    transport.send("node-11", round_open())
+    clock.t = 5.0
+
+    assert transport.recv(timeout_s=1.0) is None
+    assert clock.t == pytest.approx(6.0)
+    assert clock.t <= 6.0 + 1e-9
+    assert clock.sleeps and max(clock.sleeps) <= 0.3
+    assert clock.sleeps[-1] < 0.3  # the last wait is cut to what was left
+    assert len(grid.pull_requests) >= 3  # it kept polling while it waited
+
+
+def test_recv_with_a_poll_interval_longer_than_the_timeout_waits_only_the_timeout() -> None:
+    clock = FakeClock()
+    transport = make_transport(FakeGrid(clock, {11: silent}), clock, poll_interval=10.0)
+    transport.send("node-11", round_open())
+    assert transport.recv(timeout_s=0.4) is None
+    assert clock.t == pytest.approx(0.4) and clock.sleeps == [pytest.approx(0.4)]
+
+
+def test_recv_returns_a_reply_as_soon_as_it_is_pullable() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: lensemble_node(11)}, delay=lambda n, m: 1.0)
+    transport = make_transport(grid, clock, poll_interval=0.1)
+    transport.send("node-11", round_open(needs_commitment=False))
+    payload = transport.recv(timeout_s=10.0)
+    assert payload is not None and payload["kind"] == "update"
+    assert 1.0 <= clock.t < 1.0 + 0.1 + 1e-9
+
+
+# -- (b), (c) pushing -----------------------------------------------------------------------
+def test_sends_are_pushed_in_one_batch_by_the_next_recv() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {n: lensemble_node(n) for n in (11, 12, 13)})
+    transport = make_transport(grid, clock)
+    for peer in transport.peers():
+        transport.send(peer, round_open())
+    assert grid.pushes == []  # send only queues
+
+    first = transport.recv(timeout_s=1.0)
+    assert first is not None
+    assert len(grid.pushes) == 1
+    assert sorted(m.metadata.dst_node_id for m in grid.pushes[0]) == [11, 12, 13]
+    rest = drain(transport)
+    assert len(rest) == 5  # 3 commitments and 3 updates in all
+    assert len(grid.pushes) == 1  # later recvs had nothing to push
+
+
+def test_every_instruction_carries_the_message_ttl_and_its_round_as_group() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent})
+    transport = make_transport(grid, clock, message_ttl=17.5)
+    for rnd in (0, 3):
+        for peer in ("node-11", "node-12"):
+            transport.send(peer, round_open(rnd))
+        transport.recv(timeout_s=0.0)
+    pushed = grid.pushed()
+    assert len(pushed) == 4
+    assert {m.metadata.ttl for m in pushed} == {17.5}
+    assert [m.metadata.group_id for m in pushed] == ["0", "0", "3", "3"]
+    assert {m.metadata.message_type for m in pushed} == {MessageType.TRAIN}
+    assert [m.content["config"]["server-round"] for m in pushed] == [1, 1, 4, 4]
+
+
+def test_a_message_the_grid_refuses_does_not_derail_the_others() -> None:
+    """InMemoryGrid leaves a refused message (e.g. a node that left) out of the ids it
+    returns; the others must still be matched to their instructions."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: lensemble_node(11)})
+    transport = make_transport(grid, clock)
+    transport.send("node-99", round_open(needs_commitment=False))  # not a connected node
+    transport.send("node-11", round_open(needs_commitment=False))
+    payload = transport.recv(timeout_s=1.0)
+    assert payload is not None and payload["sender"] == "node-11"
+    assert transport.recv(timeout_s=1.0) is None
+
+
+# -- (d), (e) late and expired instructions ---------------------------------------------------
+def test_a_late_reply_of_an_earlier_round_is_pulled_decoded_and_returned() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(
+        clock,
+        {11: lensemble_node(11), 12: silent},
+        delay=lambda node, m: 5.0 if m.metadata.group_id == "0" else 0.0,
+    )
+    transport = make_transport(grid, clock)
+    transport.send("node-11", round_open(0, needs_commitment=False))
+    assert transport.recv(timeout_s=1.0) is None  # round 0 ends without node-11's reply
+    (late_id,) = [m.metadata.message_id for m in grid.pushes[0]]
+
+    transport.send("node-12", round_open(1))  # round 1 is being received
+    payload = transport.recv(timeout_s=10.0)
+    assert payload is not None
+    assert clock.t == pytest.approx(5.0, abs=0.06)
+    late = from_wire(payload)
+    assert isinstance(late, Update) and late.round == 0 and late.sender == "node-11"
+
+    # pulled means gone: from the grid, and from what the transport asks about
+    assert late_id not in grid.stored
+    asked_before = len(grid.pull_requests)
+    assert transport.recv(timeout_s=1.0) is None
+    assert late_id not in grid.asked_after(asked_before)
+    assert [m.metadata.group_id for m in (s.instruction for s in grid.stored.values())] == ["1"]
+
+
+def test_an_expired_instruction_yields_one_error_that_is_dropped_and_forgotten() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: lensemble_node(12)})
+    transport = make_transport(grid, clock, message_ttl=5.0)
+    transport.send("node-11", round_open())
+    assert transport.recv(timeout_s=6.0) is None  # the error reply is not a payload
+    (expired_id,) = [m.metadata.message_id for m in grid.pushes[0]]
+
+    assert [e.error.code for e in grid.errors] == [ErrorCode.MESSAGE_UNAVAILABLE]
+    assert grid.errors[0].metadata.reply_to_message_id == expired_id
+    assert transport.dropped == [("node-11", 0, "error 3")]
+    assert grid.stored == {}
+
+    # forgotten (well before the 2 x TTL horizon at which it would be forgotten anyway)
+    asked_before = len(grid.pull_requests)
+    transport.send("node-12", round_open(1, needs_commitment=False))
+    payload = transport.recv(timeout_s=1.0)
+    assert payload is not None and payload["sender"] == "node-12"
+    assert transport.recv(timeout_s=1.0) is None
+    assert clock.t < 2 * 5.0
+    assert expired_id not in grid.asked_after(asked_before)
+
+
+def test_a_clientapp_error_reply_is_dropped() -> None:
+    clock = FakeClock()
+
+    def crashing(message: Message) -> Message:
+        return Message(
+            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="boom"), reply_to=message
+        )
+
+    grid = FakeGrid(clock, {11: crashing})
+    transport = make_transport(grid, clock)
+    transport.send("node-11", round_open(2))
+    assert transport.recv(timeout_s=1.0) is None
+    assert transport.dropped == [("node-11", 2, f"error {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}")]
+    assert grid.stored == {}
+
+
+# -- (f), (g) what replies become ----------------------------------------------------------
+def test_a_stock_reply_becomes_an_unbound_update_with_the_right_delta() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: quickstart_node})
+    transport = make_transport(grid, clock)
+    transport.send("node-11", round_open(4, attempt=2))
+    payload = transport.recv(timeout_s=1.0)
+    assert payload is not None and transport.recv(timeout_s=0.0) is None
+
+    update = from_wire(payload)
+    assert isinstance(update, Update)
+    assert update.dataset_root is None
+    assert update.transforms == ("stock-clientapp",)
+    assert (update.round, update.attempt, update.run_id) == (4, 2, "run")
+    assert update.sender == update.participant_id == "node-11"
+    assert update.num_examples == 32
+    assert sorted(update.delta) == sorted(PARAMS)
+    for name, array in update.delta.items():
+        assert array.dtype == np.float32
+        np.testing.assert_allclose(array, np.full_like(PARAMS[name], 1.5))
+    assert update.l2_norm == pytest.approx(l2_norm(update.delta))
+    assert transport.client_metrics[(4, "node-11")] == {"num-examples": 32.0, "train_loss": 0.75}
+
+
+def test_a_reply_that_is_neither_kind_is_dropped() -> None:
+    clock = FakeClock()
+
+    def odd(message: Message) -> Message:
+        return Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=message)
+
+    transport = make_transport(FakeGrid(clock, {11: odd}), clock)
+    transport.send("node-11", round_open())
+    assert transport.recv(timeout_s=1.0) is None
+    assert [d[:2] for d in transport.dropped] == [("node-11", 0)]
+
+
+@pytest.mark.parametrize(
+    ("sender", "returned"), [("node-11", True), ("node-12", False), ("coordinator", False)]
+)
+def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_from(
+    sender: str, returned: bool
+) -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: lensemble_node(11, sender=sender), 12: silent})
+    transport = make_transport(grid, clock)
+    transport.send("node-11", round_open())
+    payloads = drain(transport, timeout_s=1.0)
+    if returned:
+        assert [p["kind"] for p in payloads] == ["commitment", "update"]
+        assert {p["sender"] for p in payloads} == {"node-11"}
+        assert transport.dropped == []
+    else:
+        assert payloads == []
+        assert [d[:2] for d in transport.dropped] == [("node-11", 0)]
+        assert sender in transport.dropped[0][2]
+    assert grid.stored == {}
+
+
+# -- (h), (i) RoundClose piggyback and exchanges ------------------------------------------------
+def test_a_broadcast_close_rides_on_the_next_instruction_close_first() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent})
+    transport = make_transport(grid, clock)
+    transport.send("node-11", round_open(0))
+    transport.recv(timeout_s=0.0)
+    assert records.CLOSE_RECORD not in grid.pushed()[0].content.config_records
+    assert transport.pending_close() is None
+
+    closed = round_close(0)
+    transport.broadcast(closed)
+    assert grid.pushes and len(grid.pushed()) == 1  # a broadcast costs no exchange
+    assert transport.pending_close() == records.encode_close(to_wire(closed))
+
+    opened = round_open(1, needs_commitment=False)
+    for peer in ("node-11", "node-12"):
+        transport.send(peer, opened)
+    transport.recv(timeout_s=0.0)
+    for message in grid.pushes[-1]:
+        assert records.CLOSE_RECORD in message.content.config_records
+        got_close, got_open = (from_wire(p) for p in records.decode_instruction(message.content))
+        assert got_close == closed
+        assert isinstance(got_open, RoundOpen) and got_open.round == 1
+        assert got_open.global_hash == opened.global_hash and not got_open.needs_commitment
+
+
+def test_only_round_opens_are_sent_and_only_round_closes_broadcast() -> None:
+    clock = FakeClock()
+    transport = make_transport(FakeGrid(clock, {11: silent}), clock)
+    with pytest.raises(ValueError, match="RoundOpen"):
+        transport.send("node-11", round_close())
+    with pytest.raises(ValueError, match="RoundClose"):
+        transport.broadcast(round_open())
+
+
+def test_exchanges_counts_instructions_per_busiest_node() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {n: silent for n in (11, 12, 13)})
+    transport = make_transport(grid, clock)
+    for peer in transport.peers():
+        transport.send(peer, round_open(0))
+    transport.recv(timeout_s=0.0)
+    assert transport.exchanges(0) == 1
+    assert transport.exchanges(1) == 0
+
+    transport.send("node-12", round_open(0, attempt=2))  # a retried attempt: a second one
+    assert transport.exchanges(0) == 2
+
+
+# -- (j) warm-up ------------------------------------------------------------------------------
+def test_warm_up_waits_for_min_nodes_and_returns_the_nodes_that_answered() -> None:
+    clock = FakeClock()
+
+    def ready(message: Message) -> Message:
+        assert records.PREFIX + "warm-up" in message.content.config_records
+        return Message(RecordDict({"metrics": MetricRecord({"ready": 1})}), reply_to=message)
+
+    def no_query_function(message: Message) -> Message:  # the ClientApp raised: still up
+        return Message(
+            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="no query"), reply_to=message
+        )
+
+    grid = FakeGrid(
+        clock,
+        {11: ready, 12: no_query_function, 13: ready, 14: silent},
+        appear_at={13: 2.5, 14: 2.5},
+        delay=lambda node, m: 0.5 if node == 13 else 0.0,
+    )
+    # a node list is normally reused for peer_refresh seconds: warm-up must look again
+    transport = make_transport(grid, clock, message_ttl=2.0, peer_refresh=60.0)
+    answered = transport.warm_up(min_nodes=3, timeout_s=10.0)
+
+    assert answered == ["node-11", "node-12", "node-13"]
+    (batch,) = grid.pushes  # the queries went out once the third node was there
+    assert sorted(m.metadata.dst_node_id for m in batch) == [11, 12, 13, 14]
+    assert {m.metadata.message_type for m in batch} == {MessageType.QUERY}
+    assert 2.5 <= clock.t <= 10.0
+    # node-14 never answered: its query expired in the SuperLink, whose error reply (sent
+    # by the SuperLink, not by the node) does not prove the node is up
+    assert len(grid.errors) == 1
+    assert grid.stored == {}
+
+
+def test_warm_up_gives_up_at_its_timeout() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent}, appear_at={11: 100.0})
+    transport = make_transport(grid, clock)
+    assert transport.warm_up(min_nodes=1, timeout_s=3.0) == []
+    assert clock.t == pytest.approx(3.0)
+
+
+# -- (k) end to end: a Coordinator over a GridTransport over the FakeGrid -----------------------
+NODES = (11, 12, 13, 14)
+
+
+def clientapp_node(index: int, context: Context, config: LensembleConfig) -> NodeFn:
+    """A node running ``handle_train`` as ``make_client_app``'s train function does: a
+    fresh trainer per message, the participant's state kept in the node's Context."""
+
+    def answer(message: Message) -> Message:
+        return handle_train(message, context, ToyTrainer(index), config)
+
+    return answer
+
+
+def federation_over_grid(
+    run_dir: Path, delay: Callable[[int, Message], float]
+) -> tuple[Coordinator, GridTransport, FakeGrid, dict[int, Context]]:
+    config = small_config(min_participants=3)
+    clock = FakeClock()
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    nodes = {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    grid = FakeGrid(clock, nodes, delay=delay)
+    fed = config.federation
+    transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
+    coordinator = Coordinator(
+        config,
+        transport=transport,
+        initial_params=initial_params(),
+        store=Store(run_dir),
+        run_id="flwr-1",
+    )
+    return coordinator, transport, grid, contexts
+
+
+def exchanges_of(grid: FakeGrid, rnd: int) -> dict[int, list[Message]]:
+    """The replies pulled for round ``rnd``'s instructions, by node."""
+    out: dict[int, list[Message]] = {}
+    for instruction, reply in grid.delivered:
+        if instruction.metadata.group_id == str(rnd):
+            out.setdefault(instruction.metadata.dst_node_id, []).append(reply)
+    return out
+
+
+def assert_steady_state(grid: FakeGrid, transport: GridTransport, rnd: int) -> None:
+    """Round ``rnd`` was one exchange per node, with no commitment in it, and every
+    instruction carried the previous round's close."""
+    assert transport.exchanges(rnd) == 1
+    replies = exchanges_of(grid, rnd)
+    assert sorted(replies) == list(NODES)
+    for node_replies in replies.values():
+        (reply,) = node_replies
+        assert UPDATE in reply.content.config_records
+        assert COMMITMENT not in reply.content.config_records
+    for message in grid.pushed():
+        if message.metadata.group_id == str(rnd):
+            first = records.decode_instruction(message.content)[0]
+            assert (first["kind"], first["round"]) == ("round-close", rnd - 1)
+
+
+def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
+    coordinator, transport, grid, contexts = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0
+    )
+    coordinator.run(3)
+
+    everyone = tuple(participant_id(n) for n in NODES)
+    assert [o.state for o in coordinator.outcomes] == [RoundState.CLOSED] * 3
+    assert [o.count for o in coordinator.outcomes] == [len(NODES)] * 3
+    assert all(o.contributors == everyone and o.late == () for o in coordinator.outcomes)
+    assert [len(batch) for batch in grid.pushes] == [len(NODES)] * 3  # one push per round
+
+    first = exchanges_of(grid, 0)  # round 0 binds: commitment and update in one reply
+    assert sorted(first) == list(NODES)
+    assert all(COMMITMENT in r.content.config_records for (r,) in first.values())
+    for rnd in (1, 2):
+        assert_steady_state(grid, transport, rnd)
+
+    ledger = verify(Store(tmp_path / "run"))
+    assert [r.round for r in ledger] == [0, 1, 2]
+    assert all(r.contributors == everyone for r in ledger)
+    assert all(root is not None for r in ledger for root in r.dataset_roots.values())
+    assert ledger[-1].new_global_hash == coordinator.global_state().params_hash
+    assert grid.stored == {} and transport.dropped == []
+    assert grid.clock.t < 3 * 2.0  # no round waited for its deadline
+    # each node's participant state outlived its messages, in its Context
+    assert all(load_state(c.state).meta["last_open"] == [2, 1] for c in contexts.values())
+
+
+def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path) -> None:
+    collect = small_config().federation.collect_timeout
+    late_node = 14
+
+    def delay(node: int, message: Message) -> float:
+        # round 1: node 14's reply misses the collect deadline, and becomes pullable
+        # while round 2 waits for the others' replies (1 s of compute)
+        if (node, message.metadata.group_id) == (late_node, "1"):
+            return collect + 0.5
+        return 1.0
+
+    coordinator, transport, grid, contexts = federation_over_grid(tmp_path / "run", delay)
+    coordinator.run(3)
+
+    everyone = tuple(participant_id(n) for n in NODES)
+    others = tuple(p for p in everyone if p != participant_id(late_node))
+    outcomes = coordinator.outcomes
+    assert [o.state for o in outcomes] == [RoundState.CLOSED] * 3
+    assert [o.round for o in outcomes] == [0, 1, 2]
+    assert outcomes[1].contributors == others and outcomes[1].count == 3
+    assert outcomes[1].elapsed >= collect  # the round waited for its deadline, no longer
+    assert outcomes[1].late == ()
+    assert outcomes[2].late == (participant_id(late_node),)  # its round-1 update, dropped
+    assert outcomes[2].contributors == everyone and outcomes[2].count == len(NODES)
+
+    # the late round-1 reply was pulled (so deleted) while round 2 was being received
+    (late_reply,) = exchanges_of(grid, 1)[late_node]
+    assert UPDATE in late_reply.content.config_records
+    assert_steady_state(grid, transport, 2)
+
+    ledger = verify(Store(tmp_path / "run"))
+    assert [r.contributors for r in ledger] == [everyone, others, everyone]
+    assert grid.stored == {} and transport.dropped == []
+    assert all(load_state(c.state).meta["last_open"] == [2, 1] for c in contexts.values())
