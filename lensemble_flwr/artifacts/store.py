@@ -157,9 +157,15 @@ class Store:
         prefix = prefix.rstrip("/")
         if prefix:
             _check_name(prefix)
-        files = (p for p in self._names.rglob("*") if p.is_file())
-        names = sorted(p.relative_to(self._names).as_posix() for p in files)
-        return [n for n in names if not prefix or n == prefix or n.startswith(prefix + "/")]
+        root = self._names / prefix if prefix else self._names
+        if root.is_file():
+            return [prefix]
+        if not root.is_dir():
+            return []
+        # walk only the prefix's subtree: listing a run's ledger must not cost as much as
+        # listing everything the run ever bound
+        files = (p for p in root.rglob("*") if p.is_file())
+        return sorted(p.relative_to(self._names).as_posix() for p in files)
 
     def _blob_path(self, digest: str) -> Path:
         return self._blobs / digest[:2] / digest

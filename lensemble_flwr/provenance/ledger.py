@@ -151,6 +151,7 @@ class Ledger:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._head: ContributionRecord | None = None
 
     def records(self) -> list[ContributionRecord]:
         """All records in round order (as stored; :func:`verify` checks them)."""
@@ -161,6 +162,8 @@ class Ledger:
 
     def head(self) -> ContributionRecord | None:
         """The newest record, or None before the first CLOSED round."""
+        if self._head is not None:
+            return self._head  # what this Ledger appended last (appends are claims)
         names = self.store.bound("ledger/")
         if not names:
             return None
@@ -185,6 +188,7 @@ class Ledger:
         digest = self.store.put(canonical_json(sealed.model_dump(mode="json")))
         if not self.store.claim(_ledger_name(sealed.round), digest):
             raise LedgerError(f"round {sealed.round} is already recorded")
+        self._head = sealed
         return sealed
 
 

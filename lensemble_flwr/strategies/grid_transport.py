@@ -89,6 +89,7 @@ class GridTransport:
         self._outstanding: dict[str, SentInstruction] = {}
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
+        self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
         self._peers: list[str] = []
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
@@ -111,11 +112,15 @@ class GridTransport:
         payload = to_wire(message)
         if message.kind != "round-open":
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
+        params = payload["params"]
+        if self._params_record is None or self._params_record[0] is not params:
+            self._params_record = (params, records.arrays_to_record(params))
         content = records.encode_instruction(
             payload,
             server_round=message.round + 1,
             user_config=self.user_config,
             round_close=self._close,
+            params_record=self._params_record[1],
         )
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 

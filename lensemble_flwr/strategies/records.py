@@ -95,14 +95,18 @@ def encode_instruction(
     server_round: int,
     user_config: Mapping[str, Any] | None = None,
     round_close: WirePayload | None = None,
+    params_record: ArrayRecord | None = None,
 ) -> RecordDict:
-    """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads."""
+    """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads.
+
+    ``params_record`` is the RoundOpen's params already encoded: the global params are
+    the same for every recipient of an attempt, so encode them once and share them.
+    """
     config = dict(user_config or {})
     config["server-round"] = server_round
     config.update(_fields_to_config(round_open, skip="params", prefix=PREFIX))
-    content = RecordDict(
-        {ARRAYS: arrays_to_record(round_open["params"]), CONFIG: ConfigRecord(config)}
-    )
+    arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
+    content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(config)})
     if round_close is not None:
         content[CLOSE_RECORD] = ConfigRecord(_fields_to_config(round_close, skip=None))
     return content
