@@ -1,0 +1,98 @@
+"""LensembleStrategy's Flower surface without Ray: Flower's stock loop, config refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from federation_helpers import small_config
+from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.serverapp.strategy import Strategy
+from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    NODES,
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+    clientapp_node,
+)
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.simulations import digits
+from lensemble_flwr.simulations.toy import initial_params
+from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
+
+
+def stock_loop_federation(tmp_path: Path) -> tuple[LensembleStrategy, FakeGrid]:
+    config = small_config(min_participants=3)
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(FakeClock(), {n: clientapp_node(i, contexts[n], config)
+                                  for i, n in enumerate(NODES)})
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="stock-loop",
+                                 fraction_evaluate=0.0)
+    return strategy, grid
+
+
+def test_flowers_stock_loop_drives_the_same_state_machine(tmp_path: Path) -> None:
+    """Strategy.start (Flower's own loop) → configure_train, send_and_receive,
+    aggregate_train: each aggregate_train is one round attempt of the coordinator."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    result = Strategy.start(strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()),
+                            num_rounds=3, train_config=ConfigRecord({"lr": 0.1}))
+    coordinator = strategy.coordinator
+    assert coordinator is not None and coordinator.global_state().round == 3
+    final = record_to_arrays(result.arrays)
+    for name, array in coordinator.global_state().params.items():
+        np.testing.assert_array_equal(final[name], array)
+    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2, 3)] == [4.0, 4.0, 4.0]
+    records = verify(Store(tmp_path / "run"))
+    assert [r.count for r in records] == [4, 4, 4]
+    # the user's train config rides along for stock ClientApps
+    first = grid.pushes[0][0]
+    assert first.content["config"]["lr"] == 0.1
+
+
+def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_path: Path) -> None:
+    strategy, grid = stock_loop_federation(tmp_path)
+    arrays = arrays_to_record(initial_params())
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    replies = grid.send_and_receive(messages[:2])  # quorum is 3
+    new, metrics = strategy.aggregate_train(1, replies)
+    assert new is None and metrics is not None and metrics["C_t"] == 0.0
+    assert strategy.coordinator is not None and strategy.coordinator.global_state().round == 0
+    # the retry is attempt 2 of the same round, and succeeds with every node
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert all(m.content["config"]["lensemble.attempt"] == 2 for m in messages)
+    new, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert new is not None and metrics["C_t"] == 4.0
+
+
+def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> None:
+    strategy = LensembleStrategy(small_config(), fraction_evaluate=0.5)
+    grid = FakeGrid(FakeClock(), {n: (lambda m: None) for n in NODES})
+    arrays = arrays_to_record(initial_params())
+    messages = list(strategy.configure_evaluate(2, arrays, ConfigRecord({"k": 1}), grid))
+    assert len(messages) == 2
+    assert messages[0].content["config"]["server-round"] == 2
+    assert set(messages[0].content["arrays"].keys()) == set(arrays.keys())
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("outer-lrr", 1.0), ("outer-lr", -1.0), ("min-participants", "many")]
+)
+def test_the_app_stops_on_a_bad_run_config_key_naming_it(key: str, value: object) -> None:
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"num-server-rounds": 1, key: value})  # type: ignore[dict-item]
+
+    class NoGrid:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError("the grid was used before the config was checked")
+
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        digits.main(NoGrid(), context)  # type: ignore[arg-type]
