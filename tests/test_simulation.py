@@ -120,7 +120,7 @@ def test_quorum_failure_aborts_and_leaves_the_global_arrays_unchanged(tmp_path: 
     )
     box: dict = {}
     server = lensemble_server(config, tmp_path / "run", 2, box, toy_params(),
-                              warmup_timeout=20.0)
+                              warmup_timeout=5.0)
     simulate(server, make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"]))),
              nodes=2)
     assert isinstance(box.get("error"), FaultToleranceExceeded)
