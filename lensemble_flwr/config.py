@@ -114,6 +114,35 @@ class OuterOptimizerConfig(_Section):
     nesterov: bool = Field(True, description="Nesterov momentum (else heavy ball).")
 
 
+class PrivacyConfig(_Section):
+    """Differential privacy of each participant's release (see docs/privacy.md)."""
+
+    clip_norm: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="L2 bound C of a release (0: no clipping)."
+    )
+    noise_multiplier: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Noise std in units of C (0: no noise)."
+    )
+    dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
+    dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
+    dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
+    dp_state_dir: str = Field(
+        "", description="Participant-side directory of budgets ('' : the default)."
+    )
+
+    @model_validator(mode="after")
+    def _noise_needs_clip_and_budget(self) -> PrivacyConfig:
+        if self.noise_multiplier > 0 and self.clip_norm <= 0:
+            raise ValueError("noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated to C)")
+        if self.noise_multiplier > 0 and self.dp_epsilon <= 0:
+            raise ValueError("noise-multiplier > 0 needs a dp-epsilon budget")
+        return self
+
+    @property
+    def noised(self) -> bool:
+        return self.noise_multiplier > 0
+
+
 class ParamGroupsConfig(_Section):
     """Which parameter names are shared (encoder/predictor) and which stay local.
 
@@ -154,6 +183,7 @@ _SECTIONS: dict[str, tuple[str, type[_Section]]] = {
     "inner": ("inner-", InnerLoopConfig),
     "outer": ("outer-", OuterOptimizerConfig),
     "groups": ("", ParamGroupsConfig),
+    "privacy": ("", PrivacyConfig),
 }
 _GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups"}
 
@@ -184,6 +214,7 @@ class LensembleConfig(_Section):
     inner: InnerLoopConfig = InnerLoopConfig()
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     groups: ParamGroupsConfig = ParamGroupsConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @classmethod
     def from_run_config(

@@ -67,6 +67,10 @@ class PrivacyBudgetExceeded(LensembleError):
     """A release would exceed a participant's (epsilon, delta) budget."""
 
 
+class DPBoundViolation(LensembleError):
+    """An update about to be noised is larger than the clip norm (INV-DP-BOUND)."""
+
+
 class CommitmentMismatch(LensembleError):
     """An update is not bound to its sender's dataset commitment."""
 
@@ -126,6 +130,7 @@ RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
         ProbeError: Response.REFUSE_RELEASE,
         GaugeError: Response.REFUSE_RELEASE,
         DegenerateProcrustes: Response.REFUSE_RELEASE,
+        DPBoundViolation: Response.REFUSE_RELEASE,
         ConfigError: Response.STOP_FEDERATION,
         StoreError: Response.STOP_FEDERATION,
         LedgerError: Response.STOP_FEDERATION,

@@ -41,6 +41,7 @@ from lensemble_flwr.errors import (
     LensembleError,
     NonDeterministicAggregation,
     ParameterMismatch,
+    PrivacyBudgetExceeded,
     Response,
     RoundError,
     StoreError,
@@ -127,6 +128,7 @@ class _Attempt:
     admitted: set[str] = dataclasses.field(default_factory=set)
     roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    epsilon: dict[str, float | None] = dataclasses.field(default_factory=dict)
     update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
     late: set[str] = dataclasses.field(default_factory=set)
     rejected: int = 0
@@ -406,6 +408,8 @@ class Coordinator:
             ctx.refused[pid] = f"{msg.error}: {msg.reason}"
             log.warning("round %d: %s releases nothing: %s", ctx.machine.round, pid,
                         ctx.refused[pid])
+            if msg.error == PrivacyBudgetExceeded.__name__:  # fail closed: the table stops us
+                raise PrivacyBudgetExceeded(f"{pid}: {msg.reason}")
         elif isinstance(msg, Commitment):
             self._bind(msg)
         else:
@@ -414,6 +418,7 @@ class Coordinator:
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
+            ctx.epsilon[pid] = msg.epsilon
             ctx.update_digests[pid] = message_digest(msg)
 
     def _bind(self, commitment: Commitment) -> None:
@@ -484,6 +489,7 @@ class Coordinator:
                 count=result.count,
                 total_weight=result.total_weight,
                 dataset_roots={p: ctx.roots[p] for p in result.contributors},
+                epsilon={p: ctx.epsilon.get(p) for p in result.contributors},
                 update_digests=dict(sorted(ctx.update_digests.items())),
                 aggregate_digest=result.digest,
                 previous_global_hash=prior.params_hash,

@@ -121,6 +121,9 @@ class Update(_Message):
     l2_norm: float = Field(ge=0, allow_inf_nan=False)
     num_examples: int = Field(ge=1)
     transforms: tuple[str, ...] = ()
+    epsilon: float | None = Field(
+        None, ge=0, description="The sender's cumulative epsilon after this release (DP)."
+    )
     _max_abs: float = PrivateAttr(0.0)
 
     @model_validator(mode="after")

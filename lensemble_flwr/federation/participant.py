@@ -47,9 +47,7 @@ from lensemble_flwr.release import (
     Release,
     ReleaseContext,
     ReleaseTransform,
-    bind,
-    chain,
-    difference,
+    release_pipeline,
 )
 
 __all__ = [
@@ -92,8 +90,9 @@ class Participant:
         records = self.training.dataset_records()
         self.dataset_root: str | None = None if records is None else merkle_root(records)
         if pipeline is None:
-            stages = (difference(), bind()) if self.dataset_root else (difference(),)
-            pipeline = chain(*stages)
+            pipeline = release_pipeline(
+                config, participant_id=participant_id, dataset_root=self.dataset_root
+            )
         self.pipeline = pipeline
         self._pipeline_state: Any = None
         self._last_open: tuple[int, int] | None = None
@@ -170,6 +169,7 @@ class Participant:
                 l2_norm=released.l2_norm,
                 num_examples=released.num_examples,
                 transforms=released.transforms,
+                epsilon=released.epsilon,
             ),
         )
 
@@ -212,6 +212,7 @@ class Participant:
             dataset_root=release.bound_root,
             num_examples=ctx.num_examples,  # after fit: a NumPyClient reports it there
             transforms=release.applied,
+            epsilon=release.metadata.get("epsilon"),
         )
 
     def join(self, coordinator_endpoint: str) -> GlobalState:

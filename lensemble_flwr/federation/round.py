@@ -192,3 +192,4 @@ class PseudoGradient:
     dataset_root: str | None
     num_examples: int
     transforms: tuple[str, ...] = ()
+    epsilon: float | None = None

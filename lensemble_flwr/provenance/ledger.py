@@ -48,6 +48,10 @@ class ContributionRecord(_Frozen):
         description="Each contributor's committed dataset root; None for an unbound one."
     )
     update_digests: dict[str, str]
+    epsilon: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="Each contributor's cumulative epsilon after its release (None: no DP).",
+    )
     aggregate_digest: str
     previous_global_hash: str
     new_global_hash: str

@@ -7,7 +7,8 @@ from lensemble_flwr.release.pipeline import (
     Stage,
     chain,
 )
-from lensemble_flwr.release.stages import bind, default_pipeline, difference
+from lensemble_flwr.release.privacy import clip, gaussian_noise
+from lensemble_flwr.release.stages import bind, default_pipeline, difference, release_pipeline
 
 __all__ = [
     "Release",
@@ -16,6 +17,9 @@ __all__ = [
     "Stage",
     "bind",
     "chain",
+    "clip",
     "default_pipeline",
     "difference",
+    "gaussian_noise",
+    "release_pipeline",
 ]

@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.params import subtract
+from lensemble_flwr.privacy.budget import PrivacyBudget, default_state_dir
 from lensemble_flwr.release.pipeline import (
     Release,
     ReleaseContext,
@@ -21,6 +23,7 @@ from lensemble_flwr.release.pipeline import (
     Stage,
     chain,
 )
+from lensemble_flwr.release.privacy import clip, gaussian_noise
 
 
 def _no_state(_params: Mapping[str, np.ndarray]) -> None:
@@ -57,3 +60,29 @@ def bind() -> ReleaseTransform:
 def default_pipeline() -> ReleaseTransform:
     """The plaintext release: difference, then bind."""
     return chain(difference(), bind())
+
+
+def release_pipeline(
+    config: LensembleConfig, *, participant_id: str, dataset_root: str | None
+) -> ReleaseTransform:
+    """The participant's pipeline as its config asks: difference → [clip → [noise]] → bind.
+
+    The privacy budget belongs to the dataset commitment (or, for a participant that
+    cannot commit, to its id) and lives in the participant's ``dp-state-dir``.
+    """
+    privacy = config.privacy
+    stages = [difference()]
+    if privacy.clip_norm > 0:
+        stages.append(clip(privacy.clip_norm))
+    if privacy.noised:
+        budget = PrivacyBudget(
+            privacy.dp_state_dir or default_state_dir(),
+            dataset_root or f"participant-{participant_id}",
+            epsilon=privacy.dp_epsilon,
+            delta=privacy.dp_delta,
+            accountant=privacy.dp_accountant,
+        )
+        stages.append(gaussian_noise(privacy.noise_multiplier, privacy.clip_norm, budget))
+    if dataset_root is not None:
+        stages.append(bind())
+    return chain(*stages)

@@ -1,0 +1,1 @@
+"""Differential privacy on the participant's side: a persistent budget and CSPRNG noise."""

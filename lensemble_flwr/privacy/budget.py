@@ -1,0 +1,150 @@
+"""A participant's cumulative privacy budget, kept on the participant and refused in advance.
+
+Every noised release is one Gaussian mechanism on the participant's data. The budget
+records them in an Opacus accountant (RDP by default, PRV selectable) and answers, before
+the release, whether it would take the spent epsilon past the budget; if so the release
+does not happen. What was spent is written to disk (atomically) *before* the noised update
+leaves, so a crash between the two can only over-count, never under-count.
+
+The record is keyed by the participant's dataset commitment (its Merkle root), not by the
+run: a new run over the same data continues the same budget. It lives in a directory of
+the participant's own (``dp-state-dir``), never in the coordinator's run directory.
+
+The accounting, in the terms of docs/privacy.md: the release is clip(Δ) + N(0, σ²C²I);
+neighbouring datasets are any two versions of this participant's dataset (they may
+differ in any number of records, the participant's whole dataset included). The clipped
+update of either lies in the ball of radius C, so the L2 sensitivity is 2C and each
+release is a Gaussian mechanism with effective noise multiplier σ/2. The participant
+knows when it releases, so there is no sampling amplification: sample rate 1, one step
+per release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from opacus.accountants import PRVAccountant, RDPAccountant
+
+from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
+
+Mechanism = Literal["rdp", "prv"]
+_ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
+SENSITIVITY_FACTOR = 2.0
+"""Sensitivity in units of the clip norm (substitution of the participant's dataset)."""
+
+
+def default_state_dir() -> Path:
+    """Where budgets live unless ``dp-state-dir`` says otherwise."""
+    base = os.environ.get("LENSEMBLE_PRIVACY_DIR")
+    if base:
+        return Path(base)
+    return (
+        Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share"))
+        / "lensemble-flwr/privacy"
+    )
+
+
+class PrivacyBudget:
+    """The (epsilon, delta) budget of one participant's dataset.
+
+    Args:
+        state_dir: the participant's own directory for budgets.
+        key: what the budget belongs to (the dataset's Merkle root).
+        epsilon, delta: the budget.
+        accountant: "rdp" (default) or "prv".
+    """
+
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        key: str,
+        *,
+        epsilon: float,
+        delta: float,
+        accountant: Mechanism = "rdp",
+    ) -> None:
+        if accountant not in _ACCOUNTANTS:
+            raise ConfigError("dp-accountant", f"unknown accountant {accountant!r}")
+        if not (epsilon > 0 and 0 < delta < 1):
+            raise ConfigError("dp-epsilon", "the budget needs epsilon > 0 and 0 < delta < 1")
+        self.path = Path(state_dir) / f"{key}.json"
+        self.epsilon_budget = epsilon
+        self.delta = delta
+        self.mechanism: Mechanism = accountant
+        self.history: list[tuple[float, float, int]] = self._load()
+
+    def _load(self) -> list[tuple[float, float, int]]:
+        if not self.path.exists():
+            return []
+        data = json.loads(self.path.read_text())
+        if data.get("accountant") != self.mechanism:
+            raise ConfigError(
+                "dp-accountant",
+                f"{self.path} was accounted with {data.get('accountant')!r}, "
+                f"not {self.mechanism!r}",
+            )
+        return [(float(s), float(q), int(n)) for s, q, n in data["history"]]
+
+    def _accountant(self, history: list[tuple[float, float, int]]) -> RDPAccountant | PRVAccountant:
+        accountant = _ACCOUNTANTS[self.mechanism]()
+        accountant.history = [tuple(h) for h in history]
+        return accountant
+
+    def spent(self) -> float:
+        """Epsilon spent so far (at this budget's delta)."""
+        return self._epsilon(self.history)
+
+    def _epsilon(self, history: list[tuple[float, float, int]]) -> float:
+        if not history:
+            return 0.0
+        return float(self._accountant(history).get_epsilon(delta=self.delta))
+
+    def charge(self, noise_multiplier: float) -> float:
+        """Record one release with noise multiplier ``noise_multiplier`` (std / clip norm).
+
+        Returns:
+            The epsilon spent after this release.
+
+        Raises:
+            PrivacyBudgetExceeded: this release would take the spent epsilon past the
+                budget; nothing is recorded and nothing may be released.
+        """
+        step = (noise_multiplier / SENSITIVITY_FACTOR, 1.0)
+        history = _merged(self.history, step)
+        after = self._epsilon(history)
+        if after > self.epsilon_budget:
+            raise PrivacyBudgetExceeded(
+                f"this release would spend epsilon {after:.4g} > budget "
+                f"{self.epsilon_budget:.4g} (delta {self.delta:g}; spent {self.spent():.4g})"
+            )
+        self._save(history)
+        self.history = history
+        return after
+
+    def _save(self, history: list[tuple[float, float, int]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps({"accountant": self.mechanism, "history": history}).encode()
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budget-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _merged(
+    history: list[tuple[float, float, int]], step: tuple[float, float]
+) -> list[tuple[float, float, int]]:
+    """``history`` plus one step, merged into the last entry when it has the same mechanism
+    (what Opacus's own ``step`` does)."""
+    if history and history[-1][:2] == step:
+        return [*history[:-1], (step[0], step[1], history[-1][2] + 1)]
+    return [*history, (step[0], step[1], 1)]
