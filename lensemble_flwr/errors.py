@@ -47,6 +47,10 @@ class UnboundContribution(RoundError):
     """An update without a dataset commitment, while the configuration requires binding."""
 
 
+class UnprivatizedContribution(RoundError):
+    """An update that lacks the clipping or noise the configuration requires."""
+
+
 class ParameterMismatch(RoundError):
     """Named arrays that do not fit a model or a template (unknown, missing or mis-shaped)."""
 

@@ -46,6 +46,7 @@ from lensemble_flwr.errors import (
     RoundError,
     StoreError,
     UnboundContribution,
+    UnprivatizedContribution,
     response_to,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
@@ -400,20 +401,26 @@ class Coordinator:
             ctx.late.add(msg.sender)
             log.info(
                 "round %d: late %s from %s (round %d attempt %d) dropped",
-                ctx.machine.round, msg.kind, msg.sender, msg.round, msg.attempt,
+                ctx.machine.round,
+                msg.kind,
+                msg.sender,
+                msg.round,
+                msg.attempt,
             )
             return
         pid = msg.participant_id
         if isinstance(msg, Refusal):
             ctx.refused[pid] = f"{msg.error}: {msg.reason}"
-            log.warning("round %d: %s releases nothing: %s", ctx.machine.round, pid,
-                        ctx.refused[pid])
+            log.warning(
+                "round %d: %s releases nothing: %s", ctx.machine.round, pid, ctx.refused[pid]
+            )
             if msg.error == PrivacyBudgetExceeded.__name__:  # fail closed: the table stops us
                 raise PrivacyBudgetExceeded(f"{pid}: {msg.reason}")
         elif isinstance(msg, Commitment):
             self._bind(msg)
         else:
             self._check_binding(msg)
+            self._check_privacy(msg)
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             ctx.admitted.add(pid)
@@ -434,6 +441,23 @@ class Coordinator:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
         self._commitments[pid] = commitment
 
+    def _check_privacy(self, update: Update) -> None:
+        """Refuse an update that did not go through the release stages the config requires
+        (a stock ClientApp, or a participant configured without them). This checks what
+        the participant declares; that the declaration is honest is its signature's job."""
+        privacy = self.config.privacy
+        needed = [
+            stage
+            for stage, on in (("clip", privacy.clip_norm > 0), ("gaussian_noise", privacy.noised))
+            if on
+        ]
+        missing = [stage for stage in needed if stage not in update.transforms]
+        if missing:
+            raise UnprivatizedContribution(
+                f"{update.participant_id}: update released without {missing}, which the "
+                "configuration requires; refused"
+            )
+
     def _check_binding(self, update: Update) -> None:
         pid = update.participant_id
         if update.dataset_root is None:
@@ -446,7 +470,8 @@ class Coordinator:
                 self._warned_unbound.add(pid)
                 log.warning(
                     "%s contributes UNBOUND updates: no dataset commitment, no participant-side "
-                    "alignment or privacy; they are recorded as unbound in the ledger", pid
+                    "alignment or privacy; they are recorded as unbound in the ledger",
+                    pid,
                 )
             return
         commitment = self._commitments.get(pid)
