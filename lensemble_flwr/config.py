@@ -143,6 +143,15 @@ class PrivacyConfig(_Section):
         return self.noise_multiplier > 0
 
 
+class ReleaseConfig(_Section):
+    """How a participant encodes its release on the wire."""
+
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: per-tensor scale, unbiased stochastic rounding (~4x fewer bytes).",
+    )
+
+
 class ParamGroupsConfig(_Section):
     """Which parameter names are shared (encoder/predictor) and which stay local.
 
@@ -184,6 +193,7 @@ _SECTIONS: dict[str, tuple[str, type[_Section]]] = {
     "outer": ("outer-", OuterOptimizerConfig),
     "groups": ("", ParamGroupsConfig),
     "privacy": ("", PrivacyConfig),
+    "release": ("", ReleaseConfig),
 }
 _GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups"}
 
@@ -215,6 +225,7 @@ class LensembleConfig(_Section):
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     groups: ParamGroupsConfig = ParamGroupsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    release: ReleaseConfig = ReleaseConfig()
 
     @classmethod
     def from_run_config(
@@ -245,9 +256,7 @@ class LensembleConfig(_Section):
         try:
             return cls(**nested)
         except ConfigError as exc:
-            names = {
-                f"{_SECTIONS[s][1].__name__}.{f}": k for k, (s, f) in keys.items()
-            }
+            names = {f"{_SECTIONS[s][1].__name__}.{f}": k for k, (s, f) in keys.items()}
             if exc.field in names:
                 raise ConfigError(names[exc.field], exc.reason) from None
             raise

@@ -124,8 +124,7 @@ def check_same_layout(
     for name in expected:
         if expected[name].shape != actual[name].shape:
             raise ParameterMismatch(
-                f"{what}: {name} expected shape {expected[name].shape}, "
-                f"got {actual[name].shape}"
+                f"{what}: {name} expected shape {expected[name].shape}, got {actual[name].shape}"
             )
 
 

@@ -116,7 +116,7 @@ def _chunk_checksum(q: np.ndarray, r: np.ndarray) -> int:
 class _Pending:
     participant_id: str
     delta: Mapping[str, np.ndarray]
-    scale: np.float64
+    scale: dict[str, np.float64]  # per tensor: weight * 2**F (* the int8 scale, if any)
     bound: int
 
 
@@ -176,7 +176,8 @@ class FixedPointAggregator:
         self._bound += bound
         self._weight += weight
         self._contributors.append(pid)
-        scale = np.float64(weight) * self._scale_unit
+        factor = np.float64(weight) * self._scale_unit
+        scale = {n: factor * np.float64(update.scale_of(n)) for n in self._template}
         self._pending.append(_Pending(pid, update.delta, scale, bound))
         if len(self._pending) >= self._config.fold_batch:
             self._fold()
@@ -189,7 +190,7 @@ class FixedPointAggregator:
         r = self._r
         for name, acc in self._acc.items():
             flat_acc = acc.reshape(-1)
-            inputs = [(p.delta[name].reshape(-1), p.scale) for p in batch]
+            inputs = [(p.delta[name].reshape(-1), p.scale[name]) for p in batch]
 
             def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
                 t = np.empty(CHUNK, np.float64)

@@ -30,6 +30,7 @@ from lensemble_flwr.errors import RoundError
 
 WirePayload = Mapping[str, Any]
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_WIRE_DTYPES = (*_FLOAT_DTYPES, np.dtype(np.int8))  # int8: a quantized release
 _HEX64 = r"^[0-9a-f]{64}$"
 
 
@@ -43,8 +44,8 @@ def _validate_arrays(value: Any) -> dict[str, np.ndarray]:
             raise ValueError(f"array names must be non-empty strings, got {name!r}")
         if not isinstance(array, np.ndarray):
             raise ValueError(f"{name}: expected a numpy array, got {type(array).__name__}")
-        if array.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name}: dtype {array.dtype} is not float32 or float64")
+        if array.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"{name}: dtype {array.dtype} is not float32, float64 or int8")
         out[name] = array
     return out
 
@@ -88,6 +89,13 @@ class RoundOpen(_Message):
         True, description="The recipient is not bound yet: send a Commitment with the update."
     )
 
+    @model_validator(mode="after")
+    def _float_params(self) -> RoundOpen:
+        bad = [n for n, a in self.params.items() if a.dtype not in _FLOAT_DTYPES]
+        if bad:
+            raise ValueError(f"global params must be floating-point: {bad}")
+        return self
+
 
 class Commitment(_Message):
     """Participant → coordinator: I take part in this round, bound to this dataset root."""
@@ -124,6 +132,9 @@ class Update(_Message):
     epsilon: float | None = Field(
         None, ge=0, description="The sender's cumulative epsilon after this release (DP)."
     )
+    scales: dict[str, float] | None = Field(
+        None, description="Per-tensor scales of an int8 release: the value is delta * scale."
+    )
     _max_abs: float = PrivateAttr(0.0)
 
     @model_validator(mode="after")
@@ -132,8 +143,25 @@ class Update(_Message):
             raise ValueError("sender and participant_id differ")
         if not self.delta:
             raise ValueError("delta is empty")
-        self._max_abs = _finite_max_abs(self.delta)
+        int8 = {n for n, a in self.delta.items() if a.dtype == np.int8}
+        if self.scales is None:
+            if int8:
+                raise ValueError(f"int8 arrays {sorted(int8)} without scales")
+            self._max_abs = _finite_max_abs(self.delta)
+            return self
+        if int8 != set(self.delta) or set(self.scales) != set(self.delta):
+            raise ValueError("a quantized update needs int8 arrays and one scale for each")
+        if not all(math.isfinite(s) and s > 0 for s in self.scales.values()):
+            raise ValueError("scales must be finite and positive")
+        self._max_abs = max(
+            float(np.abs(self.delta[n].astype(np.int16)).max(initial=0)) * self.scales[n]
+            for n in self.delta
+        )
         return self
+
+    def scale_of(self, name: str) -> float:
+        """The factor that turns ``delta[name]`` into released values (1 if unquantized)."""
+        return 1.0 if self.scales is None else self.scales[name]
 
     @property
     def max_abs(self) -> float:
@@ -200,8 +228,9 @@ def from_wire(payload: Any) -> ControlMessage:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"
-        raise RoundError(f"malformed {payload.get('kind', 'message')!s:.32}: {where}: "
-                         f"{first['msg']}") from None
+        raise RoundError(
+            f"malformed {payload.get('kind', 'message')!s:.32}: {where}: {first['msg']}"
+        ) from None
 
 
 def message_digest(message: ControlMessage) -> str:

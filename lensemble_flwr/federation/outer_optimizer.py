@@ -55,8 +55,17 @@ def outer_step(
         g_in = mean_delta[name].astype(p.dtype, copy=False).reshape(-1)
         p_out, m_out = np.empty_like(p_in), np.empty_like(p_in)
 
-        def kernel(lo: int, hi: int, p_in=p_in, m_in=m_in, g_in=g_in, p_out=p_out,
-                   m_out=m_out, lr=lr, mu=mu) -> None:
+        def kernel(
+            lo: int,
+            hi: int,
+            p_in=p_in,
+            m_in=m_in,
+            g_in=g_in,
+            p_out=p_out,
+            m_out=m_out,
+            lr=lr,
+            mu=mu,
+        ) -> None:
             tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
             for s in range(lo, hi, CHUNK):
                 e = min(s + CHUNK, hi)

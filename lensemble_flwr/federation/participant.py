@@ -49,6 +49,7 @@ from lensemble_flwr.release import (
     ReleaseTransform,
     release_pipeline,
 )
+from lensemble_flwr.release.quantize import dequantize
 
 __all__ = [
     "Participant",
@@ -170,6 +171,7 @@ class Participant:
                 num_examples=released.num_examples,
                 transforms=released.transforms,
                 epsilon=released.epsilon,
+                scales=released.scales,
             ),
         )
 
@@ -204,11 +206,14 @@ class Participant:
         leaked = sorted(n for n in release.delta if not is_shared(n, self.config.groups))
         if leaked:
             raise ResidencyViolation(f"{self.participant_id}: release carries local {leaked}")
+        scales = release.metadata.get("scales")
+        released = dequantize(release.delta, scales) if scales else release.delta
         return PseudoGradient(
             participant_id=self.participant_id,
             round=global_state.round,
             delta=release.delta,
-            l2_norm=l2_norm(release.delta),
+            l2_norm=l2_norm(released),
+            scales=scales,
             dataset_root=release.bound_root,
             num_examples=ctx.num_examples,  # after fit: a NumPyClient reports it there
             transforms=release.applied,
@@ -247,8 +252,9 @@ class Participant:
         )
         self.training.forget()
         self._last_open = None
-        log.info("%s: joined at round %d (%s…)", self.participant_id, state.round,
-                 state.params_hash[:12])
+        log.info(
+            "%s: joined at round %d (%s…)", self.participant_id, state.round, state.params_hash[:12]
+        )
         return state
 
     # -- state that must outlive a process ---------------------------------------------

@@ -193,3 +193,4 @@ class PseudoGradient:
     num_examples: int
     transforms: tuple[str, ...] = ()
     epsilon: float | None = None
+    scales: dict[str, float] | None = None

@@ -24,6 +24,7 @@ from lensemble_flwr.release.pipeline import (
     chain,
 )
 from lensemble_flwr.release.privacy import clip, gaussian_noise
+from lensemble_flwr.release.quantize import int8_quantize
 
 
 def _no_state(_params: Mapping[str, np.ndarray]) -> None:
@@ -83,6 +84,8 @@ def release_pipeline(
             accountant=privacy.dp_accountant,
         )
         stages.append(gaussian_noise(privacy.noise_multiplier, privacy.clip_norm, budget))
+    if config.release.quantize == "int8":
+        stages.append(int8_quantize())
     if dataset_root is not None:
         stages.append(bind())
     return chain(*stages)

@@ -25,8 +25,14 @@ from lensemble_flwr.simulations.digits_data import (
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
-APP_KEYS = {"num-server-rounds", "num-partitions", "run-dir", "warmup-timeout",
-            "fraction-evaluate", "data-seed"}
+APP_KEYS = {
+    "num-server-rounds",
+    "num-partitions",
+    "run-dir",
+    "warmup-timeout",
+    "fraction-evaluate",
+    "data-seed",
+}
 """The app's own run_config keys (everything else must be a lensemble key)."""
 
 
@@ -67,8 +73,9 @@ def main(grid: Grid, context: Context) -> None:
     count = int(run_config.get("num-partitions", 10))
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        loss, accuracy = centralized_evaluate(record_to_arrays(arrays), seed=seed,
-                                              num_partitions=count)
+        loss, accuracy = centralized_evaluate(
+            record_to_arrays(arrays), seed=seed, num_partitions=count
+        )
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
     result = strategy.start(

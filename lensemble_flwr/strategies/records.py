@@ -20,6 +20,7 @@ Nothing here validates: receivers run the result through ``messages.from_wire``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,9 +34,11 @@ PREFIX = "lensemble."
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 CLOSE_RECORD = PREFIX + "round-close"
 _ARRAY_FIELD = {"round-open": "params", "update": "delta"}
-# Flower's ConfigRecord cannot carry None, and chokes on "" and [] (count_bytes raises,
-# an empty list has no element type); such fields travel as lists of their names.
+# Flower's ConfigRecord cannot carry None or mappings, and chokes on "" and [] (count_bytes
+# raises, an empty list has no element type); such fields travel specially: the names of
+# None, [] and "" fields as lists, mappings as canonical JSON strings.
 _NULLS, _EMPTY_LISTS, _EMPTY_STRINGS = "__null__", "__empty_list__", "__empty_str__"
+_JSON = "__json__"
 _REPLY_KINDS = ("commitment", "update", "refusal")
 
 
@@ -63,12 +66,15 @@ def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def _fields_to_config(payload: WirePayload, skip: str | None, prefix: str = "") -> dict[str, Any]:
     config: dict[str, Any] = {}
-    special: dict[str, list[str]] = {_NULLS: [], _EMPTY_LISTS: [], _EMPTY_STRINGS: []}
+    special: dict[str, list[str]] = {_NULLS: [], _EMPTY_LISTS: [], _EMPTY_STRINGS: [], _JSON: []}
     for name, value in payload.items():
         if name == skip:
             continue
         if value is None:
             special[_NULLS].append(name)
+        elif isinstance(value, Mapping):
+            special[_JSON].append(name)
+            config[prefix + name] = json.dumps(dict(value), sort_keys=True)
         elif isinstance(value, (tuple, list)) and not value:
             special[_EMPTY_LISTS].append(name)
         elif isinstance(value, str) and not value:
@@ -86,6 +92,8 @@ def _config_to_fields(config: Mapping[str, Any], prefix: str = "") -> dict[str, 
     for key, value in ((_NULLS, None), (_EMPTY_LISTS, []), (_EMPTY_STRINGS, "")):
         for name in fields.pop(key, []):
             fields[name] = value
+    for name in fields.pop(_JSON, []):
+        fields[name] = json.loads(fields[name])
     return fields
 
 
