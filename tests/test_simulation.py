@@ -25,6 +25,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients import make_client_app, wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import FaultToleranceExceeded
+from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.simulations.toy import ToyTrainer
 from lensemble_flwr.simulations.toy import initial_params as toy_params
@@ -254,3 +255,31 @@ def test_numpyclient_drop_in(tmp_path: Path) -> None:
     records = verify(Store(tmp_path / "run"))
     assert [r.count for r in records] == [3, 3]
     assert all(set(r.dataset_roots.values()) == {None} for r in records)  # no records_fn
+
+
+def test_private_int8_releases_over_flower(tmp_path: Path) -> None:
+    """Clip, CSPRNG noise, the budget and int8 quantization on the simulation engine: the
+    coordinator only ever sees int8 releases, and the ledger records what each spent."""
+    config = LensembleConfig(
+        federation={"min_participants": 3, "collect_timeout": 30.0},
+        inner={"steps": 2, "batch_size": 8},
+        privacy={"clip_norm": 1.0, "noise_multiplier": 0.5, "dp_epsilon": 1000.0,
+                 "dp_state_dir": str(tmp_path / "budgets")},
+        release={"quantize": "int8"},
+    )
+    box: dict = {}
+    simulate(lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
+             make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"])),
+                             config_fn=lambda _: config),
+             nodes=3)
+    assert "error" not in box, box.get("error")
+    records = verify(Store(tmp_path / "run"))
+    assert [r.count for r in records] == [3, 3]
+    assert all(e is not None and e > 0 for r in records for e in r.epsilon.values())
+    assert all(records[1].epsilon[p] > records[0].epsilon[p] for p in records[0].contributors)
+    # three budgets, one per dataset commitment, each charged once per release
+    files = sorted((tmp_path / "budgets").iterdir())
+    assert len(files) == 3
+    for path in files:
+        history = PrivacyBudget(path.parent, path.stem, epsilon=1000.0, delta=1e-5).history
+        assert sum(n for _, _, n in history) == 2
