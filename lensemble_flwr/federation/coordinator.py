@@ -201,7 +201,7 @@ class Coordinator:
         return self._global
 
     def momentum(self) -> NamedArrays:
-        """The outer optimizer's momentum (read-only copies)."""
+        """Copies of the outer optimizer's momentum."""
         return {n: a.copy() for n, a in self._momentum.items()}
 
     @property

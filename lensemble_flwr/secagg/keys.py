@@ -1,0 +1,95 @@
+"""A participant's secure-aggregation keys and what is derived from them.
+
+Two X25519 key pairs: one whose Diffie-Hellman secrets seed the pairwise masks, one whose
+secrets key the authenticated encryption (ChaCha20-Poly1305) of the shares a participant
+sends to its peers through the aggregator. Derivations are HKDF-SHA256 with a context
+that names the run, the round and the attempt, so no seed is ever used twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
+
+from lensemble_flwr.errors import SecureAggregationError
+
+
+def _raw_private(key: X25519PrivateKey) -> bytes:
+    return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+
+def _raw_public(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
+
+
+@dataclasses.dataclass(frozen=True)
+class SecAggKeys:
+    """A participant's two key pairs, as raw 32-byte strings."""
+
+    mask_private: bytes
+    enc_private: bytes
+
+    @classmethod
+    def generate(cls) -> SecAggKeys:
+        return cls(
+            _raw_private(X25519PrivateKey.generate()), _raw_private(X25519PrivateKey.generate())
+        )
+
+    @property
+    def mask_public(self) -> bytes:
+        return _raw_public(X25519PrivateKey.from_private_bytes(self.mask_private))
+
+    @property
+    def enc_public(self) -> bytes:
+        return _raw_public(X25519PrivateKey.from_private_bytes(self.enc_private))
+
+
+def pair_seed(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:
+    """The pairwise mask seed of two participants for one round attempt (symmetric)."""
+    secret = X25519PrivateKey.from_private_bytes(mask_private).exchange(
+        X25519PublicKey.from_public_bytes(peer_mask_public)
+    )
+    return hkdf(secret, b"lensemble-secagg/pair|" + context)
+
+
+def _box_key(enc_private: bytes, peer_enc_public: bytes) -> bytes:
+    secret = X25519PrivateKey.from_private_bytes(enc_private).exchange(
+        X25519PublicKey.from_public_bytes(peer_enc_public)
+    )
+    return hkdf(secret, b"lensemble-secagg/share-box")
+
+
+def seal(enc_private: bytes, peer_enc_public: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    """Encrypt ``plaintext`` for the peer (nonce || ciphertext with tag)."""
+    nonce = os.urandom(12)
+    box = ChaCha20Poly1305(_box_key(enc_private, peer_enc_public))
+    return nonce + box.encrypt(nonce, plaintext, aad)
+
+
+def open_sealed(enc_private: bytes, peer_enc_public: bytes, sealed: bytes, aad: bytes) -> bytes:
+    """Decrypt what the peer sealed for us.
+
+    Raises:
+        SecureAggregationError: the ciphertext or its associated data was altered.
+    """
+    box = ChaCha20Poly1305(_box_key(enc_private, peer_enc_public))
+    try:
+        return box.decrypt(sealed[:12], sealed[12:], aad)
+    except InvalidTag:
+        raise SecureAggregationError("a sealed share does not authenticate") from None

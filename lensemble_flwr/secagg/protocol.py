@@ -1,0 +1,213 @@
+"""The participant's and the aggregator's roles in a secure sum (Bonawitz et al. style).
+
+Values are int64 vectors added mod 2**64 — the fixed-point integers of the plaintext
+accumulator, so a revealed sum is bitwise the plaintext sum. Participant u sends
+
+    y_u = q_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)      (mod 2**64)
+
+where b_u is a fresh self-mask seed and s_uv the pairwise seed agreed by X25519 for this
+round attempt; pairwise masks cancel in the sum of all members. Along with y_u it sends,
+sealed for each member v, a Shamir share of b_u and one of its mask key. To reveal, each
+responding member discloses, for every sender, exactly one of the two: the b-share if the
+sender's masked input was received, the key share if it was not. The aggregator then
+removes the self masks of survivors and the dangling pairwise masks of dropped members.
+A dropped member's mask key is revealed, so it must rotate its keys before it masks again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.secagg import prg, shamir
+from lensemble_flwr.secagg.keys import SecAggKeys, open_sealed, pair_seed, seal
+
+Shares = dict[str, dict[str, shamir.Share]]  # {"b": {sender: share}, "m": {sender: share}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A participant of a masked round, as everybody knows it: its id and public keys."""
+
+    pid: str
+    mask_public: bytes
+    enc_public: bytes
+
+
+def context_of(run_id: str, round: int, attempt: int) -> bytes:
+    """What every seed and sealed share of one round attempt is bound to."""
+    return f"{run_id}|{round}|{attempt}".encode()
+
+
+def _flatten(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(arrays[n], np.int64).reshape(-1) for n in sorted(arrays)])
+
+
+def _unflatten(flat: np.ndarray, template: Mapping[str, np.ndarray]) -> NamedArrays:
+    out, offset = {}, 0
+    for name in sorted(template):
+        size = int(np.prod(template[name].shape, dtype=np.int64))
+        out[name] = flat[offset : offset + size].reshape(template[name].shape)
+        offset += size
+    return out
+
+
+def _aad(context: bytes, sender: str, holder: str) -> bytes:
+    return b"|".join((context, sender.encode(), holder.encode()))
+
+
+def _ordered(members: Sequence[Member]) -> list[Member]:
+    ordered = sorted(members, key=lambda m: m.pid)
+    if len({m.pid for m in ordered}) != len(ordered):
+        raise SecureAggregationError("duplicate member ids")
+    return ordered
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRelease:
+    masked: NamedArrays
+    sealed: dict[str, bytes]  # holder -> sealed bundle of this sender's two shares
+
+
+def mask(
+    values: Mapping[str, np.ndarray],
+    *,
+    me: str,
+    keys: SecAggKeys,
+    members: Sequence[Member],
+    threshold: int,
+    context: bytes,
+) -> MaskedRelease:
+    """Mask ``values`` (int64) for the round and seal shares of the mask secrets."""
+    ordered = _ordered(members)
+    if me not in {m.pid for m in ordered}:
+        raise SecureAggregationError(f"{me} is not a member of this masked round")
+    flat = _flatten(values)
+    self_seed = os.urandom(prg.SEED_BYTES)
+    with np.errstate(over="ignore"):
+        masked = flat + prg.expand(self_seed, flat.size)
+        for peer in ordered:
+            if peer.pid == me:
+                continue
+            stream = prg.expand(pair_seed(keys.mask_private, peer.mask_public, context), flat.size)
+            masked = masked + stream if me < peer.pid else masked - stream
+    b_shares = shamir.split(self_seed, threshold, len(ordered))
+    m_shares = shamir.split(keys.mask_private, threshold, len(ordered))
+    sealed = {}
+    for holder, b, m in zip(ordered, b_shares, m_shares, strict=True):
+        bundle = json.dumps({"b": [b[0], hex(b[1])], "m": [m[0], hex(m[1])]}).encode()
+        sealed[holder.pid] = seal(
+            keys.enc_private, holder.enc_public, bundle, _aad(context, me, holder.pid)
+        )
+    return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
+
+
+def disclose(
+    *,
+    me: str,
+    keys: SecAggKeys,
+    members: Sequence[Member],
+    context: bytes,
+    survivors: Sequence[str],
+    dropped: Sequence[str],
+    sealed_for_me: Mapping[str, bytes],
+) -> Shares:
+    """A member's answer to the unmask request: for each sender, one share, never two.
+
+    Raises:
+        SecureAggregationError: a sender is named both survivor and dropped (revealing
+            both of its shares would unmask its individual input), or a sealed share
+            does not authenticate.
+    """
+    both = set(survivors) & set(dropped)
+    if both:
+        raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
+    by_id = {m.pid: m for m in members}
+    out: Shares = {"b": {}, "m": {}}
+    for sender, sealed in sealed_for_me.items():
+        which = "b" if sender in survivors else "m" if sender in dropped else None
+        if which is None or sender not in by_id:
+            continue
+        bundle = json.loads(
+            open_sealed(
+                keys.enc_private, by_id[sender].enc_public, sealed, _aad(context, sender, me)
+            )
+        )
+        x, y = bundle[which]
+        out[which][sender] = (int(x), int(y, 16))
+    return out
+
+
+class MaskedSum:
+    """The aggregator's side: adds masked inputs as they arrive, then reveals their sum.
+
+    It never holds an unmasked individual input: it adds masked vectors (mod 2**64) and
+    removes masks only from their sum.
+    """
+
+    def __init__(
+        self,
+        template: Mapping[str, np.ndarray],
+        members: Sequence[Member],
+        *,
+        threshold: int,
+        context: bytes,
+    ) -> None:
+        self.members = _ordered(members)
+        self.threshold = threshold
+        self.context = context
+        self._template = {n: template[n] for n in sorted(template)}
+        self._sum = np.zeros(sum(int(a.size) for a in self._template.values()), np.int64)
+        self.survivors: list[str] = []
+
+    def add(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
+        if pid not in {m.pid for m in self.members} or pid in self.survivors:
+            raise SecureAggregationError(f"{pid}: not a member, or a second masked input")
+        flat = _flatten(masked)
+        if flat.size != self._sum.size:
+            raise SecureAggregationError(f"{pid}: masked input of the wrong size")
+        with np.errstate(over="ignore"):
+            self._sum += flat
+        self.survivors.append(pid)
+
+    @property
+    def dropped(self) -> list[str]:
+        return [m.pid for m in self.members if m.pid not in self.survivors]
+
+    def reveal(self, disclosures: Mapping[str, Shares]) -> NamedArrays:
+        """The sum of the survivors' values, from the members' disclosures.
+
+        Raises:
+            SecureAggregationError: fewer survivors, or fewer shares of a secret, than the
+                threshold.
+        """
+        if len(self.survivors) < self.threshold:
+            raise SecureAggregationError(
+                f"{len(self.survivors)} masked inputs, threshold {self.threshold}"
+            )
+        collected: Shares = {"b": {}, "m": {}}
+        for answer in disclosures.values():
+            for which in ("b", "m"):
+                for sender, share in answer.get(which, {}).items():
+                    collected[which].setdefault(sender, {})[share[0]] = share  # type: ignore[index]
+        total = self._sum.copy()
+        by_id = {m.pid: m for m in self.members}
+        with np.errstate(over="ignore"):
+            for pid in self.survivors:
+                seed = shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold)
+                total -= prg.expand(seed, total.size)
+            for pid in self.dropped:
+                key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
+                for survivor in self.survivors:
+                    stream = prg.expand(
+                        pair_seed(key, by_id[survivor].mask_public, self.context), total.size
+                    )
+                    # the survivor added +stream if it sorts before the dropped member
+                    total = total - stream if survivor < pid else total + stream
+        return _unflatten(total, self._template)

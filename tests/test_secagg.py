@@ -1,0 +1,148 @@
+"""Secure aggregation primitives and roles: exact cancellation, dropouts, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.secagg import prg, shamir
+from lensemble_flwr.secagg.keys import SecAggKeys, open_sealed, pair_seed, seal
+from lensemble_flwr.secagg.protocol import MaskedSum, Member, context_of, disclose, mask
+
+CONTEXT = context_of("run", 3, 1)
+
+
+def federation(n: int) -> tuple[dict[str, SecAggKeys], list[Member]]:
+    keys = {f"p{i}": SecAggKeys.generate() for i in range(n)}
+    members = [Member(pid, k.mask_public, k.enc_public) for pid, k in keys.items()]
+    return keys, members
+
+
+def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: int,
+               send: set[str], answer: set[str]) -> tuple[dict[str, np.ndarray], MaskedSum]:
+    """Run both roles: every member masks, only ``send`` deliver, only ``answer`` disclose."""
+    keys, members = federation(n)
+    template = next(iter(values.values()))
+    releases = {pid: mask(values[pid], me=pid, keys=keys[pid], members=members,
+                          threshold=threshold, context=CONTEXT) for pid in keys}
+    aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT)
+    for pid in sorted(send):
+        aggregator.add(pid, releases[pid].masked)
+    disclosures = {
+        holder: disclose(me=holder, keys=keys[holder], members=members, context=CONTEXT,
+                         survivors=aggregator.survivors, dropped=aggregator.dropped,
+                         sealed_for_me={s: r.sealed[holder] for s, r in releases.items()
+                                        if s in send or s in aggregator.dropped})
+        for holder in sorted(answer)
+    }
+    return aggregator.reveal(disclosures), aggregator
+
+
+def random_values(n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {f"p{i}": {"a": rng.integers(-2**62, 2**62, (3, 4), dtype=np.int64),
+                      "b": rng.integers(-2**62, 2**62, 5, dtype=np.int64)} for i in range(n)}
+
+
+def plain_sum(values: dict[str, dict[str, np.ndarray]], who: set[str]) -> dict[str, np.ndarray]:
+    out = {}
+    with np.errstate(over="ignore"):
+        for name in ("a", "b"):
+            out[name] = sum((values[p][name] for p in sorted(who)),
+                            np.zeros_like(values["p0"][name]))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 6), seed=st.integers(0, 2**32))
+def test_masks_cancel_exactly_without_dropouts(n: int, seed: int) -> None:
+    values = random_values(n, seed)
+    everyone = set(values)
+    revealed, _ = secure_sum(values, n=n, threshold=max(1, n - 1), send=everyone, answer=everyone)
+    expected = plain_sum(values, everyone)
+    for name in expected:
+        np.testing.assert_array_equal(revealed[name], expected[name])
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(3, 6), seed=st.integers(0, 2**32), data=st.data())
+def test_the_revealed_sum_is_exact_with_dropouts_up_to_the_threshold(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    threshold = data.draw(st.integers(2, n))
+    values = random_values(n, seed)
+    drop = data.draw(st.sets(st.sampled_from(sorted(values)), max_size=n - threshold))
+    survivors = set(values) - drop
+    revealed, aggregator = secure_sum(values, n=n, threshold=threshold, send=survivors,
+                                      answer=survivors)
+    assert sorted(aggregator.dropped) == sorted(drop)
+    expected = plain_sum(values, survivors)
+    for name in expected:
+        np.testing.assert_array_equal(revealed[name], expected[name])
+
+
+def test_too_few_survivors_is_a_secure_aggregation_error() -> None:
+    values = random_values(4, 0)
+    with pytest.raises(SecureAggregationError, match="threshold"):
+        secure_sum(values, n=4, threshold=3, send={"p0", "p1"}, answer={"p0", "p1"})
+
+
+def test_too_few_disclosures_cannot_reveal() -> None:
+    values = random_values(4, 1)
+    with pytest.raises(SecureAggregationError, match="shares"):
+        secure_sum(values, n=4, threshold=3, send=set(values), answer={"p0", "p1"})
+
+
+def test_a_member_never_discloses_both_shares_of_one_sender() -> None:
+    keys, members = federation(3)
+    with pytest.raises(SecureAggregationError, match="both shares"):
+        disclose(me="p0", keys=keys["p0"], members=members, context=CONTEXT,
+                 survivors=["p1", "p2"], dropped=["p2"], sealed_for_me={})
+
+
+def test_a_masked_input_hides_the_value_and_changes_every_time() -> None:
+    keys, members = federation(3)
+    value = {"a": np.zeros(1000, np.int64)}
+    first = mask(value, me="p0", keys=keys["p0"], members=members, threshold=2, context=CONTEXT)
+    again = mask(value, me="p0", keys=keys["p0"], members=members, threshold=2, context=CONTEXT)
+    assert np.count_nonzero(first.masked["a"]) > 990  # zeros do not show through
+    assert not np.array_equal(first.masked["a"], again.masked["a"])  # fresh self mask
+
+
+def test_sealed_shares_do_not_open_with_the_wrong_context() -> None:
+    alice, bob = SecAggKeys.generate(), SecAggKeys.generate()
+    sealed = seal(alice.enc_private, bob.enc_public, b"share", b"ctx")
+    assert open_sealed(bob.enc_private, alice.enc_public, sealed, b"ctx") == b"share"
+    with pytest.raises(SecureAggregationError, match="authenticate"):
+        open_sealed(bob.enc_private, alice.enc_public, sealed, b"another round")
+
+
+def test_pair_seeds_agree_and_depend_on_the_round() -> None:
+    alice, bob = SecAggKeys.generate(), SecAggKeys.generate()
+    ab = pair_seed(alice.mask_private, bob.mask_public, CONTEXT)
+    assert ab == pair_seed(bob.mask_private, alice.mask_public, CONTEXT)
+    assert ab != pair_seed(alice.mask_private, bob.mask_public, context_of("run", 4, 1))
+
+
+def test_prg_is_a_function_of_its_seed_only() -> None:
+    seed = bytes(range(32))
+    np.testing.assert_array_equal(prg.expand(seed, 100), prg.expand(seed, 100))
+    assert not np.array_equal(prg.expand(seed, 100), prg.expand(bytes(32), 100))
+    with pytest.raises(ValueError):
+        prg.expand(b"short", 10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(secret=st.binary(min_size=32, max_size=32), n=st.integers(1, 7), data=st.data())
+def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
+                                                  data: st.DataObject) -> None:
+    threshold = data.draw(st.integers(1, n))
+    shares = shamir.split(secret, threshold, n)
+    subset = data.draw(st.permutations(shares))[:threshold]
+    assert shamir.combine(subset, threshold) == secret
+    if threshold > 1:
+        with pytest.raises(SecureAggregationError):
+            shamir.combine(subset[: threshold - 1], threshold)
