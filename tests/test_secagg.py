@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.secagg import prg, shamir
 from lensemble_flwr.secagg.keys import SecAggKeys, open_sealed, pair_seed, seal
-from lensemble_flwr.secagg.protocol import MaskedSum, Member, context_of, disclose, mask
+from lensemble_flwr.secagg.protocol import (
+    MaskedSum,
+    Member,
+    context_of,
+    disclose,
+    mask,
+    share_mask_key,
+)
 
 CONTEXT = context_of("run", 3, 1)
 
@@ -26,16 +33,21 @@ def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: i
     """Run both roles: every member masks, only ``send`` deliver, only ``answer`` disclose."""
     keys, members = federation(n)
     template = next(iter(values.values()))
+    # mask-key shares were distributed for this member set in an earlier round
+    key_shares = {pid: share_mask_key(keys[pid], me=pid, members=members, threshold=threshold,
+                                      run_id="run") for pid in keys}
     releases = {pid: mask(values[pid], me=pid, keys=keys[pid], members=members,
                           threshold=threshold, context=CONTEXT) for pid in keys}
     aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT)
-    for pid in sorted(send):
+    for pid in sorted(send):  # the others drop before their masked input arrives
         aggregator.add(pid, releases[pid].masked)
     disclosures = {
-        holder: disclose(me=holder, keys=keys[holder], members=members, context=CONTEXT,
-                         survivors=aggregator.survivors, dropped=aggregator.dropped,
-                         sealed_for_me={s: r.sealed[holder] for s, r in releases.items()
-                                        if s in send or s in aggregator.dropped})
+        holder: disclose(
+            me=holder, keys=keys[holder], members=members, run_id="run", context=CONTEXT,
+            survivors=aggregator.survivors, dropped=aggregator.dropped,
+            self_mask_shares={s: releases[s].sealed[holder] for s in aggregator.survivors},
+            mask_key_shares={s: key_shares[s][holder] for s in aggregator.dropped},
+        )
         for holder in sorted(answer)
     }
     return aggregator.reveal(disclosures), aggregator
@@ -99,8 +111,9 @@ def test_too_few_disclosures_cannot_reveal() -> None:
 def test_a_member_never_discloses_both_shares_of_one_sender() -> None:
     keys, members = federation(3)
     with pytest.raises(SecureAggregationError, match="both shares"):
-        disclose(me="p0", keys=keys["p0"], members=members, context=CONTEXT,
-                 survivors=["p1", "p2"], dropped=["p2"], sealed_for_me={})
+        disclose(me="p0", keys=keys["p0"], members=members, run_id="run", context=CONTEXT,
+                 survivors=["p1", "p2"], dropped=["p2"], self_mask_shares={},
+                 mask_key_shares={})
 
 
 def test_a_masked_input_hides_the_value_and_changes_every_time() -> None:

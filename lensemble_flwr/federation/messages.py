@@ -30,7 +30,8 @@ from lensemble_flwr.errors import RoundError
 
 WirePayload = Mapping[str, Any]
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_WIRE_DTYPES = (*_FLOAT_DTYPES, np.dtype(np.int8))  # int8: a quantized release
+_MASKED_DTYPE = np.dtype(np.int64)  # a masked release: fixed-point integers mod 2**64
+_WIRE_DTYPES = (*_FLOAT_DTYPES, np.dtype(np.int8), _MASKED_DTYPE)  # int8: quantized
 _HEX64 = r"^[0-9a-f]{64}$"
 
 
@@ -88,6 +89,11 @@ class RoundOpen(_Message):
     needs_commitment: bool = Field(
         True, description="The recipient is not bound yet: send a Commitment with the update."
     )
+    secagg_members: tuple[str, ...] = Field(
+        (), description="Masked round: 'pid:mask_key:enc_key' of every member (sorted)."
+    )
+    secagg_threshold: int = Field(0, ge=0)
+    rekey: bool = Field(False, description="The recipient's mask key was revealed: rotate.")
 
     @model_validator(mode="after")
     def _float_params(self) -> RoundOpen:
@@ -105,6 +111,8 @@ class Commitment(_Message):
     participant_id: str = Field(min_length=1, max_length=128)
     dataset_root: str = Field(pattern=_HEX64)
     num_examples: int = Field(ge=1)
+    mask_key: str | None = Field(None, pattern=_HEX64, description="X25519, secure sums.")
+    enc_key: str | None = Field(None, pattern=_HEX64, description="X25519, sealed shares.")
 
     @model_validator(mode="after")
     def _sender_is_participant(self) -> Commitment:
@@ -135,6 +143,10 @@ class Update(_Message):
     scales: dict[str, float] | None = Field(
         None, description="Per-tensor scales of an int8 release: the value is delta * scale."
     )
+    masked: bool = Field(False, description="delta is a masked fixed-point release (int64).")
+    sealed_shares: dict[str, str] | None = Field(
+        None, description="Masked: per member, this sender's shares sealed for it (hex)."
+    )
     _max_abs: float = PrivateAttr(0.0)
 
     @model_validator(mode="after")
@@ -143,6 +155,13 @@ class Update(_Message):
             raise ValueError("sender and participant_id differ")
         if not self.delta:
             raise ValueError("delta is empty")
+        int64 = {n for n, a in self.delta.items() if a.dtype == _MASKED_DTYPE}
+        if self.masked:
+            if int64 != set(self.delta) or self.scales is not None or not self.sealed_shares:
+                raise ValueError("a masked update carries int64 arrays and sealed shares only")
+            return self
+        if int64 or self.sealed_shares is not None:
+            raise ValueError("int64 arrays and sealed shares belong to masked updates")
         int8 = {n for n, a in self.delta.items() if a.dtype == np.int8}
         if self.scales is None:
             if int8:
@@ -190,6 +209,35 @@ class Refusal(_Message):
         return self
 
 
+class UnmaskRequest(_Message):
+    """Coordinator → surviving member of a masked round: disclose one share per sender."""
+
+    kind: Literal["unmask-request"] = "unmask-request"
+    attempt: int = Field(1, ge=1)
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    sealed: dict[str, str] = Field(description="sender -> its shares sealed for you (hex)")
+
+
+class UnmaskResponse(_Message):
+    """Member → coordinator: the self-mask share of each survivor, the mask-key share of
+    each dropped member; never both for one sender."""
+
+    kind: Literal["unmask-response"] = "unmask-response"
+    attempt: int = Field(1, ge=1)
+    participant_id: str = Field(min_length=1, max_length=128)
+    b_shares: dict[str, str] = Field(description="survivor -> 'x:y_hex'")
+    m_shares: dict[str, str] = Field(description="dropped member -> 'x:y_hex'")
+
+    @model_validator(mode="after")
+    def _one_share_per_sender(self) -> UnmaskResponse:
+        if self.sender != self.participant_id:
+            raise ValueError("sender and participant_id differ")
+        if set(self.b_shares) & set(self.m_shares):
+            raise ValueError("both shares of one sender disclosed")
+        return self
+
+
 class RoundClose(_Message):
     """Coordinator → participants: round ``round`` closed on this new global state."""
 
@@ -200,7 +248,10 @@ class RoundClose(_Message):
     record_hash: str = Field(pattern=_HEX64)
 
 
-ControlMessage = Union[RoundOpen, Commitment, Update, Refusal, RoundClose]  # noqa: UP007
+ControlMessage = Union[  # noqa: UP007
+    RoundOpen, Commitment, Update, Refusal, UnmaskRequest, UnmaskResponse, RoundClose
+]
+_MESSAGE_TYPES = (RoundOpen, Commitment, Update, Refusal, UnmaskRequest, UnmaskResponse, RoundClose)
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
     Annotated[ControlMessage, Field(discriminator="kind")]
 )
@@ -219,7 +270,7 @@ def from_wire(payload: Any) -> ControlMessage:
         RoundError: the payload is not a well-formed control message; the error names
             the first offending field.
     """
-    if isinstance(payload, (RoundOpen, Commitment, Update, Refusal, RoundClose)):
+    if isinstance(payload, _MESSAGE_TYPES):
         payload = to_wire(payload)
     if not isinstance(payload, Mapping):
         raise RoundError(f"malformed message: expected a mapping, got {type(payload).__name__}")

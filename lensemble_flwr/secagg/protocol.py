@@ -7,9 +7,10 @@ accumulator, so a revealed sum is bitwise the plaintext sum. Participant u sends
 
 where b_u is a fresh self-mask seed and s_uv the pairwise seed agreed by X25519 for this
 round attempt; pairwise masks cancel in the sum of all members. Along with y_u it sends,
-sealed for each member v, a Shamir share of b_u and one of its mask key. To reveal, each
-responding member discloses, for every sender, exactly one of the two: the b-share if the
-sender's masked input was received, the key share if it was not. The aggregator then
+sealed for each member v, a Shamir share of b_u; once per member set it also sends
+shares of its mask key, which the aggregator keeps. To reveal, each responding member
+discloses, for every sender, exactly one of the two: the b-share if the sender's masked
+input was received, the key share if it was not. The aggregator then
 removes the self masks of survivors and the dangling pairwise masks of dropped members.
 A dropped member's mask key is revealed, so it must rotate its keys before it masks again.
 """
@@ -17,7 +18,7 @@ A dropped member's mask key is revealed, so it must rotate its keys before it ma
 from __future__ import annotations
 
 import dataclasses
-import json
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 
@@ -72,7 +73,48 @@ def _ordered(members: Sequence[Member]) -> list[Member]:
 @dataclasses.dataclass(frozen=True)
 class MaskedRelease:
     masked: NamedArrays
-    sealed: dict[str, bytes]  # holder -> sealed bundle of this sender's two shares
+    sealed: dict[str, bytes]  # holder -> this round's self-mask share, sealed for it
+
+
+def members_digest(members: Sequence[Member]) -> str:
+    """Names a member set (and its keys): mask-key shares are valid for exactly one."""
+    h = hashlib.sha256()
+    for m in _ordered(members):
+        h.update(m.pid.encode() + b"\x00" + m.mask_public + m.enc_public)
+    return h.hexdigest()
+
+
+def _seal_shares(
+    secret: bytes,
+    keys: SecAggKeys,
+    me: str,
+    members: Sequence[Member],
+    threshold: int,
+    aad: bytes,
+) -> dict[str, bytes]:
+    ordered = _ordered(members)
+    shares = shamir.split(secret, threshold, len(ordered))
+    return {
+        holder.pid: seal(
+            keys.enc_private, holder.enc_public, f"{x}:{y:x}".encode(), _aad(aad, me, holder.pid)
+        )
+        for holder, (x, y) in zip(ordered, shares, strict=True)
+    }
+
+
+def _key_aad(run_id: str, members: Sequence[Member]) -> bytes:
+    return f"{run_id}|mask-key|{members_digest(members)}".encode()
+
+
+def share_mask_key(
+    keys: SecAggKeys, *, me: str, members: Sequence[Member], threshold: int, run_id: str
+) -> dict[str, bytes]:
+    """Shares of this participant's mask key for a member set, sealed per member.
+
+    Sent once per member set (and key): the aggregator keeps them, so that the pairwise
+    masks of a member who drops out of a later round can still be removed.
+    """
+    return _seal_shares(keys.mask_private, keys, me, members, threshold, _key_aad(run_id, members))
 
 
 def mask(
@@ -84,7 +126,7 @@ def mask(
     threshold: int,
     context: bytes,
 ) -> MaskedRelease:
-    """Mask ``values`` (int64) for the round and seal shares of the mask secrets."""
+    """Mask ``values`` (int64) for the round and seal shares of its fresh self mask."""
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
@@ -97,15 +139,16 @@ def mask(
                 continue
             stream = prg.expand(pair_seed(keys.mask_private, peer.mask_public, context), flat.size)
             masked = masked + stream if me < peer.pid else masked - stream
-    b_shares = shamir.split(self_seed, threshold, len(ordered))
-    m_shares = shamir.split(keys.mask_private, threshold, len(ordered))
-    sealed = {}
-    for holder, b, m in zip(ordered, b_shares, m_shares, strict=True):
-        bundle = json.dumps({"b": [b[0], hex(b[1])], "m": [m[0], hex(m[1])]}).encode()
-        sealed[holder.pid] = seal(
-            keys.enc_private, holder.enc_public, bundle, _aad(context, me, holder.pid)
-        )
+    sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
+
+
+def _open_share(
+    keys: SecAggKeys, sender: Member, me: str, sealed: bytes, aad: bytes
+) -> shamir.Share:
+    plain = open_sealed(keys.enc_private, sender.enc_public, sealed, _aad(aad, sender.pid, me))
+    x, y = plain.decode("ascii").split(":")
+    return (int(x), int(y, 16))
 
 
 def disclose(
@@ -113,12 +156,19 @@ def disclose(
     me: str,
     keys: SecAggKeys,
     members: Sequence[Member],
+    run_id: str,
     context: bytes,
     survivors: Sequence[str],
     dropped: Sequence[str],
-    sealed_for_me: Mapping[str, bytes],
+    self_mask_shares: Mapping[str, bytes],
+    mask_key_shares: Mapping[str, bytes],
 ) -> Shares:
     """A member's answer to the unmask request: for each sender, one share, never two.
+
+    Args:
+        self_mask_shares: survivor -> its self-mask share sealed for me (this round).
+        mask_key_shares: dropped member -> its mask-key share sealed for me (for this
+            member set).
 
     Raises:
         SecureAggregationError: a sender is named both survivor and dropped (revealing
@@ -130,17 +180,17 @@ def disclose(
         raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
     by_id = {m.pid: m for m in members}
     out: Shares = {"b": {}, "m": {}}
-    for sender, sealed in sealed_for_me.items():
-        which = "b" if sender in survivors else "m" if sender in dropped else None
-        if which is None or sender not in by_id:
-            continue
-        bundle = json.loads(
-            open_sealed(
-                keys.enc_private, by_id[sender].enc_public, sealed, _aad(context, sender, me)
+    for sender in survivors:
+        if sender in self_mask_shares and sender in by_id:
+            out["b"][sender] = _open_share(
+                keys, by_id[sender], me, self_mask_shares[sender], context
             )
-        )
-        x, y = bundle[which]
-        out[which][sender] = (int(x), int(y, 16))
+    key_aad = _key_aad(run_id, members)
+    for sender in dropped:
+        if sender in mask_key_shares and sender in by_id:
+            out["m"][sender] = _open_share(
+                keys, by_id[sender], me, mask_key_shares[sender], key_aad
+            )
     return out
 
 
