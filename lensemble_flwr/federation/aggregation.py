@@ -91,6 +91,19 @@ class AggregateSum:
         return out
 
 
+def to_fixed_point(
+    values: Mapping[str, np.ndarray], factors: Mapping[str, float]
+) -> NamedArrays:
+    """``rint(float64(x) * factor)`` as int64, name by name: the integers the plaintext fold
+    adds for an update (``factor`` = weight * 2**F, times the int8 scale if quantized).
+    A masked participant computes them itself."""
+    out: NamedArrays = {}
+    for name in sorted(values):
+        scaled = np.rint(np.asarray(values[name], dtype=np.float64) * np.float64(factors[name]))
+        out[name] = scaled.astype(np.int64)
+    return out
+
+
 class Aggregator(Protocol):
     """What the coordinator sums updates with (plaintext here; masked in secure aggregation)."""
 

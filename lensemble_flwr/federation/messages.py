@@ -145,7 +145,10 @@ class Update(_Message):
     )
     masked: bool = Field(False, description="delta is a masked fixed-point release (int64).")
     sealed_shares: dict[str, str] | None = Field(
-        None, description="Masked: per member, this sender's shares sealed for it (hex)."
+        None, description="Masked: per member, this round's self-mask share sealed for it."
+    )
+    key_shares: dict[str, str] | None = Field(
+        None, description="Masked, once per member set: mask-key shares sealed per member."
     )
     _max_abs: float = PrivateAttr(0.0)
 

@@ -34,6 +34,8 @@ from lensemble_flwr.federation.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
+    UnmaskRequest,
+    UnmaskResponse,
     Update,
     WirePayload,
     from_wire,
@@ -50,6 +52,7 @@ from lensemble_flwr.release import (
     release_pipeline,
 )
 from lensemble_flwr.release.quantize import dequantize
+from lensemble_flwr.secagg.participant_role import MaskingRole
 
 __all__ = [
     "Participant",
@@ -96,7 +99,8 @@ class Participant:
             )
         self.pipeline = pipeline
         self._pipeline_state: Any = None
-        self._last_open: tuple[int, int] | None = None
+        self._last_open: tuple[int, int, int] | None = None
+        self.masking = MaskingRole(participant_id)
         self.last_close: RoundClose | None = None
 
     @property
@@ -114,13 +118,16 @@ class Participant:
             return
         if isinstance(message, RoundOpen):
             self._on_round_open(message)
+        elif isinstance(message, UnmaskRequest):
+            self._on_unmask(message)
         elif isinstance(message, RoundClose):
             self.last_close = message
         else:
             log.warning("%s: ignoring unexpected %s", self.participant_id, message.kind)
 
     def _on_round_open(self, msg: RoundOpen) -> None:
-        if self._last_open == (msg.round, msg.attempt):
+        opened = (msg.round, msg.attempt, len(msg.secagg_members))
+        if self._last_open == opened:
             return  # a duplicate RoundOpen; this attempt was already answered
         state = GlobalState(
             round=msg.round,
@@ -136,7 +143,7 @@ class Participant:
         except CheckpointIntegrityError as exc:
             log.warning("%s: refusing round %d: %s", self.participant_id, msg.round, exc)
             return
-        self._last_open = (msg.round, msg.attempt)
+        self._last_open = opened
         common = {
             "run_id": msg.run_id,
             "round": msg.round,
@@ -144,17 +151,23 @@ class Participant:
             "sender": self.participant_id,
             "participant_id": self.participant_id,
         }
-        if msg.needs_commitment and self.dataset_root is not None:
+        masked_round = self.config.federation.secagg_threshold > 0
+        if (msg.needs_commitment or msg.rekey) and self.dataset_root is not None:
+            keys = self.masking.keys_for_commitment(msg.rekey) if masked_round else {}
             self.transport.send(
                 msg.sender,
                 Commitment(
                     **common,
                     dataset_root=self.dataset_root,
                     num_examples=self.training.num_examples(),
+                    **keys,
                 ),
             )
+        if masked_round and not self.masking.is_member(msg):
+            return  # not (yet) a member of this masked round: committing was the answer
         try:
             released = self.local_round(state, msg.sketch_seed)
+            masked = self.masking.mask_release(released, msg, self.config) if masked_round else {}
         except LensembleError as exc:
             log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
             self.transport.send(
@@ -164,14 +177,37 @@ class Participant:
         self.transport.send(
             msg.sender,
             Update(
-                **common,
-                dataset_root=released.dataset_root,
-                delta=released.delta,
-                l2_norm=released.l2_norm,
-                num_examples=released.num_examples,
-                transforms=released.transforms,
-                epsilon=released.epsilon,
-                scales=released.scales,
+                **{
+                    **common,
+                    "dataset_root": released.dataset_root,
+                    "delta": released.delta,
+                    "l2_norm": released.l2_norm,
+                    "num_examples": released.num_examples,
+                    "transforms": released.transforms,
+                    "epsilon": released.epsilon,
+                    "scales": released.scales,
+                    **masked,
+                }
+            ),
+        )
+
+    def _on_unmask(self, request: UnmaskRequest) -> None:
+        try:
+            shares = self.masking.disclose(request)
+        except LensembleError as exc:
+            log.warning(
+                "%s: no disclosure for round %d: %r", self.participant_id, request.round, exc
+            )
+            return
+        self.transport.send(
+            request.sender,
+            UnmaskResponse(
+                run_id=request.run_id,
+                round=request.round,
+                attempt=request.attempt,
+                sender=self.participant_id,
+                participant_id=self.participant_id,
+                **shares,
             ),
         )
 
@@ -264,6 +300,7 @@ class Participant:
         meta = {
             "last_open": list(self._last_open) if self._last_open else None,
             "training": inner.meta,
+            "masking": self.masking.export(),
         }
         arrays = {f"training/{k}": v for k, v in inner.arrays.items()}
         return PortableState(arrays=arrays, meta=meta)
@@ -272,6 +309,7 @@ class Participant:
         """Restore what :meth:`export_state` returned (a fresh participant if empty)."""
         last_open = state.meta.get("last_open")
         self._last_open = tuple(last_open) if last_open else None  # type: ignore[assignment]
+        self.masking.restore(state.meta.get("masking") or {})
         prefix = "training/"
         arrays = {k[len(prefix) :]: v for k, v in state.arrays.items() if k.startswith(prefix)}
         self.training.import_state(

@@ -1,0 +1,153 @@
+"""The coordinator's aggregator for a masked round: it adds masked inputs and reveals
+only their sum, after one disclosure exchange with the surviving members.
+
+The revealed sum is the int64 fixed-point sum the plaintext aggregator would have
+computed from the same releases, bit for bit; it is the only input of the outer step.
+The self-check reveals the sum a second time from the recorded transcript (the running
+masked sum and the disclosed shares) and compares: never by asking for individual inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from lensemble_flwr.config import AggregationConfig
+from lensemble_flwr.errors import (
+    ConfigError,
+    NonDeterministicAggregation,
+    RoundError,
+    SecureAggregationError,
+)
+from lensemble_flwr.federation.aggregation import AggregateSum
+from lensemble_flwr.federation.messages import Update
+from lensemble_flwr.secagg.protocol import MaskedSum, Member, Shares
+
+
+@dataclasses.dataclass(frozen=True)
+class DisclosureRequest:
+    """What one surviving member is asked: its shares of each sender."""
+
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    self_mask_shares: dict[str, bytes]
+    mask_key_shares: dict[str, bytes]
+
+
+class SecureAggregator:
+    """Aggregator (see ``federation.aggregation.Aggregator``) over masked updates.
+
+    Args:
+        template: names and shapes of the global params.
+        config: the aggregation config (fixed-point grid and bounds).
+        members: the round's members and their public keys.
+        threshold: shares needed to recover a mask secret.
+        context: the round attempt's context (``protocol.context_of``).
+        mask_key_shares: sender -> holder -> its sealed mask-key share, for this member set.
+    """
+
+    secure = True
+
+    def __init__(
+        self,
+        template: Mapping[str, np.ndarray],
+        config: AggregationConfig,
+        *,
+        members: Sequence[Member],
+        threshold: int,
+        context: bytes,
+        mask_key_shares: Mapping[str, Mapping[str, bytes]],
+    ) -> None:
+        bound = len(members) * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
+        if bound >= 2.0**63:
+            raise ConfigError(
+                "secagg-threshold",
+                f"{len(members)} members x max-weight x max-abs-update x 2**fraction-bits "
+                "could overflow the int64 sum",
+            )
+        self._config = config
+        self._sum = MaskedSum(template, members, threshold=threshold, context=context)
+        self._member_ids = {m.pid for m in members}
+        self._key_shares = mask_key_shares
+        self._self_shares: dict[str, dict[str, bytes]] = {}
+        self._weights: dict[str, int] = {}
+        self._disclosures: dict[str, Shares] = {}
+        self._revealed: AggregateSum | None = None
+
+    def admit(self, update: Update, *, weight: int) -> None:
+        pid = update.participant_id
+        if not update.masked or update.sealed_shares is None:
+            raise RoundError(f"{pid}: a masked round admits masked updates only")
+        if pid not in self._member_ids:
+            raise RoundError(f"{pid}: not a member of this masked round")
+        if pid in self._weights or self._revealed is not None:
+            raise RoundError(f"{pid}: already contributed, or the round is revealed")
+        if not 1 <= weight <= self._config.max_weight:
+            raise RoundError(f"{pid}: weight {weight} outside [1, {self._config.max_weight}]")
+        try:
+            shares = {h: bytes.fromhex(c) for h, c in update.sealed_shares.items()}
+        except ValueError:
+            raise RoundError(f"{pid}: sealed shares are not hex") from None
+        if set(shares) != self._member_ids:
+            raise RoundError(f"{pid}: self-mask shares must go to every member")
+        self._sum.add(pid, update.delta)
+        self._self_shares[pid] = shares
+        self._weights[pid] = weight
+
+    def disclosure_requests(self) -> dict[str, DisclosureRequest]:
+        """What to ask each survivor once the contributing set is frozen."""
+        survivors = tuple(sorted(self._sum.survivors))
+        dropped = tuple(self._sum.dropped)
+        return {
+            holder: DisclosureRequest(
+                survivors=survivors,
+                dropped=dropped,
+                self_mask_shares={s: self._self_shares[s][holder] for s in survivors},
+                mask_key_shares={
+                    d: self._key_shares[d][holder]
+                    for d in dropped
+                    if holder in self._key_shares.get(d, {})
+                },
+            )
+            for holder in survivors
+        }
+
+    def disclose(self, holder: str, shares: Shares) -> None:
+        """Record one survivor's disclosure (refused if it tries to give both of a sender's
+        shares, or comes from a non-survivor)."""
+        if holder not in self._weights:
+            raise RoundError(f"{holder}: only survivors disclose")
+        if set(shares.get("b", {})) & set(shares.get("m", {})):
+            raise RoundError(f"{holder}: disclosed both shares of one sender")
+        self._disclosures[holder] = shares
+
+    @property
+    def dropped(self) -> list[str]:
+        return self._sum.dropped
+
+    def reveal(self) -> AggregateSum:
+        sums = self._sum.reveal(self._disclosures)
+        for array in sums.values():
+            array.setflags(write=False)
+        self._revealed = AggregateSum(
+            sums=sums,
+            total_weight=sum(self._weights.values()),
+            contributors=tuple(sorted(self._weights)),
+            fraction_bits=self._config.fraction_bits,
+            checksum=0,
+        )
+        return self._revealed
+
+    def verify(self, result: AggregateSum) -> None:
+        """Reveal again from the recorded transcript and compare, bit for bit."""
+        try:
+            again = self._sum.reveal(self._disclosures)
+        except SecureAggregationError as exc:
+            raise NonDeterministicAggregation(f"the transcript no longer reveals: {exc}") from None
+        same = set(again) == set(result.sums) and all(
+            np.array_equal(again[n], result.sums[n]) for n in again
+        )
+        if not same or result.contributors != tuple(sorted(self._weights)):
+            raise NonDeterministicAggregation("the revealed sum does not reproduce")
