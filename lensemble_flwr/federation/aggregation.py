@@ -91,9 +91,7 @@ class AggregateSum:
         return out
 
 
-def to_fixed_point(
-    values: Mapping[str, np.ndarray], factors: Mapping[str, float]
-) -> NamedArrays:
+def to_fixed_point(values: Mapping[str, np.ndarray], factors: Mapping[str, float]) -> NamedArrays:
     """``rint(float64(x) * factor)`` as int64, name by name: the integers the plaintext fold
     adds for an update (``factor`` = weight * 2**F, times the int8 scale if quantized).
     A masked participant computes them itself."""

@@ -56,6 +56,8 @@ from lensemble_flwr.federation.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
+    UnmaskRequest,
+    UnmaskResponse,
     Update,
     WirePayload,
     from_wire,
@@ -78,8 +80,23 @@ from lensemble_flwr.provenance.ledger import (
     RoundEntry,
     RunManifest,
 )
+from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.participant_role import encode_member
+from lensemble_flwr.secagg.protocol import Member, context_of, members_digest
 
 log = logging.getLogger(__name__)
+
+
+def _parse_shares(response: UnmaskResponse) -> dict[str, dict[str, tuple[int, int]]]:
+    """An UnmaskResponse's 'x:y_hex' shares as (x, y) pairs."""
+    try:
+        return {
+            which: {s: (int(v.split(":")[0]), int(v.split(":")[1], 16)) for s, v in shares.items()}
+            for which, shares in (("b", response.b_shares), ("m", response.m_shares))
+        }
+    except (ValueError, IndexError):
+        raise RoundError(f"{response.participant_id}: malformed shares") from None
+
 
 _DISCOVERY_INTERVAL = 1.0
 """Seconds between looks for newly reachable participants while a round is OPEN."""
@@ -122,9 +139,12 @@ class _Attempt:
 
     machine: RoundMachine
     state: GlobalState
-    aggregator: Aggregator
+    aggregator: Aggregator | None
     round_open: RoundOpen
     grace: float = 0.0
+    members: list[Member] | None = None  # a masked round's member set, once fixed
+    members_sent: set[str] = dataclasses.field(default_factory=set)
+    key_shares: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
     invited: set[str] = dataclasses.field(default_factory=set)
     admitted: set[str] = dataclasses.field(default_factory=set)
     roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
@@ -177,6 +197,8 @@ class Coordinator:
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
         self._commitments: dict[str, Commitment] = {}
+        self._compromised: set[str] = set()  # mask key revealed: must rotate before masking
+        self._key_shares: dict[str, tuple[str, dict[str, bytes]]] = {}  # pid -> (set, shares)
         self.last_close: RoundClose | None = None
         self._grace = 0.0
         self._warned_unbound: set[str] = set()
@@ -295,7 +317,9 @@ class Coordinator:
         ctx = _Attempt(
             machine=machine,
             state=state,
-            aggregator=self._aggregator_factory(
+            aggregator=None
+            if self._masked
+            else self._aggregator_factory(
                 state.params,
                 self.config.aggregation,
                 derive_seed(self.config.federation.root_seed, "self-check", t, attempt),
@@ -304,6 +328,7 @@ class Coordinator:
             grace=self._grace,
         )
         self._grace = 0.0
+        self._fix_members(ctx)
         self._invite(ctx)
         result: AggregateSum | None = None
         diagnostics: dict[str, float] = {}
@@ -313,7 +338,7 @@ class Coordinator:
             machine.fire(RoundEvent.QUORUM_REACHED)
             self._collect(ctx)
             machine.fire(RoundEvent.COLLECTION_CLOSED)
-            result = self._aggregate(ctx.aggregator)
+            result = self._aggregate(ctx)
             machine.fire(RoundEvent.SUM_REPRODUCED)
             mean = result.mean()
             diagnostics = {"mean_delta_l2": l2_norm(mean)}
@@ -326,19 +351,76 @@ class Coordinator:
             log.warning("round %d attempt %d ABORTED: %s", t, attempt, machine.abort_reason)
         return self._record(ctx, result, diagnostics, error, started)
 
+    @property
+    def _masked(self) -> bool:
+        return self.config.federation.secagg_threshold > 0
+
+    def _keyed(self, pid: str) -> bool:
+        """Bound, with keys that were never revealed: may be a member of a masked round."""
+        c = self._commitments.get(pid)
+        return c is not None and bool(c.mask_key and c.enc_key) and pid not in self._compromised
+
+    def _fix_members(self, ctx: _Attempt, *, final: bool = False) -> None:
+        """Masked rounds: fix the round's members — every reachable participant once all
+        of them are keyed (or, when the open timeout is up, the keyed ones if they are at
+        least K) — and build the secure aggregator for exactly them."""
+        if not self._masked or ctx.members is not None:
+            return
+        reachable = set(self.transport.peers())
+        keyed = sorted(p for p in reachable if self._keyed(p))
+        if len(keyed) < self.config.federation.quorum:
+            return
+        if not final and set(keyed) != reachable:
+            return  # somebody is still committing its keys
+        members = [
+            Member(
+                p,
+                bytes.fromhex(str(self._commitments[p].mask_key)),
+                bytes.fromhex(str(self._commitments[p].enc_key)),
+            )
+            for p in keyed
+        ]
+        digest = members_digest(members)
+        ctx.key_shares.update(
+            {p: shares for p, (d, shares) in self._key_shares.items() if d == digest}
+        )
+        ctx.members = members
+        ctx.aggregator = SecureAggregator(
+            ctx.state.params,
+            self.config.aggregation,
+            members=members,
+            threshold=self.config.federation.secagg_threshold,
+            context=context_of(self.run_id, ctx.machine.round, ctx.machine.attempt),
+            mask_key_shares=ctx.key_shares,
+        )
+
     def _invite(self, ctx: _Attempt) -> None:
-        """Send this attempt's RoundOpen to every reachable participant not yet invited."""
+        """Send this attempt's RoundOpen to every reachable participant not yet invited (and,
+        in a masked round, once more to members who were invited before the set was fixed)."""
+        member_ids = {m.pid for m in ctx.members or []}
+        encoded = tuple(encode_member(m) for m in ctx.members or [])
         for peer in self.transport.peers():
-            if peer not in ctx.invited:
-                ctx.invited.add(peer)
-                bound = peer in self._commitments
-                self.transport.send(
-                    peer, ctx.round_open.model_copy(update={"needs_commitment": not bound})
+            resend = peer in member_ids and peer not in ctx.members_sent
+            if peer in ctx.invited and not resend:
+                continue
+            ctx.invited.add(peer)
+            changes: dict[str, object] = {"needs_commitment": peer not in self._commitments}
+            if self._masked:
+                changes.update(
+                    needs_commitment=not self._keyed(peer),
+                    rekey=peer in self._compromised,
+                    secagg_threshold=self.config.federation.secagg_threshold,
                 )
+                if peer in member_ids:
+                    changes["secagg_members"] = encoded
+                    ctx.members_sent.add(peer)
+            self.transport.send(peer, ctx.round_open.model_copy(update=changes))
 
     def _ready(self, ctx: _Attempt) -> set[str]:
         """Invited, reachable participants that count toward the quorum."""
         reachable = ctx.invited & set(self.transport.peers())
+        if self._masked:
+            return {m.pid for m in ctx.members or []} & reachable
         if self.config.federation.require_binding:
             return {p for p in reachable if p in self._commitments}
         return reachable
@@ -348,12 +430,18 @@ class Coordinator:
         deadline = self.transport.now() + self.config.federation.open_timeout + ctx.grace
         while len(ready := self._ready(ctx)) < quorum:
             remaining = deadline - self.transport.now()
+            if remaining <= 0 and self._masked and ctx.members is None:
+                self._fix_members(ctx, final=True)
+                if ctx.members is not None:
+                    self._invite(ctx)
+                    continue
             if remaining <= 0:
                 what = "bound" if self.config.federation.require_binding else "reachable"
                 raise FaultToleranceExceeded(
                     f"{len(ready)} of quorum {quorum} participants {what} by the open timeout"
                 )
             self._ingest(self.transport.recv(timeout_s=min(remaining, _DISCOVERY_INTERVAL)), ctx)
+            self._fix_members(ctx)
             self._invite(ctx)
 
     def _collect(self, ctx: _Attempt) -> None:
@@ -362,7 +450,8 @@ class Coordinator:
         while True:
             self._invite(ctx)  # a participant that became reachable may still contribute
             reachable = set(self.transport.peers())
-            outstanding = (ctx.invited & reachable) - ctx.admitted - set(ctx.refused)
+            eligible = {m.pid for m in ctx.members} if ctx.members is not None else ctx.invited
+            outstanding = (eligible & reachable) - ctx.admitted - set(ctx.refused)
             if not outstanding:
                 break
             if len(ctx.admitted) + len(outstanding) < quorum:
@@ -393,7 +482,7 @@ class Coordinator:
             log.warning("round %d: message rejected: %s", ctx.machine.round, exc)
 
     def _accept(self, msg: ControlMessage, ctx: _Attempt) -> None:
-        if not isinstance(msg, (Commitment, Update, Refusal)):
+        if not isinstance(msg, (Commitment, Update, Refusal, UnmaskResponse)):
             raise RoundError(f"a participant may not send {msg.kind} (from {msg.sender})")
         if msg.run_id != self.run_id:
             raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
@@ -409,7 +498,17 @@ class Coordinator:
             )
             return
         pid = msg.participant_id
-        if isinstance(msg, Refusal):
+        collecting = ctx.machine.state in (RoundState.OPEN, RoundState.COLLECTING)
+        if isinstance(msg, UnmaskResponse):
+            if not isinstance(ctx.aggregator, SecureAggregator) or collecting:
+                raise RoundError(f"{pid}: unexpected unmask response")
+            ctx.aggregator.disclose(pid, _parse_shares(msg))
+        elif isinstance(msg, Update) and not collecting:
+            ctx.late.add(pid)  # the contributing set is frozen: never admitted
+            log.info(
+                "round %d: update from %s after collection closed, dropped", ctx.machine.round, pid
+            )
+        elif isinstance(msg, Refusal):
             ctx.refused[pid] = f"{msg.error}: {msg.reason}"
             log.warning(
                 "round %d: %s releases nothing: %s", ctx.machine.round, pid, ctx.refused[pid]
@@ -421,8 +520,14 @@ class Coordinator:
         else:
             self._check_binding(msg)
             self._check_privacy(msg)
+            if ctx.aggregator is None:
+                raise RoundError(f"{pid}: update before the masked round's members were fixed")
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
+            if msg.key_shares and ctx.members is not None:
+                shares = {h: bytes.fromhex(c) for h, c in msg.key_shares.items()}
+                self._key_shares[pid] = (members_digest(ctx.members), shares)
+                ctx.key_shares[pid] = shares
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
@@ -439,6 +544,9 @@ class Coordinator:
             )
         if prior is None:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
+        if prior is not None and commitment.mask_key and commitment.mask_key != prior.mask_key:
+            self._compromised.discard(pid)  # rotated keys: it may mask again
+            self._key_shares.pop(pid, None)
         self._commitments[pid] = commitment
 
     def _check_privacy(self, update: Update) -> None:
@@ -485,8 +593,37 @@ class Coordinator:
         if update.num_examples != commitment.num_examples:
             raise RoundError(f"{pid}: update and commitment disagree on num_examples")
 
-    def _aggregate(self, aggregator: Aggregator) -> AggregateSum:
+    def _unmask(self, ctx: _Attempt, aggregator: SecureAggregator) -> None:
+        """The disclosure exchange of a masked round: one request to every survivor, then
+        their answers until all came or the collect timeout passed."""
+        requests = aggregator.disclosure_requests()
+        for holder, request in requests.items():
+            sealed = {**request.self_mask_shares, **request.mask_key_shares}
+            self.transport.send(
+                holder,
+                UnmaskRequest(
+                    run_id=self.run_id,
+                    round=ctx.machine.round,
+                    attempt=ctx.machine.attempt,
+                    sender=COORDINATOR,
+                    survivors=request.survivors,
+                    dropped=request.dropped,
+                    sealed={s: c.hex() for s, c in sealed.items()},
+                ),
+            )
+        deadline = self.transport.now() + self.config.federation.collect_timeout
+        waiting = set(requests)
+        while waiting and (remaining := deadline - self.transport.now()) > 0:
+            payload = self.transport.recv(timeout_s=remaining)
+            self._ingest(payload, ctx)
+            waiting -= set(aggregator.disclosed)
+
+    def _aggregate(self, ctx: _Attempt) -> AggregateSum:
         """Reveal and self-check the sum; a mismatch is re-summed once, a second one raises."""
+        aggregator = ctx.aggregator
+        assert aggregator is not None
+        if isinstance(aggregator, SecureAggregator):
+            self._unmask(ctx, aggregator)
         result = aggregator.reveal()
         try:
             aggregator.verify(result)
@@ -494,6 +631,9 @@ class Coordinator:
             log.warning("self-check mismatch, re-summing once: %s", exc)
             result = aggregator.reveal()
             aggregator.verify(result)
+        if isinstance(aggregator, SecureAggregator):
+            # the dropped members' mask keys were reconstructed: they must rotate them
+            self._compromised.update(aggregator.dropped)
         return result
 
     def _commit(self, ctx: _Attempt, result: AggregateSum, mean: NamedArrays) -> None:

@@ -127,6 +127,11 @@ class SecureAggregator:
     def dropped(self) -> list[str]:
         return self._sum.dropped
 
+    @property
+    def disclosed(self) -> list[str]:
+        """The survivors whose disclosures arrived."""
+        return list(self._disclosures)
+
     def reveal(self) -> AggregateSum:
         sums = self._sum.reveal(self._disclosures)
         for array in sums.values():

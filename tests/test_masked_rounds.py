@@ -1,0 +1,105 @@
+"""Masked rounds on the in-process transport: the coordinator only ever sees masked
+updates, and the revealed sum is bitwise the plaintext sum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from federation_helpers import federation, small_config
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.provenance.ledger import Ledger, verify
+
+
+def masked_config(**federation):
+    return small_config(secagg_threshold=3, min_participants=3, **federation)
+
+
+def payloads_to_coordinator(network, kind: str) -> list[dict]:
+    return [p for p in network.seen_by_coordinator if p.get("kind") == kind]
+
+
+def run(tmp: Path, name: str, config, rounds: int, faults: FaultPlan | None = None):
+    coordinator, network, nodes = federation(tmp, config=config, name=name, faults=faults)
+    seen: list[dict] = []
+    original = network._deliver
+
+    def deliver(source, dest, payload):  # record everything the coordinator receives
+        if dest == "coordinator" and isinstance(payload, dict):
+            seen.append(payload)
+        return original(source, dest, payload)
+
+    network._deliver = deliver  # type: ignore[method-assign]
+    network.seen_by_coordinator = seen  # type: ignore[attr-defined]
+    coordinator.run(rounds)
+    return coordinator, network, nodes
+
+
+def test_the_revealed_sum_is_bitwise_the_plaintext_sum(tmp_path: Path) -> None:
+    plain, _, _ = run(tmp_path, "plain", small_config(min_participants=3), 3)
+    masked, _network, _ = run(tmp_path, "masked", masked_config(), 3)
+    assert all(o.state is RoundState.CLOSED for o in masked.outcomes)
+    # same releases, same integers, same sum: the same global state, bit for bit
+    assert masked.global_state().params_hash == plain.global_state().params_hash
+    plain_records = Ledger(Store(tmp_path / "plain")).records()
+    masked_records = verify(Store(tmp_path / "masked"))
+    assert [r.new_global_hash for r in masked_records] == [r.new_global_hash for r in plain_records]
+
+
+def test_the_coordinator_never_holds_an_individual_plaintext_update(tmp_path: Path) -> None:
+    _, network, _nodes = run(tmp_path, "masked", masked_config(), 2)
+    updates = payloads_to_coordinator(network, "update")
+    assert len(updates) == 8
+    for update in updates:
+        assert update["masked"] is True
+        assert all(a.dtype == np.int64 for a in update["delta"].values())
+        # a masked input looks nothing like a fixed-point delta (|q| << 2**62 here)
+        big = sum(int((np.abs(a) > 2**60).sum()) for a in update["delta"].values())
+        assert big > 0.8 * sum(a.size for a in update["delta"].values())
+    assert payloads_to_coordinator(network, "unmask-response")
+
+
+def test_a_steady_state_masked_round_is_two_exchanges(tmp_path: Path) -> None:
+    _, network, _ = run(tmp_path, "masked", masked_config(), 3)
+    to_nodes = [d for d in network.delivered if d[2] != "coordinator"]
+    per_round = {}
+    for _, _, dest, kind, rnd in to_nodes:
+        if kind in ("round-open", "unmask-request"):
+            per_round.setdefault(rnd, {}).setdefault(dest, 0)
+            per_round[rnd][dest] += 1
+    # round 0 also sets up keys: RoundOpen, RoundOpen with the members, unmask
+    assert max(per_round[0].values()) == 3
+    assert all(max(per_round[r].values()) == 2 for r in (1, 2))
+
+
+def test_a_member_dropping_before_its_masked_input_is_unmasked_around(tmp_path: Path) -> None:
+    faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING)
+    plain, _, _ = run(
+        tmp_path,
+        "plain",
+        small_config(min_participants=3),
+        2,
+        faults=FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING),
+    )
+    masked, _, _ = run(tmp_path, "masked", masked_config(), 2, faults=faults)
+    assert [o.count for o in masked.outcomes] == [4, 3]
+    assert masked.global_state().params_hash == plain.global_state().params_hash
+    assert "p02" in masked._compromised  # its mask key was revealed: it must rotate
+
+
+def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Path) -> None:
+    def garble(payload: dict) -> dict:
+        payload["b_shares"] = {"p00": "not-a-share"}
+        return payload
+
+    faults = FaultPlan().corrupt("p00", round=0, kind="unmask-response", mutate=garble)
+    config = small_config(secagg_threshold=4, min_participants=4)
+    coordinator, _, _ = run(tmp_path, "masked", config, 1, faults=faults)
+    first, second = coordinator.outcomes
+    assert first.state is RoundState.ABORTED and isinstance(first.error, SecureAggregationError)
+    assert second.state is RoundState.CLOSED  # retried, and the retry closes
+    assert Ledger(Store(tmp_path / "masked")).records()[0].attempt == 2
