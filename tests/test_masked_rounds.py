@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 from federation_helpers import federation, small_config
+from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import SecureAggregationError
@@ -103,3 +104,29 @@ def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Pat
     assert first.state is RoundState.ABORTED and isinstance(first.error, SecureAggregationError)
     assert second.state is RoundState.CLOSED  # retried, and the retry closes
     assert Ledger(Store(tmp_path / "masked")).records()[0].attempt == 2
+
+
+def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
+    """The same masked rounds through GridTransport and ClientApp participants (no Ray):
+    keys live in each node's Context, the unmask exchange is a train instruction."""
+    from flwr.app import Context, RecordDict
+    from test_grid_transport import NODES, FakeClock, FakeGrid, clientapp_node, make_transport
+
+    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.simulations.toy import initial_params
+
+    config = masked_config()
+    clock = FakeClock()
+    contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(),
+                           run_config={}) for n in NODES}
+    grid = FakeGrid(clock, {n: clientapp_node(i, contexts[n], config)
+                            for i, n in enumerate(NODES)})
+    fed = config.federation
+    transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
+    coordinator = Coordinator(config, transport=transport, initial_params=initial_params(),
+                              store=Store(tmp_path / "run"), run_id="flwr-1")
+    coordinator.run(2)
+    assert [o.count for o in coordinator.outcomes] == [4, 4]
+    verify(Store(tmp_path / "run"))
+    assert transport.exchanges(1) == 2  # RoundOpen -> masked update, unmask -> shares
+    assert grid.stored == {} and transport.dropped == []

@@ -78,7 +78,7 @@ def handle_train(
 ) -> Message:
     """Run one train instruction through a Participant rebuilt from ``context.state``."""
     payloads = records.decode_instruction(message.content)
-    if not any(p.get("kind") == "round-open" for p in payloads):
+    if not any(p.get("kind") in ("round-open", "unmask-request") for p in payloads):
         return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
     collector = ReplyCollector()
     participant = Participant(

@@ -110,6 +110,9 @@ class GridTransport:
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
         payload = to_wire(message)
+        if message.kind == "unmask-request":
+            self._queue_message(peer_id, records.encode_unmask(payload), MessageType.TRAIN, payload)
+            return
         if message.kind != "round-open":
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
         params = payload["params"]
@@ -224,7 +227,7 @@ class GridTransport:
                 round=rnd,
                 attempt=int(payload["attempt"]) if payload else 0,
                 run_id=str(payload["run_id"]) if payload else "",
-                params=payload["params"] if payload else None,
+                params=payload.get("params") if payload else None,
                 pushed_at=0.0,
             )
         )
@@ -287,7 +290,7 @@ class GridTransport:
             )
             return
         self.bytes_received += _content_bytes(reply.content)
-        if info.kind == "round-open":
+        if info.kind in ("round-open", "unmask-request"):
             self._unpack_train_reply(reply.content, info, source)
         else:
             log.debug("dropped a late %s reply from %s", info.kind, info.peer)

@@ -39,7 +39,8 @@ _ARRAY_FIELD = {"round-open": "params", "update": "delta"}
 # None, [] and "" fields as lists, mappings as canonical JSON strings.
 _NULLS, _EMPTY_LISTS, _EMPTY_STRINGS = "__null__", "__empty_list__", "__empty_str__"
 _JSON = "__json__"
-_REPLY_KINDS = ("commitment", "update", "refusal")
+_REPLY_KINDS = ("commitment", "update", "refusal", "unmask-response")
+UNMASK_RECORD = PREFIX + "unmask-request"
 
 
 def participant_id(node_id: int) -> str:
@@ -120,6 +121,11 @@ def encode_instruction(
     return content
 
 
+def encode_unmask(request: WirePayload) -> RecordDict:
+    """An UnmaskRequest (a masked round's disclosure exchange) as a train instruction."""
+    return RecordDict({UNMASK_RECORD: ConfigRecord(_fields_to_config(request, skip=None))})
+
+
 def encode_close(round_close: WirePayload) -> ConfigRecord:
     """A RoundClose as the record that rides on the next instruction."""
     return ConfigRecord(_fields_to_config(round_close, skip=None))
@@ -128,6 +134,8 @@ def encode_close(round_close: WirePayload) -> ConfigRecord:
 def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
     payloads: list[dict[str, Any]] = []
+    if UNMASK_RECORD in content.config_records:
+        return [_config_to_fields(content.config_records[UNMASK_RECORD])]
     if CLOSE_RECORD in content.config_records:
         payloads.append(_config_to_fields(content.config_records[CLOSE_RECORD]))
     config = content.config_records.get(CONFIG)
