@@ -283,3 +283,28 @@ def test_private_int8_releases_over_flower(tmp_path: Path) -> None:
     for path in files:
         history = PrivacyBudget(path.parent, path.stem, epsilon=1000.0, delta=1e-5).history
         assert sum(n for _, _, n in history) == 2
+
+
+def test_masked_rounds_over_flower(tmp_path: Path) -> None:
+    """Secure aggregation on the simulation engine: keys in each node's Context, the unmask
+    exchange as a second train instruction, the revealed sums feeding the outer step. (That
+    a revealed sum is bitwise the plaintext sum is shown in-process, where participant ids,
+    and so the inner loops' seeds, are the same in both runs.)"""
+    config = LensembleConfig(
+        federation={"min_participants": 3, "secagg_threshold": 3,
+                    "collect_timeout": 30.0, "open_timeout": 30.0},
+        inner={"steps": 2, "batch_size": 8},
+    )
+    box: dict = {}
+    simulate(lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
+             make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"])),
+                             config_fn=lambda _: config),
+             nodes=3)
+    assert "error" not in box, box.get("error")
+    result = box["result"]
+    assert [o.count for o in result.outcomes] == [3, 3]
+    assert result.train_metrics_clientapp[2]["exchanges"] == 2.0
+    records = verify(Store(tmp_path / "run"))
+    assert [r.count for r in records] == [3, 3]
+    assert not np.array_equal(record_to_arrays(result.arrays)["encoder.weight"],
+                              toy_params()["encoder.weight"])
