@@ -157,12 +157,14 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         assert not zombies, f"exited but never reaped: {zombies}"
 
 
-def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment) -> None:
+@pytest.mark.parametrize("secagg", [0, NUM_NODES], ids=["plaintext", "masked"])
+def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg: int) -> None:
+    """Plaintext rounds, and masked rounds (secure aggregation over both nodes)."""
     dep, registry = deployment, deployment.registry
     runs_dir = dep.tmp / "runs"
     run_config = (
         f"num-server-rounds={NUM_ROUNDS} min-participants={NUM_NODES} "
-        f"num-partitions={NUM_NODES} run-dir='{runs_dir}' "
+        f"num-partitions={NUM_NODES} run-dir='{runs_dir}' secagg-threshold={secagg} "
         "warmup-timeout=60.0 collect-timeout=60.0 open-timeout=60.0"
     )
     try:
@@ -212,11 +214,14 @@ def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment) -> Non
         assert [r.round for r in records] == list(range(NUM_ROUNDS))
         assert [r.count for r in records] == [NUM_NODES] * NUM_ROUNDS
 
-        # (3) the ServerApp's per-round lines reached the streamed output
+        # (3) the ServerApp's per-round lines reached the streamed output; a steady-state
+        # round is one exchange, or two when masked (the unmask exchange)
         for rnd in range(1, NUM_ROUNDS + 1):
             assert re.search(rf"round {rnd}: open→\S*→closed C_t={NUM_NODES}\b", output), (
                 f"no line for round {rnd} in the streamed output"
             )
+        steady = re.search(rf"round {NUM_ROUNDS}: .* exchanges=(\d+)", output)
+        assert steady and int(steady.group(1)) == (2 if secagg else 1), output
 
         # (4) nothing but 127.0.0.1: every socket any of our processes held while running
         assert sampler.seen, "the socket sampler saw no sockets at all"
