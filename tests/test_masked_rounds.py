@@ -48,6 +48,10 @@ def test_the_revealed_sum_is_bitwise_the_plaintext_sum(tmp_path: Path) -> None:
     assert masked.global_state().params_hash == plain.global_state().params_hash
     plain_records = Ledger(Store(tmp_path / "plain")).records()
     masked_records = verify(Store(tmp_path / "masked"))
+    from lensemble_flwr.provenance.ledger import RunManifest
+
+    assert all(e.secure_sum for e in RunManifest.load(Store(tmp_path / "masked")).rounds)
+    assert not any(e.secure_sum for e in RunManifest.load(Store(tmp_path / "plain")).rounds)
     assert [r.new_global_hash for r in masked_records] == [r.new_global_hash for r in plain_records]
 
 

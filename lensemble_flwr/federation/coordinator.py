@@ -717,6 +717,7 @@ class Coordinator:
             late=outcome.late,
             rejected=outcome.rejected,
             refused=dict(sorted(ctx.refused.items())),
+            secure_sum=closed and isinstance(ctx.aggregator, SecureAggregator),
             diagnostics=diagnostics,
         )
         self._manifest = self._manifest.with_round(self.store, entry)

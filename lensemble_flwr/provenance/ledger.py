@@ -87,6 +87,7 @@ class RoundEntry(_Frozen):
     late: tuple[str, ...] = ()
     rejected: int = 0
     refused: dict[str, str] = {}
+    secure_sum: bool = False  # the outer step consumed a revealed masked sum
     diagnostics: dict[str, float] = {}
 
 
