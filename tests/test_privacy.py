@@ -230,3 +230,53 @@ def test_an_update_without_the_required_noise_is_refused(tmp_path: Path) -> None
     coordinator.run(1)
     outcome = coordinator.outcomes[0]
     assert outcome.rejected == 1 and "p00" not in outcome.contributors and outcome.count == 3
+
+
+@pytest.mark.parametrize(
+    "protection",
+    [{"privacy": {"clip_norm": 1.0}}, {"release": {"quantize": "int8"}},
+     {"federation": {"secagg_threshold": 2}}],
+    ids=["clip", "int8", "masking"],
+)
+def test_a_coordinator_side_update_transform_is_refused_with_protected_releases(
+    tmp_path: Path, protection: dict
+) -> None:
+    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.federation.transport import InProcessNetwork
+
+    config = LensembleConfig(**protection)
+    with pytest.raises(ConfigError, match=r"^update_transform"):
+        Coordinator(config, transport=InProcessNetwork().coordinator,
+                    initial_params=initial_params(), store=Store(tmp_path / "run"),
+                    update_transform=lambda update: update)
+
+
+def test_an_update_transform_applies_to_plaintext_updates(tmp_path: Path) -> None:
+    from federation_helpers import small_config
+
+    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.federation.participant import Participant
+    from lensemble_flwr.federation.transport import InProcessNetwork
+    from lensemble_flwr.simulations.toy import ToyTrainer
+
+    config = small_config()
+    network = InProcessNetwork()
+    for i in range(3):
+        pid = f"p{i}"
+        network.attach(Participant(config, participant_id=pid,
+                                   transport=network.transport_for(pid), trainer=ToyTrainer(i)))
+    seen: list[str] = []
+
+    def zero(update):  # a harness that discards every update's content
+        seen.append(update.participant_id)
+        return update.model_copy(update={"delta": {n: np.zeros_like(a)
+                                                   for n, a in update.delta.items()}})
+
+    coordinator = Coordinator(config, transport=network.coordinator,
+                              initial_params=initial_params(), store=Store(tmp_path / "run"),
+                              update_transform=zero)
+    before = coordinator.global_state().params
+    coordinator.run(1)
+    assert sorted(seen) == ["p0", "p1", "p2"]
+    for name, value in coordinator.global_state().params.items():
+        np.testing.assert_array_equal(value, before[name])  # zero mean update: unchanged

@@ -37,6 +37,7 @@ from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
+    ConfigError,
     FaultToleranceExceeded,
     LensembleError,
     NonDeterministicAggregation,
@@ -167,6 +168,9 @@ class Coordinator:
         aggregator_factory: builds the round's :class:`Aggregator` from the global params,
             the aggregation config and the self-check seed.
         on_round: called with every :class:`RoundOutcome`, closed or aborted.
+        update_transform: a coordinator-side transform of each individual plaintext update
+            before it is summed (a research harness); refused with ``ConfigError`` when
+            the config clips, noises, quantizes or masks releases.
     """
 
     def __init__(
@@ -179,10 +183,29 @@ class Coordinator:
         run_id: str = "lensemble-run",
         aggregator_factory: AggregatorFactory = fixed_point_aggregator,
         on_round: Callable[[RoundOutcome], None] | None = None,
+        update_transform: Callable[[Update], Update] | None = None,
     ) -> None:
         for name, array in initial_params.items():
             if not np.issubdtype(np.asarray(array).dtype, np.floating):
                 raise ParameterMismatch(f"{name}: initial params must be floating-point")
+        if update_transform is not None:
+            protected = [
+                name
+                for name, on in (
+                    ("clip-norm", config.privacy.clip_norm > 0),
+                    ("noise-multiplier", config.privacy.noised),
+                    ("quantize", config.release.quantize != "none"),
+                    ("secagg-threshold", config.federation.secagg_threshold > 0),
+                )
+                if on
+            ]
+            if protected:
+                raise ConfigError(
+                    "update_transform",
+                    f"a coordinator-side transform of individual updates cannot be combined "
+                    f"with {protected}: it would see (or undo) what the participants protect; "
+                    "transform before release, on the participant",
+                )
         if store.bound("ledger/") or store.bound("manifest"):
             raise StoreError(f"{store.root} already holds a run; use a fresh run directory")
         self.config = config
@@ -190,6 +213,7 @@ class Coordinator:
         self.store = store
         self.run_id = run_id
         self._aggregator_factory = aggregator_factory
+        self._update_transform = update_transform
         self._on_round = on_round
         self._ledger = Ledger(store)
         self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
@@ -522,6 +546,8 @@ class Coordinator:
             self._check_privacy(msg)
             if ctx.aggregator is None:
                 raise RoundError(f"{pid}: update before the masked round's members were fixed")
+            if self._update_transform is not None:  # plaintext research harness only
+                msg = self._update_transform(msg)
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             if msg.key_shares and ctx.members is not None:
