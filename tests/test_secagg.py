@@ -159,3 +159,15 @@ def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
     if threshold > 1:
         with pytest.raises(SecureAggregationError):
             shamir.combine(subset[: threshold - 1], threshold)
+
+
+def test_add_stream_adds_exactly_the_expanded_words() -> None:
+    seed = bytes(range(32))
+    size = 3 * (1 << 15) + 17  # several chunks and a ragged end
+    acc = np.arange(size, dtype=np.int64)
+    prg.add_stream(seed, acc, +1)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64)
+                                      + prg.expand(seed, size))
+    prg.add_stream(seed, acc, -1)
+    np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64))

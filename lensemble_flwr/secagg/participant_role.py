@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.federation.aggregation import to_fixed_point
@@ -72,7 +70,7 @@ class MaskingRole:
         weight = 1 if config.federation.weighting == "uniform" else released.num_examples
         scales = released.scales or {}
         largest = max(
-            float(np.abs(a.astype(np.float64)).max(initial=0.0)) * scales.get(n, 1.0)
+            max(float(a.max(initial=0)), -float(a.min(initial=0))) * scales.get(n, 1.0)
             for n, a in released.delta.items()
         )
         if largest > agg.max_abs_update:

@@ -19,3 +19,24 @@ def expand(seed: bytes, size: int) -> np.ndarray:
         raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
     encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
     return np.frombuffer(encryptor.update(bytes(8 * size)), dtype="<i8").copy()
+
+
+_CHUNK_WORDS = 1 << 15  # 256 KiB of keystream at a time, in one reused buffer
+
+
+def add_stream(seed: bytes, acc: np.ndarray, sign: int) -> None:
+    """``acc += sign * expand(seed, acc.size)`` (mod 2**64), in place, in cache-sized
+    chunks: the same words as :func:`expand`, without allocating the whole stream."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
+    if acc.dtype != np.int64 or not acc.flags.c_contiguous or acc.ndim != 1:
+        raise ValueError("add_stream needs a contiguous 1-D int64 accumulator")
+    encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    zeros = bytes(8 * _CHUNK_WORDS)
+    out = bytearray(8 * _CHUNK_WORDS + 64)  # update_into wants a little headroom
+    words = np.frombuffer(out, dtype="<i8", count=_CHUNK_WORDS)
+    combine = np.add if sign > 0 else np.subtract
+    for lo in range(0, acc.size, _CHUNK_WORDS):
+        k = min(_CHUNK_WORDS, acc.size - lo)
+        encryptor.update_into(zeros[: 8 * k], out)
+        combine(acc[lo : lo + k], words[:k], out=acc[lo : lo + k])

@@ -130,15 +130,13 @@ def mask(
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
-    flat = _flatten(values)
+    masked = _flatten(values)  # a fresh array: masked in place
     self_seed = os.urandom(prg.SEED_BYTES)
-    with np.errstate(over="ignore"):
-        masked = flat + prg.expand(self_seed, flat.size)
-        for peer in ordered:
-            if peer.pid == me:
-                continue
-            stream = prg.expand(pair_seed(keys.mask_private, peer.mask_public, context), flat.size)
-            masked = masked + stream if me < peer.pid else masked - stream
+    prg.add_stream(self_seed, masked, +1)
+    for peer in ordered:
+        if peer.pid != me:
+            seed = pair_seed(keys.mask_private, peer.mask_public, context)
+            prg.add_stream(seed, masked, +1 if me < peer.pid else -1)
     sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
 
@@ -248,16 +246,13 @@ class MaskedSum:
                     collected[which].setdefault(sender, {})[share[0]] = share  # type: ignore[index]
         total = self._sum.copy()
         by_id = {m.pid: m for m in self.members}
-        with np.errstate(over="ignore"):
-            for pid in self.survivors:
-                seed = shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold)
-                total -= prg.expand(seed, total.size)
-            for pid in self.dropped:
-                key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
-                for survivor in self.survivors:
-                    stream = prg.expand(
-                        pair_seed(key, by_id[survivor].mask_public, self.context), total.size
-                    )
-                    # the survivor added +stream if it sorts before the dropped member
-                    total = total - stream if survivor < pid else total + stream
+        for pid in self.survivors:
+            seed = shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold)
+            prg.add_stream(seed, total, -1)
+        for pid in self.dropped:
+            key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
+            for survivor in self.survivors:
+                seed = pair_seed(key, by_id[survivor].mask_public, self.context)
+                # the survivor added +stream if it sorts before the dropped member
+                prg.add_stream(seed, total, -1 if survivor < pid else +1)
         return _unflatten(total, self._template)
