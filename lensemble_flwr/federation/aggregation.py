@@ -97,7 +97,8 @@ def to_fixed_point(values: Mapping[str, np.ndarray], factors: Mapping[str, float
     A masked participant computes them itself."""
     out: NamedArrays = {}
     for name in sorted(values):
-        scaled = np.rint(np.asarray(values[name], dtype=np.float64) * np.float64(factors[name]))
+        scaled = np.multiply(values[name], np.float64(factors[name]), dtype=np.float64)
+        np.rint(scaled, out=scaled)
         out[name] = scaled.astype(np.int64)
     return out
 

@@ -17,26 +17,47 @@ def expand(seed: bytes, size: int) -> np.ndarray:
     """``size`` pseudorandom int64 words (uniform mod 2**64) from a 32-byte seed."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
-    encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    encryptor = _cipher(seed).encryptor()
     return np.frombuffer(encryptor.update(bytes(8 * size)), dtype="<i8").copy()
+
+
+def _cipher(seed: bytes) -> Cipher:
+    return Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None)
 
 
 _CHUNK_WORDS = 1 << 15  # 256 KiB of keystream at a time, in one reused buffer
 
 
-def add_stream(seed: bytes, acc: np.ndarray, sign: int) -> None:
-    """``acc += sign * expand(seed, acc.size)`` (mod 2**64), in place, in cache-sized
-    chunks: the same words as :func:`expand`, without allocating the whole stream."""
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
+def add_streams(streams: list[tuple[bytes, int]], acc: np.ndarray) -> None:
+    """``acc += sum(sign * expand(seed, acc.size))`` over ``streams`` (mod 2**64), in place.
+
+    Chunk-major: every stream's next 256 KiB is generated and added while that chunk of
+    ``acc`` is in cache, so ``acc`` crosses memory once, however many streams there are.
+    The words are exactly :func:`expand`'s.
+    """
+    for seed, _ in streams:
+        if len(seed) != SEED_BYTES:
+            raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
     if acc.dtype != np.int64 or not acc.flags.c_contiguous or acc.ndim != 1:
-        raise ValueError("add_stream needs a contiguous 1-D int64 accumulator")
-    encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+        raise ValueError("add_streams needs a contiguous 1-D int64 accumulator")
+    encryptors = [
+        (
+            Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor(),
+            np.add if sign > 0 else np.subtract,
+        )
+        for seed, sign in streams
+    ]
     zeros = bytes(8 * _CHUNK_WORDS)
     out = bytearray(8 * _CHUNK_WORDS + 64)  # update_into wants a little headroom
     words = np.frombuffer(out, dtype="<i8", count=_CHUNK_WORDS)
-    combine = np.add if sign > 0 else np.subtract
     for lo in range(0, acc.size, _CHUNK_WORDS):
         k = min(_CHUNK_WORDS, acc.size - lo)
-        encryptor.update_into(zeros[: 8 * k], out)
-        combine(acc[lo : lo + k], words[:k], out=acc[lo : lo + k])
+        chunk = acc[lo : lo + k]
+        for encryptor, combine in encryptors:
+            encryptor.update_into(zeros[: 8 * k], out)
+            combine(chunk, words[:k], out=chunk)
+
+
+def add_stream(seed: bytes, acc: np.ndarray, sign: int) -> None:
+    """``acc += sign * expand(seed, acc.size)`` (mod 2**64), in place."""
+    add_streams([(seed, sign)], acc)

@@ -132,11 +132,12 @@ def mask(
         raise SecureAggregationError(f"{me} is not a member of this masked round")
     masked = _flatten(values)  # a fresh array: masked in place
     self_seed = os.urandom(prg.SEED_BYTES)
-    prg.add_stream(self_seed, masked, +1)
-    for peer in ordered:
-        if peer.pid != me:
-            seed = pair_seed(keys.mask_private, peer.mask_public, context)
-            prg.add_stream(seed, masked, +1 if me < peer.pid else -1)
+    streams = [(self_seed, +1)] + [
+        (pair_seed(keys.mask_private, peer.mask_public, context), +1 if me < peer.pid else -1)
+        for peer in ordered
+        if peer.pid != me
+    ]
+    prg.add_streams(streams, masked)
     sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
 
@@ -246,13 +247,15 @@ class MaskedSum:
                     collected[which].setdefault(sender, {})[share[0]] = share  # type: ignore[index]
         total = self._sum.copy()
         by_id = {m.pid: m for m in self.members}
-        for pid in self.survivors:
-            seed = shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold)
-            prg.add_stream(seed, total, -1)
+        streams = [
+            (shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold), -1)
+            for pid in self.survivors
+        ]
         for pid in self.dropped:
             key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
             for survivor in self.survivors:
                 seed = pair_seed(key, by_id[survivor].mask_public, self.context)
                 # the survivor added +stream if it sorts before the dropped member
-                prg.add_stream(seed, total, -1 if survivor < pid else +1)
+                streams.append((seed, -1 if survivor < pid else +1))
+        prg.add_streams(streams, total)
         return _unflatten(total, self._template)
