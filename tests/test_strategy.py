@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from federation_helpers import small_config
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     NODES,
@@ -81,6 +81,15 @@ def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> 
     assert len(messages) == 2
     assert messages[0].content["config"]["server-round"] == 2
     assert set(messages[0].content["arrays"].keys()) == set(arrays.keys())
+
+    def reply(message, loss: float, count: int) -> Message:
+        metrics = MetricRecord({"loss": loss, "num-examples": count})
+        return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+    grid.push_messages(messages)  # names them, so that replies can refer to them
+    replies = [reply(messages[0], 1.0, 10), reply(messages[1], 4.0, 30)]
+    averaged = strategy.aggregate_evaluate(2, replies)
+    assert averaged is not None and averaged["loss"] == pytest.approx(3.25)  # by examples
 
 
 @pytest.mark.parametrize(
