@@ -161,9 +161,10 @@ def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
             shamir.combine(subset[: threshold - 1], threshold)
 
 
-def test_add_stream_adds_exactly_the_expanded_words() -> None:
+@pytest.mark.parametrize("size", [3 * (1 << 15) + 17, 5 * (1 << 16) + 123],
+                         ids=["one range", "split between threads"])
+def test_add_stream_adds_exactly_the_expanded_words(size: int) -> None:
     seed = bytes(range(32))
-    size = 3 * (1 << 15) + 17  # several chunks and a ragged end
     acc = np.arange(size, dtype=np.int64)
     prg.add_stream(seed, acc, +1)
     with np.errstate(over="ignore"):
