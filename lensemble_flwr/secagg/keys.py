@@ -9,6 +9,7 @@ that names the run, the round and the attempt, so no seed is ever used twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from cryptography.exceptions import InvalidTag
@@ -32,6 +33,17 @@ def _raw_private(key: X25519PrivateKey) -> bytes:
 
 def _raw_public(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _private(raw: bytes) -> X25519PrivateKey:
+    """Parsed keys are cached: a round derives a seed per member pair from the same keys."""
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _public(raw: bytes) -> X25519PublicKey:
+    return X25519PublicKey.from_public_bytes(raw)
 
 
 def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
@@ -62,16 +74,12 @@ class SecAggKeys:
 
 def pair_seed(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:
     """The pairwise mask seed of two participants for one round attempt (symmetric)."""
-    secret = X25519PrivateKey.from_private_bytes(mask_private).exchange(
-        X25519PublicKey.from_public_bytes(peer_mask_public)
-    )
+    secret = _private(mask_private).exchange(_public(peer_mask_public))
     return hkdf(secret, b"lensemble-secagg/pair|" + context)
 
 
 def _box_key(enc_private: bytes, peer_enc_public: bytes) -> bytes:
-    secret = X25519PrivateKey.from_private_bytes(enc_private).exchange(
-        X25519PublicKey.from_public_bytes(peer_enc_public)
-    )
+    secret = _private(enc_private).exchange(_public(peer_enc_public))
     return hkdf(secret, b"lensemble-secagg/share-box")
 
 
