@@ -82,8 +82,9 @@ from lensemble_flwr.provenance.ledger import (
     RunManifest,
 )
 from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.membership import Membership
 from lensemble_flwr.secagg.participant_role import encode_member
-from lensemble_flwr.secagg.protocol import Member, context_of, members_digest
+from lensemble_flwr.secagg.protocol import Member, context_of
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +222,7 @@ class Coordinator:
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
         self._commitments: dict[str, Commitment] = {}
-        self._compromised: set[str] = set()  # mask key revealed: must rotate before masking
-        self._key_shares: dict[str, tuple[str, dict[str, bytes]]] = {}  # pid -> (set, shares)
+        self._membership = Membership()  # masked rounds: keys, compromises, key shares
         self.last_close: RoundClose | None = None
         self._grace = 0.0
         self._warned_unbound: set[str] = set()
@@ -380,9 +380,7 @@ class Coordinator:
         return self.config.federation.secagg_threshold > 0
 
     def _keyed(self, pid: str) -> bool:
-        """Bound, with keys that were never revealed: may be a member of a masked round."""
-        c = self._commitments.get(pid)
-        return c is not None and bool(c.mask_key and c.enc_key) and pid not in self._compromised
+        return self._membership.keyed(self._commitments.get(pid))
 
     def _fix_members(self, ctx: _Attempt, *, final: bool = False) -> None:
         """Masked rounds: fix the round's members — every reachable participant once all
@@ -396,18 +394,8 @@ class Coordinator:
             return
         if not final and set(keyed) != reachable:
             return  # somebody is still committing its keys
-        members = [
-            Member(
-                p,
-                bytes.fromhex(str(self._commitments[p].mask_key)),
-                bytes.fromhex(str(self._commitments[p].enc_key)),
-            )
-            for p in keyed
-        ]
-        digest = members_digest(members)
-        ctx.key_shares.update(
-            {p: shares for p, (d, shares) in self._key_shares.items() if d == digest}
-        )
+        members = self._membership.members(keyed, self._commitments)
+        ctx.key_shares.update(self._membership.shares_for(members))
         ctx.members = members
         ctx.aggregator = SecureAggregator(
             ctx.state.params,
@@ -432,7 +420,7 @@ class Coordinator:
             if self._masked:
                 changes.update(
                     needs_commitment=not self._keyed(peer),
-                    rekey=peer in self._compromised,
+                    rekey=peer in self._membership.compromised,
                     secagg_threshold=self.config.federation.secagg_threshold,
                 )
                 if peer in member_ids:
@@ -551,9 +539,9 @@ class Coordinator:
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             if msg.key_shares and ctx.members is not None:
-                shares = {h: bytes.fromhex(c) for h, c in msg.key_shares.items()}
-                self._key_shares[pid] = (members_digest(ctx.members), shares)
-                ctx.key_shares[pid] = shares
+                ctx.key_shares[pid] = self._membership.store_shares(
+                    pid, ctx.members, msg.key_shares
+                )
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
@@ -570,9 +558,7 @@ class Coordinator:
             )
         if prior is None:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
-        if prior is not None and commitment.mask_key and commitment.mask_key != prior.mask_key:
-            self._compromised.discard(pid)  # rotated keys: it may mask again
-            self._key_shares.pop(pid, None)
+        self._membership.rebound(prior, commitment)
         self._commitments[pid] = commitment
 
     def _check_privacy(self, update: Update) -> None:
@@ -658,8 +644,7 @@ class Coordinator:
             result = aggregator.reveal()
             aggregator.verify(result)
         if isinstance(aggregator, SecureAggregator):
-            # the dropped members' mask keys were reconstructed: they must rotate them
-            self._compromised.update(aggregator.dropped)
+            self._membership.revealed(aggregator.dropped)
         return result
 
     def _commit(self, ctx: _Attempt, result: AggregateSum, mean: NamedArrays) -> None:
