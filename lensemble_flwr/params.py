@@ -10,7 +10,7 @@ module's ``state_dict`` and is never exported either.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -19,11 +19,6 @@ from lensemble_flwr.config import ParamGroupsConfig
 from lensemble_flwr.errors import ParameterMismatch
 
 NamedArrays = dict[str, np.ndarray]
-
-
-def canonical(arrays: Mapping[str, np.ndarray]) -> NamedArrays:
-    """The same arrays in canonical (sorted) key order."""
-    return {name: arrays[name] for name in sorted(arrays)}
 
 
 def frozen(arrays: Mapping[str, np.ndarray]) -> NamedArrays:
@@ -135,8 +130,3 @@ def subtract(left: Mapping[str, np.ndarray], right: Mapping[str, np.ndarray]) ->
         name: left[name].astype(np.float32) - right[name].astype(np.float32)
         for name in sorted(left)
     }
-
-
-def total_size(arrays: Iterable[np.ndarray]) -> int:
-    """Number of scalars in ``arrays``."""
-    return int(sum(a.size for a in arrays))

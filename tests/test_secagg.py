@@ -163,12 +163,12 @@ def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
 
 @pytest.mark.parametrize("size", [3 * (1 << 15) + 17, 5 * (1 << 16) + 123],
                          ids=["one range", "split between threads"])
-def test_add_stream_adds_exactly_the_expanded_words(size: int) -> None:
+def test_add_streams_adds_exactly_the_expanded_words(size: int) -> None:
     seed = bytes(range(32))
     acc = np.arange(size, dtype=np.int64)
-    prg.add_stream(seed, acc, +1)
+    prg.add_streams([(seed, +1)], acc)
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64)
                                       + prg.expand(seed, size))
-    prg.add_stream(seed, acc, -1)
+    prg.add_streams([(seed, -1)], acc)
     np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64))

@@ -103,25 +103,30 @@ class RoundOpen(_Message):
         return self
 
 
-class Commitment(_Message):
-    """Participant → coordinator: I take part in this round, bound to this dataset root."""
+class _FromParticipant(_Message):
+    """A message a participant sends about itself: the sender is the participant."""
 
-    kind: Literal["commitment"] = "commitment"
     attempt: int = Field(1, ge=1)
     participant_id: str = Field(min_length=1, max_length=128)
-    dataset_root: str = Field(pattern=_HEX64)
-    num_examples: int = Field(ge=1)
-    mask_key: str | None = Field(None, pattern=_HEX64, description="X25519, secure sums.")
-    enc_key: str | None = Field(None, pattern=_HEX64, description="X25519, sealed shares.")
 
     @model_validator(mode="after")
-    def _sender_is_participant(self) -> Commitment:
+    def _sender_is_participant(self) -> _FromParticipant:
         if self.sender != self.participant_id:
             raise ValueError("sender and participant_id differ")
         return self
 
 
-class Update(_Message):
+class Commitment(_FromParticipant):
+    """Participant → coordinator: I take part in this round, bound to this dataset root."""
+
+    kind: Literal["commitment"] = "commitment"
+    dataset_root: str = Field(pattern=_HEX64)
+    num_examples: int = Field(ge=1)
+    mask_key: str | None = Field(None, pattern=_HEX64, description="X25519, secure sums.")
+    enc_key: str | None = Field(None, pattern=_HEX64, description="X25519, sealed shares.")
+
+
+class Update(_FromParticipant):
     """Participant → aggregator: the released pseudo-gradient, bound to the dataset root.
 
     ``dataset_root`` is None for an *unbound* contribution (a stock Flower ClientApp, or
@@ -130,8 +135,6 @@ class Update(_Message):
     """
 
     kind: Literal["update"] = "update"
-    attempt: int = Field(1, ge=1)
-    participant_id: str = Field(min_length=1, max_length=128)
     dataset_root: str | None = Field(pattern=_HEX64)
     delta: NamedArraysField
     l2_norm: float = Field(ge=0, allow_inf_nan=False)
@@ -154,8 +157,6 @@ class Update(_Message):
 
     @model_validator(mode="after")
     def _check(self) -> Update:
-        if self.sender != self.participant_id:
-            raise ValueError("sender and participant_id differ")
         if not self.delta:
             raise ValueError("delta is empty")
         int64 = {n for n, a in self.delta.items() if a.dtype == _MASKED_DTYPE}
@@ -191,7 +192,7 @@ class Update(_Message):
         return self._max_abs
 
 
-class Refusal(_Message):
+class Refusal(_FromParticipant):
     """Participant → coordinator: I release nothing this round, and why.
 
     Not one of the specification's four messages: it is how a participant's typed error
@@ -200,16 +201,8 @@ class Refusal(_Message):
     """
 
     kind: Literal["refusal"] = "refusal"
-    attempt: int = Field(1, ge=1)
-    participant_id: str = Field(min_length=1, max_length=128)
     error: str = Field(min_length=1, max_length=64, description="The error's class name.")
     reason: str = Field("", max_length=2000)
-
-    @model_validator(mode="after")
-    def _sender_is_participant(self) -> Refusal:
-        if self.sender != self.participant_id:
-            raise ValueError("sender and participant_id differ")
-        return self
 
 
 class UnmaskRequest(_Message):
@@ -222,20 +215,16 @@ class UnmaskRequest(_Message):
     sealed: dict[str, str] = Field(description="sender -> its shares sealed for you (hex)")
 
 
-class UnmaskResponse(_Message):
+class UnmaskResponse(_FromParticipant):
     """Member → coordinator: the self-mask share of each survivor, the mask-key share of
     each dropped member; never both for one sender."""
 
     kind: Literal["unmask-response"] = "unmask-response"
-    attempt: int = Field(1, ge=1)
-    participant_id: str = Field(min_length=1, max_length=128)
     b_shares: dict[str, str] = Field(description="survivor -> 'x:y_hex'")
     m_shares: dict[str, str] = Field(description="dropped member -> 'x:y_hex'")
 
     @model_validator(mode="after")
     def _one_share_per_sender(self) -> UnmaskResponse:
-        if self.sender != self.participant_id:
-            raise ValueError("sender and participant_id differ")
         if set(self.b_shares) & set(self.m_shares):
             raise ValueError("both shares of one sender disclosed")
         return self

@@ -213,9 +213,6 @@ class InProcessNetwork:
     def online(self) -> list[str]:
         return sorted(p for p in self._handlers if p not in self._offline)
 
-    def go_offline(self, participant_id: str) -> None:
-        self._offline.add(participant_id)
-
     # -- delivery ----------------------------------------------------------------------
     def _post(self, source: str, dest: str, payload: WirePayload) -> None:
         kind, rnd = payload.get("kind"), payload.get("round")

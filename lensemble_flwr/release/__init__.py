@@ -8,7 +8,7 @@ from lensemble_flwr.release.pipeline import (
     chain,
 )
 from lensemble_flwr.release.privacy import clip, gaussian_noise
-from lensemble_flwr.release.stages import bind, default_pipeline, difference, release_pipeline
+from lensemble_flwr.release.stages import bind, difference, release_pipeline
 
 __all__ = [
     "Release",
@@ -18,7 +18,6 @@ __all__ = [
     "bind",
     "chain",
     "clip",
-    "default_pipeline",
     "difference",
     "gaussian_noise",
     "release_pipeline",

@@ -58,11 +58,6 @@ def bind() -> ReleaseTransform:
     return ReleaseTransform("bind", Stage.BIND, _no_state, update)
 
 
-def default_pipeline() -> ReleaseTransform:
-    """The plaintext release: difference, then bind."""
-    return chain(difference(), bind())
-
-
 def release_pipeline(
     config: LensembleConfig, *, participant_id: str, dataset_root: str | None
 ) -> ReleaseTransform:

@@ -56,8 +56,3 @@ def add_streams(streams: list[tuple[bytes, int]], acc: np.ndarray) -> None:
         for encryptor, combine in encryptors:
             encryptor.update_into(zeros[: 8 * k], out)
             combine(chunk, words[:k], out=chunk)
-
-
-def add_stream(seed: bytes, acc: np.ndarray, sign: int) -> None:
-    """``acc += sign * expand(seed, acc.size)`` (mod 2**64), in place."""
-    add_streams([(seed, sign)], acc)

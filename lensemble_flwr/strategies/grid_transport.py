@@ -146,10 +146,6 @@ class GridTransport:
         return self._inbox.popleft()
 
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
-    def pending_close(self) -> ConfigRecord | None:
-        """The RoundClose that would ride on the next instruction, as a record."""
-        return None if self._close is None else records.encode_close(self._close)
-
     def request(
         self, contents: Mapping[str, RecordDict], message_type: str, *, timeout_s: float
     ) -> list[Message]:

@@ -284,12 +284,9 @@ class LensembleStrategy(Strategy):
         cfg = dict(config or {})
         cfg["server-round"] = server_round
         content = RecordDict({records.ARRAYS: arrays, records.CONFIG: ConfigRecord(cfg)})
-        if self.transport is not None and (close := self.transport.pending_close()) is not None:
-            content[records.CLOSE_RECORD] = close
-        elif self.coordinator is not None and self.coordinator.last_close is not None:
-            content[records.CLOSE_RECORD] = records.encode_close(
-                to_wire(self.coordinator.last_close)
-            )
+        if self.coordinator is not None and self.coordinator.last_close is not None:
+            close = to_wire(self.coordinator.last_close)  # rides along, as on RoundOpen
+            content[records.CLOSE_RECORD] = records.encode_close(close)
         return content
 
     def _evaluate(
