@@ -1,0 +1,168 @@
+"""Every refusal of the masked-round machinery, tripped once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lensemble_flwr.config import AggregationConfig, LensembleConfig
+from lensemble_flwr.errors import (
+    ConfigError,
+    NonDeterministicAggregation,
+    RoundError,
+    SecureAggregationError,
+)
+from lensemble_flwr.federation.messages import (
+    RoundOpen,
+    UnmaskRequest,
+    Update,
+    from_wire,
+    to_wire,
+)
+from lensemble_flwr.federation.round import PseudoGradient
+from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.secagg import prg, shamir
+from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.keys import SecAggKeys
+from lensemble_flwr.secagg.participant_role import MaskingRole, encode_member
+from lensemble_flwr.secagg.protocol import Member, context_of, mask
+
+CONTEXT = context_of("run", 0, 1)
+TEMPLATE = {"w": np.zeros(6, np.float32)}
+
+
+@pytest.fixture
+def trio():
+    keys = {p: SecAggKeys.generate() for p in ("a", "b", "c")}
+    members = [Member(p, k.mask_public, k.enc_public) for p, k in keys.items()]
+    return keys, members
+
+
+def masked_update(pid: str, keys, members, **changes) -> Update:
+    release = mask({"w": np.arange(6, dtype=np.int64)}, me=pid, keys=keys[pid],
+                   members=members, threshold=2, context=CONTEXT)
+    fields = dict(run_id="run", round=0, sender=pid, participant_id=pid, dataset_root=None,
+                  delta=release.masked, l2_norm=0.0, num_examples=1, masked=True,
+                  sealed_shares={h: c.hex() for h, c in release.sealed.items()})
+    fields.update(changes)
+    return Update(**fields)
+
+
+def aggregator(members, **config) -> SecureAggregator:
+    return SecureAggregator(TEMPLATE, AggregationConfig(**config), members=members,
+                            threshold=2, context=CONTEXT, mask_key_shares={})
+
+
+def test_the_aggregator_admits_only_well_formed_masked_updates_of_members(trio) -> None:
+    keys, members = trio
+    agg = aggregator(members)
+    plain = Update(run_id="run", round=0, sender="a", participant_id="a", dataset_root=None,
+                   delta={"w": np.zeros(6, np.float32)}, l2_norm=0.0, num_examples=1)
+    with pytest.raises(RoundError, match="masked updates only"):
+        agg.admit(plain, weight=1)
+    outsider_keys = {"z": SecAggKeys.generate(), **keys}
+    outsiders = [*members, Member("z", outsider_keys["z"].mask_public,
+                                  outsider_keys["z"].enc_public)]
+    with pytest.raises(RoundError, match="not a member"):
+        agg.admit(masked_update("z", outsider_keys, outsiders), weight=1)
+    with pytest.raises(RoundError, match="weight"):
+        agg.admit(masked_update("a", keys, members), weight=0)
+    with pytest.raises(RoundError, match="not hex"):
+        agg.admit(masked_update("a", keys, members, sealed_shares={"a": "zz", "b": "00",
+                                                                   "c": "00"}), weight=1)
+    with pytest.raises(RoundError, match="every member"):
+        agg.admit(masked_update("a", keys, members, sealed_shares={"a": "00"}), weight=1)
+    agg.admit(masked_update("a", keys, members), weight=1)
+    with pytest.raises(RoundError, match="already contributed"):
+        agg.admit(masked_update("a", keys, members), weight=1)
+
+
+def test_disclosures_come_from_survivors_and_never_give_both_shares(trio) -> None:
+    keys, members = trio
+    agg = aggregator(members)
+    agg.admit(masked_update("a", keys, members), weight=1)
+    with pytest.raises(RoundError, match="only survivors"):
+        agg.disclose("b", {"b": {}, "m": {}})
+    with pytest.raises(RoundError, match="both shares"):
+        agg.disclose("a", {"b": {"c": (1, 2)}, "m": {"c": (1, 2)}})
+
+
+def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
+    keys, members = trio
+    agg = aggregator(members)
+    for pid in ("a", "b", "c"):
+        agg.admit(masked_update(pid, keys, members), weight=1)
+    for holder, request in agg.disclosure_requests().items():
+        from lensemble_flwr.secagg.protocol import disclose
+
+        agg.disclose(holder, disclose(me=holder, keys=keys[holder], members=members,
+                                      run_id="run", context=CONTEXT,
+                                      survivors=request.survivors, dropped=request.dropped,
+                                      self_mask_shares=request.self_mask_shares,
+                                      mask_key_shares=request.mask_key_shares))
+    result = agg.reveal()
+    np.testing.assert_array_equal(result.sums["w"], 3 * np.arange(6))
+    agg.verify(result)
+    tampered = {"w": result.sums["w"] + 1}
+    with pytest.raises(NonDeterministicAggregation):
+        agg.verify(dataclasses.replace(result, sums=tampered))
+
+
+def test_a_member_set_that_could_overflow_the_sum_is_refused(trio) -> None:
+    _, members = trio
+    with pytest.raises(ConfigError, match="overflow"):
+        aggregator(members * 200, fraction_bits=40, max_weight=2**10, max_abs_update=256.0)
+
+
+def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:
+    payload = {"kind": "unmask-response", "run_id": "run", "round": 0, "sender": "a",
+               "participant_id": "a", "b_shares": {"c": "1:2"}, "m_shares": {"c": "1:2"}}
+    with pytest.raises(RoundError, match="both shares"):
+        from_wire(payload)
+
+
+def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another_round(
+    trio,
+) -> None:
+    keys, members = trio
+    role = MaskingRole("a")
+    role.keys = keys["a"]
+    config = LensembleConfig(aggregation={"max_abs_update": 1.0})
+    opened = RoundOpen.model_construct(run_id="run", round=0, attempt=1,
+                                       secagg_members=tuple(encode_member(m) for m in members),
+                                       secagg_threshold=2)
+    huge = PseudoGradient(participant_id="a", round=0, delta={"w": np.full(6, 5.0, np.float32)},
+                          l2_norm=0.0, dataset_root=None, num_examples=1)
+    with pytest.raises(RoundError, match="max-abs-update"):
+        role.mask_release(huge, opened, config)
+    fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
+    role.mask_release(fine, opened, config)
+    other = UnmaskRequest(run_id="run", round=7, sender="coordinator", attempt=1,
+                          survivors=("a",), dropped=(), sealed={})
+    with pytest.raises(SecureAggregationError, match="another round"):
+        role.disclose(other)
+
+
+def test_budget_prg_and_shamir_refuse_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="epsilon"):
+        PrivacyBudget(tmp_path, "k", epsilon=0.0, delta=1e-5)
+    with pytest.raises(ConfigError, match="accountant"):
+        PrivacyBudget(tmp_path, "k", epsilon=1.0, delta=1e-5, accountant="gdp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="int64 accumulator"):
+        prg.add_streams([(bytes(32), 1)], np.zeros(4, np.float64))
+    with pytest.raises(ValueError, match="32 bytes"):
+        prg.add_streams([(b"short", 1)], np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="threshold"):
+        shamir.split(bytes(32), 4, 3)
+
+
+def test_a_masked_update_carries_int64_and_shares_only(trio) -> None:
+    keys, members = trio
+    good = to_wire(masked_update("a", keys, members))
+    for changes in ({"sealed_shares": None}, {"delta": {"w": np.zeros(6, np.float32)}},
+                    {"masked": False}):
+        with pytest.raises(RoundError):
+            from_wire({**good, **changes})
