@@ -51,6 +51,12 @@ from lensemble_flwr.errors import (
     response_to,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
+from lensemble_flwr.federation.durable import (
+    load_registry,
+    mark_started,
+    save_registry,
+    started_attempts,
+)
 from lensemble_flwr.federation.messages import (
     Commitment,
     ControlMessage,
@@ -80,6 +86,7 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RoundEntry,
     RunManifest,
+    verify,
 )
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.membership import Membership
@@ -102,6 +109,9 @@ def _parse_shares(response: UnmaskResponse) -> dict[str, dict[str, tuple[int, in
 
 _DISCOVERY_INTERVAL = 1.0
 """Seconds between looks for newly reachable participants while a round is OPEN."""
+
+INTERRUPTED = "CoordinatorRestart: the attempt was cut short by a coordinator restart"
+"""The reason recorded for an attempt a crash interrupted."""
 
 AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
 
@@ -189,6 +199,86 @@ class Coordinator:
         for name, array in initial_params.items():
             if not np.issubdtype(np.asarray(array).dtype, np.floating):
                 raise ParameterMismatch(f"{name}: initial params must be floating-point")
+        if store.bound("ledger/") or store.bound("manifest"):
+            raise StoreError(
+                f"{store.root} already holds a run; use a fresh run directory, or "
+                "Coordinator.resume to continue it"
+            )
+        self._setup(
+            config, transport, store, run_id, aggregator_factory, on_round, update_transform
+        )
+        self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
+        self._momentum: NamedArrays = zero_momentum(self._global.params)
+        initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
+        self._manifest = RunManifest(
+            run_id=run_id,
+            config=config.to_run_config(),
+            root_seed=config.federation.root_seed,
+            initial_params_hash=self._global.params_hash,
+            initial_checkpoint=initial,
+        )
+        self._manifest.start(store)
+
+    @classmethod
+    def resume(
+        cls,
+        config: LensembleConfig,
+        *,
+        transport: Transport,
+        store: Store,
+        aggregator_factory: AggregatorFactory = fixed_point_aggregator,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+        update_transform: Callable[[Update], Update] | None = None,
+    ) -> Coordinator:
+        """Continue the run held in ``store`` after the coordinator stopped (or crashed).
+
+        The resumed coordinator starts from the last CLOSED round: the newest ledger
+        record's checkpoint (params and momentum), the ledger head, the participant
+        registry and the attempt counter all come from the store. A commit the crash cut
+        short between the ledger record and the manifest entry is completed from the
+        record; an attempt that started but never finished is recorded as aborted. The
+        round that was in flight is then retried under a new attempt number.
+
+        Raises:
+            StoreError: ``store`` holds no run.
+            ConfigError: ``config`` is not the configuration the run was started with.
+            LedgerError: the stored ledger, manifest or registry is inconsistent (the
+                run is not resumed: ``lensemble-flwr verify`` names the broken link).
+        """
+        manifest = RunManifest.load(store)
+        recorded, given = manifest.config, config.to_run_config()
+        if recorded != given:
+            differ = sorted(
+                k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
+            )
+            raise ConfigError(
+                "config", f"differs from the run's recorded configuration in {differ}"
+            )
+        self = cls.__new__(cls)
+        self._setup(
+            config,
+            transport,
+            store,
+            manifest.run_id,
+            aggregator_factory,
+            on_round,
+            update_transform,
+        )
+        self._manifest = manifest
+        self._recover()
+        return self
+
+    def _setup(
+        self,
+        config: LensembleConfig,
+        transport: Transport,
+        store: Store,
+        run_id: str,
+        aggregator_factory: AggregatorFactory,
+        on_round: Callable[[RoundOutcome], None] | None,
+        update_transform: Callable[[Update], Update] | None,
+    ) -> None:
+        """The in-memory parts every coordinator starts with, new or resumed."""
         if update_transform is not None:
             protected = [
                 name
@@ -207,8 +297,6 @@ class Coordinator:
                     f"with {protected}: it would see (or undo) what the participants protect; "
                     "transform before release, on the participant",
                 )
-        if store.bound("ledger/") or store.bound("manifest"):
-            raise StoreError(f"{store.root} already holds a run; use a fresh run directory")
         self.config = config
         self.transport = transport
         self.store = store
@@ -217,25 +305,71 @@ class Coordinator:
         self._update_transform = update_transform
         self._on_round = on_round
         self._ledger = Ledger(store)
-        self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
-        self._momentum: NamedArrays = zero_momentum(self._global.params)
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
         self._commitments: dict[str, Commitment] = {}
         self._membership = Membership()  # masked rounds: keys, compromises, key shares
+        self._registry_dirty = False  # the registry changed since it was last stored
         self.last_close: RoundClose | None = None
         self._grace = 0.0
         self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
-        initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
-        self._manifest = RunManifest(
-            run_id=run_id,
-            config=config.to_run_config(),
-            root_seed=config.federation.root_seed,
-            initial_params_hash=self._global.params_hash,
-            initial_checkpoint=initial,
+
+    def _recover(self) -> None:
+        """Rebuild the committed state from the store (see :meth:`resume`)."""
+        records = self._ledger.records()
+        closed = {e.round for e in self._manifest.rounds if e.state == "closed"}
+        if records and records[-1].round not in closed:
+            rec = records[-1]  # committed, but the crash came before its manifest entry
+            log.warning("round %d: completing the manifest from the ledger record", rec.round)
+            self._manifest = self._manifest.with_round(
+                self.store,
+                RoundEntry(
+                    round=rec.round,
+                    attempt=rec.attempt,
+                    state="closed",
+                    round_seed=rec.round_seed,
+                    prior_global_hash=rec.previous_global_hash,
+                    contributors=rec.contributors,
+                    count=rec.count,
+                    total_weight=rec.total_weight,
+                    update_digests=rec.update_digests,
+                    aggregate_digest=rec.aggregate_digest,
+                    new_global_hash=rec.new_global_hash,
+                ),
+            )
+        verify(self.store)
+        head = records[-1] if records else None
+        ckpt = decode_checkpoint(
+            self.store.get(head.checkpoint if head else self._manifest.initial_checkpoint)
         )
-        self._manifest.start(store)
+        self._global = self._pin(ckpt.round, ckpt.params, copy=False)
+        self._momentum = ckpt.momentum
+        self._head_hash = head.record_hash if head else GENESIS
+        self._commitments, self._membership = load_registry(self.store)
+        t = self._global.round
+        finished = {e.attempt for e in self._manifest.rounds if e.round == t}
+        for attempt in started_attempts(self.store, t):
+            if attempt in finished:
+                continue
+            log.warning("round %d attempt %d was interrupted by a restart", t, attempt)
+            self._manifest = self._manifest.with_round(
+                self.store,
+                RoundEntry(
+                    round=t,
+                    attempt=attempt,
+                    state="aborted",
+                    reason=INTERRUPTED,
+                    round_seed=self._global.sketch_seed,
+                    prior_global_hash=self._global.params_hash,
+                ),
+            )
+        log.info(
+            "resumed run %s at round %d (%d participants registered)",
+            self.run_id,
+            t,
+            len(self._commitments),
+        )
 
     # -- observability -----------------------------------------------------------------
     def round_state(self) -> RoundState:
@@ -291,7 +425,7 @@ class Coordinator:
     def next_attempt(self) -> int:
         """The attempt number the current round's next attempt will carry."""
         t = self._global.round
-        return 1 + sum(1 for o in self.outcomes if o.round == t)
+        return 1 + sum(1 for e in self._manifest.rounds if e.round == t)
 
     def round_open_for(self, peer: str) -> RoundOpen:
         """The RoundOpen the next attempt sends to ``peer``."""
@@ -336,6 +470,7 @@ class Coordinator:
     def _run_attempt(self, t: int, attempt: int) -> RoundOutcome:
         started = self.transport.now()
         state = self._global
+        mark_started(self.store, t, attempt)
         machine = RoundMachine(t, attempt)
         self._machine = machine
         ctx = _Attempt(
@@ -479,6 +614,7 @@ class Coordinator:
             raise FaultToleranceExceeded(
                 f"{len(ctx.admitted)} updates by the collect deadline, quorum {quorum}"
             )
+        self._persist_registry()  # the bindings this round's sum rests on
 
     def _ingest(self, payload: WirePayload | None, ctx: _Attempt) -> None:
         """Validate and admit one payload; errors whose response is to reject the message
@@ -542,6 +678,7 @@ class Coordinator:
                 ctx.key_shares[pid] = self._membership.store_shares(
                     pid, ctx.members, msg.key_shares
                 )
+                self._registry_dirty = True
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
@@ -559,7 +696,15 @@ class Coordinator:
         if prior is None:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
         self._membership.rebound(prior, commitment)
-        self._commitments[pid] = commitment
+        if commitment != prior:
+            self._commitments[pid] = commitment
+            self._registry_dirty = True
+
+    def _persist_registry(self) -> None:
+        """Store the participant registry if it changed (see :mod:`.durable`)."""
+        if self._registry_dirty:
+            save_registry(self.store, self._commitments, self._membership)
+            self._registry_dirty = False
 
     def _check_privacy(self, update: Update) -> None:
         """Refuse an update that did not go through the release stages the config requires
@@ -609,6 +754,11 @@ class Coordinator:
         """The disclosure exchange of a masked round: one request to every survivor, then
         their answers until all came or the collect timeout passed."""
         requests = aggregator.disclosure_requests()
+        # The dropped members' mask keys are about to be reconstructed: record that before
+        # asking, so that no restart can forget it and admit those keys again.
+        self._membership.revealed(aggregator.dropped)
+        self._registry_dirty = True
+        self._persist_registry()
         for holder, request in requests.items():
             sealed = {**request.self_mask_shares, **request.mask_key_shares}
             self.transport.send(

@@ -10,6 +10,7 @@ only if it drops out of a later round with the same set).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from lensemble_flwr.federation.messages import Commitment
 from lensemble_flwr.secagg.protocol import Member, members_digest
@@ -64,3 +65,27 @@ class Membership:
     def revealed(self, pids: Iterable[str]) -> None:
         """These members' mask keys were reconstructed: they must rotate them."""
         self.compromised.update(pids)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-compatible copy of this record (for the coordinator's durable state)."""
+        return {
+            "compromised": sorted(self.compromised),
+            "shares": {
+                pid: {"members": digest, "sealed": {h: c.hex() for h, c in sorted(s.items())}}
+                for pid, (digest, s) in sorted(self._shares.items())
+            },
+        }
+
+    @classmethod
+    def restore(cls, snapshot: Mapping[str, Any]) -> Membership:
+        """The record a :meth:`snapshot` was taken of.
+
+        Raises:
+            ValueError, TypeError, KeyError: the snapshot is malformed.
+        """
+        restored = cls()
+        restored.compromised = {str(p) for p in snapshot["compromised"]}
+        for pid, entry in snapshot["shares"].items():
+            sealed = {str(h): bytes.fromhex(c) for h, c in entry["sealed"].items()}
+            restored._shares[str(pid)] = (str(entry["members"]), sealed)
+        return restored

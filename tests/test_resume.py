@@ -1,0 +1,168 @@
+"""A coordinator restarted on its run directory resumes from the last CLOSED round.
+
+These are the in-process checks (a crash is simulated by abandoning the coordinator
+object at a chosen point); tests/test_crash_recovery.py kills real processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from federation_helpers import federation, small_config
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import CommitmentMismatch, ConfigError, LedgerError, StoreError
+from lensemble_flwr.federation import durable
+from lensemble_flwr.federation.coordinator import INTERRUPTED, Coordinator
+from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.provenance.ledger import RunManifest, verify
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing catches it."""
+
+
+def restart(coordinator: Coordinator, **kwargs) -> Coordinator:
+    """A new coordinator on the same store and network, as a restarted process would be."""
+    return Coordinator.resume(
+        coordinator.config, transport=coordinator.transport, store=coordinator.store, **kwargs
+    )
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path: Path) -> None:
+    straight, network_a, _ = federation(tmp_path, name="straight")
+    straight.run(5)
+    network_a.flush()
+
+    first, network_b, _ = federation(tmp_path, name="resumed")
+    first.run(3)
+    network_b.flush()
+    resumed = restart(first)
+    assert resumed.global_state().params_hash == first.global_state().params_hash
+    assert resumed.global_state().round == 3
+    assert resumed.momentum().keys() == first.momentum().keys()
+    assert all((resumed.momentum()[n] == a).all() for n, a in first.momentum().items())
+    resumed.run(2)
+    # same participants, same seeds: the restart changes nothing the run computes
+    assert resumed.global_state().params_hash == straight.global_state().params_hash
+    records = verify(resumed.store)
+    assert [r.round for r in records] == [0, 1, 2, 3, 4]
+    assert resumed.outcomes[0].attempt == 1  # nothing was in flight at the restart
+
+
+def test_bindings_survive_a_restart(tmp_path: Path) -> None:
+    def forge_root(payload: dict) -> dict:
+        payload["dataset_root"] = "f" * 64
+        return payload
+
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(1)
+    network.flush()
+    resumed = restart(coordinator)
+    assert set(resumed._commitments) == {"p00", "p01", "p02", "p03"}
+    assert not resumed.round_open_for("p00").needs_commitment  # still one exchange a round
+    network.faults.corrupt("p01", round=1, kind="update", mutate=forge_root)
+    with pytest.raises(CommitmentMismatch, match="p01"):
+        resumed.run(1)
+
+
+def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path) -> None:
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(1)
+
+    def die(*_args, **_kwargs):
+        raise Crash
+
+    coordinator._aggregate = die  # the crash comes while the round is being summed
+    with pytest.raises(Crash):
+        coordinator.run(1)
+    assert coordinator.round_state() is RoundState.AGGREGATING
+    resumed = restart(coordinator)
+    entry = resumed.manifest.rounds[-1]
+    assert (entry.round, entry.attempt, entry.state, entry.reason) == (
+        1,
+        1,
+        "aborted",
+        INTERRUPTED,
+    )
+    assert resumed.next_attempt() == 2
+    resumed.run(1)
+    assert resumed.outcomes[-1].attempt == 2 and resumed.outcomes[-1].count == 4
+    assert [r.round for r in verify(resumed.store)] == [0, 1]
+    assert network.crashes == []
+
+
+def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Path) -> None:
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(1)
+    real = RunManifest.with_round
+
+    def crash_after_ledger(self, store, entry):
+        if entry.state == "closed":
+            raise Crash  # the ledger record is written, the manifest entry is not
+        return real(self, store, entry)
+
+    RunManifest.with_round = crash_after_ledger
+    try:
+        with pytest.raises(Crash):
+            coordinator.run(1)
+    finally:
+        RunManifest.with_round = real
+    with pytest.raises(LedgerError):
+        verify(coordinator.store)  # the half-done commit is visible as such
+    resumed = restart(coordinator)
+    assert resumed.global_state().round == 2  # round 1 was committed: it is not lost
+    assert [r.round for r in verify(resumed.store)] == [0, 1]
+    resumed.run(1)
+    assert [r.round for r in verify(resumed.store)] == [0, 1, 2]
+
+
+def test_resume_refuses_another_config_an_empty_store_and_a_broken_ledger(
+    tmp_path: Path,
+) -> None:
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(2)
+    other = small_config(min_participants=2)
+    with pytest.raises(ConfigError, match="min-participants"):
+        Coordinator.resume(other, transport=network.coordinator, store=coordinator.store)
+    with pytest.raises(StoreError):
+        Coordinator.resume(
+            coordinator.config, transport=network.coordinator, store=Store(tmp_path / "empty")
+        )
+    # a ledger record edited on disk: the run is not resumed
+    name = coordinator.store.root / "names" / "ledger"
+    first = sorted(p for p in name.rglob("*") if p.is_file())[0]
+    second = sorted(p for p in name.rglob("*") if p.is_file())[1]
+    first.write_text(second.read_text())
+    with pytest.raises(LedgerError):
+        restart(coordinator)
+
+
+def test_attempt_markers_never_repeat(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    durable.mark_started(store, 3, 1)
+    durable.mark_started(store, 3, 2)
+    durable.mark_started(store, 30, 1)
+    assert durable.started_attempts(store, 3) == [1, 2]
+    with pytest.raises(LedgerError, match="round 3 attempt 2"):
+        durable.mark_started(store, 3, 2)
+
+
+def test_a_malformed_registry_is_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.bind(durable.REGISTRY, store.put(b'{"commitments": {"p": {"kind": "x"}}}'))
+    with pytest.raises(LedgerError, match="registry"):
+        durable.load_registry(store)
+
+
+def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> None:
+    config = small_config(min_participants=3, secagg_threshold=3)
+    faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
+    coordinator, _network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
+    coordinator.run(2)  # round 1 unmasks around p03: its mask key is reconstructed
+    assert "p03" in coordinator._membership.compromised
+    resumed = restart(coordinator)
+    assert "p03" in resumed._membership.compromised
+    assert resumed._membership.snapshot() == coordinator._membership.snapshot()
