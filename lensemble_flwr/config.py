@@ -152,6 +152,40 @@ class ReleaseConfig(_Section):
     )
 
 
+class GaugeConfig(_Section):
+    """Gauge alignment: each participant rotates its latent frame onto the global one on a
+    pinned public probe before it releases anything (see docs/gauge.md)."""
+
+    align: bool = Field(
+        False, description="Participant-side Procrustes alignment before release."
+    )
+    sketch_rows: int = Field(
+        32, ge=1, le=4096, description="Rows m of the round's probe sketch A (m x probe size)."
+    )
+    max_condition: float = Field(
+        1e6,
+        gt=1,
+        description="Largest condition number of the probe cross-covariance accepted as is.",
+    )
+    conditioning: Literal["ridge", "refuse"] = Field(
+        "ridge",
+        description="Ill-conditioned cross-covariance: add a ridge and retry once, or refuse.",
+    )
+    ridge: float = Field(
+        1e-3, gt=0, description="The ridge, relative to the largest singular value."
+    )
+    drift_threshold: float = Field(
+        0.0, ge=0, description="frame_drift above this is reported (0: never)."
+    )
+    warm_start_hash: str = Field(
+        "", description="Round-0 encoder hash every joiner must match ('' : not checked)."
+    )
+    coordinator_harness: bool = Field(
+        False,
+        description="Plaintext research only: the coordinator aligns each raw update.",
+    )
+
+
 class ParamGroupsConfig(_Section):
     """Which parameter names are shared (encoder/predictor) and which stay local.
 
@@ -194,6 +228,7 @@ _SECTIONS: dict[str, tuple[str, type[_Section]]] = {
     "groups": ("", ParamGroupsConfig),
     "privacy": ("", PrivacyConfig),
     "release": ("", ReleaseConfig),
+    "gauge": ("gauge-", GaugeConfig),
 }
 _GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups"}
 
@@ -226,6 +261,29 @@ class LensembleConfig(_Section):
     groups: ParamGroupsConfig = ParamGroupsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     release: ReleaseConfig = ReleaseConfig()
+    gauge: GaugeConfig = GaugeConfig()
+
+    @model_validator(mode="after")
+    def _harness_is_plaintext_only(self) -> LensembleConfig:
+        if not self.gauge.coordinator_harness:
+            return self
+        protected = [
+            key
+            for key, on in (
+                ("clip-norm", self.privacy.clip_norm > 0),
+                ("noise-multiplier", self.privacy.noised),
+                ("quantize", self.release.quantize != "none"),
+                ("secagg-threshold", self.federation.secagg_threshold > 0),
+            )
+            if on
+        ]
+        if protected:
+            raise ConfigError(
+                "gauge-coordinator-harness",
+                f"the coordinator-side alignment harness sees individual plaintext updates; "
+                f"it cannot be combined with {protected}",
+            )
+        return self
 
     @classmethod
     def from_run_config(

@@ -55,8 +55,31 @@ class ParameterMismatch(RoundError):
     """Named arrays that do not fit a model or a template (unknown, missing or mis-shaped)."""
 
 
+class InconsistentSizes(RoundError):
+    """Shared-folder records of one round disagree about example counts: some state their
+    size and some do not, or a stated size is not the size in the record's update."""
+
+
 class FaultToleranceExceeded(LensembleError):
     """Fewer than K participants present at the quorum check or during collection."""
+
+
+class RoundIncomplete(FaultToleranceExceeded):
+    """A shared-folder round whose deadline passed before every expected participant's
+    record arrived; the error names the missing participants."""
+
+    def __init__(self, message: str, *, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class ClaimantDied(FaultToleranceExceeded):
+    """A shared-folder round (or run start) whose claimant never published: it died
+    holding the claim, and a claim is never taken over; the error names the claimant."""
+
+    def __init__(self, message: str, *, claimant: str = "") -> None:
+        super().__init__(message)
+        self.claimant = claimant
 
 
 class SecureAggregationError(LensembleError):
@@ -85,6 +108,10 @@ class ProbeError(LensembleError):
 
 class GaugeError(LensembleError):
     """Warm-start or sketch-consistency violation of the latent frame."""
+
+
+class SketchMismatch(GaugeError):
+    """An update was aligned on another sketch than the round's (INV-SKETCH-CONSISTENCY)."""
 
 
 class DegenerateProcrustes(LensembleError):
@@ -123,7 +150,13 @@ class LedgerError(LensembleError):
 RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
     {
         RoundError: Response.REJECT_MESSAGE,
+        # Not one bad message but participants that weigh differently: nothing to retry.
+        InconsistentSizes: Response.STOP_FEDERATION,
         FaultToleranceExceeded: Response.RETRY_ROUND,
+        # Shared folder: a straggler may still come, so the round is tried again; but a
+        # claim is never taken over, so a claimant that died stops the run.
+        RoundIncomplete: Response.RETRY_ROUND,
+        ClaimantDied: Response.STOP_FEDERATION,
         SecureAggregationError: Response.RETRY_ROUND,
         # Raised only after the single re-sum also failed; see Coordinator._aggregate.
         NonDeterministicAggregation: Response.STOP_FEDERATION,
@@ -133,6 +166,7 @@ RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
         ResidencyViolation: Response.STOP_FEDERATION,
         ProbeError: Response.REFUSE_RELEASE,
         GaugeError: Response.REFUSE_RELEASE,
+        SketchMismatch: Response.REJECT_MESSAGE,
         DegenerateProcrustes: Response.REFUSE_RELEASE,
         DPBoundViolation: Response.REFUSE_RELEASE,
         ConfigError: Response.STOP_FEDERATION,

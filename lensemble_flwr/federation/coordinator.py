@@ -43,6 +43,7 @@ from lensemble_flwr.errors import (
     NonDeterministicAggregation,
     ParameterMismatch,
     PrivacyBudgetExceeded,
+    ResidencyViolation,
     Response,
     RoundError,
     StoreError,
@@ -51,6 +52,15 @@ from lensemble_flwr.errors import (
     response_to,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
+from lensemble_flwr.federation.alignment import (
+    GaugeSetup,
+    check_sketch,
+    check_warm_start_of,
+    drift_diagnostics,
+    expected_fingerprint,
+    harness_transform,
+    require_setup,
+)
 from lensemble_flwr.federation.durable import (
     load_registry,
     mark_started,
@@ -79,7 +89,7 @@ from lensemble_flwr.federation.round import (
     l2_norm,
 )
 from lensemble_flwr.federation.transport import COORDINATOR, Transport
-from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.params import NamedArrays, is_shared
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     ContributionRecord,
@@ -154,6 +164,8 @@ class _Attempt:
     aggregator: Aggregator | None
     round_open: RoundOpen
     grace: float = 0.0
+    transform: Callable[[Update], Update] | None = None  # the research harness, if any
+    sketch_fingerprint: str | None = None  # gauge alignment: the round's sketch
     members: list[Member] | None = None  # a masked round's member set, once fixed
     members_sent: set[str] = dataclasses.field(default_factory=set)
     key_shares: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
@@ -182,6 +194,9 @@ class Coordinator:
         update_transform: a coordinator-side transform of each individual plaintext update
             before it is summed (a research harness); refused with ``ConfigError`` when
             the config clips, noises, quantizes or masks releases.
+        gauge: the model's gauge adapter and pinned probe. With it, RoundOpen announces
+            the probe and every round records ``frame_drift``; ``gauge-align`` requires
+            it (updates must carry the round's sketch fingerprint).
     """
 
     def __init__(
@@ -195,17 +210,22 @@ class Coordinator:
         aggregator_factory: AggregatorFactory = fixed_point_aggregator,
         on_round: Callable[[RoundOutcome], None] | None = None,
         update_transform: Callable[[Update], Update] | None = None,
+        gauge: GaugeSetup | None = None,
     ) -> None:
         for name, array in initial_params.items():
             if not np.issubdtype(np.asarray(array).dtype, np.floating):
                 raise ParameterMismatch(f"{name}: initial params must be floating-point")
+        local = sorted(n for n in initial_params if not is_shared(n, config.groups))
+        if local:
+            raise ResidencyViolation(f"local parameters may never be broadcast: {local}")
+        check_warm_start_of(gauge, config, initial_params)
         if store.bound("ledger/") or store.bound("manifest"):
             raise StoreError(
                 f"{store.root} already holds a run; use a fresh run directory, or "
                 "Coordinator.resume to continue it"
             )
         self._setup(
-            config, transport, store, run_id, aggregator_factory, on_round, update_transform
+            config, transport, store, run_id, aggregator_factory, on_round, update_transform, gauge
         )
         self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
         self._momentum: NamedArrays = zero_momentum(self._global.params)
@@ -229,6 +249,7 @@ class Coordinator:
         aggregator_factory: AggregatorFactory = fixed_point_aggregator,
         on_round: Callable[[RoundOutcome], None] | None = None,
         update_transform: Callable[[Update], Update] | None = None,
+        gauge: GaugeSetup | None = None,
     ) -> Coordinator:
         """Continue the run held in ``store`` after the coordinator stopped (or crashed).
 
@@ -263,6 +284,7 @@ class Coordinator:
             aggregator_factory,
             on_round,
             update_transform,
+            gauge,
         )
         self._manifest = manifest
         self._recover()
@@ -277,8 +299,14 @@ class Coordinator:
         aggregator_factory: AggregatorFactory,
         on_round: Callable[[RoundOutcome], None] | None,
         update_transform: Callable[[Update], Update] | None,
+        gauge: GaugeSetup | None,
     ) -> None:
         """The in-memory parts every coordinator starts with, new or resumed."""
+        require_setup(config, gauge)
+        if update_transform is not None and config.gauge.coordinator_harness:
+            raise ConfigError(
+                "update_transform", "gauge-coordinator-harness already transforms each update"
+            )
         if update_transform is not None:
             protected = [
                 name
@@ -303,6 +331,7 @@ class Coordinator:
         self.run_id = run_id
         self._aggregator_factory = aggregator_factory
         self._update_transform = update_transform
+        self._gauge = gauge
         self._on_round = on_round
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
@@ -459,11 +488,15 @@ class Coordinator:
         self, round: int, params: Mapping[str, np.ndarray], *, copy: bool = True
     ) -> GlobalState:
         fed = self.config.federation
+        pinned = self._gauge is not None and self.config.gauge.align
+        probe = self._gauge.probe if pinned else None  # type: ignore[union-attr]
         return GlobalState.create(
             round,
             params,
             sketch_seed=derive_seed(fed.root_seed, "round", round),
             h_steps=self.config.inner.steps,
+            probe_hash=probe.probe_hash if probe is not None else "",
+            landmark_hashes=probe.landmark_hashes if probe is not None else (),
             copy=copy,
         )
 
@@ -485,6 +518,10 @@ class Coordinator:
             ),
             round_open=self.round_open_for(COORDINATOR),
             grace=self._grace,
+            transform=self._round_transform(state),
+            sketch_fingerprint=expected_fingerprint(self._gauge, self.config, state.sketch_seed)
+            if self._gauge is not None and self.config.gauge.align
+            else None,
         )
         self._grace = 0.0
         self._fix_members(ctx)
@@ -500,15 +537,32 @@ class Coordinator:
             result = self._aggregate(ctx)
             machine.fire(RoundEvent.SUM_REPRODUCED)
             mean = result.mean()
-            diagnostics = {"mean_delta_l2": l2_norm(mean)}
+            diagnostics = self._diagnose(state, mean)
             machine.fire(RoundEvent.DIAGNOSED)
-            self._commit(ctx, result, mean)
+            self._commit(ctx, result, mean, diagnostics)
             machine.fire(RoundEvent.COMMITTED)
         except LensembleError as exc:
             error = exc
             machine.fire(RoundEvent.ABORT, reason=f"{type(exc).__name__}: {exc}")
             log.warning("round %d attempt %d ABORTED: %s", t, attempt, machine.abort_reason)
         return self._record(ctx, result, diagnostics, error, started)
+
+    def _round_transform(self, state: GlobalState) -> Callable[[Update], Update] | None:
+        """What transforms each plaintext update before it is summed (research only)."""
+        if self.config.gauge.coordinator_harness:
+            assert self._gauge is not None  # require_setup
+            return harness_transform(self._gauge, self.config, state.params, state.sketch_seed)
+        return self._update_transform
+
+    def _diagnose(self, state: GlobalState, mean: NamedArrays) -> dict[str, float]:
+        """ALIGNING: diagnostics of the averaged model only (public probe, no individual
+        update: a masked round has none to look at)."""
+        diagnostics = {"mean_delta_l2": l2_norm(mean)}
+        if self._gauge is not None:
+            diagnostics |= drift_diagnostics(
+                self._gauge, self.config, state.params, mean, round=state.round
+            )
+        return diagnostics
 
     @property
     def _masked(self) -> bool:
@@ -668,10 +722,12 @@ class Coordinator:
         else:
             self._check_binding(msg)
             self._check_privacy(msg)
+            if ctx.sketch_fingerprint is not None:
+                check_sketch(msg, ctx.sketch_fingerprint)
             if ctx.aggregator is None:
                 raise RoundError(f"{pid}: update before the masked round's members were fixed")
-            if self._update_transform is not None:  # plaintext research harness only
-                msg = self._update_transform(msg)
+            if ctx.transform is not None:  # plaintext research harness only
+                msg = ctx.transform(msg)
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             if msg.key_shares and ctx.members is not None:
@@ -797,7 +853,13 @@ class Coordinator:
             self._membership.revealed(aggregator.dropped)
         return result
 
-    def _commit(self, ctx: _Attempt, result: AggregateSum, mean: NamedArrays) -> None:
+    def _commit(
+        self,
+        ctx: _Attempt,
+        result: AggregateSum,
+        mean: NamedArrays,
+        diagnostics: Mapping[str, float],
+    ) -> None:
         t, prior = ctx.machine.round, ctx.state
         params, momentum = outer_step(prior.params, self._momentum, mean, self.config.outer)
         new_state = self._pin(t + 1, params, copy=False)  # outer_step's arrays are fresh
@@ -822,6 +884,7 @@ class Coordinator:
                 new_global_hash=new_state.params_hash,
                 checkpoint=digest,
                 round_seed=prior.sketch_seed,
+                frame_drift=diagnostics.get("frame_drift"),
                 previous_record_hash=self._head_hash,
             )
         )

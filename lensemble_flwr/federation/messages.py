@@ -153,6 +153,9 @@ class Update(_FromParticipant):
     key_shares: dict[str, str] | None = Field(
         None, description="Masked, once per member set: mask-key shares sealed per member."
     )
+    sketch_fingerprint: str | None = Field(
+        None, pattern=_HEX64, description="Gauge alignment: fingerprint of the sketch A used."
+    )
     _max_abs: float = PrivateAttr(0.0)
 
     @model_validator(mode="after")

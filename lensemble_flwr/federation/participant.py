@@ -18,8 +18,13 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     LensembleError,
-    ResidencyViolation,
     RoundError,
+)
+from lensemble_flwr.federation.alignment import (
+    GaugeSetup,
+    check_round_open,
+    check_warm_start_of,
+    require_setup,
 )
 from lensemble_flwr.federation.local_training import (
     LocalTraining,
@@ -42,7 +47,6 @@ from lensemble_flwr.federation.messages import (
 )
 from lensemble_flwr.federation.round import GlobalState, PseudoGradient, l2_norm
 from lensemble_flwr.federation.transport import Transport
-from lensemble_flwr.params import is_shared
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import (
@@ -73,8 +77,11 @@ class Participant:
         transport: its end of the transport; replies go to whoever opened the round.
         trainer: a :class:`Trainer` (trained with AdamW for H steps) or any
             :class:`~lensemble_flwr.federation.local_training.LocalTraining`.
-        pipeline: the release pipeline; defaults to difference → bind, or difference alone
-            for a participant that cannot commit to its data (its updates are unbound).
+        pipeline: the release pipeline; defaults to what the config asks for (see
+            :func:`~lensemble_flwr.release.release_pipeline`): difference → bind, or
+            difference alone for a participant that cannot commit to its data.
+        gauge: the model's gauge adapter and the pinned probe; required when the config
+            aligns latent frames (``gauge-align``).
     """
 
     def __init__(
@@ -85,8 +92,11 @@ class Participant:
         transport: Transport,
         trainer: Trainer | LocalTraining,
         pipeline: ReleaseTransform | None = None,
+        gauge: GaugeSetup | None = None,
     ) -> None:
+        require_setup(config, gauge)
         self.config = config
+        self.gauge = gauge
         self.participant_id = participant_id
         self.transport = transport
         self.trainer = trainer
@@ -95,7 +105,7 @@ class Participant:
         self.dataset_root: str | None = None if records is None else merkle_root(records)
         if pipeline is None:
             pipeline = release_pipeline(
-                config, participant_id=participant_id, dataset_root=self.dataset_root
+                config, participant_id=participant_id, dataset_root=self.dataset_root, gauge=gauge
             )
         self.pipeline = pipeline
         self._pipeline_state: Any = None
@@ -151,6 +161,21 @@ class Participant:
             "sender": self.participant_id,
             "participant_id": self.participant_id,
         }
+        try:
+            check_round_open(
+                self.gauge,
+                self.config,
+                round=msg.round,
+                probe_hash=msg.probe_hash,
+                landmark_hashes=msg.landmark_hashes,
+                params=msg.params,
+            )
+        except LensembleError as exc:  # ProbeError, GaugeError: this round is rejected
+            log.warning("%s: rejects round %d: %r", self.participant_id, msg.round, exc)
+            self.transport.send(
+                msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
+            )
+            return
         masked_round = self.config.federation.secagg_threshold > 0
         if (msg.needs_commitment or msg.rekey) and self.dataset_root is not None:
             keys = self.masking.keys_for_commitment(msg.rekey) if masked_round else {}
@@ -186,6 +211,7 @@ class Participant:
                     "transforms": released.transforms,
                     "epsilon": released.epsilon,
                     "scales": released.scales,
+                    "sketch_fingerprint": released.sketch_fingerprint,
                     **masked,
                 }
             ),
@@ -218,6 +244,7 @@ class Participant:
         Raises:
             ParameterMismatch: the global params do not fit the model.
             ResidencyViolation: the release carries a name outside the shared groups.
+            DegenerateProcrustes: alignment is on and the probe cannot fix the frame.
             RoundError: the pipeline did not produce a delta bound as it should be.
         """
         local = self.training.fit(
@@ -239,9 +266,6 @@ class Participant:
         )
         if release.delta is None or release.bound_root != self.dataset_root:
             raise RoundError(f"{self.participant_id}: the pipeline did not bind its delta")
-        leaked = sorted(n for n in release.delta if not is_shared(n, self.config.groups))
-        if leaked:
-            raise ResidencyViolation(f"{self.participant_id}: release carries local {leaked}")
         scales = release.metadata.get("scales")
         released = dequantize(release.delta, scales) if scales else release.delta
         return PseudoGradient(
@@ -254,6 +278,8 @@ class Participant:
             num_examples=ctx.num_examples,  # after fit: a NumPyClient reports it there
             transforms=release.applied,
             epsilon=release.metadata.get("epsilon"),
+            sketch_fingerprint=release.metadata.get("sketch_fingerprint"),
+            groups=self.config.groups,  # refuses anything but shared parameters
         )
 
     def join(self, coordinator_endpoint: str) -> GlobalState:
@@ -280,6 +306,8 @@ class Participant:
             raise CheckpointIntegrityError(
                 f"recovered checkpoint {digest[:12]}… does not hold the recorded global state"
             )
+        if checkpoint.round == 0:  # a round-0 (re)joiner revalidates the warm start
+            check_warm_start_of(self.gauge, self.config, checkpoint.params)
         state = GlobalState.create(
             checkpoint.round,
             checkpoint.params,

@@ -17,8 +17,9 @@ from types import MappingProxyType
 import numpy as np
 
 from lensemble_flwr.canonical import digest_arrays
-from lensemble_flwr.errors import CheckpointIntegrityError, IllegalTransition
-from lensemble_flwr.params import NamedArrays, frozen
+from lensemble_flwr.config import ParamGroupsConfig
+from lensemble_flwr.errors import CheckpointIntegrityError, IllegalTransition, ResidencyViolation
+from lensemble_flwr.params import NamedArrays, frozen, is_shared
 
 
 class RoundState(str, enum.Enum):
@@ -194,3 +195,16 @@ class PseudoGradient:
     transforms: tuple[str, ...] = ()
     epsilon: float | None = None
     scales: dict[str, float] | None = None
+    sketch_fingerprint: str | None = None
+    groups: ParamGroupsConfig | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        """With ``groups``: refuse a delta that carries anything but shared parameters
+        (action heads and other local groups never leave the participant)."""
+        if self.groups is None:
+            return
+        leaked = sorted(n for n in self.delta if not is_shared(n, self.groups))
+        if leaked:
+            raise ResidencyViolation(
+                f"{self.participant_id}: a release may carry only shared parameters, not {leaked}"
+            )

@@ -57,6 +57,9 @@ class ContributionRecord(_Frozen):
     new_global_hash: str
     checkpoint: str = Field(description="Store digest of the θ_{t+1} checkpoint blob.")
     round_seed: int
+    frame_drift: float | None = Field(
+        None, description="Gauge diagnostic of the round (None: no gauge adapter)."
+    )
     previous_record_hash: str
     record_hash: str = ""
 

@@ -8,12 +8,12 @@ an update whose root differs from its sender's commitment.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import RoundError
+from lensemble_flwr.errors import ConfigError, RoundError
 from lensemble_flwr.params import subtract
 from lensemble_flwr.privacy.budget import PrivacyBudget, default_state_dir
 from lensemble_flwr.release.pipeline import (
@@ -25,6 +25,9 @@ from lensemble_flwr.release.pipeline import (
 )
 from lensemble_flwr.release.privacy import clip, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
+
+if TYPE_CHECKING:
+    from lensemble_flwr.federation.alignment import GaugeSetup
 
 
 def _no_state(_params: Mapping[str, np.ndarray]) -> None:
@@ -59,15 +62,30 @@ def bind() -> ReleaseTransform:
 
 
 def release_pipeline(
-    config: LensembleConfig, *, participant_id: str, dataset_root: str | None
+    config: LensembleConfig,
+    *,
+    participant_id: str,
+    dataset_root: str | None,
+    gauge: GaugeSetup | None = None,
 ) -> ReleaseTransform:
-    """The participant's pipeline as its config asks: difference → [clip → [noise]] → bind.
+    """The participant's pipeline as its config asks:
+    [align →] difference → [clip → [noise]] → [quantize] → bind.
+
+    Alignment (``gauge-align``) rotates the trained weights into the global latent frame
+    before they are differenced, so every later stage sees the aligned delta.
 
     The privacy budget belongs to the dataset commitment (or, for a participant that
     cannot commit, to its id) and lives in the participant's ``dp-state-dir``.
     """
     privacy = config.privacy
-    stages = [difference()]
+    stages: list[ReleaseTransform] = []
+    if config.gauge.align:
+        if gauge is None:
+            raise ConfigError("gauge-align", "needs a GaugeSetup (the model's adapter and probe)")
+        from lensemble_flwr.gauge import align  # the gauge package builds on this one
+
+        stages.append(align(gauge.adapter, gauge.probe, config.gauge))
+    stages.append(difference())
     if privacy.clip_norm > 0:
         stages.append(clip(privacy.clip_norm))
     if privacy.noised:

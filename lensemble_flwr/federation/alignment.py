@@ -1,0 +1,162 @@
+"""The runtime's side of gauge alignment: where the gauge checks sit in a round.
+
+:mod:`lensemble_flwr.gauge` holds the mathematics (probe, sketch, Procrustes, drift,
+warm start). This module wires it into the round, for both ends:
+
+* the **participant** checks, on every RoundOpen, that the announced probe is the one it
+  pinned (else ``ProbeError``: it rejects the round) and, at round 0, that the encoder is
+  the agreed warm start (else ``GaugeError``); its release pipeline aligns before
+  anything else touches the weights (``release_pipeline(..., gauge=...)``);
+* the **coordinator** announces the probe, refuses an update aligned on another sketch
+  than the round's (``SketchMismatch``: the contribution is rejected, the round goes on),
+  and at ALIGNING computes ``frame_drift`` from the previous global model and the
+  averaged one on the public probe only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError, SketchMismatch
+from lensemble_flwr.federation.messages import Update
+from lensemble_flwr.params import NamedArrays
+
+if TYPE_CHECKING:
+    from lensemble_flwr.gauge import GaugeAdapter, Probe
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GaugeSetup:
+    """What a party needs to align latent frames: the model's gauge adapter and the
+    pinned public probe. ``encoder_group`` names the parameter group whose round-0
+    hash is the warm start."""
+
+    adapter: GaugeAdapter
+    probe: Probe
+    encoder_group: str = "encoder"
+
+
+def group_names(names: Iterable[str], group: str) -> list[str]:
+    """The names that belong to parameter group ``group``, sorted."""
+    return sorted(n for n in names if n == group or n.startswith(group + "."))
+
+
+def require_setup(config: LensembleConfig, gauge: GaugeSetup | None) -> None:
+    """Refuse a configuration that asks for alignment without saying how to align.
+
+    Raises:
+        ConfigError: ``gauge-align`` or ``gauge-coordinator-harness`` is on and no
+            :class:`GaugeSetup` was given.
+    """
+    for key, on in (
+        ("gauge-align", config.gauge.align),
+        ("gauge-coordinator-harness", config.gauge.coordinator_harness),
+    ):
+        if on and gauge is None:
+            raise ConfigError(key, "needs a GaugeSetup (the model's gauge adapter and probe)")
+
+
+def check_round_open(
+    gauge: GaugeSetup | None,
+    config: LensembleConfig,
+    *,
+    round: int,
+    probe_hash: str,
+    landmark_hashes: tuple[str, ...],
+    params: Mapping[str, np.ndarray],
+) -> None:
+    """The participant's checks of a RoundOpen before it trains.
+
+    Raises:
+        ProbeError: the announced probe or landmarks are not the pinned ones.
+        GaugeError: round 0's encoder is not the agreed warm start.
+    """
+    if gauge is not None and config.gauge.align:
+        from lensemble_flwr.gauge import check_pinned
+
+        check_pinned(gauge.probe, probe_hash, landmark_hashes)
+    if round == 0:
+        check_warm_start_of(gauge, config, params)
+
+
+def check_warm_start_of(
+    gauge: GaugeSetup | None, config: LensembleConfig, params: Mapping[str, np.ndarray]
+) -> None:
+    """Round 0's encoder must hash to ``gauge-warm-start-hash`` (when one is set).
+
+    Raises:
+        GaugeError: it does not.
+    """
+    expected = config.gauge.warm_start_hash
+    if not expected:
+        return
+    from lensemble_flwr.gauge import check_warm_start
+
+    group = gauge.encoder_group if gauge is not None else "encoder"
+    check_warm_start(params, group_names(params, group), expected)
+
+
+def expected_fingerprint(gauge: GaugeSetup, config: LensembleConfig, round_seed: int) -> str:
+    """The fingerprint of the sketch every participant must align on in this round."""
+    from lensemble_flwr.gauge import sketch_fingerprint, sketch_matrix
+
+    a = sketch_matrix(round_seed, config.gauge.sketch_rows, len(gauge.probe.inputs))
+    return sketch_fingerprint(a)
+
+
+def check_sketch(update: Update, expected: str) -> None:
+    """Raises SketchMismatch when ``update`` was aligned on another sketch."""
+    if update.sketch_fingerprint != expected:
+        got = update.sketch_fingerprint
+        raise SketchMismatch(
+            f"{update.participant_id}: aligned on sketch {str(got)[:12]}…, the round's is "
+            f"{expected[:12]}…; contribution rejected"
+        )
+
+
+def drift_diagnostics(
+    gauge: GaugeSetup,
+    config: LensembleConfig,
+    before: Mapping[str, np.ndarray],
+    mean_delta: Mapping[str, np.ndarray],
+    *,
+    round: int,
+) -> dict[str, float]:
+    """``frame_drift`` between the global model and the averaged one (public probe only);
+    ``frame_drift_exceeded`` is 1.0 when it crosses ``gauge-drift-threshold``."""
+    from lensemble_flwr.gauge import frame_drift
+
+    averaged = {n: np.asarray(before[n]) + np.asarray(mean_delta[n]) for n in before}
+    drift = float(frame_drift(gauge.adapter, gauge.probe, before, averaged))
+    out = {"frame_drift": drift}
+    threshold = config.gauge.drift_threshold
+    if threshold > 0 and drift > threshold:
+        log.warning(
+            "round %d: frame drift %.4f exceeds the threshold %.4f", round, drift, threshold
+        )
+        out["frame_drift_exceeded"] = 1.0
+    return out
+
+
+def harness_transform(
+    gauge: GaugeSetup, config: LensembleConfig, params: NamedArrays, round_seed: int
+) -> Callable[[Update], Update]:
+    """The plaintext research harness: align each raw update on the coordinator."""
+    from lensemble_flwr.gauge import coordinator_harness
+
+
+    def transform(update: Update) -> Update:
+        delta = coordinator_harness(
+            gauge.adapter, gauge.probe, config.gauge, params, update.delta, round_seed
+        )
+        return update.model_copy(update={"delta": delta})
+
+    return transform
