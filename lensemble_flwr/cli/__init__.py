@@ -1,0 +1,54 @@
+"""``lensemble-flwr``: audit and inspect run directories from the command line.
+
+    lensemble-flwr verify RUN_DIR          every link holds (exit 0) or the first broken one (1)
+    lensemble-flwr show RUN_DIR [--json]   round attempts: state, C_t, epsilon, frame drift
+    lensemble-flwr report RUN_DIR          per-round curves (PNG) and a markdown summary
+    lensemble-flwr prove ...               participant: an inclusion proof for one record
+    lensemble-flwr check-proof RUN_DIR PROOF.json --participant ID
+
+Exit codes: 0 success, 1 a check failed or the run could not be read as evidence,
+2 bad usage (arguments, a path that is not a run directory or not readable).
+See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from lensemble_flwr.cli import proof, report, show, verify
+from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, stderr
+from lensemble_flwr.errors import LensembleError
+from lensemble_flwr.provenance.audit import NotARunDirectory
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lensemble-flwr",
+        description="Audit and inspect lensemble-flwr run directories (see docs/cli.md).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    verify.add_parser(commands)
+    show.add_parser(commands)
+    report.add_parser(commands)
+    proof.add_parsers(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    err = stderr()
+    try:
+        return int(args.run(args))
+    except (proof.UsageError, NotARunDirectory) as exc:
+        err.print(f"lensemble-flwr {args.command}: {exc}", style="red")
+        return EXIT_USAGE
+    except LensembleError as exc:
+        err.print(f"lensemble-flwr {args.command}: {type(exc).__name__}: {exc}", style="red")
+        return EXIT_FAILED
+    except OSError as exc:
+        err.print(f"lensemble-flwr {args.command}: {exc}", style="red")
+        return EXIT_USAGE

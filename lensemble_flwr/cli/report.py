@@ -1,0 +1,164 @@
+"""``lensemble-flwr report RUN_DIR``: per-round curves as a PNG and a short markdown summary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+from pathlib import Path
+
+from lensemble_flwr.cli.output import EXIT_OK, status, stderr, stdout, write_atomically
+from lensemble_flwr.provenance.audit import AuditReport, audit_run
+from lensemble_flwr.provenance.summary import FRAME_DRIFT, RunSummary, summarize_run
+
+PNG_NAME = "rounds.png"
+MARKDOWN_NAME = "report.md"
+_FIRST_DIAGNOSTICS = ("mean_delta_l2", FRAME_DRIFT)  # shown first, in this order
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "report",
+        help="write per-round curves (PNG) and a markdown summary of a run",
+        description=f"Write {PNG_NAME} (C_t, every numeric diagnostic and epsilon per round) "
+        f"and {MARKDOWN_NAME} (outcome, aborts and their reasons, final hashes, epsilon "
+        "spent, the audit's verdict).",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="output folder (RUN_DIR/report)"
+    )
+    parser.set_defaults(run=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportFiles:
+    png: Path
+    markdown: Path
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = args.out if args.out is not None else Path(args.run_dir) / "report"
+    with status(f"reading and auditing {args.run_dir}"):
+        files, audit = write_report(args.run_dir, out_dir)
+    stdout().print(f"wrote {files.png} and {files.markdown}")
+    if not audit.ok:
+        stderr().print(f"warning: the run does not verify: {audit.first}", style="red")
+    return EXIT_OK
+
+
+def write_report(run_dir: str | Path, out_dir: Path) -> tuple[ReportFiles, AuditReport]:
+    """Render both files, then publish them (PNG first, since the markdown links to it).
+
+    Nothing is written unless both rendered. The audit's verdict is part of the report;
+    a run that does not verify is still reported.
+    """
+    summary = summarize_run(run_dir)
+    audit = audit_run(run_dir)
+    png = render_png(summary)
+    markdown = render_markdown(summary, audit, PNG_NAME)
+    files = ReportFiles(out_dir / PNG_NAME, out_dir / MARKDOWN_NAME)
+    write_atomically(files.png, png)
+    write_atomically(files.markdown, markdown.encode("utf-8"))
+    return files, audit
+
+
+def _series(summary: RunSummary) -> list[tuple[str, list[int], list[float]]]:
+    """(title, rounds, values) per panel, over the closed attempts."""
+    closed = summary.closed
+    panels = [("C_t (contributors)", [a.round for a in closed], [float(a.count) for a in closed])]
+    names = summary.diagnostic_names()
+    ordered = [n for n in _FIRST_DIAGNOSTICS if n in names]
+    ordered += [n for n in names if n not in _FIRST_DIAGNOSTICS]
+    for name in ordered:
+        points = [(a.round, a.diagnostics[name]) for a in closed if name in a.diagnostics]
+        panels.append((name, [r for r, _ in points], [v for _, v in points]))
+    eps = [(a.round, a.epsilon_max) for a in closed if a.epsilon_max is not None]
+    if eps:
+        panels.append(("epsilon (largest cumulative)", [r for r, _ in eps], [e for _, e in eps]))
+    return panels
+
+
+def render_png(summary: RunSummary) -> bytes:
+    """One panel per series against the round index; aborted attempts marked on C_t."""
+    from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
+
+    panels = _series(summary)
+    fig = Figure(figsize=(7.0, 1.9 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, rounds, values) in zip(axes, panels, strict=True):
+        ax.plot(rounds, values, marker="o", markersize=3, linewidth=1.2)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+    aborted = summary.aborted
+    if aborted:
+        axes[0].scatter(
+            [a.round for a in aborted],
+            [a.count for a in aborted],
+            marker="x",
+            color="tab:red",
+            label=f"aborted attempts ({len(aborted)})",
+            zorder=3,
+        )
+        axes[0].legend(fontsize=8, loc="best")
+    axes[0].set_ylim(bottom=0)
+    axes[-1].set_xlabel("round")
+    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"run {summary.run_id}", fontsize=10)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(summary: RunSummary, audit: AuditReport, png_name: str) -> str:
+    """The summary a reader opens first."""
+    if audit.ok:
+        verdict = f"passed ({audit.records} records, {audit.checkpoints} checkpoints)"
+    else:
+        verdict = f"**FAILED**: {_cell(audit.first)} ({len(audit.findings)} findings)"
+    lines = [
+        f"# Run {_cell(summary.run_id)}",
+        "",
+        f"![per-round curves]({png_name})",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| rounds closed | {len(summary.closed)} |",
+        f"| attempts aborted | {len(summary.aborted)} |",
+        f"| initial global hash | `{summary.initial_params_hash}` |",
+        f"| final global hash | `{summary.final_global_hash}` |",
+        f"| ledger head | `{summary.head_record_hash or '-'}` |",
+        f"| audit (`lensemble-flwr verify`) | {verdict} |",
+        "",
+        "## Aborted attempts",
+        "",
+    ]
+    if summary.aborted:
+        lines += [
+            f"- round {a.round}, attempt {a.attempt}: {_cell(a.reason or 'no reason recorded')}"
+            for a in summary.aborted
+        ]
+    else:
+        lines.append("None.")
+    lines += ["", "## Privacy", ""]
+    spent = summary.epsilon_spent()
+    if spent:
+        lines += ["| participant | epsilon spent |", "| --- | --- |"]
+        lines += [f"| {_cell(p)} | {e:.4g} |" for p, e in spent.items()]
+    else:
+        lines.append("No differentially private release was recorded.")
+    names = summary.diagnostic_names()
+    lines += ["", "## Closed rounds", ""]
+    header = ["round", "attempt", "C_t", *names, "epsilon max"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for a in summary.closed:
+        values = [f"{a.diagnostics[n]:.4g}" if n in a.diagnostics else "–" for n in names]
+        eps = "–" if a.epsilon_max is None else f"{a.epsilon_max:.4g}"
+        lines.append(
+            f"| {a.round} | {a.attempt} | {a.count} | " + " | ".join([*values, eps]) + " |"
+        )
+    return "\n".join(lines) + "\n"

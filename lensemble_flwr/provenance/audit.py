@@ -1,0 +1,447 @@
+"""Audit a run directory: which link of the run's evidence is broken, and how.
+
+:func:`lensemble_flwr.provenance.ledger.verify` is the runtime's fail-closed check: it
+recomputes the hash chain, decodes every checkpoint and compares the ledger with the
+manifest, and raises on the first disagreement. :func:`audit_run` runs it and adds what
+an auditor needs on top:
+
+* the cross-checks ``verify`` does not make: each closed attempt's update digests,
+  total weight, attempt number, round seed and prior global hash against its ledger
+  record; every attempt (aborted ones too) starts from the global state the round before
+  left; attempts are numbered 1, 2, … with at most one closed and none after it; rounds
+  follow each other without gaps; a name (``ledger/00000003``) holds the round it names;
+* a :class:`Finding` per broken link that names the round, the field, and the expected
+  and found values, in the order a reader walks the run (round by round), so the first
+  finding is the first broken link;
+* optionally, the ledger head an auditor got from elsewhere (every participant hears the
+  head's ``record_hash`` in the round's ``RoundClose``): without it, the newest record
+  can be rewritten and resealed without breaking any link in the directory.
+
+When ``verify`` rejects the run, the walk also decodes the checkpoints to say which one
+broke; when it passes, the checkpoints are decoded only once (by ``verify``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import LedgerError, LensembleError, StoreError
+from lensemble_flwr.provenance.ledger import (
+    GENESIS,
+    MANIFEST_HEADER,
+    MANIFEST_ROUNDS,
+    ContributionRecord,
+    RoundEntry,
+    RunManifest,
+    verify,
+)
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One broken link of a run's evidence.
+
+    Attributes:
+        where: what holds the link: ``"round 3"``, ``"manifest header"``, a store name
+            such as ``"ledger/00000003"``, ``"ledger head"``.
+        field: the field that disagrees, prefixed by its source (``"ledger.count"``,
+            ``"manifest.aggregate_digest"``, ``"checkpoint.params_hash"``).
+        expected: what the rest of the evidence says the field must hold.
+        found: what it holds.
+        round: the round concerned, when there is one.
+    """
+
+    where: str
+    field: str
+    expected: str | None = None
+    found: str | None = None
+    round: int | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.field}"
+        if self.expected is not None or self.found is not None:
+            text += f": expected {self.expected}, found {self.found}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class AuditFailure(LedgerError):
+    """A run directory whose evidence does not hold together; carries the first finding."""
+
+    def __init__(self, finding: Finding, more: int = 0) -> None:
+        tail = f" (and {more} more finding{'s' if more != 1 else ''})" if more else ""
+        super().__init__(f"{finding}{tail}")
+        self.finding = finding
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What :func:`audit_run` established about a run directory."""
+
+    run_dir: Path
+    run_id: str | None
+    rounds_closed: int
+    attempts_aborted: int
+    records: int
+    checkpoints: int
+    head_record_hash: str | None
+    final_global_hash: str | None
+    findings: tuple[Finding, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    @property
+    def first(self) -> Finding | None:
+        """The first broken link, in walk order (None when the run holds together)."""
+        return self.findings[0] if self.findings else None
+
+    def raise_on_failure(self) -> None:
+        """Raise :class:`AuditFailure` naming the first finding, if there is one."""
+        if self.findings:
+            raise AuditFailure(self.findings[0], len(self.findings) - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["run_dir"] = str(self.run_dir)
+        out["ok"] = self.ok
+        return out
+
+
+class NotARunDirectory(StoreError):
+    """A path that does not hold a run (no manifest header): nothing to audit."""
+
+
+def open_run(run_dir: str | os.PathLike[str]) -> Store:
+    """The store of an existing run directory, without creating anything in a folder that
+    is not one.
+
+    Raises:
+        NotARunDirectory: ``run_dir`` does not exist or holds no run manifest.
+    """
+    root = Path(run_dir)
+    if not (root / "names" / MANIFEST_HEADER).is_file() or not (root / "blobs").is_dir():
+        raise NotARunDirectory(f"{root} is not a run directory (no {MANIFEST_HEADER} in names/)")
+    return Store(root)
+
+
+def audit_run(
+    run_dir: str | os.PathLike[str],
+    *,
+    expected_head: str | None = None,
+) -> AuditReport:
+    """Check every link of a run directory's evidence; see the module docstring.
+
+    Args:
+        run_dir: the run directory (the coordinator's store).
+        expected_head: the ``record_hash`` the newest ledger record must carry (from a
+            participant's ``RoundClose`` or any other copy kept outside the directory).
+
+    Returns:
+        The report; ``report.findings`` is empty when everything holds.
+
+    Raises:
+        NotARunDirectory: ``run_dir`` is not a run directory at all.
+    """
+    store = open_run(run_dir)
+    try:
+        verify(store)
+        verify_error: LensembleError | None = None
+    except LensembleError as exc:  # LedgerError, or a blob that does not hash right
+        verify_error = exc
+    walk = _Walk(store, decode_checkpoints=verify_error is not None)
+    walk.run(expected_head)
+    findings = walk.findings
+    if verify_error is not None and not findings:
+        # verify() saw something the field-by-field walk has no name for
+        findings.append(Finding("ledger.verify", f"{type(verify_error).__name__}: {verify_error}"))
+    return AuditReport(
+        run_dir=Path(run_dir),
+        run_id=walk.header.run_id if walk.header else None,
+        rounds_closed=walk.rounds_closed,
+        attempts_aborted=walk.attempts_aborted,
+        records=len(walk.records),
+        checkpoints=walk.checkpoints,
+        head_record_hash=walk.records[-1].record_hash if walk.records else None,
+        final_global_hash=walk.global_hash,
+        findings=tuple(findings),
+    )
+
+
+def _differences(pairs: Iterable[tuple[str, Any, Any]], *, where: str, round: int) -> list[Finding]:
+    """A finding for each (field, expected, found) whose two values differ."""
+    return [
+        Finding(where, field, _show(expected), _show(found), round)
+        for field, expected, found in pairs
+        if expected != found
+    ]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(value.items())) + "}"
+    return str(value)
+
+
+class _Walk:
+    """One pass over a run directory, round by round, collecting findings in order."""
+
+    def __init__(self, store: Store, *, decode_checkpoints: bool) -> None:
+        self.store = store
+        self.decode_checkpoints = decode_checkpoints
+        self.findings: list[Finding] = []
+        self.header: RunManifest | None = None
+        self.records: list[ContributionRecord] = []
+        self.rounds_closed = 0
+        self.attempts_aborted = 0
+        self.checkpoints = 0
+        self.global_hash: str | None = None
+
+    def _load(self, name: str, model: type[_Model]) -> _Model | None:
+        try:
+            data = self.store.get(self.store.resolve(name))
+        except LensembleError as exc:  # unbound name, missing blob, blob that re-hashes wrong
+            self.findings.append(Finding(name, "blob", found=str(exc)))
+            return None
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            self.findings.append(Finding(name, "contents", found=_first_error(exc)))
+            return None
+
+    def run(self, expected_head: str | None) -> None:
+        self.header = self._load(MANIFEST_HEADER, RunManifest)
+        if self.header is None:
+            return
+        self.global_hash = self.header.initial_params_hash
+        self._check_checkpoint(
+            "initial checkpoint",
+            self.header.initial_checkpoint,
+            params_hash=self.header.initial_params_hash,
+            round=None,
+        )
+        entries = self._entries()
+        self.records = self._records()
+        by_round: dict[int, list[RoundEntry]] = {}
+        for entry in entries:
+            by_round.setdefault(entry.round, []).append(entry)
+        records = {r.round: r for r in self.records}
+        rounds = sorted(set(by_round) | set(records))
+        prev_record: str | None = GENESIS
+        for i, t in enumerate(rounds):
+            where = f"round {t}"
+            if i and t != rounds[i - 1] + 1:
+                self.findings.append(
+                    Finding(where, "round sequence", str(rounds[i - 1] + 1), str(t), t)
+                )
+            attempts = sorted(by_round.get(t, []), key=lambda e: e.attempt)
+            closed = self._check_attempts(t, attempts, last_round=i == len(rounds) - 1)
+            record = records.get(t)
+            if record is None:
+                if closed is not None:
+                    self.findings.append(
+                        Finding(
+                            where,
+                            "ledger record",
+                            f"a record for closed attempt {closed.attempt}",
+                            "none",
+                            t,
+                        )
+                    )
+                    self.global_hash = closed.new_global_hash
+                prev_record = None  # the next link cannot be checked against a missing one
+                continue
+            if closed is None:
+                self.findings.append(
+                    Finding(
+                        where,
+                        "manifest closed attempt",
+                        f"a closed attempt for ledger record {record.record_hash}",
+                        "none" if not attempts else "only aborted attempts",
+                        t,
+                    )
+                )
+            self._check_record(record, prev_record, closed)
+            prev_record = record.record_hash
+            self.global_hash = record.new_global_hash
+        if expected_head is not None:
+            head = self.records[-1].record_hash if self.records else None
+            if head != expected_head:
+                self.findings.append(Finding("ledger head", "record_hash", expected_head, head))
+
+    def _entries(self) -> list[RoundEntry]:
+        entries = []
+        for name in self.store.bound(MANIFEST_ROUNDS):
+            entry = self._load(name, RoundEntry)
+            if entry is None:
+                continue
+            named = f"{MANIFEST_ROUNDS}/{entry.round:08d}-{entry.attempt:04d}"
+            if named != name:
+                self.findings.append(Finding(name, "round and attempt", name, named, entry.round))
+                continue
+            entries.append(entry)
+        return entries
+
+    def _records(self) -> list[ContributionRecord]:
+        records = []
+        for name in self.store.bound("ledger"):
+            record = self._load(name, ContributionRecord)
+            if record is None:
+                continue
+            if name != f"ledger/{record.round:08d}":
+                self.findings.append(
+                    Finding(name, "round", name, f"ledger/{record.round:08d}", record.round)
+                )
+                continue
+            records.append(record)
+        return records
+
+    def _check_attempts(
+        self, t: int, attempts: list[RoundEntry], *, last_round: bool
+    ) -> RoundEntry | None:
+        """Check one round's attempts; return its closed attempt (None if it has none)."""
+        where = f"round {t}"
+        closed: RoundEntry | None = None
+        for number, entry in enumerate(attempts, start=1):
+            if entry.attempt != number:
+                self.findings.append(
+                    Finding(where, "manifest.attempt", str(number), str(entry.attempt), t)
+                )
+            if closed is not None:
+                self.findings.append(
+                    Finding(
+                        where,
+                        "manifest.state",
+                        f"no attempt after closed attempt {closed.attempt}",
+                        f"attempt {entry.attempt} ({entry.state})",
+                        t,
+                    )
+                )
+            if entry.prior_global_hash != self.global_hash:
+                self.findings.append(
+                    Finding(
+                        f"{where} attempt {entry.attempt}",
+                        "manifest.prior_global_hash",
+                        self.global_hash,
+                        entry.prior_global_hash,
+                        t,
+                    )
+                )
+            if entry.state == "closed":
+                self.rounds_closed += 1
+                closed = closed or entry
+            else:
+                self.attempts_aborted += 1
+                if entry.new_global_hash is not None:
+                    self.findings.append(
+                        Finding(
+                            f"{where} attempt {entry.attempt}",
+                            "manifest.new_global_hash",
+                            "none (the attempt was aborted)",
+                            entry.new_global_hash,
+                            t,
+                        )
+                    )
+        if closed is None and attempts and not last_round:
+            self.findings.append(
+                Finding(
+                    where,
+                    "manifest.state",
+                    "a closed attempt before the next round",
+                    "only aborted attempts",
+                    t,
+                )
+            )
+        return closed
+
+    def _check_record(
+        self, rec: ContributionRecord, prev_record: str | None, closed: RoundEntry | None
+    ) -> None:
+        t, where = rec.round, f"round {rec.round}"
+        checks: list[tuple[str, Any, Any]] = [
+            ("ledger.record_hash", rec.expected_hash(), rec.record_hash)
+        ]
+        if prev_record is not None:
+            checks.append(("ledger.previous_record_hash", prev_record, rec.previous_record_hash))
+        checks += [
+            ("ledger.previous_global_hash", self.global_hash, rec.previous_global_hash),
+            ("ledger.count", len(rec.contributors), rec.count),
+            ("ledger.update_digests senders", rec.contributors, tuple(sorted(rec.update_digests))),
+            ("ledger.dataset_roots senders", rec.contributors, tuple(sorted(rec.dataset_roots))),
+        ]
+        self.findings += _differences(checks, where=where, round=t)
+        self._check_checkpoint(where, rec.checkpoint, params_hash=rec.new_global_hash, round=t + 1)
+        if closed is None:
+            return
+        drift = getattr(rec, "frame_drift", None)  # a ledger field in runs with a gauge adapter
+        if drift is not None and "frame_drift" in closed.diagnostics:
+            checks = [
+                ("manifest.diagnostics.frame_drift", drift, closed.diagnostics["frame_drift"])
+            ]
+            self.findings += _differences(checks, where=where, round=t)
+        self.findings += _differences(
+            [
+                ("manifest.attempt", rec.attempt, closed.attempt),
+                ("manifest.prior_global_hash", rec.previous_global_hash, closed.prior_global_hash),
+                ("manifest.round_seed", rec.round_seed, closed.round_seed),
+                ("manifest.contributors", rec.contributors, closed.contributors),
+                ("manifest.count", rec.count, closed.count),
+                ("manifest.total_weight", rec.total_weight, closed.total_weight),
+                ("manifest.update_digests", rec.update_digests, closed.update_digests),
+                ("manifest.aggregate_digest", rec.aggregate_digest, closed.aggregate_digest),
+                ("manifest.new_global_hash", rec.new_global_hash, closed.new_global_hash),
+            ],
+            where=where,
+            round=t,
+        )
+
+    def _check_checkpoint(
+        self, where: str, digest: str, *, params_hash: str, round: int | None
+    ) -> None:
+        self.checkpoints += 1
+        if not self.decode_checkpoints:
+            return  # verify() decoded it already
+        try:
+            ckpt = decode_checkpoint(self.store.get(digest))
+        except LensembleError as exc:
+            self.findings.append(Finding(where, "checkpoint", digest, str(exc), round))
+            return
+        checks: list[tuple[str, Any, Any]] = [
+            ("checkpoint.params_hash", params_hash, ckpt.params_hash)
+        ]
+        if round is not None:
+            checks.append(("checkpoint.round", round, ckpt.round))
+        self.findings += _differences(
+            checks, where=where, round=None if round is None else round - 1
+        )
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(map(str, err.get("loc", ()))) or "document"
+    return f"{loc}: {err.get('msg', 'invalid')}"
+
+
+__all__ = [
+    "AuditFailure",
+    "AuditReport",
+    "Finding",
+    "NotARunDirectory",
+    "audit_run",
+    "open_run",
+]

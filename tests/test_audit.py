@@ -1,0 +1,237 @@
+"""The run audit: a real run directory passes, and each way of tampering with it is caught
+and named by round, field, expected and found value."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from run_dir_helpers import (
+    blob_path,
+    copy_run,
+    digest_of,
+    federated_run,
+    flip_byte,
+    read_json,
+    rebind,
+    reseal_record,
+    rewrite_json,
+    synthetic_run,
+)
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.errors import LedgerError, LensembleError
+from lensemble_flwr.provenance.audit import (
+    AuditFailure,
+    Finding,
+    NotARunDirectory,
+    audit_run,
+    open_run,
+)
+from lensemble_flwr.provenance.ledger import verify
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return federated_run(tmp_path_factory.mktemp("federation"))
+
+
+@pytest.fixture
+def run(pristine: Path, tmp_path: Path) -> Path:
+    return copy_run(pristine, tmp_path / "run")
+
+
+def test_an_untouched_run_passes_with_its_counts(run: Path) -> None:
+    report = audit_run(run)
+    assert report.ok and report.first is None
+    assert (report.rounds_closed, report.attempts_aborted, report.records) == (3, 1, 3)
+    assert report.checkpoints == 4  # θ_0 and one per closed round
+    records = verify(Store(run))
+    assert report.head_record_hash == records[-1].record_hash
+    assert report.final_global_hash == records[-1].new_global_hash
+    report.raise_on_failure()  # nothing to raise
+
+
+def test_a_hand_made_run_passes(tmp_path: Path) -> None:
+    roots = [{"a": "aa" * 32, "b": "bb" * 32}, {"a": "aa" * 32}]
+    assert audit_run(synthetic_run(tmp_path / "syn", roots)).ok
+
+
+def test_a_folder_that_is_not_a_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotARunDirectory, match="not a run directory"):
+        audit_run(empty)
+    with pytest.raises(NotARunDirectory):
+        open_run(tmp_path / "missing")
+    assert list(empty.iterdir()) == [] and not (tmp_path / "missing").exists()
+
+
+# -- tampering: each case names its first broken link ------------------------------------------
+def _checkpoint_of(run: Path, round: int) -> Path:
+    return blob_path(run, read_json(run, f"ledger/{round:08d}")["checkpoint"])
+
+
+def flip_checkpoint_byte(run: Path) -> tuple[str, str, str | None]:
+    flip_byte(_checkpoint_of(run, 1))
+    return "round 1", "checkpoint", read_json(run, "ledger/00000001")["checkpoint"]
+
+
+def flip_initial_checkpoint_byte(run: Path) -> tuple[str, str, str | None]:
+    digest = read_json(run, "manifest/header")["initial_checkpoint"]
+    flip_byte(blob_path(run, digest))
+    return "initial checkpoint", "checkpoint", digest
+
+
+def edit_record_in_place(run: Path) -> tuple[str, str, str | None]:
+    # the record's blob no longer hashes to its address
+    path = blob_path(run, digest_of(run, "ledger/00000001"))
+    path.write_bytes(path.read_bytes().replace(b'"count":4', b'"count":5'))
+    return "ledger/00000001", "blob", None
+
+
+def edit_record_count(run: Path) -> tuple[str, str, str | None]:
+    rewrite_json(run, "ledger/00000001", count=3)  # the record hash still covers count=4
+    return "round 1", "ledger.record_hash", None
+
+
+def reseal_edited_record(run: Path) -> tuple[str, str, str | None]:
+    # a forger who recomputes the record hash breaks the next record's link instead
+    forged = reseal_record(run, "ledger/00000001", epsilon=dict.fromkeys(("p00", "p01"), 0.0))
+    return "round 2", "ledger.previous_record_hash", forged.record_hash
+
+
+def remove_middle_record(run: Path) -> tuple[str, str, str | None]:
+    (run / "names" / "ledger" / "00000001").unlink()
+    return "round 1", "ledger record", "a record for closed attempt 2"
+
+
+def remove_last_record(run: Path) -> tuple[str, str, str | None]:
+    (run / "names" / "ledger" / "00000002").unlink()
+    return "round 2", "ledger record", "a record for closed attempt 1"
+
+
+def alter_aggregate_digest(run: Path) -> tuple[str, str, str | None]:
+    expected = read_json(run, "ledger/00000001")["aggregate_digest"]
+    rewrite_json(run, "manifest/rounds/00000001-0002", aggregate_digest="ab" * 32)
+    return "round 1", "manifest.aggregate_digest", expected
+
+
+def alter_update_digest(run: Path) -> tuple[str, str, str | None]:
+    # ledger.verify does not compare update digests; the audit does
+    entry = read_json(run, "manifest/rounds/00000002-0001")
+    digests = entry["update_digests"] | {"p02": "cd" * 32}
+    rewrite_json(run, "manifest/rounds/00000002-0001", update_digests=digests)
+    return "round 2", "manifest.update_digests", None
+
+
+def alter_aborted_prior_hash(run: Path) -> tuple[str, str, str | None]:
+    expected = read_json(run, "ledger/00000000")["new_global_hash"]
+    rewrite_json(run, "manifest/rounds/00000001-0001", prior_global_hash="ef" * 32)
+    return "round 1 attempt 1", "manifest.prior_global_hash", expected
+
+
+def rename_record(run: Path) -> tuple[str, str, str | None]:
+    # ledger/00000001 now holds round 2's record
+    (run / "names" / "ledger" / "00000001").write_text(digest_of(run, "ledger/00000002") + "\n")
+    return "ledger/00000001", "round", "ledger/00000001"
+
+
+def tamper_manifest_header(run: Path) -> tuple[str, str, str | None]:
+    flip_byte(blob_path(run, digest_of(run, "manifest/header")), offset=5)
+    return "manifest/header", "blob", None
+
+
+TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
+    flip_checkpoint_byte,
+    flip_initial_checkpoint_byte,
+    edit_record_in_place,
+    edit_record_count,
+    reseal_edited_record,
+    remove_middle_record,
+    remove_last_record,
+    alter_aggregate_digest,
+    alter_update_digest,
+    alter_aborted_prior_hash,
+    rename_record,
+    tamper_manifest_header,
+]
+
+# links ledger.verify() does not look at (the audit's cross-checks)
+BEYOND_VERIFY = {alter_update_digest, alter_aborted_prior_hash}
+
+
+@pytest.mark.parametrize("tamper", TAMPERS, ids=lambda f: f.__name__)
+def test_tampering_is_caught_and_the_first_broken_link_named(
+    run: Path, tamper: Callable[[Path], tuple[str, str, str | None]]
+) -> None:
+    where, field, expected = tamper(run)
+    report = audit_run(run)
+    assert not report.ok
+    first = report.first
+    assert first is not None
+    assert (first.where, first.field) == (where, field), report.findings
+    if expected is not None:
+        assert first.expected == expected
+    assert first.found is not None and first.found != first.expected
+    with pytest.raises(AuditFailure) as caught:
+        report.raise_on_failure()
+    assert isinstance(caught.value, LedgerError) and caught.value.finding == first
+    # the audit is never weaker than the runtime's own check
+    try:
+        verify(Store(run))
+    except LensembleError:
+        pass
+    else:
+        assert tamper in BEYOND_VERIFY, "verify() rejects nothing here, yet the audit does"
+
+
+def test_the_finding_says_expected_and_found(run: Path) -> None:
+    alter_aggregate_digest(run)
+    first = audit_run(run).first
+    assert first is not None and first.round == 1
+    assert str(first) == (
+        f"round 1: manifest.aggregate_digest: expected {first.expected}, found {'ab' * 32}"
+    )
+
+
+def test_a_resealed_head_passes_unless_the_head_is_pinned(run: Path) -> None:
+    head = audit_run(run).head_record_hash
+    forged = reseal_record(run, "ledger/00000002", epsilon={"p00": 0.0})
+    assert audit_run(run).ok  # nothing inside the directory contradicts the newest record
+    pinned = audit_run(run, expected_head=head)
+    assert pinned.first == Finding("ledger head", "record_hash", head, forged.record_hash)
+
+
+def test_a_resealed_record_with_another_checkpoint_is_caught_by_the_checkpoint(
+    run: Path,
+) -> None:
+    # a forger re-points the head record at θ_0's checkpoint and reseals it
+    initial = read_json(run, "manifest/header")["initial_checkpoint"]
+    reseal_record(run, "ledger/00000002", checkpoint=initial)
+    first = audit_run(run).first
+    assert first is not None and (first.where, first.field) == ("round 2", "checkpoint.params_hash")
+
+
+def test_a_round_whose_attempts_all_aborted_cannot_be_followed_by_another(run: Path) -> None:
+    # round 0's only attempt recorded as aborted, its record gone
+    rewrite_json(run, "manifest/rounds/00000000-0001", state="aborted", new_global_hash=None)
+    (run / "names" / "ledger" / "00000000").unlink()
+    fields = [(f.where, f.field) for f in audit_run(run).findings]
+    assert ("round 0", "manifest.state") in fields
+
+
+def test_findings_serialise_to_json(run: Path) -> None:
+    remove_middle_record(run)
+    doc = json.loads(json.dumps(audit_run(run).to_json()))
+    assert doc["ok"] is False and doc["findings"][0]["round"] == 1
+
+
+def test_an_extra_attempt_after_a_closed_one_is_a_finding(run: Path) -> None:
+    entry = read_json(run, "manifest/rounds/00000002-0001") | {"attempt": 2, "state": "aborted"}
+    entry |= {"new_global_hash": None, "reason": "forged"}
+    rebind(run, "manifest/rounds/00000002-0002", json.dumps(entry, sort_keys=True).encode())
+    fields = [(f.where, f.field) for f in audit_run(run).findings]
+    assert fields == [("round 2", "manifest.state")]
