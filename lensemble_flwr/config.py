@@ -57,6 +57,10 @@ class FederationConfig(_Section):
         False,
         description="Refuse updates not bound to a dataset commitment (e.g. stock ClientApps).",
     )
+    require_signatures: bool = Field(
+        False,
+        description="Refuse participant messages not signed by a registered identity key.",
+    )
     weighting: Literal["uniform", "num-examples"] = Field(
         "uniform", description="Per-update weight in the mean: 1, or the update's example count."
     )

@@ -60,6 +60,19 @@ class InconsistentSizes(RoundError):
     size and some do not, or a stated size is not the size in the record's update."""
 
 
+class ForgedMessage(RoundError):
+    """A participant message that is unsigned where a signature is required, or not
+    signed by the identity key its sender registered (for this round and attempt)."""
+
+
+class ReplayedMessage(RoundError):
+    """An update that was already admitted once, delivered again (a replay)."""
+
+
+class DuplicateMessage(RoundError):
+    """A second update from the same participant in one round attempt."""
+
+
 class FaultToleranceExceeded(LensembleError):
     """Fewer than K participants present at the quorum check or during collection."""
 

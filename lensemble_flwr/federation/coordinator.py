@@ -38,11 +38,14 @@ from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
     ConfigError,
+    DuplicateMessage,
     FaultToleranceExceeded,
+    ForgedMessage,
     LensembleError,
     NonDeterministicAggregation,
     ParameterMismatch,
     PrivacyBudgetExceeded,
+    ReplayedMessage,
     ResidencyViolation,
     Response,
     RoundError,
@@ -67,9 +70,11 @@ from lensemble_flwr.federation.durable import (
     save_registry,
     started_attempts,
 )
+from lensemble_flwr.federation.identity import parse_public_key, verify_signature
 from lensemble_flwr.federation.messages import (
     Commitment,
     ControlMessage,
+    ParticipantMessage,
     Refusal,
     RoundClose,
     RoundOpen,
@@ -197,6 +202,10 @@ class Coordinator:
         gauge: the model's gauge adapter and pinned probe. With it, RoundOpen announces
             the probe and every round records ``frame_drift``; ``gauge-align`` requires
             it (updates must carry the round's sketch fingerprint).
+        identities: an allow-list of participant id → OpenSSH public identity key. With
+            it, only listed participants may join, each with its listed key. Without it,
+            a participant registers its key with its first Commitment. Either way, a
+            participant with a registered key must sign every message with it.
     """
 
     def __init__(
@@ -211,6 +220,7 @@ class Coordinator:
         on_round: Callable[[RoundOutcome], None] | None = None,
         update_transform: Callable[[Update], Update] | None = None,
         gauge: GaugeSetup | None = None,
+        identities: Mapping[str, str] | None = None,
     ) -> None:
         for name, array in initial_params.items():
             if not np.issubdtype(np.asarray(array).dtype, np.floating):
@@ -225,7 +235,15 @@ class Coordinator:
                 "Coordinator.resume to continue it"
             )
         self._setup(
-            config, transport, store, run_id, aggregator_factory, on_round, update_transform, gauge
+            config,
+            transport,
+            store,
+            run_id,
+            aggregator_factory,
+            on_round,
+            update_transform,
+            gauge,
+            identities,
         )
         self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
         self._momentum: NamedArrays = zero_momentum(self._global.params)
@@ -250,6 +268,7 @@ class Coordinator:
         on_round: Callable[[RoundOutcome], None] | None = None,
         update_transform: Callable[[Update], Update] | None = None,
         gauge: GaugeSetup | None = None,
+        identities: Mapping[str, str] | None = None,
     ) -> Coordinator:
         """Continue the run held in ``store`` after the coordinator stopped (or crashed).
 
@@ -285,6 +304,7 @@ class Coordinator:
             on_round,
             update_transform,
             gauge,
+            identities,
         )
         self._manifest = manifest
         self._recover()
@@ -300,6 +320,7 @@ class Coordinator:
         on_round: Callable[[RoundOutcome], None] | None,
         update_transform: Callable[[Update], Update] | None,
         gauge: GaugeSetup | None,
+        identities: Mapping[str, str] | None,
     ) -> None:
         """The in-memory parts every coordinator starts with, new or resumed."""
         require_setup(config, gauge)
@@ -332,6 +353,13 @@ class Coordinator:
         self._aggregator_factory = aggregator_factory
         self._update_transform = update_transform
         self._gauge = gauge
+        self._identities = dict(identities) if identities is not None else None
+        for pid, key in (self._identities or {}).items():
+            try:
+                parse_public_key(key)
+            except ForgedMessage as exc:
+                raise ConfigError(f"identities[{pid}]", str(exc)) from None
+        self._admitted_updates: set[str] = set()  # digests of every admitted update
         self._on_round = on_round
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
@@ -376,6 +404,7 @@ class Coordinator:
         self._momentum = ckpt.momentum
         self._head_hash = head.record_hash if head else GENESIS
         self._commitments, self._membership = load_registry(self.store)
+        self._admitted_updates = {d for r in records for d in r.update_digests.values()}
         t = self._global.round
         finished = {e.attempt for e in self._manifest.rounds if e.round == t}
         for attempt in started_attempts(self.store, t):
@@ -688,6 +717,12 @@ class Coordinator:
             raise RoundError(f"a participant may not send {msg.kind} (from {msg.sender})")
         if msg.run_id != self.run_id:
             raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
+        digest = message_digest(msg) if isinstance(msg, Update) else None
+        if digest in self._admitted_updates:
+            raise ReplayedMessage(
+                f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
+                "was admitted before; the copy is refused"
+            )
         if (msg.round, msg.attempt) != (ctx.machine.round, ctx.machine.attempt):
             ctx.late.add(msg.sender)
             log.info(
@@ -700,6 +735,7 @@ class Coordinator:
             )
             return
         pid = msg.participant_id
+        self._check_signature(msg, ctx.state.sketch_seed)
         collecting = ctx.machine.state in (RoundState.OPEN, RoundState.COLLECTING)
         if isinstance(msg, UnmaskResponse):
             if not isinstance(ctx.aggregator, SecureAggregator) or collecting:
@@ -720,6 +756,8 @@ class Coordinator:
         elif isinstance(msg, Commitment):
             self._bind(msg)
         else:
+            if pid in ctx.admitted:
+                raise DuplicateMessage(f"{pid}: a second update in round {msg.round}; refused")
             self._check_binding(msg)
             self._check_privacy(msg)
             if ctx.sketch_fingerprint is not None:
@@ -738,7 +776,35 @@ class Coordinator:
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
-            ctx.update_digests[pid] = message_digest(msg)
+            assert digest is not None
+            ctx.update_digests[pid] = digest  # of the update as received
+            self._admitted_updates.add(digest)
+
+    def _check_signature(self, msg: ParticipantMessage, round_seed: int) -> None:
+        """A participant with a registered identity key must sign with it; a Commitment
+        may register a key (unless an allow-list fixes it) but never change it.
+
+        Raises:
+            ForgedMessage: not on the allow-list, unsigned where a signature is required,
+                claims another key than the registered one, or a bad signature.
+        """
+        pid = msg.participant_id
+        bound = self._commitments.get(pid)
+        if self._identities is not None:
+            if pid not in self._identities:
+                raise ForgedMessage(f"{pid}: not on the coordinator's identity allow-list")
+            key: str | None = self._identities[pid]
+        else:
+            key = bound.identity_key if bound is not None else None
+        if isinstance(msg, Commitment) and msg.identity_key is not None:
+            if key is not None and msg.identity_key.strip() != key.strip():
+                raise ForgedMessage(f"{pid}: commitment claims another identity key")
+            key = msg.identity_key
+        if key is None:
+            if self.config.federation.require_signatures:
+                raise ForgedMessage(f"{pid}: no registered identity key; signatures required")
+            return
+        verify_signature(msg, key, round_seed)
 
     def _bind(self, commitment: Commitment) -> None:
         """Bind a participant to its dataset root; the binding outlives the round."""

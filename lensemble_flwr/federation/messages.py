@@ -108,6 +108,11 @@ class _FromParticipant(_Message):
 
     attempt: int = Field(1, ge=1)
     participant_id: str = Field(min_length=1, max_length=128)
+    signature: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{16,512}$",
+        description="ECDSA signature by the sender's identity key (federation/identity.py).",
+    )
 
     @model_validator(mode="after")
     def _sender_is_participant(self) -> _FromParticipant:
@@ -124,6 +129,11 @@ class Commitment(_FromParticipant):
     num_examples: int = Field(ge=1)
     mask_key: str | None = Field(None, pattern=_HEX64, description="X25519, secure sums.")
     enc_key: str | None = Field(None, pattern=_HEX64, description="X25519, sealed shares.")
+    identity_key: str | None = Field(
+        None,
+        max_length=1024,
+        description="OpenSSH ECDSA public key the sender signs with (registered at join).",
+    )
 
 
 class Update(_FromParticipant):
@@ -242,6 +252,9 @@ class RoundClose(_Message):
     contributors: tuple[str, ...]
     record_hash: str = Field(pattern=_HEX64)
 
+
+ParticipantMessage = _FromParticipant
+"""Any message a participant sends about itself (and may sign)."""
 
 ControlMessage = Union[  # noqa: UP007
     RoundOpen, Commitment, Update, Refusal, UnmaskRequest, UnmaskResponse, RoundClose

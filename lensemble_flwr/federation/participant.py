@@ -26,6 +26,7 @@ from lensemble_flwr.federation.alignment import (
     check_warm_start_of,
     require_setup,
 )
+from lensemble_flwr.federation.identity import IdentityKey
 from lensemble_flwr.federation.local_training import (
     LocalTraining,
     PortableState,
@@ -36,6 +37,7 @@ from lensemble_flwr.federation.local_training import (
 )
 from lensemble_flwr.federation.messages import (
     Commitment,
+    ParticipantMessage,
     Refusal,
     RoundClose,
     RoundOpen,
@@ -82,6 +84,8 @@ class Participant:
             difference alone for a participant that cannot commit to its data.
         gauge: the model's gauge adapter and the pinned probe; required when the config
             aligns latent frames (``gauge-align``).
+        identity: the participant's signing key; every message it sends is signed, and
+            its Commitment registers the public key with the coordinator.
     """
 
     def __init__(
@@ -93,10 +97,12 @@ class Participant:
         trainer: Trainer | LocalTraining,
         pipeline: ReleaseTransform | None = None,
         gauge: GaugeSetup | None = None,
+        identity: IdentityKey | None = None,
     ) -> None:
         require_setup(config, gauge)
         self.config = config
         self.gauge = gauge
+        self.identity = identity
         self.participant_id = participant_id
         self.transport = transport
         self.trainer = trainer
@@ -172,19 +178,20 @@ class Participant:
             )
         except LensembleError as exc:  # ProbeError, GaugeError: this round is rejected
             log.warning("%s: rejects round %d: %r", self.participant_id, msg.round, exc)
-            self.transport.send(
+            self._send(
                 msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
             )
             return
         masked_round = self.config.federation.secagg_threshold > 0
         if (msg.needs_commitment or msg.rekey) and self.dataset_root is not None:
             keys = self.masking.keys_for_commitment(msg.rekey) if masked_round else {}
-            self.transport.send(
+            self._send(
                 msg.sender,
                 Commitment(
                     **common,
                     dataset_root=self.dataset_root,
                     num_examples=self.training.num_examples(),
+                    identity_key=self.identity.public_openssh if self.identity else None,
                     **keys,
                 ),
             )
@@ -195,11 +202,11 @@ class Participant:
             masked = self.masking.mask_release(released, msg, self.config) if masked_round else {}
         except LensembleError as exc:
             log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
-            self.transport.send(
+            self._send(
                 msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
             )
             return
-        self.transport.send(
+        self._send(
             msg.sender,
             Update(
                 **{
@@ -217,6 +224,13 @@ class Participant:
             ),
         )
 
+    def _send(self, dest: str, message: ParticipantMessage) -> None:
+        """Sign (when this participant has an identity) and send."""
+        if self.identity is not None:
+            seed = derive_seed(self.config.federation.root_seed, "round", message.round)
+            message = self.identity.sign(message, seed)
+        self.transport.send(dest, message)
+
     def _on_unmask(self, request: UnmaskRequest) -> None:
         try:
             shares = self.masking.disclose(request)
@@ -225,7 +239,7 @@ class Participant:
                 "%s: no disclosure for round %d: %r", self.participant_id, request.round, exc
             )
             return
-        self.transport.send(
+        self._send(
             request.sender,
             UnmaskResponse(
                 run_id=request.run_id,
