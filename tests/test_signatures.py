@@ -232,3 +232,24 @@ def test_identity_keys_are_nist_ec_in_openssh_format(tmp_path: Path) -> None:
         parse_public_key(ed_pub.decode())
     with pytest.raises(ForgedMessage):
         IdentityKey(ec.generate_private_key(ec.SECP256K1()))  # not a NIST curve
+
+
+def test_a_client_app_node_reads_its_identity_key_from_node_config(tmp_path: Path) -> None:
+    from flwr.app import Context, RecordDict
+
+    from lensemble_flwr.clients.app import identity_from_node_config
+
+    path = tmp_path / "id_ecdsa"
+    path.write_bytes(KEYS["p00"].private_openssh())
+
+    def context(node_config: dict) -> Context:
+        return Context(
+            run_id=1, node_id=5, node_config=node_config, state=RecordDict(), run_config={}
+        )
+
+    key = identity_from_node_config(context({"identity-key": str(path)}))
+    assert key is not None and key.public_openssh == KEYS["p00"].public_openssh
+    assert identity_from_node_config(context({})) is None
+    path.write_text("not a key")
+    with pytest.raises(ForgedMessage):
+        identity_from_node_config(context({"identity-key": str(path)}))

@@ -18,7 +18,7 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 )
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.errors import ConfigError, StoreError
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
@@ -105,3 +105,21 @@ def test_the_app_stops_on_a_bad_run_config_key_naming_it(key: str, value: object
 
     with pytest.raises(ConfigError, match=f"^{key}"):
         digits.main(NoGrid(), context)  # type: ignore[arg-type]
+
+
+def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path) -> None:
+    strategy, grid = stock_loop_federation(tmp_path)
+    initial = arrays_to_record(initial_params())
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    before = [r.record_hash for r in verify(Store(tmp_path / "run"))]
+    # a new ServerApp process: a new strategy object on the same run directory
+    again = LensembleStrategy(strategy.config, run_dir=tmp_path / "run", run_id="stock-loop",
+                              fraction_evaluate=0.0, resume=True)
+    result = again.start(grid=grid, initial_arrays=initial, num_rounds=3)
+    records = verify(Store(tmp_path / "run"))
+    assert [r.record_hash for r in records[:2]] == before  # nothing committed was lost
+    assert [r.round for r in records] == [0, 1, 2]
+    assert list(result.train_metrics_clientapp) == [3]  # one more round, not three
+    with pytest.raises(StoreError, match="already holds a run"):
+        LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0
+                          ).start(grid=grid, initial_arrays=initial, num_rounds=1)

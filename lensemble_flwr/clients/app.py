@@ -18,6 +18,8 @@ from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.state import load_state, save_state
 from lensemble_flwr.config import LensembleConfig, run_config_keys
+from lensemble_flwr.federation.alignment import GaugeSetup
+from lensemble_flwr.federation.identity import IdentityKey
 from lensemble_flwr.federation.local_training import LocalTraining, Trainer
 from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
 from lensemble_flwr.federation.participant import Participant
@@ -70,11 +72,22 @@ def default_evaluate(
     return {"loss": float(loss), "accuracy": float(accuracy), "num-examples": int(count)}
 
 
+def identity_from_node_config(context: Context) -> IdentityKey | None:
+    """The node's identity key: the private key file named by the SuperNode's
+    ``--node-config "identity-key='/path/to/key'"`` (OpenSSH or PEM, ECDSA P-256/P-384);
+    None when the node has none (its messages go unsigned)."""
+    path = context.node_config.get("identity-key")
+    return IdentityKey.load(str(path)) if path else None
+
+
 def handle_train(
     message: Message,
     context: Context,
     trainer: Trainer | LocalTraining,
     config: LensembleConfig,
+    *,
+    gauge: GaugeSetup | None = None,
+    identity: IdentityKey | None = None,
 ) -> Message:
     """Run one train instruction through a Participant rebuilt from ``context.state``."""
     payloads = records.decode_instruction(message.content)
@@ -86,6 +99,8 @@ def handle_train(
         participant_id=records.participant_id(context.node_id),
         transport=collector,
         trainer=trainer,
+        gauge=gauge,
+        identity=identity,
     )
     participant.import_state(load_state(context.state))
     for payload in payloads:
@@ -122,6 +137,8 @@ def make_client_app(
     *,
     config_fn: Callable[[Context], LensembleConfig] = config_from_context,
     evaluate_fn: EvaluateFn | None = default_evaluate,
+    gauge_fn: Callable[[Context], GaugeSetup | None] | None = None,
+    identity_fn: Callable[[Context], IdentityKey | None] = identity_from_node_config,
 ) -> ClientApp:
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
@@ -132,12 +149,21 @@ def make_client_app(
         config_fn: the federation config on this node (default: from the run config).
         evaluate_fn: ``(trainer, global_arrays, config) -> metrics`` with ``num-examples``;
             None to refuse evaluate instructions.
+        gauge_fn: the model's gauge adapter and pinned probe (for ``gauge-align``).
+        identity_fn: this node's signing key (default: the ``identity-key`` node config).
     """
     app = ClientApp()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        return handle_train(message, context, trainer_fn(context), config_fn(context))
+        return handle_train(
+            message,
+            context,
+            trainer_fn(context),
+            config_fn(context),
+            gauge=gauge_fn(context) if gauge_fn is not None else None,
+            identity=identity_fn(context),
+        )
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.federation.alignment import GaugeSetup
 from lensemble_flwr.federation.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.federation.messages import to_wire
 from lensemble_flwr.federation.round import RoundState
@@ -66,6 +67,11 @@ class LensembleStrategy(Strategy):
         fraction_evaluate: share of nodes asked to evaluate after each round (0: none).
         poll_interval: seconds between pulls of the Grid.
         on_round: called with a one-line report after every round attempt.
+        gauge: the model's gauge adapter and pinned probe (probe announcement, frame
+            drift, and ``gauge-align``).
+        identities: allow-list of participant id (``node-<id>``) → OpenSSH identity key.
+        resume: continue the run already in ``run_dir`` (after a ServerApp restart)
+            instead of refusing a non-empty run directory.
     """
 
     def __init__(
@@ -78,8 +84,14 @@ class LensembleStrategy(Strategy):
         fraction_evaluate: float = 1.0,
         poll_interval: float = 0.05,
         on_round: Callable[[str], None] | None = None,
+        gauge: GaugeSetup | None = None,
+        identities: Mapping[str, str] | None = None,
+        resume: bool = False,
     ) -> None:
         self.config = config or LensembleConfig()
+        self.gauge = gauge
+        self.identities = identities
+        self.resume = resume
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_id = run_id
         self.warmup_timeout = warmup_timeout
@@ -206,7 +218,8 @@ class LensembleStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> LensembleResult:
-        """Run ``num_rounds`` lensemble rounds over ``grid``.
+        """Run lensemble rounds over ``grid`` until ``num_rounds`` rounds are closed (a
+        resumed run counts the rounds it closed before the restart).
 
         ``timeout`` bounds each evaluation exchange; training rounds use the config's open
         and collect timeouts. A round whose attempts abort is retried as configured; an
@@ -237,8 +250,8 @@ class LensembleStrategy(Strategy):
         coordinator.grant_grace(cold_start)
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
-        for _ in range(num_rounds):
-            t = coordinator.global_state().round
+        # a resumed run continues to the same total (num_rounds counts from round 0)
+        while (t := coordinator.global_state().round) < num_rounds:
             seen = len(coordinator.outcomes)
             try:
                 coordinator.run(1)
@@ -268,13 +281,23 @@ class LensembleStrategy(Strategy):
             if self.run_dir is None:
                 self.run_dir = Path(tempfile.mkdtemp(prefix="lensemble-run-"))
             run_id = self.run_id or f"flwr-{_flower_run_id(grid)}"
-            self.coordinator = Coordinator(
-                self.config,
-                transport=transport or ReplayTransport((), ()),
-                initial_params=records.record_to_arrays(arrays),
-                store=Store(self.run_dir),
-                run_id=run_id,
-            )
+            store = Store(self.run_dir)
+            common: dict[str, Any] = {
+                "transport": transport or ReplayTransport((), ()),
+                "store": store,
+                "gauge": self.gauge,
+                "identities": self.identities,
+            }
+            if self.resume and store.bound("manifest"):
+                self.coordinator = Coordinator.resume(self.config, **common)
+                log.info("resumed at round %d", self.coordinator.global_state().round)
+            else:
+                self.coordinator = Coordinator(
+                    self.config,
+                    initial_params=records.record_to_arrays(arrays),
+                    run_id=run_id,
+                    **common,
+                )
             log.info("run directory: %s", self.run_dir)
         return self.coordinator
 
