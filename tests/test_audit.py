@@ -76,20 +76,31 @@ def _checkpoint_of(run: Path, round: int) -> Path:
 
 def flip_checkpoint_byte(run: Path) -> tuple[str, str, str | None]:
     flip_byte(_checkpoint_of(run, 1))
-    return "round 1", "checkpoint", read_json(run, "ledger/00000001")["checkpoint"]
+    return "round 1", "checkpoint sha256", read_json(run, "ledger/00000001")["checkpoint"]
+
+
+def delete_checkpoint(run: Path) -> tuple[str, str, str | None]:
+    _checkpoint_of(run, 2).unlink()
+    return "round 2", "checkpoint", read_json(run, "ledger/00000002")["checkpoint"]
+
+
+def point_record_at_a_non_checkpoint(run: Path) -> tuple[str, str, str | None]:
+    # a resealed head record whose "checkpoint" is a blob that is no checkpoint at all
+    reseal_record(run, "ledger/00000002", checkpoint=digest_of(run, "manifest/header"))
+    return "round 2", "checkpoint", "a lensemble checkpoint"
 
 
 def flip_initial_checkpoint_byte(run: Path) -> tuple[str, str, str | None]:
     digest = read_json(run, "manifest/header")["initial_checkpoint"]
     flip_byte(blob_path(run, digest))
-    return "initial checkpoint", "checkpoint", digest
+    return "initial checkpoint", "checkpoint sha256", digest
 
 
 def edit_record_in_place(run: Path) -> tuple[str, str, str | None]:
     # the record's blob no longer hashes to its address
     path = blob_path(run, digest_of(run, "ledger/00000001"))
     path.write_bytes(path.read_bytes().replace(b'"count":4', b'"count":5'))
-    return "ledger/00000001", "blob", None
+    return "ledger/00000001", "blob sha256", digest_of(run, "ledger/00000001")
 
 
 def edit_record_count(run: Path) -> tuple[str, str, str | None]:
@@ -141,11 +152,13 @@ def rename_record(run: Path) -> tuple[str, str, str | None]:
 
 def tamper_manifest_header(run: Path) -> tuple[str, str, str | None]:
     flip_byte(blob_path(run, digest_of(run, "manifest/header")), offset=5)
-    return "manifest/header", "blob", None
+    return "manifest/header", "blob sha256", digest_of(run, "manifest/header")
 
 
 TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     flip_checkpoint_byte,
+    delete_checkpoint,
+    point_record_at_a_non_checkpoint,
     flip_initial_checkpoint_byte,
     edit_record_in_place,
     edit_record_count,

@@ -65,7 +65,7 @@ def test_verify_names_the_first_broken_link(run: Path, capsys: pytest.CaptureFix
     code, out, _ = cli(capsys, "verify", run)
     assert code == EXIT_FAILED
     (line,) = [x for x in out.splitlines() if x.startswith("BROKEN")]
-    assert line.startswith(f"BROKEN round 1: checkpoint: expected {digest}, found blob {digest}")
+    assert line.startswith(f"BROKEN round 1: checkpoint sha256: expected {digest}, found ")
 
 
 def test_verify_json_and_all(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

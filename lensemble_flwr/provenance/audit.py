@@ -24,6 +24,7 @@ broke; when it passes, the checkpoints are decoded only once (by ``verify``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,7 +34,12 @@ from pydantic import BaseModel, ValidationError
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.errors import LedgerError, LensembleError, StoreError
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    LedgerError,
+    LensembleError,
+    StoreError,
+)
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     MANIFEST_HEADER,
@@ -212,11 +218,27 @@ class _Walk:
         self.checkpoints = 0
         self.global_hash: str | None = None
 
+    def _blob(self, where: str, digest: str, field: str, round: int | None) -> bytes | None:
+        """The blob's bytes, or None after a finding (missing, or not hashing to its digest)."""
+        try:
+            return self.store.get(digest)
+        except CheckpointIntegrityError:
+            # the store's layout is public (blobs/<2 hex>/<digest>, checkable with sha256sum)
+            path = self.store.root / "blobs" / digest[:2] / digest
+            actual = hashlib.sha256(path.read_bytes()).hexdigest()
+            self.findings.append(Finding(where, f"{field} sha256", digest, actual, round))
+        except StoreError as exc:
+            self.findings.append(Finding(where, field, digest, f"missing ({exc})", round))
+        return None
+
     def _load(self, name: str, model: type[_Model]) -> _Model | None:
         try:
-            data = self.store.get(self.store.resolve(name))
-        except LensembleError as exc:  # unbound name, missing blob, blob that re-hashes wrong
-            self.findings.append(Finding(name, "blob", found=str(exc)))
+            digest = self.store.resolve(name)
+        except StoreError as exc:
+            self.findings.append(Finding(name, "name", "a bound name", str(exc)))
+            return None
+        data = self._blob(name, digest, "blob", None)
+        if data is None:
             return None
         try:
             return model.model_validate_json(data)
@@ -416,19 +438,23 @@ class _Walk:
         self.checkpoints += 1
         if not self.decode_checkpoints:
             return  # verify() decoded it already
+        t = None if round is None else round - 1
+        data = self._blob(where, digest, "checkpoint", t)
+        if data is None:
+            return
         try:
-            ckpt = decode_checkpoint(self.store.get(digest))
-        except LensembleError as exc:
-            self.findings.append(Finding(where, "checkpoint", digest, str(exc), round))
+            ckpt = decode_checkpoint(data)
+        except CheckpointIntegrityError as exc:
+            self.findings.append(
+                Finding(where, "checkpoint", "a lensemble checkpoint", str(exc), t)
+            )
             return
         checks: list[tuple[str, Any, Any]] = [
             ("checkpoint.params_hash", params_hash, ckpt.params_hash)
         ]
         if round is not None:
             checks.append(("checkpoint.round", round, ckpt.round))
-        self.findings += _differences(
-            checks, where=where, round=None if round is None else round - 1
-        )
+        self.findings += _differences(checks, where=where, round=t)
 
 
 def _first_error(exc: ValidationError) -> str:
