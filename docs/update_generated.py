@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from lensemble_flwr.config import run_config_table
@@ -13,10 +14,14 @@ from lensemble_flwr.errors import response_table
 from lensemble_flwr.federation.round import transition_diagram
 
 DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS.parent / "tests"))  # the fault catalogue lives with its tests
+from fault_scenarios import scenario_table  # noqa: E402
+
 BLOCKS = {
     ("runtime.md", "transitions"): lambda: f"```mermaid\n{transition_diagram()}\n```",
     ("runtime.md", "errors"): response_table,
     ("configuration.md", "run-config"): run_config_table,
+    ("fault-injection.md", "scenarios"): scenario_table,
 }
 
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fault_scenarios import scenario_table
 
 from lensemble_flwr.config import run_config_keys, run_config_table
 from lensemble_flwr.errors import response_table
@@ -32,6 +33,7 @@ def generated_block(page: str, name: str) -> str:
         ("runtime.md", "transitions", f"```mermaid\n{transition_diagram()}\n```"),
         ("runtime.md", "errors", response_table()),
         ("configuration.md", "run-config", run_config_table()),
+        ("fault-injection.md", "scenarios", scenario_table()),
     ],
 )
 def test_generated_blocks_match_the_code(page: str, name: str, expected: str) -> None:

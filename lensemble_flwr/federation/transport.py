@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
 from lensemble_flwr.federation.round import RoundState
 
@@ -215,7 +216,9 @@ class InProcessNetwork:
 
     # -- delivery ----------------------------------------------------------------------
     def _post(self, source: str, dest: str, payload: WirePayload) -> None:
-        kind, rnd = payload.get("kind"), payload.get("round")
+        # the network routes on kind and round; junk there is the recipient's to reject
+        kind = payload.get("kind") if isinstance(payload.get("kind"), str) else None
+        rnd = payload.get("round") if isinstance(payload.get("round"), int) else None
         if source == COORDINATOR and kind == "round-open":
             key = (rnd, payload.get("attempt"))
             if key not in self._opened:  # the first RoundOpen of an attempt
@@ -254,7 +257,11 @@ class InProcessNetwork:
                 join = getattr(self._handlers[pid], "join", None)
                 if join is not None:
                     log.info("fault: %s rejoins at round %s", pid, rnd)
-                    join(self.join_endpoint)
+                    try:
+                        join(self.join_endpoint)
+                    except LensembleError as exc:  # e.g. a tampered checkpoint: it stays out
+                        log.warning("%s cannot rejoin: %r", pid, exc)
+                        self._offline.add(pid)
             if self._take_drop(pid, rnd, RoundState.OPEN):
                 log.info("fault: %s drops in round %s before RoundOpen", pid, rnd)
                 self._offline.add(pid)
