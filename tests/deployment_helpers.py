@@ -8,10 +8,12 @@ period. Nothing is ever looked up or killed by name.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -455,28 +457,39 @@ def wait_until(
     raise StartupError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, *, cafile: Path | None = None) -> bool:
+    """A 2xx answer from ``url``; an ``https`` URL is checked against ``cafile`` only."""
+    context = ssl.create_default_context(cafile=str(cafile)) if cafile is not None else None
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as resp:
+        with urllib.request.urlopen(url, timeout=0.5, context=context) as resp:
             return 200 <= resp.status < 300
     except OSError:
         return False
 
 
-def write_cli_config(home: Path, connection: str, port: int) -> Path:
-    """``$FLWR_HOME/config.toml`` naming one insecure SuperLink connection (the default)."""
+def write_cli_config(
+    home: Path, connection: str, port: int, *, root_certificates: Path | None = None
+) -> Path:
+    """``$FLWR_HOME/config.toml`` naming one SuperLink connection (the default): insecure,
+    or TLS checked against ``root_certificates`` (an absolute path)."""
     home.mkdir(parents=True, exist_ok=True)
     path = home / "config.toml"
+    security = (
+        "insecure = true"
+        if root_certificates is None
+        else f'root-certificates = "{root_certificates.resolve()}"'
+    )
     path.write_text(
         f'[superlink]\ndefault = "{connection}"\n\n'
-        f'[superlink.{connection}]\naddress = "{LOOPBACK}:{port}"\ninsecure = true\n'
+        f'[superlink.{connection}]\naddress = "{LOOPBACK}:{port}"\n{security}\n'
     )
     return path
 
 
-def flwr_ls(connection: str, env: Mapping[str, str], cwd: Path) -> dict:  # type: ignore[type-arg]
+def flwr_json(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> dict:  # type: ignore[type-arg]
+    """Run ``flwr <argv> --format json`` and parse what it prints."""
     out = subprocess.run(
-        [flower_bin("flwr"), "ls", connection, "--format", "json"],
+        [flower_bin("flwr"), *argv, "--format", "json"],
         env=dict(env),
         cwd=cwd,
         capture_output=True,
@@ -488,9 +501,120 @@ def flwr_ls(connection: str, env: Mapping[str, str], cwd: Path) -> dict:  # type
     try:
         return json.loads(out.stdout)
     except json.JSONDecodeError as exc:
+        command = " ".join(argv)
         raise AssertionError(
-            f"flwr ls gave no JSON (rc={out.returncode}):\n{out.stdout}\n{out.stderr}"
+            f"flwr {command} gave no JSON (rc={out.returncode}):\n{out.stdout}\n{out.stderr}"
         ) from exc
+
+
+def flwr_ls(connection: str, env: Mapping[str, str], cwd: Path) -> dict:  # type: ignore[type-arg]
+    return flwr_json(["ls", connection], env, cwd)
+
+
+# -- TLS certificates and SuperNode keys -------------------------------------------------------
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path  # the CA certificate everyone trusts (PEM)
+    cert: Path  # the SuperLink's certificate, signed by the CA (PEM)
+    key: Path  # the SuperLink's private key (PEM)
+
+
+def make_tls_files(folder: Path, *, hosts: Sequence[str] = ("localhost", LOOPBACK)) -> TlsFiles:
+    """A fresh CA (EC P-256) and a server certificate it signs, valid for ``hosts`` (DNS
+    names and IP addresses as subject alternative names) for one day."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lensemble test CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True,
+                content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(folder / "ca.pem", folder / "superlink.pem", folder / "superlink.key")
+    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    files.key.chmod(0o600)
+    return files
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    private: Path  # OpenSSH private key, for --auth-supernode-private-key
+    public: Path  # OpenSSH public key, for `flwr supernode register`
+
+
+def make_node_key(folder: Path, name: str, *, bits: int = 384) -> NodeKey:
+    """A SuperNode authentication key: ECDSA over NIST P-256 or P-384 in OpenSSH format
+    (what ``ssh-keygen -t ecdsa -b <bits> -N ""`` writes)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    curve = {256: ec.SECP256R1, 384: ec.SECP384R1}[bits]()
+    key = ec.generate_private_key(curve)
+    folder.mkdir(parents=True, exist_ok=True)
+    pair = NodeKey(folder / name, folder / f"{name}.pub")
+    pair.private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+    )
+    pair.private.chmod(0o600)
+    pair.public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+        + f" {name}\n".encode()
+    )
+    return pair
 
 
 # -- sockets ------------------------------------------------------------------------------
