@@ -1,0 +1,516 @@
+"""Kill a coordinator with SIGKILL at a chosen point of a round, then resume it:
+``python -m lensemble_flwr.simulations.crash_drill``.
+
+One process holds a whole toy federation on the in-process network (simulated clock,
+no Flower, no Ray)::
+
+    crash_drill --run-dir D --rounds 4 --kill-at 1:aggregating   # dies with SIGKILL
+    crash_drill --run-dir D --rounds 4 --resume                  # exits 0, 4 rounds CLOSED
+
+``--kill-at ROUND:POINT`` sends SIGKILL to the process itself the moment the round
+machine of round ROUND *enters* the state POINT (``open`` … ``closed``, ``aborted``); for
+``mid-collecting``, as the attempt's second update is admitted; for ``checkpoint-write``,
+half-way through writing the round's checkpoint blob (:data:`KILL_POINTS` lists them all).
+The hooks wrap :class:`RoundMachine`, the aggregators' ``admit`` and
+:meth:`Store._publish` from the outside; the coordinator itself is not modified.
+``--resume`` rebuilds the coordinator with :meth:`Coordinator.resume` on the same run
+directory and runs until ``--rounds`` rounds are CLOSED in total.
+
+Participants. On Flower (simulation or deployment) participants are separate processes
+that keep running while the coordinator is down; a restarted coordinator reaches them
+through the next RoundOpen. Here they live in the coordinator's process and die with it,
+so a participant that "kept running" is simulated by rebuilding it: its trainer is a pure
+function of its index, and everything else it must remember (inner optimizer, local
+groups, the last attempt it answered, its secure-aggregation keys) is saved after every
+message it handles, as a Flower ClientApp saves its ``Context.state``, in its own store
+under ``--participants-dir`` (never in the coordinator's run directory), and restored
+when the process starts again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.canonical import canonical_json
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import CheckpointIntegrityError, LensembleError
+from lensemble_flwr.federation.aggregation import FixedPointAggregator
+from lensemble_flwr.federation.coordinator import Coordinator
+from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.federation.messages import WirePayload
+from lensemble_flwr.federation.participant import Participant
+from lensemble_flwr.federation.round import GlobalState, RoundMachine, RoundState
+from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
+from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_WRITE = "checkpoint-write"
+MID_COLLECTING = "mid-collecting"
+NOT_REACHED = 3
+"""Exit status when the run finished without reaching the requested kill point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KillPoint:
+    """One place the drill can kill the coordinator, and what that leaves behind."""
+
+    name: str
+    dies: str
+    """When the process dies."""
+    committed: bool
+    """The killed round's ledger record is on disk when the process dies."""
+    verify_before: str
+    """What ``verify(store)`` says about the run directory before the restart."""
+    on_resume: str
+    """What :meth:`Coordinator.resume` does with the interrupted attempt."""
+
+
+_RETRIED = "records the attempt as aborted (CoordinatorRestart), retries the round as attempt 2"
+KILL_POINTS: tuple[KillPoint, ...] = (
+    KillPoint(
+        "open",
+        "the attempt's start marker is claimed and its machine created; no RoundOpen sent",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        "collecting",
+        "quorum reached: RoundOpens sent, updates not yet collected",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        MID_COLLECTING,
+        "as the second update of the attempt is admitted; the first one's bindings and "
+        "mask-key shares are in memory only",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        "aggregating",
+        "the contributing set is frozen and the participant registry stored; no sum yet",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        "aligning",
+        "the sum is revealed and self-checked (masked: revealed keys are in the registry)",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        "committing",
+        "the diagnostics are computed; no checkpoint, no ledger record",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        CHECKPOINT_WRITE,
+        "half of the new checkpoint is in a temp file under tmp/; nothing under blobs/, names/",
+        False,
+        "passes",
+        _RETRIED,
+    ),
+    KillPoint(
+        "closed",
+        "the ledger record is claimed and RoundClose sent; the manifest has no entry yet",
+        True,
+        "fails: the manifest's closed rounds differ from the ledger's",
+        "completes the manifest entry from the ledger record; the round is not run again",
+    ),
+    KillPoint(
+        "aborted",
+        "the attempt aborted (quorum missed) before its manifest entry was written",
+        False,
+        "passes",
+        _RETRIED + " (the original reason is not kept)",
+    ),
+)
+KILL_POINTS_BY_NAME = {p.name: p for p in KILL_POINTS}
+
+
+def kill_matrix_table() -> str:
+    """The kill points as a markdown table (docs/recovery.md shows it)."""
+    rows = [
+        "| kill point | the process dies when | killed round in the ledger | verify before resume "
+        "| resume |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    rows += [
+        f"| `{p.name}` | {p.dies} | {'yes' if p.committed else 'no'} | {p.verify_before} "
+        f"| {p.on_resume} |"
+        for p in KILL_POINTS
+    ]
+    return "\n".join(rows)
+
+
+def drill_config(secagg_threshold: int = 0) -> LensembleConfig:
+    """The toy federation's config (the same on every start: resume checks it)."""
+    return LensembleConfig(
+        federation={
+            "min_participants": 3,
+            "secagg_threshold": secagg_threshold,
+            "open_timeout": 10.0,
+            "collect_timeout": 10.0,
+            "retry_wait": 1.0,
+            "root_seed": 7,
+        },
+        inner={"steps": 2, "lr": 0.05, "batch_size": 8},
+    )
+
+
+# -- participants that outlive the process ------------------------------------------------
+_STATE = "participant/state"
+
+
+def encode_state(state: PortableState) -> bytes:
+    """A participant's PortableState as safetensors bytes (the metadata as canonical JSON)."""
+    tensors = {name: state.arrays[name] for name in sorted(state.arrays)}
+    return st_save(tensors, metadata={"meta": canonical_json(state.meta).decode("ascii")})
+
+
+def decode_state(data: bytes) -> PortableState:
+    """What :func:`encode_state` encoded."""
+    arrays = st_load(data)
+    meta = json.loads(_safetensors_metadata(data)["meta"])
+    return PortableState(arrays=dict(arrays), meta=meta)
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+
+
+class KeptParticipant:
+    """A participant whose state is saved after every message it handles.
+
+    Args:
+        participant: the participant (rebuilt from its index at every start).
+        store: its own store; its saved state, if any, is restored at once.
+    """
+
+    def __init__(self, participant: Participant, store: Store) -> None:
+        self.participant = participant
+        self.participant_id = participant.participant_id
+        self.store = store
+        self._saved: bytes | None = None
+        if store.bound(_STATE):
+            self._saved = store.get(store.resolve(_STATE))
+            participant.import_state(decode_state(self._saved))
+
+    def handle(self, payload: WirePayload) -> None:
+        self.participant.handle(payload)
+        self._save()
+
+    def join(self, coordinator_endpoint: str) -> GlobalState:
+        state = self.participant.join(coordinator_endpoint)
+        self._save()
+        return state
+
+    def _save(self) -> None:
+        encoded = encode_state(self.participant.export_state())
+        if encoded != self._saved:  # e.g. a RoundClose changes nothing that must be kept
+            self.store.bind(_STATE, self.store.put(encoded))
+            self._saved = encoded
+
+
+# -- the kill hooks -----------------------------------------------------------------------
+def _die(report: Path | None, round: int, attempt: int, point: str) -> None:
+    """Record where the process dies, then SIGKILL it (no cleanup runs)."""
+    note = {"outcome": "killed", "round": round, "attempt": attempt, "point": point}
+    if report is not None:
+        report.write_text(json.dumps(note))
+    sys.stderr.write(f"crash-drill: SIGKILL in round {round} attempt {attempt} at {point}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None = None) -> None:
+    """Arrange for this process to SIGKILL itself at ``point`` of round ``round`` (the
+    first attempt of that round this process runs that reaches the point)."""
+    if point not in KILL_POINTS_BY_NAME:
+        raise ValueError(f"unknown kill point {point!r}; one of {sorted(KILL_POINTS_BY_NAME)}")
+    target = RoundState(point) if point in {s.value for s in RoundState} else None
+    machines: list[RoundMachine] = []  # the attempts this process started
+    admitted = [0]  # updates admitted in the newest attempt
+    real_init, real_fire, real_publish = RoundMachine.__init__, RoundMachine.fire, Store._publish
+    root = run_dir.resolve()
+
+    def here() -> bool:
+        return bool(machines) and machines[-1].round == round
+
+    def init(self: RoundMachine, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        machines.append(self)
+        admitted[0] = 0
+        if target is RoundState.OPEN and here():
+            _die(report, self.round, self.attempt, point)
+
+    def fire(self: RoundMachine, *args: Any, **kwargs: Any) -> RoundState:
+        new = real_fire(self, *args, **kwargs)
+        if new is target and here():
+            _die(report, self.round, self.attempt, point)
+        return new
+
+    def publish(self: Store, data: bytes, dest: Path, *, exclusive: bool) -> bool:
+        # the checkpoint of round ``round``'s outcome, θ_{round+1}: half of its bytes
+        # reach a fsynced temp file, the rest never comes
+        if (
+            point == CHECKPOINT_WRITE
+            and here()
+            and dest.parent.parent == self.root / "blobs"
+            and self.root.resolve() == root
+            and _checkpoint_round(data) == round + 1
+        ):
+            fd, _ = tempfile.mkstemp(dir=self.root / "tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            _die(report, round, machines[-1].attempt, point)
+        return real_publish(self, data, dest, exclusive=exclusive)
+
+    RoundMachine.__init__ = init  # type: ignore[method-assign]
+    RoundMachine.fire = fire  # type: ignore[method-assign]
+    Store._publish = publish  # type: ignore[method-assign]
+    if point == MID_COLLECTING:
+        for aggregator in (FixedPointAggregator, SecureAggregator):
+            aggregator.admit = _dying_admit(aggregator.admit, here, admitted, report, machines)
+
+
+def _dying_admit(
+    real_admit: Callable[..., None],
+    here: Callable[[], bool],
+    admitted: list[int],
+    report: Path | None,
+    machines: list[RoundMachine],
+) -> Callable[..., None]:
+    """An aggregator's ``admit`` that kills the process at the attempt's second update."""
+
+    def admit(self: Any, *args: Any, **kwargs: Any) -> None:
+        admitted[0] += 1
+        if admitted[0] == 2 and here():
+            _die(report, machines[-1].round, machines[-1].attempt, MID_COLLECTING)
+        real_admit(self, *args, **kwargs)
+
+    return admit
+
+
+def _checkpoint_round(data: bytes) -> int | None:
+    """The round of the checkpoint ``data`` encodes, or None if it is no checkpoint."""
+    try:
+        return decode_checkpoint(data).round
+    except CheckpointIntegrityError:
+        return None
+
+
+# -- the drill ----------------------------------------------------------------------------
+def build_network(
+    config: LensembleConfig,
+    run_dir: Path,
+    participants_dir: Path,
+    *,
+    participants: int,
+    faults: FaultPlan | None = None,
+) -> tuple[InProcessNetwork, list[KeptParticipant]]:
+    """The in-process network with ``participants`` kept toy participants attached."""
+    network = InProcessNetwork(faults=faults, join_endpoint=str(run_dir))
+    nodes = []
+    for i in range(participants):
+        pid = f"p{i:02d}"
+        node = KeptParticipant(
+            Participant(
+                config,
+                participant_id=pid,
+                transport=network.transport_for(pid),
+                trainer=ToyTrainer(i),
+            ),
+            Store(participants_dir / pid),
+        )
+        network.attach(node)
+        nodes.append(node)
+    return network, nodes
+
+
+def run_drill(
+    run_dir: Path,
+    *,
+    rounds: int,
+    participants: int,
+    resume: bool,
+    secagg_threshold: int = 0,
+    participants_dir: Path | None = None,
+    faults: FaultPlan | None = None,
+) -> Coordinator:
+    """Start (or resume) the coordinator on ``run_dir`` and run until ``rounds`` rounds are
+    CLOSED in total. Raises what the coordinator raises."""
+    config = drill_config(secagg_threshold)
+    participants_dir = participants_dir or default_participants_dir(run_dir)
+    network, _ = build_network(
+        config, run_dir, participants_dir, participants=participants, faults=faults
+    )
+    store = Store(run_dir)
+    if resume:
+        coordinator = Coordinator.resume(config, transport=network.coordinator, store=store)
+    else:
+        coordinator = Coordinator(
+            config, transport=network.coordinator, initial_params=initial_params(), store=store
+        )
+    coordinator.run(max(0, rounds - coordinator.global_state().round))
+    network.flush()
+    return coordinator
+
+
+def default_participants_dir(run_dir: Path) -> Path:
+    """Where the participants keep their state when ``--participants-dir`` is not given."""
+    return run_dir.with_name(run_dir.name + ".participants")
+
+
+def summary(coordinator: Coordinator) -> dict[str, Any]:
+    """What a completed drill reports: the attempts, the global state, the ledger head."""
+    return {
+        "outcome": "completed",
+        "closed_rounds": coordinator.global_state().round,
+        "global_hash": coordinator.global_state().params_hash,
+        "attempts": [
+            {"round": e.round, "attempt": e.attempt, "state": e.state, "reason": e.reason}
+            for e in coordinator.manifest.rounds
+        ],
+    }
+
+
+def _kill_spec(text: str) -> tuple[int, str]:
+    round_text, _, point = text.partition(":")
+    point = point.lower()
+    if not round_text.isdigit() or point not in KILL_POINTS_BY_NAME:
+        raise argparse.ArgumentTypeError(
+            f"expected ROUND:POINT with POINT one of {', '.join(KILL_POINTS_BY_NAME)}; got {text!r}"
+        )
+    return int(round_text), point
+
+
+def _drop_spec(text: str) -> tuple[str, int, RoundState]:
+    parts = text.split(":")
+    states = {"open": RoundState.OPEN, "collecting": RoundState.COLLECTING}
+    if len(parts) != 3 or not parts[1].isdigit() or parts[2].lower() not in states:
+        raise argparse.ArgumentTypeError(f"expected PID:ROUND:open|collecting; got {text!r}")
+    return parts[0], int(parts[1]), states[parts[2].lower()]
+
+
+def _rejoin_spec(text: str) -> tuple[str, int]:
+    pid, _, round_text = text.partition(":")
+    if not pid or not round_text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected PID:ROUND; got {text!r}")
+    return pid, int(round_text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lensemble_flwr.simulations.crash_drill",
+        description=(__doc__ or "").split("\n")[0],
+    )
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, required=True, help="rounds CLOSED in total")
+    parser.add_argument("--participants", type=int, default=4)
+    parser.add_argument("--secagg-threshold", type=int, default=0, help=">0: masked rounds")
+    parser.add_argument("--resume", action="store_true", help="Coordinator.resume the run dir")
+    parser.add_argument("--kill-at", type=_kill_spec, metavar="ROUND:POINT")
+    parser.add_argument(
+        "--drop",
+        type=_drop_spec,
+        action="append",
+        default=[],
+        metavar="PID:ROUND:STATE",
+        help="take a participant offline when ROUND opens (open) or before its update "
+        "(collecting); repeatable",
+    )
+    parser.add_argument(
+        "--rejoin",
+        type=_rejoin_spec,
+        action="append",
+        default=[],
+        metavar="PID:ROUND",
+        help="bring a dropped participant back when ROUND (or its next attempt) opens",
+    )
+    parser.add_argument("--participants-dir", type=Path, default=None)
+    parser.add_argument("--report", type=Path, default=None, help="write a JSON report here")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.participants < 1:
+        parser.error("--rounds and --participants must be at least 1")
+    if args.kill_at is not None and args.kill_at[0] >= args.rounds:
+        parser.error(f"--kill-at round {args.kill_at[0]} is not below --rounds {args.rounds}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr, force=True
+    )
+    import torch
+
+    torch.set_num_threads(1)  # a toy model: threads only cost start-up time
+    faults = FaultPlan()
+    for pid, round, state in args.drop:
+        faults.drop(pid, round=round, at=state)
+    for pid, round in args.rejoin:
+        faults.rejoin(pid, round=round)
+    if args.kill_at is not None:
+        install_kill(args.run_dir, *args.kill_at, report=args.report)
+    try:
+        coordinator = run_drill(
+            args.run_dir,
+            rounds=args.rounds,
+            participants=args.participants,
+            resume=args.resume,
+            secagg_threshold=args.secagg_threshold,
+            participants_dir=args.participants_dir,
+            faults=faults,
+        )
+    except LensembleError as exc:
+        sys.stderr.write(f"crash-drill: {type(exc).__name__}: {exc}\n")
+        return 2
+    report = summary(coordinator)
+    if args.kill_at is not None:
+        sys.stderr.write(f"crash-drill: the run never reached {args.kill_at}\n")
+        report["outcome"] = "kill point not reached"
+    text = json.dumps(report, indent=2)
+    if args.report is not None:
+        args.report.write_text(text)
+    else:
+        print(text)
+    return NOT_REACHED if args.kill_at is not None else 0
+
+
+def run_cli(argv: Sequence[str]) -> None:
+    """``main(argv)`` as a process's whole life: exits with its status."""
+    sys.stdout.flush()
+    raise SystemExit(main(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
