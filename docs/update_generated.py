@@ -12,6 +12,7 @@ from pathlib import Path
 from lensemble_flwr.config import run_config_table
 from lensemble_flwr.errors import response_table
 from lensemble_flwr.federation.round import transition_diagram
+from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent / "tests"))  # the fault catalogue lives with its tests
@@ -22,6 +23,7 @@ BLOCKS = {
     ("runtime.md", "errors"): response_table,
     ("configuration.md", "run-config"): run_config_table,
     ("fault-injection.md", "scenarios"): scenario_table,
+    ("recovery.md", "kill-matrix"): kill_matrix_table,
 }
 
 

@@ -31,7 +31,7 @@ from lensemble_flwr.federation import durable
 from lensemble_flwr.federation.coordinator import INTERRUPTED
 from lensemble_flwr.provenance.ledger import RunManifest, verify
 from lensemble_flwr.simulations import crash_drill
-from lensemble_flwr.simulations.crash_drill import KILL_POINTS, KILL_POINTS_BY_NAME
+from lensemble_flwr.simulations.kill_points import KILL_POINTS, KILL_POINTS_BY_NAME
 
 ROUNDS = 4
 SIGKILLED = -9
@@ -67,6 +67,7 @@ CASES = [
     Case("committing", 1),
     Case("checkpoint-write", 2),
     Case("closed", 1),
+    Case("closed", 3),  # the last round: the restart has nothing left to run
     Case("aborted", 1, drops=("p01:1:open", "p02:1:open")),
     Case("collecting", 0),
     Case("aligning", 1, secagg_threshold=3, drops=("p03:1:collecting",)),

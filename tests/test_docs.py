@@ -14,6 +14,7 @@ from fault_scenarios import scenario_table
 from lensemble_flwr.config import run_config_keys, run_config_table
 from lensemble_flwr.errors import response_table
 from lensemble_flwr.federation.round import transition_diagram
+from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -34,6 +35,7 @@ def generated_block(page: str, name: str) -> str:
         ("runtime.md", "errors", response_table()),
         ("configuration.md", "run-config", run_config_table()),
         ("fault-injection.md", "scenarios", scenario_table()),
+        ("recovery.md", "kill-matrix", kill_matrix_table()),
     ],
 )
 def test_generated_blocks_match_the_code(page: str, name: str, expected: str) -> None:

@@ -10,7 +10,7 @@ no Flower, no Ray)::
 ``--kill-at ROUND:POINT`` sends SIGKILL to the process itself the moment the round
 machine of round ROUND *enters* the state POINT (``open`` … ``closed``, ``aborted``); for
 ``mid-collecting``, as the attempt's second update is admitted; for ``checkpoint-write``,
-half-way through writing the round's checkpoint blob (:data:`KILL_POINTS` lists them all).
+half-way through writing the round's checkpoint blob (:mod:`.kill_points` lists them all).
 The hooks wrap :class:`RoundMachine`, the aggregators' ``admit`` and
 :meth:`Store._publish` from the outside; the coordinator itself is not modified.
 ``--resume`` rebuilds the coordinator with :meth:`Coordinator.resume` on the same run
@@ -30,7 +30,6 @@ when the process starts again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -57,114 +56,17 @@ from lensemble_flwr.federation.participant import Participant
 from lensemble_flwr.federation.round import GlobalState, RoundMachine, RoundState
 from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
 from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.simulations.kill_points import (
+    CHECKPOINT_WRITE,
+    KILL_POINTS_BY_NAME,
+    MID_COLLECTING,
+)
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_WRITE = "checkpoint-write"
-MID_COLLECTING = "mid-collecting"
 NOT_REACHED = 3
 """Exit status when the run finished without reaching the requested kill point."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KillPoint:
-    """One place the drill can kill the coordinator, and what that leaves behind."""
-
-    name: str
-    dies: str
-    """When the process dies."""
-    committed: bool
-    """The killed round's ledger record is on disk when the process dies."""
-    verify_before: str
-    """What ``verify(store)`` says about the run directory before the restart."""
-    on_resume: str
-    """What :meth:`Coordinator.resume` does with the interrupted attempt."""
-
-
-_RETRIED = "records the attempt as aborted (CoordinatorRestart), retries the round as attempt 2"
-KILL_POINTS: tuple[KillPoint, ...] = (
-    KillPoint(
-        "open",
-        "the attempt's start marker is claimed and its machine created; no RoundOpen sent",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        "collecting",
-        "quorum reached: RoundOpens sent, updates not yet collected",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        MID_COLLECTING,
-        "as the second update of the attempt is admitted; the first one's bindings and "
-        "mask-key shares are in memory only",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        "aggregating",
-        "the contributing set is frozen and the participant registry stored; no sum yet",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        "aligning",
-        "the sum is revealed and self-checked (masked: revealed keys are in the registry)",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        "committing",
-        "the diagnostics are computed; no checkpoint, no ledger record",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        CHECKPOINT_WRITE,
-        "half of the new checkpoint is in a temp file under tmp/; nothing under blobs/, names/",
-        False,
-        "passes",
-        _RETRIED,
-    ),
-    KillPoint(
-        "closed",
-        "the ledger record is claimed and RoundClose sent; the manifest has no entry yet",
-        True,
-        "fails: the manifest's closed rounds differ from the ledger's",
-        "completes the manifest entry from the ledger record; the round is not run again",
-    ),
-    KillPoint(
-        "aborted",
-        "the attempt aborted (quorum missed) before its manifest entry was written",
-        False,
-        "passes",
-        _RETRIED + " (the original reason is not kept)",
-    ),
-)
-KILL_POINTS_BY_NAME = {p.name: p for p in KILL_POINTS}
-
-
-def kill_matrix_table() -> str:
-    """The kill points as a markdown table (docs/recovery.md shows it)."""
-    rows = [
-        "| kill point | the process dies when | killed round in the ledger | verify before resume "
-        "| resume |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    rows += [
-        f"| `{p.name}` | {p.dies} | {'yes' if p.committed else 'no'} | {p.verify_before} "
-        f"| {p.on_resume} |"
-        for p in KILL_POINTS
-    ]
-    return "\n".join(rows)
 
 
 def drill_config(secagg_threshold: int = 0) -> LensembleConfig:
