@@ -12,6 +12,10 @@ SuperNode, whose key nobody registered, tries to join. The test checks that:
   the ledger (which verifies) and in every manifest entry;
 * ``flwr supernode list`` shows the two registered nodes and nothing else.
 
+The registering CLI holds nothing but the CA certificate: Flower's Control API, on the same
+port, does not authenticate callers in this distribution, which is why docs/deployment.md
+keeps it off the participants' network.
+
 Run it alone with
 
     /work/venv/bin/pytest tests/test_deployment_auth.py -q -m deployment -s
