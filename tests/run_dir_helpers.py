@@ -80,6 +80,7 @@ def synthetic_run(
     manifest.start(store)
     ledger, previous = Ledger(store), GENESIS
     for t, roots in enumerate(roots_by_round):
+        drift = 0.01 * (t + 1) if frame_drift else None
         params = {"w": np.full(2, t + 1.0, np.float32)}
         new_hash = digest_arrays(params, "params")
         contributors = tuple(sorted(roots))
@@ -99,12 +100,13 @@ def synthetic_run(
                 new_global_hash=new_hash,
                 checkpoint=store.put(encode_checkpoint(t + 1, params, zeros)),
                 round_seed=t,
+                frame_drift=drift,
                 previous_record_hash=previous,
             )
         )
         diagnostics = {"mean_delta_l2": 1.0 / (t + 1)}
-        if frame_drift:
-            diagnostics["frame_drift"] = 0.01 * (t + 1)
+        if drift is not None:
+            diagnostics["frame_drift"] = drift
         manifest = manifest.with_round(
             store,
             RoundEntry(

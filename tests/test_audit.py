@@ -59,6 +59,18 @@ def test_a_hand_made_run_passes(tmp_path: Path) -> None:
     assert audit_run(synthetic_run(tmp_path / "syn", roots)).ok
 
 
+def test_the_manifests_frame_drift_must_be_the_ledgers(tmp_path: Path) -> None:
+    run = synthetic_run(tmp_path / "syn", [{"a": "aa" * 32}] * 2)
+    entry = read_json(run, "manifest/rounds/00000001-0001")
+    rewrite_json(
+        run,
+        "manifest/rounds/00000001-0001",
+        diagnostics=entry["diagnostics"] | {"frame_drift": 0.5},
+    )
+    first = audit_run(run).first
+    assert first == Finding("round 1", "manifest.diagnostics.frame_drift", "0.02", "0.5", 1)
+
+
 def test_a_folder_that_is_not_a_run_is_refused_and_left_untouched(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

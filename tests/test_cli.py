@@ -198,7 +198,7 @@ def test_report_defaults_to_the_run_dir_and_plots_every_diagnostic(
         png_size(with_drift / "report/rounds.png")[1] > png_size(without / "report/rounds.png")[1]
     )
     md = (with_drift / "report/report.md").read_text()
-    assert "| round | attempt | C_t | frame_drift | mean_delta_l2 | epsilon max |" in md
+    assert "| round | attempt | C_t | mean_delta_l2 | frame_drift | epsilon max |" in md
     assert "No differentially private release was recorded." in md
 
 

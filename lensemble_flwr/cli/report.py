@@ -63,14 +63,18 @@ def write_report(run_dir: str | Path, out_dir: Path) -> tuple[ReportFiles, Audit
     return files, audit
 
 
+def _diagnostics_in_order(summary: RunSummary) -> list[str]:
+    names = summary.diagnostic_names()
+    return [n for n in _FIRST_DIAGNOSTICS if n in names] + [
+        n for n in names if n not in _FIRST_DIAGNOSTICS
+    ]
+
+
 def _series(summary: RunSummary) -> list[tuple[str, list[int], list[float]]]:
     """(title, rounds, values) per panel, over the closed attempts."""
     closed = summary.closed
     panels = [("C_t (contributors)", [a.round for a in closed], [float(a.count) for a in closed])]
-    names = summary.diagnostic_names()
-    ordered = [n for n in _FIRST_DIAGNOSTICS if n in names]
-    ordered += [n for n in names if n not in _FIRST_DIAGNOSTICS]
-    for name in ordered:
+    for name in _diagnostics_in_order(summary):
         points = [(a.round, a.diagnostics[name]) for a in closed if name in a.diagnostics]
         panels.append((name, [r for r, _ in points], [v for _, v in points]))
     eps = [(a.round, a.epsilon_max) for a in closed if a.epsilon_max is not None]
@@ -151,7 +155,7 @@ def render_markdown(summary: RunSummary, audit: AuditReport, png_name: str) -> s
         lines += [f"| {_cell(p)} | {e:.4g} |" for p, e in spent.items()]
     else:
         lines.append("No differentially private release was recorded.")
-    names = summary.diagnostic_names()
+    names = _diagnostics_in_order(summary)
     lines += ["", "## Closed rounds", ""]
     header = ["round", "attempt", "C_t", *names, "epsilon max"]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
