@@ -86,6 +86,7 @@ class Drill:
     registry_at_kill: tuple[dict[str, Any], dict[str, Any]]
     verify_at_kill: Exception | int
     tmp_at_kill: list[Path]
+    blobs_at_kill: set[str]
     visible_at_kill: list[str]
     resumed: dict[str, Any]
 
@@ -131,17 +132,15 @@ def straight(run_drill: Runner, tmp_path_factory: pytest.TempPathFactory) -> dic
     }
 
 
-_drills: dict[Case, Drill] = {}
-
-
 @pytest.fixture(scope="module")
 def drill(run_drill: Runner, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Case], Drill]:
     """Kill, inspect, resume, once per case (several tests look at the same drill)."""
+    drills: dict[Case, Drill] = {}
 
     def get(case: Case) -> Drill:
-        if case not in _drills:
-            _drills[case] = _run_case(run_drill, tmp_path_factory.mktemp(case.id), case)
-        return _drills[case]
+        if case not in drills:
+            drills[case] = _run_case(run_drill, tmp_path_factory.mktemp(case.id), case)
+        return drills[case]
 
     return get
 
@@ -169,6 +168,7 @@ def _run_case(run_drill: Runner, base: Path, case: Case) -> Drill:
         ),
         "verify_at_kill": verified,
         "tmp_at_kill": sorted((run_dir / "tmp").iterdir()),
+        "blobs_at_kill": {p.name for p in (run_dir / "blobs").rglob("*") if p.is_file()},
         "visible_at_kill": partial_files(run_dir),
     }
     code = run_drill(
@@ -222,8 +222,10 @@ def test_killed_coordinator_resumes_from_the_last_closed_round(
         assert d.verify_at_kill == t, d.verify_at_kill
     if case.point == "checkpoint-write":  # the kill came mid-write: half a checkpoint in tmp/
         (partial,) = d.tmp_at_kill
+        assert partial.stat().st_size == d.killed["written"] == d.killed["size"] // 2
         with pytest.raises(CheckpointIntegrityError):
             decode_checkpoint(partial.read_bytes())
+        assert d.killed["blob"] not in d.blobs_at_kill  # the checkpoint was never published
     else:
         assert d.tmp_at_kill == []
 

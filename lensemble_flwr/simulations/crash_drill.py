@@ -140,9 +140,9 @@ class KeptParticipant:
 
 
 # -- the kill hooks -----------------------------------------------------------------------
-def _die(report: Path | None, round: int, attempt: int, point: str) -> None:
+def _die(report: Path | None, round: int, attempt: int, point: str, **detail: Any) -> None:
     """Record where the process dies, then SIGKILL it (no cleanup runs)."""
-    note = {"outcome": "killed", "round": round, "attempt": attempt, "point": point}
+    note = {"outcome": "killed", "round": round, "attempt": attempt, "point": point, **detail}
     if report is not None:
         report.write_text(json.dumps(note))
     sys.stderr.write(f"crash-drill: SIGKILL in round {round} attempt {attempt} at {point}\n")
@@ -192,7 +192,8 @@ def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None =
                 f.write(data[: len(data) // 2])
                 f.flush()
                 os.fsync(f.fileno())
-            _die(report, round, machines[-1].attempt, point)
+            blob = {"blob": dest.name, "size": len(data), "written": len(data) // 2}
+            _die(report, round, machines[-1].attempt, point, **blob)
         return real_publish(self, data, dest, exclusive=exclusive)
 
     RoundMachine.__init__ = init  # type: ignore[method-assign]
