@@ -11,6 +11,7 @@ experiment's measure of a global model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -42,8 +43,10 @@ class WorldFederation:
     gauge: GaugeSetup
 
 
+@functools.lru_cache(maxsize=8)
 def world_gauge(seed: int = 0) -> GaugeSetup:
-    """The world model's gauge adapter and the world's public probe."""
+    """The world model's gauge adapter and the world's public probe (cached: a SuperNode
+    asks for it on every message, and the probe's hashes are computed once)."""
     return GaugeSetup(adapter=WorldModelAdapter(), probe=public_probe(seed))
 
 

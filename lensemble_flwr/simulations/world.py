@@ -1,0 +1,177 @@
+"""The latent world-model Flower App: sovereign embodiments aligning their latent frames.
+
+``flwr run .`` with this app's components runs it on Flower's simulation engine. Every
+node is one embodiment of a shared synthetic world (``partition-id`` picks which): its
+own action dimension, sensors and private trajectories (:mod:`world_data`). The shared
+groups ``encoder`` and ``predictor`` are federated; the ``action_head`` stays on the node.
+With ``gauge-align`` (on in this app's defaults) each node aligns its trained weights to
+the global latent frame on the pinned public probe before releasing them.
+
+Run config: the lensemble keys (``docs/configuration.md``; this app needs
+``shared-groups = "encoder,predictor"`` and ``local-groups = "action_head"``) and the app
+keys in :data:`APP_KEYS`. ``rotate-start = true`` makes every node train in its own
+randomly rotated latent frame (the experiment of ``docs/gauge.md``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from lensemble_flwr.clients.app import config_from_context, make_client_app
+from lensemble_flwr.clients.state import load_state
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.federation.alignment import GaugeSetup
+from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.params import is_local, is_shared
+from lensemble_flwr.simulations.world_data import participant_data
+from lensemble_flwr.simulations.world_federation import world_gauge
+from lensemble_flwr.simulations.world_model import (
+    WorldTrainer,
+    WorldTraining,
+    initial_params,
+)
+from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
+
+APP_KEYS = {
+    "num-server-rounds",
+    "num-partitions",
+    "run-dir",
+    "warmup-timeout",
+    "fraction-evaluate",
+    "data-seed",
+    "init-seed",
+    "rotate-start",
+}
+"""The app's own run_config keys (everything else must be a lensemble key)."""
+
+_PARTICIPANT_TRAINING = "training/"
+"""Where a Participant's exported state keeps its LocalTraining's arrays and metadata."""
+
+
+def check_groups(config: LensembleConfig) -> None:
+    """Refuse groups that would share the action heads (their shapes differ per node).
+
+    Raises:
+        ConfigError: ``action_head`` is not local, or encoder/predictor are not shared.
+    """
+    if not is_local("action_head.weight", config.groups):
+        raise ConfigError("local-groups", "the world model keeps 'action_head' local")
+    for name in ("encoder.out.weight", "predictor.out.weight"):
+        if not is_shared(name, config.groups):
+            raise ConfigError("shared-groups", f"the world model shares {name.split('.')[0]!r}")
+
+
+def _seeds(context: Context) -> tuple[int, int]:
+    run = context.run_config
+    return int(run.get("data-seed", 0)), int(run.get("init-seed", 0))
+
+
+def _partition(context: Context) -> int:
+    node = context.node_config
+    count = int(node.get("num-partitions", context.run_config.get("num-partitions", 6)))
+    return int(node.get("partition-id", 0)) % count
+
+
+def trainer_fn(context: Context) -> WorldTraining:
+    """This node's world model and embodiment, with its local state (action head, inner
+    optimizer) restored from ``context.state`` so that evaluation uses its own head."""
+    config = config_from_context(context)
+    check_groups(config)
+    data_seed, init_seed = _seeds(context)
+    trainer = WorldTrainer(
+        participant_data(_partition(context), seed=data_seed), init_seed=init_seed
+    )
+    training = WorldTraining(
+        trainer,
+        config,
+        rotate_start=bool(context.run_config.get("rotate-start", False)),
+        rotation_seed=data_seed,
+    )
+    saved = load_state(context.state)
+    cut = len(_PARTICIPANT_TRAINING)
+    training.import_state(
+        PortableState(
+            arrays={
+                k[cut:]: v for k, v in saved.arrays.items() if k.startswith(_PARTICIPANT_TRAINING)
+            },
+            meta=saved.meta.get("training") or {},
+        )
+    )
+    return training
+
+
+def gauge_fn(context: Context) -> GaugeSetup:
+    """The world model's gauge adapter and the world's public probe."""
+    return world_gauge(_seeds(context)[0])
+
+
+def evaluate_fn(
+    training: WorldTraining, params: Mapping[str, np.ndarray], config: Mapping[str, Any]
+) -> dict[str, float]:
+    """The node's validation loss of the global shared weights with its own action head."""
+    trainer = training.trainer
+    assert isinstance(trainer, WorldTrainer)
+    return {
+        "loss": trainer.validation_loss(params),
+        "num-examples": len(trainer.data.validation),
+    }
+
+
+client_app = make_client_app(trainer_fn, evaluate_fn=evaluate_fn, gauge_fn=gauge_fn)
+
+server_app = ServerApp()
+
+
+def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> float:
+    """||E[z zᵀ] − I||_F² / d of the global encoder on the public probe: the anti-collapse
+    term on public data (frame-invariant; 0 for latents whitened on the probe)."""
+    z = gauge.adapter.embed(params, gauge.probe.inputs).astype(np.float64)
+    d = z.shape[1]
+    return float(np.sum((z.T @ z / len(z) - np.eye(d)) ** 2) / d)
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the federation and print one line per round."""
+    run_config = dict(context.run_config)
+    config = LensembleConfig.from_run_config(run_config, extra_keys=APP_KEYS)
+    check_groups(config)
+    run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
+    if run_dir:
+        run_dir = str(Path(run_dir) / f"flwr-{context.run_id}")
+    data_seed, init_seed = _seeds(context)
+    gauge = world_gauge(data_seed)
+    strategy = LensembleStrategy(
+        config,
+        run_dir=run_dir or None,
+        warmup_timeout=float(run_config.get("warmup-timeout", 120.0)),
+        fraction_evaluate=float(run_config.get("fraction-evaluate", 1.0)),
+        on_round=lambda line: print(line, flush=True),
+        gauge=gauge,
+    )
+
+    def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"probe-moment-gap": probe_moment_gap(gauge, record_to_arrays(arrays))})
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=arrays_to_record(initial_params(init_seed)),
+        num_rounds=int(run_config.get("num-server-rounds", 5)),
+        timeout=config.federation.collect_timeout,
+        evaluate_fn=server_evaluate,
+    )
+    final = result.evaluate_metrics_clientapp.get(max(result.evaluate_metrics_clientapp, default=0))
+    print(f"run directory: {result.run_dir}", flush=True)
+    print(
+        f"final validation loss (nodes' own action heads): {dict(final) if final else None}",
+        flush=True,
+    )

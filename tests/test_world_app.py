@@ -1,0 +1,114 @@
+"""The world-model Flower App without Ray: its ServerApp and ClientApp over a fake grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+)
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.simulations import world
+from lensemble_flwr.strategies import records
+
+NODES = (21, 22, 23)
+RUN_CONFIG: dict[str, Any] = {
+    "num-server-rounds": 2,
+    "num-partitions": 3,
+    "fraction-evaluate": 1.0,
+    "warmup-timeout": 10.0,
+    "rotate-start": True,
+    "min-participants": 3,
+    "open-timeout": 30.0,
+    "collect-timeout": 30.0,
+    "inner-steps": 5,
+    "inner-lr": 0.003,
+    "inner-weight-decay": 0.0,
+    "shared-groups": "encoder,predictor",
+    "local-groups": "action_head",
+    "gauge-align": True,
+}
+
+
+def world_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]]:
+    contexts = {
+        n: Context(
+            run_id=1,
+            node_id=n,
+            node_config={"partition-id": i, "num-partitions": len(NODES)},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        for i, n in enumerate(NODES)
+    }
+
+    def node(context: Context):  # type: ignore[no-untyped-def]
+        def answer(message: Message) -> Message:
+            return world.client_app(message, context)
+
+        return answer
+
+    return FakeGrid(FakeClock(), {n: node(contexts[n]) for n in NODES}), contexts
+
+
+def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_config = {**RUN_CONFIG, "run-dir": str(tmp_path)}
+    grid, contexts = world_grid(run_config)
+    server = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    world.main(grid, server)
+    out = capsys.readouterr().out
+    assert "final validation loss (nodes' own action heads): {'loss'" in out
+    ledger = verify(Store(tmp_path / "flwr-7"))
+    assert [r.count for r in ledger] == [3, 3]
+    assert all(r.frame_drift is not None and 0 <= r.frame_drift <= 1 for r in ledger)
+    # every update was aligned before it was differenced, on the round's sketch
+    updates = [
+        payload
+        for _, reply in grid.delivered
+        if reply.metadata.message_type == "train"
+        for payload in records.decode_reply(reply.content)
+        if payload["kind"] == "update"
+    ]
+    assert len(updates) == 6
+    assert all(tuple(u["transforms"])[:2] == ("align", "difference") for u in updates)
+    assert all(u["sketch_fingerprint"] for u in updates)
+    # each node keeps its own trained action head (its own action dimension) in its state,
+    # and a node rebuilt for an evaluate message gets it back
+    for context in contexts.values():
+        fresh = Context(
+            run_id=1,
+            node_id=context.node_id,
+            node_config=context.node_config,
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        kept = world.trainer_fn(context).trainer.model.action_head.weight.detach()
+        initial = world.trainer_fn(fresh).trainer.model.action_head.weight.detach()
+        assert kept.shape == initial.shape and not kept.equal(initial)
+    dims = {world.trainer_fn(c).trainer.data.embodiment.action_dim for c in contexts.values()}
+    assert dims == {2, 3, 4}
+
+
+@pytest.mark.parametrize(
+    ("groups", "key"),
+    [
+        ({"shared-groups": "*", "local-groups": ""}, "local-groups"),
+        ({"shared-groups": "encoder", "local-groups": "action_head"}, "shared-groups"),
+    ],
+)
+def test_the_world_app_refuses_groups_that_would_share_action_heads(
+    groups: dict[str, str], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        world.check_groups(LensembleConfig.from_run_config(groups))
