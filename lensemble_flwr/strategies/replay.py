@@ -1,42 +1,9 @@
-"""A transport that replays replies which were already collected.
+"""ReplayTransport, re-exported where the Flower strategy has always imported it from.
 
-Flower's stock ``Strategy.start`` loop collects replies itself and hands them to
-``aggregate_train``. To run the *same* state machine on them, the strategy wraps them in
-this transport: sends go nowhere (the instructions already went out), ``recv`` returns
-the collected payloads in order and then nothing, and its clock jumps past each timeout.
+It lives in :mod:`lensemble_flwr.federation.replay` because it is Flower-free and the
+shared-folder runner, below the Flower layer, uses it too.
 """
 
-from __future__ import annotations
+from lensemble_flwr.federation.replay import ReplayTransport
 
-from collections import deque
-from collections.abc import Iterable, Sequence
-
-from lensemble_flwr.federation.messages import ControlMessage, WirePayload
-
-
-class ReplayTransport:
-    """The coordinator's end of a set of already-collected replies."""
-
-    def __init__(self, payloads: Iterable[WirePayload], peers: Iterable[str]) -> None:
-        self._payloads = deque(payloads)
-        self._peers = sorted(set(peers))
-        self._time = 0.0
-        self.sent: list[tuple[str, ControlMessage]] = []
-
-    def send(self, peer_id: str, message: ControlMessage) -> None:
-        self.sent.append((peer_id, message))
-
-    def broadcast(self, message: ControlMessage) -> None:
-        self.sent.extend((peer, message) for peer in self._peers)
-
-    def peers(self) -> Sequence[str]:
-        return list(self._peers)
-
-    def now(self) -> float:
-        return self._time
-
-    def recv(self, *, timeout_s: float) -> WirePayload | None:
-        if self._payloads:
-            return self._payloads.popleft()
-        self._time += max(0.0, timeout_s)
-        return None
+__all__ = ["ReplayTransport"]

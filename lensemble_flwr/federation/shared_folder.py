@@ -1,0 +1,549 @@
+"""Rounds over a shared folder: the same script on every node and no coordinator process.
+
+On a cluster where every job mounts the same filesystem, each participant process runs::
+
+    node = SharedFolderParticipant(folder, config=config, participant_id=my_id,
+                                   trainer=my_trainer, participants=all_ids,
+                                   initial_params=theta_0, run_id="demo")
+    state = node.run(rounds=10)            # the global state after round 10
+
+and that is the whole deployment. Per sitting of a round (see :mod:`.folder_barrier`):
+
+1. every process reads the sitting's announcement (the global checkpoint and the
+   RoundOpen the coordinator would send it), lets its :class:`Participant` answer, and
+   deposits the answer — Commitment and Update, or a Refusal — with its size;
+2. whoever finds every record there claims the decision. Exactly one wins; it restores
+   the coordinator from the run's store (:meth:`Coordinator.resume`) and runs one attempt
+   of the same round state machine over the records (a :class:`ReplayTransport`, as the
+   Flower strategy's ``aggregate_train`` does): quorum, self-check, outer step,
+   checkpoint, ledger record. It publishes the outcome and the next announcement;
+3. everybody else waits for that outcome and goes on from it, so all of them leave a round
+   with the same global state, the one in the ledger.
+
+The first process to arrive creates the run (``Coordinator(...)``, the usual way) and
+announces round 0. A process that arrives late walks the published outcomes to the
+sitting in progress without waiting on any of them, and one restarted after depositing
+does not deposit twice. A sitting that was not complete by the deadline is decided
+without the missing participants: by default that is a :class:`RoundIncomplete` naming
+them (tried again in a new sitting, up to ``max-round-attempts``); with ``quorum`` set, the
+coordinator runs on the records that are there. An attempt the coordinator aborts is
+retried (or stops the run) exactly as :meth:`Coordinator.run` would, by the error table.
+
+Masked rounds are refused: secure aggregation needs an unmask exchange after the updates,
+which a one-shot deposit does not carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lensemble_flwr import errors
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    ConfigError,
+    InconsistentSizes,
+    LedgerError,
+    LensembleError,
+    Response,
+    RoundError,
+    RoundIncomplete,
+    response_to,
+)
+from lensemble_flwr.federation.coordinator import (
+    AggregatorFactory,
+    Coordinator,
+    fixed_point_aggregator,
+)
+from lensemble_flwr.federation.folder_barrier import (
+    Decide,
+    FolderBarrier,
+    SittingKey,
+    Snapshot,
+)
+from lensemble_flwr.federation.folder_records import (
+    Announcement,
+    FolderRecord,
+    Genesis,
+    Outcome,
+    decode_genesis,
+    decode_outcome,
+    decode_record,
+    encode,
+    encode_record,
+)
+from lensemble_flwr.federation.local_training import LocalTraining, Trainer
+from lensemble_flwr.federation.messages import ControlMessage, RoundOpen, WirePayload, to_wire
+from lensemble_flwr.federation.participant import Participant
+from lensemble_flwr.federation.replay import ReplayTransport
+from lensemble_flwr.federation.round import GlobalState, RoundState
+from lensemble_flwr.federation.transport import COORDINATOR
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.release import ReleaseTransform
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class _Outbox:
+    """The participant's transport: what it sends is kept, to be deposited as its record."""
+
+    def __init__(self) -> None:
+        self._sent: list[WirePayload] = []
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        self._sent.append(to_wire(message))
+
+    def broadcast(self, message: ControlMessage) -> None:
+        self._sent.append(to_wire(message))
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        return None
+
+    def peers(self) -> Sequence[str]:
+        return [COORDINATOR]
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def take(self) -> list[WirePayload]:
+        sent, self._sent = self._sent, []
+        return sent
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A sitting this process decided, and how."""
+
+    key: SittingKey
+    state: str
+    contributors: tuple[str, ...]
+
+
+def check_sizes(records: Sequence[FolderRecord]) -> None:
+    """Refuse records that disagree about sizes: every record with an update states its
+    size or none does, and a stated size is the update's ``num_examples``.
+
+    Raises:
+        InconsistentSizes: naming who states a size and who does not, or whose size is
+            not its update's.
+    """
+    answered = [(r, _update_of(r)) for r in records]
+    answered = [(r, u) for r, u in answered if u is not None]
+    stated = sorted(r.participant for r, _ in answered if r.num_examples is not None)
+    silent = sorted(r.participant for r, _ in answered if r.num_examples is None)
+    if stated and silent:
+        raise InconsistentSizes(
+            f"{', '.join(stated)} state their size and {', '.join(silent)} do not: all of "
+            "them or none"
+        )
+    for record, update in answered:
+        if record.num_examples is not None and record.num_examples != update.get("num_examples"):
+            raise InconsistentSizes(
+                f"{record.participant} states size {record.num_examples} and its update "
+                f"says {update.get('num_examples')!r}"
+            )
+
+
+def _update_of(record: FolderRecord) -> Mapping[str, object] | None:
+    return next((p for p in record.payloads if p.get("kind") == "update"), None)
+
+
+def _rebuild_error(outcome: Outcome) -> LensembleError:
+    """The error a stopped sitting published, as its own type where this package has it."""
+    reason = outcome.reason or ""
+    if outcome.state == "incomplete":
+        return RoundIncomplete(reason, missing=outcome.missing)
+    cls = getattr(errors, outcome.error or "", None)
+    if cls is ConfigError:
+        return ConfigError(outcome.error_field or "config", reason)
+    if isinstance(cls, type) and issubclass(cls, LensembleError):
+        return cls(reason)
+    return LensembleError(
+        f"{outcome.decided_by} failed deciding round {outcome.round}: {outcome.error}: {reason}"
+    )
+
+
+class SharedFolderParticipant:
+    """One participant process of a federation that meets in a shared folder.
+
+    Args:
+        folder: the folder every process mounts; the run lives in ``runs/<run_id>/``.
+        config: the federation's config (every process must pass the same; the run's
+            recorded config is checked).
+        participant_id: this process's participant, one of ``participants``.
+        trainer: its private data and model (a Trainer or any LocalTraining).
+        participants: every participant of the run, the same list in every process.
+        initial_params: θ_0; only the process that creates the run uses it.
+        run_id: names the run; runs sharing a folder never see each other.
+        pipeline: the participant's release pipeline (the config's by default).
+        quorum: None: a sitting needs every participant's record, and a deadline without
+            them is a :class:`RoundIncomplete`. An int: at the deadline, the round goes on
+            with the records that are there if they are at least this many (the
+            coordinator's own quorum applies on top).
+        round_timeout: seconds a sitting may take to complete (default: the config's open
+            plus collect timeouts).
+        publish_timeout: seconds a decider may take to publish (default: the config's
+            collect timeout).
+        poll_interval: seconds between looks at the folder.
+        aggregator_factory: passed to the coordinator when this process decides.
+        on_outcome: called with the outcome of every sitting this process goes through.
+
+    Raises:
+        ConfigError: a participant list, id, run id or quorum that cannot work, or a
+            masked (secure-aggregation) config.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        config: LensembleConfig,
+        participant_id: str,
+        trainer: Trainer | LocalTraining,
+        participants: Sequence[str],
+        initial_params: Mapping[str, np.ndarray],
+        run_id: str = "lensemble-run",
+        pipeline: ReleaseTransform | None = None,
+        quorum: int | None = None,
+        round_timeout: float | None = None,
+        publish_timeout: float | None = None,
+        poll_interval: float = 0.05,
+        aggregator_factory: AggregatorFactory = fixed_point_aggregator,
+        on_outcome: Callable[[Outcome], None] | None = None,
+    ) -> None:
+        everyone = tuple(participants)
+        if not everyone or len(set(everyone)) != len(everyone):
+            raise ConfigError("participants", "must be a non-empty list without repeats")
+        for field, names in (("run_id", [run_id]), ("participants", everyone)):
+            bad = [n for n in names if not _NAME.fullmatch(n) or n in (".", "..")]
+            if bad:
+                raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
+        if participant_id not in everyone:
+            raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
+        if config.federation.secagg_threshold > 0:
+            raise ConfigError(
+                "secagg-threshold",
+                "masked rounds need an unmask exchange after the updates, which a shared-"
+                "folder round does not carry; use the in-process or Flower runtime",
+            )
+        if quorum is not None and not 1 <= quorum <= len(everyone):
+            raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
+        fed = config.federation
+        self.config = config
+        self.participant_id = participant_id
+        self.participants = tuple(sorted(everyone))
+        self.run_id = run_id
+        self.quorum = quorum
+        self.store = Store(Path(folder) / "runs" / run_id)
+        self.identity = f"{participant_id} (pid {os.getpid()} on {socket.gethostname()})"
+        self.barrier = FolderBarrier(
+            self.store,
+            identity=self.identity,
+            round_timeout=fed.open_timeout + fed.collect_timeout
+            if round_timeout is None
+            else round_timeout,
+            publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
+            poll_interval=poll_interval,
+        )
+        self._outbox = _Outbox()
+        self.participant = Participant(
+            config,
+            participant_id=participant_id,
+            transport=self._outbox,
+            trainer=trainer,
+            pipeline=pipeline,
+        )
+        self._initial_params = initial_params
+        self._aggregator_factory = aggregator_factory
+        self._on_outcome = on_outcome
+        self._answer: tuple[tuple[int, int], list[WirePayload]] | None = None
+        self.decisions: list[Decision] = []
+        """The sittings this process decided (at most one process decides each)."""
+        self.deposits: list[SittingKey] = []
+        """The sittings this process deposited a record in."""
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, rounds: int) -> GlobalState:
+        """Take part until the run has closed ``rounds`` rounds; return that global state.
+
+        ``rounds`` counts from the start of the run, so every process (and one restarted
+        half-way) agrees on where to stop.
+
+        Raises:
+            RoundIncomplete: a sitting's deadline passed without some participants, and
+                the round may not be tried again.
+            ClaimantDied: a sitting (or the run's start) was claimed and never published.
+            LensembleError: the error of an attempt that stopped the run (the decider
+                published it; every process raises the same).
+        """
+        if rounds < 0:
+            raise ValueError("rounds must be >= 0")
+        announcement = self._join()
+        while announcement.round < rounds:
+            key = SittingKey(announcement.round, announcement.sitting)
+            published = self.barrier.outcome(key)
+            if published is None:  # the sitting is still open: answer it, then wait
+                self._deposit(key, announcement)
+                published = self.barrier.gather(key, self.participants, self._decider(announcement))
+            outcome = decode_outcome(published)
+            if (outcome.run_id, outcome.round, outcome.sitting) != (
+                self.run_id,
+                key.round,
+                key.sitting,
+            ):
+                raise LedgerError(f"{key}: the published outcome is about another sitting")
+            if self._on_outcome is not None:
+                self._on_outcome(outcome)
+            if outcome.next is None:
+                log.error("%s: the run stops: %s: %s", key, outcome.error, outcome.reason)
+                raise _rebuild_error(outcome)
+            if outcome.state != "closed":
+                log.warning(
+                    "%s %s (%s); the round is tried again", key, outcome.state, outcome.reason
+                )
+            announcement = outcome.next
+        return self._state(announcement)
+
+    # -- joining -------------------------------------------------------------------------
+    def _join(self) -> Announcement:
+        genesis = decode_genesis(self.barrier.start(self._create))
+        if genesis.run_id != self.run_id:
+            raise ConfigError("run_id", f"the folder's run is {genesis.run_id!r}")
+        if genesis.participants != self.participants:
+            raise ConfigError(
+                "participants",
+                f"the run was started with {list(genesis.participants)}, "
+                f"this process has {list(self.participants)}",
+            )
+        recorded, given = RunManifest.load(self.store).config, self.config.to_run_config()
+        if recorded != given:
+            differ = sorted(
+                k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
+            )
+            raise ConfigError(
+                "config", f"differs from the run's recorded configuration in {differ}"
+            )
+        return genesis.first
+
+    def _create(self) -> bytes:
+        """Start the run (this process won its start claim) and announce round 0."""
+        coordinator = Coordinator(
+            self.config,
+            transport=ReplayTransport((), ()),
+            initial_params=self._initial_params,
+            store=self.store,
+            run_id=self.run_id,
+            aggregator_factory=self._aggregator_factory,
+        )
+        first = Announcement.of(
+            self._round_opens(coordinator),
+            sitting=1,
+            checkpoint=coordinator.manifest.initial_checkpoint,
+        )
+        genesis = Genesis(
+            run_id=self.run_id,
+            participants=self.participants,
+            created_by=self.identity,
+            first=first,
+        )
+        return encode(genesis)
+
+    def _round_opens(self, coordinator: Coordinator) -> dict[str, RoundOpen]:
+        return {pid: coordinator.round_open_for(pid) for pid in self.participants}
+
+    # -- a participant's half ------------------------------------------------------------
+    def answer(self, announcement: Announcement) -> FolderRecord:
+        """The record this participant deposits for the announced sitting: its
+        Participant's answer to the RoundOpen, and its size when updates are weighed by
+        example counts (None under uniform weighting)."""
+        opened = announcement.round_opens[self.participant_id]
+        attempt = (announcement.round, int(opened["attempt"]))
+        if self._answer is None or self._answer[0] != attempt:
+            # a new attempt; a sitting retried without one (somebody never came) gets the
+            # same answer again, since a participant answers each attempt only once
+            params = self._checkpoint_params(announcement)
+            self.participant.handle(announcement.round_open(self.participant_id, params))
+            self._answer = (attempt, self._outbox.take())
+        payloads = self._answer[1]
+        update = next((p for p in payloads if p.get("kind") == "update"), None)
+        weighs = self.config.federation.weighting == "num-examples"
+        return FolderRecord(
+            run_id=self.run_id,
+            round=announcement.round,
+            sitting=announcement.sitting,
+            participant=self.participant_id,
+            num_examples=int(update["num_examples"]) if update is not None and weighs else None,
+            payloads=tuple(dict(p) for p in payloads),
+        )
+
+    def _deposit(self, key: SittingKey, announcement: Announcement) -> None:
+        if self.participant_id in self.barrier.deposited(key):
+            log.info("%s: %s already deposited (a restart?)", key, self.participant_id)
+            return
+        self.barrier.deposit(key, self.participant_id, encode_record(self.answer(announcement)))
+        self.deposits.append(key)
+
+    # -- the decider's half --------------------------------------------------------------
+    def _decider(self, announcement: Announcement) -> Decide:
+        def decide(snapshot: Snapshot) -> bytes:
+            try:
+                outcome = self._decide(announcement, snapshot)
+            except Exception as exc:  # published, so nobody waits for a decider that failed
+                if not isinstance(exc, LensembleError):
+                    log.exception("%s: deciding failed", snapshot.key)
+                outcome = self._outcome(
+                    snapshot,
+                    "aborted",
+                    global_hash=announcement.params_hash,
+                    error=exc,
+                )
+            self.decisions.append(Decision(snapshot.key, outcome.state, outcome.contributors))
+            return encode(outcome)
+
+        return decide
+
+    def _decide(self, announcement: Announcement, snapshot: Snapshot) -> Outcome:
+        key, present = snapshot.key, sorted(snapshot.records)
+        retry_allowed = key.sitting < self.config.federation.max_round_attempts
+        if snapshot.missing and (self.quorum is None or len(present) < self.quorum):
+            error = RoundIncomplete(
+                f"{key}: no record from {', '.join(snapshot.missing)} by the deadline "
+                f"({len(present)} of {len(self.participants)} deposited)",
+                missing=snapshot.missing,
+            )
+            return self._outcome(
+                snapshot,
+                "incomplete",
+                global_hash=announcement.params_hash,
+                error=error,
+                next=announcement.again() if retry_allowed else None,
+            )
+        records = self._readable(snapshot)
+        check_sizes(records)
+        coordinator = Coordinator.resume(
+            self.config,
+            transport=ReplayTransport((), ()),
+            store=self.store,
+            aggregator_factory=self._aggregator_factory,
+        )
+        state = coordinator.global_state()
+        expected_attempt = announcement.round_opens[self.participant_id]["attempt"]
+        if (state.round, state.params_hash, coordinator.next_attempt()) != (
+            announcement.round,
+            announcement.params_hash,
+            expected_attempt,
+        ):
+            raise LedgerError(
+                f"{key}: the run's store is at round {state.round} attempt "
+                f"{coordinator.next_attempt()}, not at what the sitting announced"
+            )
+        payloads = [payload for record in records for payload in record.payloads]
+        result = coordinator.run_attempt(transport=ReplayTransport(payloads, present))
+        if result.state is RoundState.CLOSED:
+            head = Ledger(self.store).head()
+            if head is None or head.new_global_hash != result.global_hash:
+                raise LedgerError(f"{key}: the ledger does not hold the closed round")
+            nxt = Announcement.of(
+                self._round_opens(coordinator), sitting=1, checkpoint=head.checkpoint
+            )
+            return self._outcome(
+                snapshot,
+                "closed",
+                global_hash=result.global_hash,
+                contributors=result.contributors,
+                next=nxt,
+            )
+        assert result.error is not None
+        retry = response_to(result.error) is Response.RETRY_ROUND and retry_allowed
+        nxt = (
+            Announcement.of(
+                self._round_opens(coordinator),
+                sitting=key.sitting + 1,
+                checkpoint=announcement.checkpoint,
+            )
+            if retry
+            else None
+        )
+        return self._outcome(
+            snapshot, "aborted", global_hash=result.global_hash, error=result.error, next=nxt
+        )
+
+    def _readable(self, snapshot: Snapshot) -> list[FolderRecord]:
+        """The snapshot's records that parse and speak for the participant they are filed
+        under; any other is left out (its participant then sent nothing the coordinator
+        can admit, as with a message that fails validation)."""
+        readable = []
+        for pid, data in sorted(snapshot.records.items()):
+            try:
+                record = decode_record(data)
+            except RoundError as exc:
+                log.warning("%s: record of %s left out: %s", snapshot.key, pid, exc)
+                continue
+            speakers = {p.get("participant_id") for p in record.payloads}
+            if record.participant != pid or not speakers <= {pid}:
+                log.warning("%s: record filed under %s speaks for %s", snapshot.key, pid, speakers)
+                continue
+            readable.append(record)
+        return readable
+
+    def _outcome(
+        self,
+        snapshot: Snapshot,
+        state: str,
+        *,
+        global_hash: str,
+        contributors: tuple[str, ...] = (),
+        error: BaseException | None = None,
+        next: Announcement | None = None,
+    ) -> Outcome:
+        return Outcome(
+            run_id=self.run_id,
+            round=snapshot.key.round,
+            sitting=snapshot.key.sitting,
+            state=state,  # type: ignore[arg-type]
+            decided_by=self.identity,
+            contributors=contributors,
+            missing=snapshot.missing,
+            error=None if error is None else type(error).__name__,
+            error_field=error.field if isinstance(error, ConfigError) else None,
+            reason=None
+            if error is None
+            else (error.reason if isinstance(error, ConfigError) else str(error))[:2000],
+            global_hash=global_hash,
+            next=next,
+        )
+
+    # -- state ---------------------------------------------------------------------------
+    def _checkpoint_params(self, announcement: Announcement) -> dict[str, np.ndarray]:
+        checkpoint = decode_checkpoint(self.store.get(announcement.checkpoint))
+        if (
+            checkpoint.params_hash != announcement.params_hash
+            or checkpoint.round != announcement.round
+        ):
+            raise CheckpointIntegrityError(
+                f"round {announcement.round}: the announced checkpoint does not hold the "
+                "announced global state"
+            )
+        return checkpoint.params
+
+    def _state(self, announcement: Announcement) -> GlobalState:
+        return GlobalState.create(
+            announcement.round,
+            self._checkpoint_params(announcement),
+            sketch_seed=derive_seed(self.config.federation.root_seed, "round", announcement.round),
+            h_steps=self.config.inner.steps,
+        )

@@ -1,0 +1,126 @@
+"""One participant process for tests/test_shared_folder.py.
+
+The test starts these as real processes (forked from a server that imported torch once,
+so that a process costs milliseconds instead of seconds). Each runs a
+:class:`SharedFolderParticipant` on the toy task and writes a JSON report. ``mutant`` names
+a broken variant patched into the process before it starts; the mutation tests check that
+the invariants of a round catch every one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import StoreError
+from lensemble_flwr.federation.folder_barrier import FolderBarrier
+from lensemble_flwr.federation.shared_folder import SharedFolderParticipant
+from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+
+RACE_WINDOW = 0.3
+"""Seconds between the resolve and the bind of the racy claim: longer than a poll, so
+every waiter looks while the first claimant is between the two."""
+
+
+def folder_config(**federation: Any) -> LensembleConfig:
+    """The tests' config: a tiny inner loop, one attempt per round unless told otherwise."""
+    fed = {"min_participants": 2, "root_seed": 11, "max_round_attempts": 1}
+    fed.update(federation)
+    return LensembleConfig(federation=fed, inner={"steps": 2, "lr": 0.05, "batch_size": 8})
+
+
+MUTANTS: dict[str, Callable[[], None]] = {}
+
+
+def _mutant(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(patch: Callable[[], None]) -> Callable[[], None]:
+        MUTANTS[name] = patch
+        return patch
+
+    return register
+
+
+@_mutant("claim-as-resolve-then-bind")
+def _resolve_then_bind() -> None:
+    def claim(self: Store, name: str, digest: str) -> bool:
+        try:
+            self.resolve(name)
+        except StoreError:
+            time.sleep(RACE_WINDOW)
+            self.bind(name, digest)
+            return True
+        return False
+
+    Store.claim = claim  # type: ignore[method-assign]
+
+
+@_mutant("no-wait")
+def _no_wait() -> None:
+    original = FolderBarrier.__init__
+
+    def __init__(self: FolderBarrier, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.round_timeout = 1e-9  # nobody waits for the others: the deadline is now
+
+    FolderBarrier.__init__ = __init__  # type: ignore[method-assign]
+
+
+@_mutant("no-publish")
+def _no_publish() -> None:
+    original = FolderBarrier._publish
+
+    def _publish(self: FolderBarrier, name: str, data: bytes) -> bytes:
+        if name.endswith("/outcome"):
+            return data  # the decider goes on with it; nobody else ever sees it
+        return original(self, name, data)
+
+    FolderBarrier._publish = _publish  # type: ignore[method-assign]
+
+
+@_mutant("killed-when-deciding")
+def _killed_when_deciding() -> None:
+    """Not a mutant: whoever wins the decision is killed before it publishes anything."""
+
+    def _decide(self: SharedFolderParticipant, *args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    SharedFolderParticipant._decide = _decide  # type: ignore[method-assign]
+
+
+def run(spec: dict[str, Any], report_path: str) -> None:
+    """Run one participant as ``spec`` says and write its report to ``report_path``."""
+    torch.set_num_threads(1)
+    if spec.get("mutant"):
+        MUTANTS[spec["mutant"]]()
+    ids: list[str] = spec["participants"]
+    node = SharedFolderParticipant(
+        spec["folder"],
+        config=folder_config(**spec.get("federation", {})),
+        participant_id=spec["me"],
+        trainer=ToyTrainer(ids.index(spec["me"])),
+        participants=ids,
+        initial_params=initial_params(),
+        run_id=spec.get("run_id", "run"),
+        quorum=spec.get("quorum"),
+        round_timeout=spec["round_timeout"],
+        publish_timeout=spec["publish_timeout"],
+        poll_interval=spec.get("poll_interval", 0.02),
+    )
+    report: dict[str, Any] = {"me": spec["me"], "pid": os.getpid()}
+    try:
+        state = node.run(spec["rounds"])
+        report |= {"round": state.round, "global_hash": state.params_hash}
+    except Exception as exc:  # reported: the test decides what a failure means
+        report["error"] = [type(exc).__name__, str(exc)]
+    report["decided"] = [[d.key.round, d.key.sitting, d.state] for d in node.decisions]
+    report["deposited"] = [[k.round, k.sitting] for k in node.deposits]
+    with open(report_path, "w") as f:
+        json.dump(report, f)
