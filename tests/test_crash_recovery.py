@@ -387,12 +387,6 @@ def test_every_kill_point_is_drilled() -> None:
     assert {c.point for c in CASES} == {p.name for p in KILL_POINTS}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Coordinator._recover rebuilds the manifest entry of a commit cut short "
-    "before its entry from the ledger record alone: diagnostics, late, rejected and refused "
-    "are lost, and secure_sum is recorded False for a masked round",
-)
 @pytest.mark.parametrize("case", [c for c in CASES if c.point == "closed"], ids=lambda c: c.id)
 def test_a_completed_commit_is_recorded_as_the_uninterrupted_run_records_it(
     case: Case, drill: Callable[[Case], Drill], straight: dict[str, Any]
@@ -407,13 +401,6 @@ def test_a_completed_commit_is_recorded_as_the_uninterrupted_run_records_it(
         assert entry == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: mask-key shares a member sent in an attempt the coordinator died in are "
-    "lost (the registry is stored only when collection ends) and the member, which already "
-    "shared for this member set, never sends them again: it cannot drop out of the retried "
-    "attempt (SecureAggregationError: 0 shares), which aborts",
-)
 def test_a_member_whose_key_shares_died_with_the_coordinator_may_drop_out_of_the_retry(
     run_drill: Runner, tmp_path: Path
 ) -> None:

@@ -166,3 +166,35 @@ def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> 
     resumed = restart(coordinator)
     assert "p03" in resumed._membership.compromised
     assert resumed._membership.snapshot() == coordinator._membership.snapshot()
+
+
+def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path) -> None:
+    config = small_config(min_participants=3, secagg_threshold=3)
+    faults = FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)
+    coordinator, network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
+    coordinator.run(1)
+    # the shares sealed in round 0 are lost (as if they died with a coordinator process)
+    coordinator._membership = type(coordinator._membership)()
+    coordinator._registry_dirty = True
+    coordinator._persist_registry()
+    resumed = restart(coordinator)
+    sent: list[dict] = []
+    post = network._post
+
+    def record(source: str, dest: str, payload: dict) -> None:
+        if payload.get("kind") in ("round-open", "update"):
+            sent.append(payload)
+        post(source, dest, payload)
+
+    network._post = record
+    resumed.run(2)  # round 1: members resend their shares; round 2: p03 drops, unmasked around
+    opens = [
+        p for p in sent if p["kind"] == "round-open" and p["round"] == 1 and p["secagg_members"]
+    ]
+    assert opens and all(p["send_key_shares"] for p in opens)
+    resent = [p for p in sent if p["kind"] == "update" and p["round"] == 1]
+    assert len(resent) == 4 and all(p["key_shares"] for p in resent)
+    assert [o.count for o in resumed.outcomes] == [4, 3]
+    assert not [
+        p for p in sent if p["kind"] == "round-open" and p["round"] == 2 and p["send_key_shares"]
+    ]  # held again: not asked twice

@@ -65,8 +65,10 @@ from lensemble_flwr.federation.alignment import (
     require_setup,
 )
 from lensemble_flwr.federation.durable import (
+    load_closing,
     load_registry,
     mark_started,
+    save_closing,
     save_registry,
     started_attempts,
 )
@@ -171,6 +173,7 @@ class _Attempt:
     grace: float = 0.0
     transform: Callable[[Update], Update] | None = None  # the research harness, if any
     sketch_fingerprint: str | None = None  # gauge alignment: the round's sketch
+    closing: RoundEntry | None = None  # the manifest entry, once the commit is prepared
     members: list[Member] | None = None  # a masked round's member set, once fixed
     members_sent: set[str] = dataclasses.field(default_factory=set)
     key_shares: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
@@ -378,10 +381,16 @@ class Coordinator:
         closed = {e.round for e in self._manifest.rounds if e.state == "closed"}
         if records and records[-1].round not in closed:
             rec = records[-1]  # committed, but the crash came before its manifest entry
-            log.warning("round %d: completing the manifest from the ledger record", rec.round)
-            self._manifest = self._manifest.with_round(
-                self.store,
-                RoundEntry(
+            log.warning("round %d: completing the manifest after a crash", rec.round)
+            kept = load_closing(self.store)
+            if kept is not None and (kept.round, kept.attempt, kept.new_global_hash) == (
+                rec.round,
+                rec.attempt,
+                rec.new_global_hash,
+            ):
+                entry = kept
+            else:  # no closing entry kept (written by an older version): rebuild it
+                entry = RoundEntry(
                     round=rec.round,
                     attempt=rec.attempt,
                     state="closed",
@@ -393,8 +402,10 @@ class Coordinator:
                     update_digests=rec.update_digests,
                     aggregate_digest=rec.aggregate_digest,
                     new_global_hash=rec.new_global_hash,
-                ),
-            )
+                    secure_sum=self._masked,
+                    diagnostics={} if rec.frame_drift is None else {"frame_drift": rec.frame_drift},
+                )
+            self._manifest = self._manifest.with_round(self.store, entry)
         verify(self.store)
         head = records[-1] if records else None
         ckpt = decode_checkpoint(
@@ -643,6 +654,7 @@ class Coordinator:
                 )
                 if peer in member_ids:
                     changes["secagg_members"] = encoded
+                    changes["send_key_shares"] = peer not in ctx.key_shares
                     ctx.members_sent.add(peer)
             self.transport.send(peer, ctx.round_open.model_copy(update=changes))
 
@@ -766,13 +778,19 @@ class Coordinator:
                 raise RoundError(f"{pid}: update before the masked round's members were fixed")
             if ctx.transform is not None:  # plaintext research harness only
                 msg = ctx.transform(msg)
-            uniform = self.config.federation.weighting == "uniform"
-            ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
-            if msg.key_shares and ctx.members is not None:
+            members = {m.pid for m in ctx.members or []}
+            if msg.key_shares and pid in members:
+                # Durable before anything else can fail or crash: a member seals its
+                # mask-key shares once per member set and sends them again only when a
+                # RoundOpen says the coordinator lacks them (send_key_shares).
+                assert ctx.members is not None
                 ctx.key_shares[pid] = self._membership.store_shares(
                     pid, ctx.members, msg.key_shares
                 )
                 self._registry_dirty = True
+                self._persist_registry()
+            uniform = self.config.federation.weighting == "uniform"
+            ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
@@ -935,6 +953,9 @@ class Coordinator:
         stored = decode_checkpoint(self.store.get(digest))
         if stored.params_hash != new_state.params_hash:
             raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")
+        # the manifest entry first, so that a crash right after the commit loses nothing
+        ctx.closing = self._entry(ctx, result, diagnostics, None, new_state.params_hash)
+        save_closing(self.store, ctx.closing)
         record = self._ledger.append(
             ContributionRecord(
                 round=t,
@@ -991,30 +1012,43 @@ class Coordinator:
             elapsed=self.transport.now() - started,
             path=(RoundState.OPEN, *(after for _, _, after in ctx.machine.history)),
         )
-        entry = RoundEntry(
-            round=outcome.round,
-            attempt=outcome.attempt,
-            state="closed" if closed else "aborted",
-            reason=outcome.reason,
-            round_seed=ctx.state.sketch_seed,
-            prior_global_hash=ctx.state.params_hash,
-            contributors=contributors,
-            count=outcome.count,
-            total_weight=result.total_weight if result is not None else 0,
-            update_digests=dict(sorted(ctx.update_digests.items())),
-            aggregate_digest=result.digest if result is not None else None,
-            new_global_hash=self._global.params_hash if closed else None,
-            late=outcome.late,
-            rejected=outcome.rejected,
-            refused=dict(sorted(ctx.refused.items())),
-            secure_sum=closed and isinstance(ctx.aggregator, SecureAggregator),
-            diagnostics=diagnostics,
-        )
+        entry = ctx.closing if closed else self._entry(ctx, result, diagnostics, outcome.reason)
+        assert entry is not None  # a CLOSED attempt went through _commit
         self._manifest = self._manifest.with_round(self.store, entry)
         self.outcomes.append(outcome)
         if self._on_round is not None:
             self._on_round(outcome)
         return outcome
+
+    def _entry(
+        self,
+        ctx: _Attempt,
+        result: AggregateSum | None,
+        diagnostics: Mapping[str, float],
+        reason: str | None,
+        new_global_hash: str | None = None,
+    ) -> RoundEntry:
+        """The manifest entry of an attempt (closed when ``new_global_hash`` is given)."""
+        closed = new_global_hash is not None
+        return RoundEntry(
+            round=ctx.machine.round,
+            attempt=ctx.machine.attempt,
+            state="closed" if closed else "aborted",
+            reason=reason,
+            round_seed=ctx.state.sketch_seed,
+            prior_global_hash=ctx.state.params_hash,
+            contributors=result.contributors if result is not None else (),
+            count=result.count if result is not None else 0,
+            total_weight=result.total_weight if result is not None else 0,
+            update_digests=dict(sorted(ctx.update_digests.items())),
+            aggregate_digest=result.digest if result is not None else None,
+            new_global_hash=new_global_hash,
+            late=tuple(sorted(ctx.late)),
+            rejected=ctx.rejected,
+            refused=dict(sorted(ctx.refused.items())),
+            secure_sum=closed and isinstance(ctx.aggregator, SecureAggregator),
+            diagnostics=dict(diagnostics),
+        )
 
     def _wait_for_joins(self) -> None:
         """Give (re)joining participants ``retry_wait`` seconds; drop what arrives."""

@@ -9,6 +9,9 @@ configuration and every attempt. Two more things are needed to pick a run up aga
   revealed and which mask-key shares are kept for them. It is written whenever it changed,
   before anything that depends on it can reach the ledger: before a round's sum is
   revealed, and before a dropped member's mask key is requested.
+* **the closing entry** — the manifest entry of the round being committed, written just
+  before its ledger record. A crash between the record (the commit) and the manifest entry
+  then loses nothing: resume writes this entry, not a reconstruction from the record.
 * **attempt markers** — a name claimed as an attempt starts. An attempt that has a
   marker but no manifest entry was cut short by a crash; on resume it is recorded as
   aborted, so the next attempt gets a fresh number and participants, which answer each
@@ -29,10 +32,12 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.federation.messages import Commitment
+from lensemble_flwr.provenance.ledger import RoundEntry
 from lensemble_flwr.secagg.membership import Membership
 
 REGISTRY = "coordinator/participants"
 ATTEMPTS = "coordinator/attempts"
+CLOSING = "coordinator/closing"
 
 
 class _Registry(BaseModel):
@@ -90,3 +95,19 @@ def started_attempts(store: Store, round: int) -> list[int]:
     prefix = f"{round:08d}-"
     names = (n.rsplit("/", 1)[-1] for n in store.bound(ATTEMPTS))
     return sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix))
+
+
+def save_closing(store: Store, entry: RoundEntry) -> None:
+    """Keep the manifest entry of the round about to be committed (see the module doc)."""
+    store.bind(CLOSING, store.put(canonical_json(entry.model_dump(mode="json"))))
+
+
+def load_closing(store: Store) -> RoundEntry | None:
+    """The last closing entry kept, or None (none kept, or unreadable: the caller then
+    rebuilds the entry from the ledger record)."""
+    if not store.bound(CLOSING):
+        return None
+    try:
+        return RoundEntry.model_validate_json(store.get(store.resolve(CLOSING)))
+    except (ValidationError, ValueError):
+        return None

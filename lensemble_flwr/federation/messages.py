@@ -94,6 +94,11 @@ class RoundOpen(_Message):
     )
     secagg_threshold: int = Field(0, ge=0)
     rekey: bool = Field(False, description="The recipient's mask key was revealed: rotate.")
+    send_key_shares: bool = Field(
+        False,
+        description="Masked: the coordinator holds none of the recipient's mask-key shares "
+        "for this member set (e.g. after a restart); send them with the update.",
+    )
 
     @model_validator(mode="after")
     def _float_params(self) -> RoundOpen:

@@ -47,6 +47,7 @@ class MaskingRole:
         self.participant_id = participant_id
         self.keys: SecAggKeys | None = None
         self.shared_for: str | None = None  # member set its key shares were sealed for
+        self.key_shares: dict[str, str] = {}  # the sealed shares sent for that set (hex)
         self.members: list[Member] = []
         self.context = b""
 
@@ -54,6 +55,7 @@ class MaskingRole:
         if self.keys is None or rotate:
             self.keys = SecAggKeys.generate()
             self.shared_for = None
+            self.key_shares = {}
         return {"mask_key": self.keys.mask_public.hex(), "enc_key": self.keys.enc_public.hex()}
 
     def is_member(self, msg: RoundOpen) -> bool:
@@ -104,8 +106,11 @@ class MaskingRole:
                 threshold=msg.secagg_threshold,
                 run_id=msg.run_id,
             )
-            fields["key_shares"] = {h: c.hex() for h, c in shares.items()}
+            self.key_shares = {h: c.hex() for h, c in shares.items()}
             self.shared_for = digest
+            fields["key_shares"] = self.key_shares
+        elif msg.send_key_shares:  # the coordinator lost them (a restart): the same again
+            fields["key_shares"] = self.key_shares
         return fields
 
     def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
@@ -141,6 +146,7 @@ class MaskingRole:
             if self.keys is None
             else [self.keys.mask_private.hex(), self.keys.enc_private.hex()],
             "shared_for": self.shared_for,
+            "key_shares": self.key_shares,
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
         }
@@ -149,5 +155,6 @@ class MaskingRole:
         keys = meta.get("keys")
         self.keys = SecAggKeys(bytes.fromhex(keys[0]), bytes.fromhex(keys[1])) if keys else None
         self.shared_for = meta.get("shared_for")
+        self.key_shares = dict(meta.get("key_shares") or {})
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()

@@ -41,7 +41,7 @@ class KillPoint:
     def on_resume(self) -> str:
         """What ``Coordinator.resume`` does with the attempt the kill cut short."""
         if self.committed:
-            text = "completes the attempt's manifest entry from the ledger record; no retry"
+            text = "writes the attempt's manifest entry kept before the commit; no retry"
         else:
             text = "records the attempt as aborted (`CoordinatorRestart`), retries the round"
         return f"{text} {self.note}".strip()
@@ -52,8 +52,8 @@ KILL_POINTS: tuple[KillPoint, ...] = (
     KillPoint("collecting", "quorum reached: RoundOpens sent, no update admitted yet"),
     KillPoint(
         MID_COLLECTING,
-        "as the attempt's second update is admitted: the first one's binding and mask-key "
-        "shares are in memory only",
+        "as the attempt's second update is admitted: bindings of this attempt are in memory "
+        "only; mask-key shares received so far are stored",
     ),
     KillPoint(
         "aggregating", "the contributing set is frozen, the participant registry stored; no sum"
@@ -68,7 +68,8 @@ KILL_POINTS: tuple[KillPoint, ...] = (
     ),
     KillPoint(
         "closed",
-        "the ledger record is claimed and RoundClose sent; the manifest has no entry yet",
+        "the ledger record is claimed and RoundClose sent; the manifest entry is kept "
+        "under coordinator/closing but not yet in the manifest",
         committed=True,
     ),
     KillPoint(
