@@ -6,20 +6,28 @@ The sans-I/O core is importable without Flower::
 
 The Flower adapters live in :mod:`lensemble_flwr.strategies` (the coordinator as a
 Strategy) and :mod:`lensemble_flwr.clients` (participants as ClientApps).
+
+The names are resolved on first use, so that light entry points (the ``lensemble-flwr``
+command, the shared-folder runner) do not pay for importing torch before they need it.
 """
 
-from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation import (
-    Coordinator,
-    GlobalState,
-    InProcessNetwork,
-    Participant,
-    PseudoGradient,
-    RoundState,
-    Transport,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LensembleConfig": "lensemble_flwr.config",
+    "Coordinator": "lensemble_flwr.federation",
+    "GlobalState": "lensemble_flwr.federation",
+    "InProcessNetwork": "lensemble_flwr.federation",
+    "Participant": "lensemble_flwr.federation",
+    "PseudoGradient": "lensemble_flwr.federation",
+    "RoundState": "lensemble_flwr.federation",
+    "Transport": "lensemble_flwr.federation",
+}
 
 __all__ = [
     "Coordinator",
@@ -32,3 +40,23 @@ __all__ = [
     "Transport",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.federation import (
+        Coordinator,
+        GlobalState,
+        InProcessNetwork,
+        Participant,
+        PseudoGradient,
+        RoundState,
+        Transport,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lensemble_flwr' has no attribute {name!r}")
