@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -62,6 +65,7 @@ from lensemble_flwr.federation.messages import (
 from lensemble_flwr.federation.replay import ReplayTransport
 from lensemble_flwr.federation.shared_folder import SharedFolderParticipant, check_sizes
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.simulations import shared_folder_demo
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
@@ -709,3 +713,57 @@ def test_a_genesis_of_another_run_is_refused(tmp_path: Path) -> None:
     forge_run(tmp_path, lambda g: g.model_copy(update={"run_id": "other"}))
     with pytest.raises(ConfigError, match="the folder's run is 'other'"):
         node(tmp_path, "p00", ["p00"]).run(1)
+
+
+# -- the documented command ----------------------------------------------------------------
+def test_the_demo_script_as_documented(tmp_path: Path) -> None:
+    """docs/shared-folder.md's command, as two OS processes: one told its index by flags,
+    one by Slurm's environment (as ``srun`` would)."""
+    command = [sys.executable, "-m", "lensemble_flwr.simulations.shared_folder_demo"]
+    common = ["--folder", str(tmp_path), "--rounds", "2", "--inner-steps", "2"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    processes = [
+        subprocess.Popen(
+            [*command, *common, "--participant-index", "0", "--participants", "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        ),
+        subprocess.Popen(
+            [*command, *common],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**env, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+        ),
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    summaries = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [s["participant"] for s in summaries] == ["p00", "p01"]
+    assert len({s["global_hash"] for s in summaries}) == 1
+    assert sorted(d[0] for s in summaries for d in s["decided"]) == [0, 1]
+    assert "round 1 sitting 1: closed C_t=2" in outputs[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        ([], "--participants and --participant-index are required"),
+        (["--participants", "2", "--participant-index", "2"], "must be in"),
+    ],
+)
+def test_the_demo_refuses_an_index_it_cannot_use(
+    tmp_path: Path, argv: list[str], complaint: str, monkeypatch: Any, capsys: Any
+) -> None:
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with pytest.raises(SystemExit):
+        shared_folder_demo.main(["--folder", str(tmp_path), *argv])
+    assert complaint in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
