@@ -41,6 +41,10 @@ RECORD_FORMAT = "lensemble-folder-record/1"
 _META_KEY = "lensemble"
 _HEX64 = r"^[0-9a-f]{64}$"
 
+OutcomeState = Literal["closed", "aborted", "incomplete"]
+"""closed: the round committed; aborted: the coordinator's attempt ended without a commit
+(or deciding failed); incomplete: some participants never deposited."""
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -190,7 +194,7 @@ class Outcome(_Frozen):
     run_id: str
     round: int = Field(ge=0)
     sitting: int = Field(ge=1)
-    state: Literal["closed", "aborted", "incomplete"]
+    state: OutcomeState
     decided_by: str
     contributors: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()

@@ -78,6 +78,7 @@ from lensemble_flwr.federation.folder_records import (
     FolderRecord,
     Genesis,
     Outcome,
+    OutcomeState,
     decode_genesis,
     decode_outcome,
     decode_record,
@@ -129,7 +130,7 @@ class Decision:
     """A sitting this process decided, and how."""
 
     key: SittingKey
-    state: str
+    state: OutcomeState
     contributors: tuple[str, ...]
 
 
@@ -503,7 +504,7 @@ class SharedFolderParticipant:
     def _outcome(
         self,
         snapshot: Snapshot,
-        state: str,
+        state: OutcomeState,
         *,
         global_hash: str,
         contributors: tuple[str, ...] = (),
@@ -514,7 +515,7 @@ class SharedFolderParticipant:
             run_id=self.run_id,
             round=snapshot.key.round,
             sitting=snapshot.key.sitting,
-            state=state,  # type: ignore[arg-type]
+            state=state,
             decided_by=self.identity,
             contributors=contributors,
             missing=snapshot.missing,
