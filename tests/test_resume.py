@@ -12,7 +12,13 @@ import pytest
 from federation_helpers import federation, small_config
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.errors import CommitmentMismatch, ConfigError, LedgerError, StoreError
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    CommitmentMismatch,
+    ConfigError,
+    LedgerError,
+    StoreError,
+)
 from lensemble_flwr.federation import durable
 from lensemble_flwr.federation.coordinator import INTERRUPTED, Coordinator
 from lensemble_flwr.federation.round import RoundState
@@ -198,3 +204,21 @@ def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path
     assert not [
         p for p in sent if p["kind"] == "round-open" and p["round"] == 2 and p["send_key_shares"]
     ]  # held again: not asked twice
+
+
+def test_a_chain_check_resume_reads_only_the_checkpoint_it_resumes_from(tmp_path: Path) -> None:
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(3)
+    records = verify(coordinator.store)
+    old = records[0].checkpoint  # rot an old checkpoint: a full check refuses, chain does not
+    blob = coordinator.store.root / "blobs" / old[:2] / old
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(LedgerError, match="round 0: checkpoint"):
+        restart(coordinator)
+    resumed = restart(coordinator, check="chain")
+    assert resumed.global_state().params_hash == coordinator.global_state().params_hash
+    head = records[-1].checkpoint  # the checkpoint it resumes from is always checked
+    blob = coordinator.store.root / "blobs" / head[:2] / head
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(CheckpointIntegrityError):
+        restart(coordinator, check="chain")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from lensemble_flwr.errors import (
     DuplicateMessage,
     FaultToleranceExceeded,
     ForgedMessage,
+    LedgerError,
     LensembleError,
     NonDeterministicAggregation,
     ParameterMismatch,
@@ -104,6 +106,7 @@ from lensemble_flwr.provenance.ledger import (
     RoundEntry,
     RunManifest,
     verify,
+    verify_chain,
 )
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.membership import Membership
@@ -272,6 +275,7 @@ class Coordinator:
         update_transform: Callable[[Update], Update] | None = None,
         gauge: GaugeSetup | None = None,
         identities: Mapping[str, str] | None = None,
+        check: Literal["full", "chain"] = "full",
     ) -> Coordinator:
         """Continue the run held in ``store`` after the coordinator stopped (or crashed).
 
@@ -281,6 +285,12 @@ class Coordinator:
         short between the ledger record and the manifest entry is completed from the
         record; an attempt that started but never finished is recorded as aborted. The
         round that was in flight is then retried under a new attempt number.
+
+        ``check="full"`` verifies the whole run first (every record and every checkpoint,
+        as :func:`~lensemble_flwr.provenance.ledger.verify`); ``check="chain"`` verifies
+        the records' hash chain and only the checkpoint it resumes from — for a caller
+        that resumes every round (the shared-folder runner), where a full check would make
+        a run cost quadratic time.
 
         Raises:
             StoreError: ``store`` holds no run.
@@ -310,7 +320,7 @@ class Coordinator:
             identities,
         )
         self._manifest = manifest
-        self._recover()
+        self._recover(check)
         return self
 
     def _setup(
@@ -375,7 +385,7 @@ class Coordinator:
         self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
 
-    def _recover(self) -> None:
+    def _recover(self, check: Literal["full", "chain"]) -> None:
         """Rebuild the committed state from the store (see :meth:`resume`)."""
         records = self._ledger.records()
         closed = {e.round for e in self._manifest.rounds if e.state == "closed"}
@@ -406,11 +416,17 @@ class Coordinator:
                     diagnostics={} if rec.frame_drift is None else {"frame_drift": rec.frame_drift},
                 )
             self._manifest = self._manifest.with_round(self.store, entry)
-        verify(self.store)
+        if check == "full":
+            verify(self.store)
+        else:
+            verify_chain(records, self._manifest)
         head = records[-1] if records else None
         ckpt = decode_checkpoint(
             self.store.get(head.checkpoint if head else self._manifest.initial_checkpoint)
         )
+        expected = head.new_global_hash if head else self._manifest.initial_params_hash
+        if ckpt.params_hash != expected:
+            raise LedgerError("the checkpoint to resume from does not hold the recorded state")
         self._global = self._pin(ckpt.round, ckpt.params, copy=False)
         self._momentum = ckpt.momentum
         self._head_hash = head.record_hash if head else GENESIS

@@ -14,6 +14,7 @@ have the same manifest digest.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -218,6 +219,37 @@ def verify(store: Store) -> list[ContributionRecord]:
     if initial.params_hash != manifest.initial_params_hash:
         raise LedgerError("initial checkpoint does not match the manifest's initial params hash")
     records = Ledger(store).records()
+
+    def check_checkpoint(rec: ContributionRecord) -> None:
+        try:
+            ckpt = decode_checkpoint(store.get(rec.checkpoint))
+        except (CheckpointIntegrityError, StoreError) as exc:
+            raise LedgerError(f"round {rec.round}: checkpoint: {exc}") from None
+        if ckpt.params_hash != rec.new_global_hash or ckpt.round != rec.round + 1:
+            raise LedgerError(
+                f"round {rec.round}: checkpoint does not hold the recorded new global state"
+            )
+
+    _verify_links(records, manifest, check_checkpoint)
+    return records
+
+
+def verify_chain(records: list[ContributionRecord], manifest: RunManifest) -> None:
+    """The checks of :func:`verify` that read no checkpoint: every record's hash, the
+    chain of record and global hashes from the manifest's θ_0, and the agreement of the
+    ledger with the manifest's closed rounds.
+
+    Raises:
+        LedgerError: naming the first broken link.
+    """
+    _verify_links(records, manifest, lambda _rec: None)
+
+
+def _verify_links(
+    records: list[ContributionRecord],
+    manifest: RunManifest,
+    check_record: Callable[[ContributionRecord], None],
+) -> None:
     prev_record, prev_global = GENESIS, manifest.initial_params_hash
     for rec in records:
         where = f"round {rec.round}"
@@ -227,12 +259,7 @@ def verify(store: Store) -> list[ContributionRecord]:
             raise LedgerError(f"{where}: chain broken (previous record hash differs)")
         if rec.previous_global_hash != prev_global:
             raise LedgerError(f"{where}: previous global hash is not the prior round's new hash")
-        try:
-            ckpt = decode_checkpoint(store.get(rec.checkpoint))
-        except (CheckpointIntegrityError, StoreError) as exc:
-            raise LedgerError(f"{where}: checkpoint: {exc}") from None
-        if ckpt.params_hash != rec.new_global_hash or ckpt.round != rec.round + 1:
-            raise LedgerError(f"{where}: checkpoint does not hold the recorded new global state")
+        check_record(rec)
         if rec.count != len(rec.contributors) or set(rec.update_digests) != set(rec.contributors):
             raise LedgerError(f"{where}: contributing set and C_t disagree")
         prev_record, prev_global = rec.record_hash, rec.new_global_hash
@@ -250,4 +277,3 @@ def verify(store: Store) -> list[ContributionRecord]:
             rec.new_global_hash,
         ):
             raise LedgerError(f"round {rec.round}: manifest and ledger disagree")
-    return records
