@@ -132,12 +132,12 @@ def test_rotated_start_trains_in_its_own_fixed_frame() -> None:
 ROUNDS = 3
 
 
-def world_config(*, align: bool) -> LensembleConfig:
+def world_config(**gauge: bool) -> LensembleConfig:
     return LensembleConfig(
         federation={"min_participants": 3, "open_timeout": 30, "collect_timeout": 30},
         inner={"steps": 20, "lr": 3e-3, "weight_decay": 0.0, "batch_size": 32},
         outer={"lr": 1.0, "momentum": 0.0},  # plain averaging: the least noisy few rounds
-        gauge={"align": align},
+        gauge=gauge,
     )
 
 
@@ -180,3 +180,22 @@ def test_an_aligned_world_federation_recovers_from_drifted_frames(tmp_path: Path
     assert all(0.0 <= o.diagnostics["frame_drift"] <= 1.0 for o in outcomes)
     assert len(verify(fed.coordinator.store)) == ROUNDS
     assert all(p.last_loss is not None for p in fed.participants)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_coordinator_harness_aligns_as_the_participants_would(tmp_path: Path) -> None:
+    """The plaintext research harness (alignment of each raw update at the coordinator)
+    computes what the participants' align stage computes, up to float32 rounding."""
+    finals = {}
+    for name, gauge in (
+        ("participants", {"align": True}),
+        ("harness", {"coordinator_harness": True}),
+    ):
+        config = world_config(**gauge)
+        fed = build_world(
+            config, tmp_path / name, participants=3, rotate_start=True, trajectories=4
+        )
+        fed.coordinator.run(2)
+        finals[name] = fed.coordinator.global_state().params
+    for array_name, array in finals["participants"].items():
+        np.testing.assert_allclose(finals["harness"][array_name], array, atol=1e-4)
