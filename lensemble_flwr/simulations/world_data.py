@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.probe import Probe
 
 LATENT_DIM, CONTROL_DIM, OBS_DIM = 8, 4, 24
@@ -100,9 +101,13 @@ class Embodiment:
 
 
 def make_embodiment(index: int, seed: int = 0) -> Embodiment:
-    """Participant ``index``'s embodiment in the world of ``seed``."""
+    """Participant ``index``'s embodiment in the world of ``seed``.
+
+    Raises:
+        ConfigError: a negative index.
+    """
     if index < 0:
-        raise ValueError(f"participant index must be >= 0, got {index}")
+        raise ConfigError("participant index", f"must be >= 0, got {index}")
     rng = _rng(seed, "embodiment", index)
     action_dim = ACTION_DIMS[index % len(ACTION_DIMS)]
     return Embodiment(

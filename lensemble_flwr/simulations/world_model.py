@@ -247,11 +247,6 @@ class WorldTrainer:
         with torch.no_grad():
             return float(model.loss(*self._validation))
 
-    def evaluate(self, params: Mapping[str, np.ndarray] | None = None) -> tuple[float, float, int]:
-        """(validation loss, 0.0, number of validation transitions); a world model has
-        no accuracy, the middle slot keeps the ClientApp's evaluate signature."""
-        return self.validation_loss(params), 0.0, len(self.data.validation)
-
 
 class WorldTraining(TorchTraining):
     """AdamW over a :class:`WorldTrainer`, optionally in a participant-specific frame.
