@@ -18,17 +18,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import ConfigError, SketchMismatch
+from lensemble_flwr.errors import ConfigError, LensembleError, SketchMismatch
 from lensemble_flwr.federation.messages import Update
-from lensemble_flwr.params import NamedArrays
 
-if TYPE_CHECKING:
-    from lensemble_flwr.gauge import GaugeAdapter, Probe
+# from the submodules: the package also holds the align stage, which builds on the
+# release pipeline, which builds on this package
+from lensemble_flwr.gauge.adapter import GaugeAdapter
+from lensemble_flwr.gauge.drift import frame_drift
+from lensemble_flwr.gauge.probe import Probe, check_pinned
+from lensemble_flwr.gauge.sketch import sketch_fingerprint, sketch_matrix
+from lensemble_flwr.gauge.warm_start import check_warm_start
+from lensemble_flwr.params import NamedArrays
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +84,6 @@ def check_round_open(
         GaugeError: round 0's encoder is not the agreed warm start.
     """
     if gauge is not None and config.gauge.align:
-        from lensemble_flwr.gauge import check_pinned
-
         check_pinned(gauge.probe, probe_hash, landmark_hashes)
     if round == 0:
         check_warm_start_of(gauge, config, params)
@@ -98,16 +100,12 @@ def check_warm_start_of(
     expected = config.gauge.warm_start_hash
     if not expected:
         return
-    from lensemble_flwr.gauge import check_warm_start
-
-    group = gauge.encoder_group if gauge is not None else "encoder"
+        group = gauge.encoder_group if gauge is not None else "encoder"
     check_warm_start(params, group_names(params, group), expected)
 
 
 def expected_fingerprint(gauge: GaugeSetup, config: LensembleConfig, round_seed: int) -> str:
     """The fingerprint of the sketch every participant must align on in this round."""
-    from lensemble_flwr.gauge import sketch_fingerprint, sketch_matrix
-
     a = sketch_matrix(round_seed, config.gauge.sketch_rows, len(gauge.probe.inputs))
     return sketch_fingerprint(a)
 
@@ -131,11 +129,14 @@ def drift_diagnostics(
     round: int,
 ) -> dict[str, float]:
     """``frame_drift`` between the global model and the averaged one (public probe only);
-    ``frame_drift_exceeded`` is 1.0 when it crosses ``gauge-drift-threshold``."""
-    from lensemble_flwr.gauge import frame_drift
-
+    ``frame_drift_exceeded`` is 1.0 when it crosses ``gauge-drift-threshold``; a drift
+    that cannot be computed is reported as ``frame_drift_failed``, never raised."""
     averaged = {n: np.asarray(before[n]) + np.asarray(mean_delta[n]) for n in before}
-    drift = float(frame_drift(gauge.adapter, gauge.probe, before, averaged))
+    try:
+        drift = float(frame_drift(gauge.adapter, gauge.probe, before, averaged))
+    except LensembleError as exc:  # a diagnostic never stops a run
+        log.warning("round %d: frame drift not computed: %s", round, exc)
+        return {"frame_drift_failed": 1.0}
     out = {"frame_drift": drift}
     threshold = config.gauge.drift_threshold
     if threshold > 0 and drift > threshold:
@@ -150,8 +151,7 @@ def harness_transform(
     gauge: GaugeSetup, config: LensembleConfig, params: NamedArrays, round_seed: int
 ) -> Callable[[Update], Update]:
     """The plaintext research harness: align each raw update on the coordinator."""
-    from lensemble_flwr.gauge import coordinator_harness
-
+    from lensemble_flwr.gauge.stage import coordinator_harness  # see the imports above
 
     def transform(update: Update) -> Update:
         delta = coordinator_harness(

@@ -1,0 +1,143 @@
+"""The gauge checks where they sit in a round: probe pinning on RoundOpen, the warm start
+at round 0 (coordinator, RoundOpen and rejoin), the round's sketch on every update, frame
+drift in the manifest and the ledger, and alignment before every other release stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import DegenerateProcrustes, GaugeError
+from lensemble_flwr.federation.alignment import drift_diagnostics, group_names
+from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.gauge import Probe, encoder_hash
+from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.simulations.world_federation import build_world
+from lensemble_flwr.simulations.world_model import initial_params
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(**gauge: object) -> LensembleConfig:
+    return LensembleConfig(
+        federation={"min_participants": 2, "open_timeout": 10, "collect_timeout": 10},
+        inner={"steps": 3, "lr": 3e-3, "weight_decay": 0.0, "batch_size": 16},
+        gauge={"align": True, **gauge},
+    )
+
+
+def world(tmp: Path, cfg: LensembleConfig | None = None, **kwargs: object):
+    return build_world(cfg or config(), tmp / "run", participants=3, trajectories=2, **kwargs)
+
+
+def test_a_participant_with_another_probe_rejects_the_round(tmp_path: Path) -> None:
+    fed = world(tmp_path)
+    other = Probe(inputs=fed.gauge.probe.inputs + 1.0, landmarks=fed.gauge.probe.landmarks)
+    fed.participants[2].gauge = dataclasses.replace(fed.gauge, probe=other)
+    fed.coordinator.run(1)
+    entry = fed.coordinator.manifest.rounds[-1]
+    assert entry.contributors == ("p00", "p01")
+    assert entry.refused["p02"].startswith("ProbeError")
+
+
+def test_an_update_aligned_on_another_sketch_is_rejected(tmp_path: Path) -> None:
+    def other_sketch(payload: dict) -> dict:
+        payload["sketch_fingerprint"] = "0" * 64
+        return payload
+
+    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=other_sketch)
+    fed = world(tmp_path, faults=faults)
+    fed.coordinator.run(1)
+    entry = fed.coordinator.manifest.rounds[-1]
+    assert entry.state == "closed" and entry.contributors == ("p00", "p02")
+    assert entry.rejected == 1
+
+
+def test_an_unaligned_update_is_rejected_when_alignment_is_on(tmp_path: Path) -> None:
+    def strip(payload: dict) -> dict:
+        payload["sketch_fingerprint"] = None
+        return payload
+
+    faults = FaultPlan().corrupt("p00", round=0, kind="update", mutate=strip)
+    fed = world(tmp_path, faults=faults)
+    fed.coordinator.run(1)
+    assert fed.coordinator.manifest.rounds[-1].contributors == ("p01", "p02")
+
+
+def test_the_warm_start_is_checked_at_every_join_point(tmp_path: Path) -> None:
+    params = initial_params(0)
+    good = encoder_hash(params, group_names(params, "encoder"))
+    # the coordinator refuses to start from another encoder
+    with pytest.raises(GaugeError):
+        world(tmp_path / "a", config(warm_start_hash="ab" * 32))
+    # participants check round 0's encoder on RoundOpen: a participant pinned to another
+    # warm start refuses round 0 (and only round 0)
+    fed = world(tmp_path / "b", config(warm_start_hash=good))
+    fed.participants[1].config = config(warm_start_hash="cd" * 32)
+    fed.coordinator.run(2)
+    first, second = (e for e in fed.coordinator.manifest.rounds)
+    assert first.refused["p01"].startswith("GaugeError") and "p01" not in first.contributors
+    assert "p01" in second.contributors
+    # a round-0 rejoiner revalidates it from the run directory
+    with pytest.raises(GaugeError):
+        fresh = world(tmp_path / "c", config(warm_start_hash=good))
+        fresh.participants[0].config = config(warm_start_hash="cd" * 32)
+        fresh.participants[0].join(str(tmp_path / "c" / "run"))
+
+
+def test_frame_drift_is_recorded_in_the_manifest_and_the_ledger(tmp_path: Path) -> None:
+    fed = world(tmp_path, config(drift_threshold=1e-9))
+    fed.coordinator.run(2)
+    records = verify(fed.coordinator.store)
+    for entry, record in zip(fed.coordinator.manifest.rounds, records, strict=True):
+        assert 0.0 <= entry.diagnostics["frame_drift"] <= 1.0
+        assert record.frame_drift == entry.diagnostics["frame_drift"]
+        assert entry.diagnostics["frame_drift_exceeded"] == 1.0  # any drift crosses 1e-9
+    assert Ledger(fed.coordinator.store).head().frame_drift is not None
+
+
+def test_a_drift_that_cannot_be_computed_does_not_stop_the_run(monkeypatch) -> None:
+    fed_config = config()
+
+    def degenerate(*_args, **_kwargs):
+        raise DegenerateProcrustes("all-zero probe embeddings")
+
+    monkeypatch.setattr("lensemble_flwr.federation.alignment.frame_drift", degenerate)
+    from lensemble_flwr.simulations.world_federation import world_gauge
+
+    params = initial_params(0)
+    out = drift_diagnostics(world_gauge(0), fed_config, params, params, round=3)
+    assert "frame_drift" not in out and out["frame_drift_failed"] == 1.0
+
+
+def test_alignment_happens_before_every_other_release_stage(tmp_path: Path) -> None:
+    cfg = config()
+    cfg = cfg.model_copy(
+        update={
+            "privacy": LensembleConfig(privacy={"clip_norm": 0.5}).privacy,
+            "release": LensembleConfig(release={"quantize": "int8"}).release,
+        }
+    )
+    fed = world(tmp_path, cfg)
+    fed.coordinator.run(1)
+    node = fed.participants[0]
+    state = fed.coordinator.global_state()
+    released = node.local_round(state, state.sketch_seed)
+    assert released.transforms[:3] == ("align", "difference", "clip")
+    assert released.transforms[-2:] == ("int8_quantize", "bind")
+    assert released.sketch_fingerprint is not None
+    assert np.isfinite(released.l2_norm) and released.l2_norm <= 0.5 + 1e-6
+    assert fed.coordinator.round_state() is RoundState.CLOSED
