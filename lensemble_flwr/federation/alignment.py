@@ -100,7 +100,7 @@ def check_warm_start_of(
     expected = config.gauge.warm_start_hash
     if not expected:
         return
-        group = gauge.encoder_group if gauge is not None else "encoder"
+    group = gauge.encoder_group if gauge is not None else "encoder"
     check_warm_start(params, group_names(params, group), expected)
 
 
