@@ -42,7 +42,7 @@ run_flower_app() {
     "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=0.5)" 2>/dev/null && break
     sleep 0.2
   done
-  "$VENV/bin/flwr" run . --stream --federation-config "num-supernodes=${NUM_SUPERNODES:-10}" "$@"
+  "$VENV/bin/flwr" run "${APP:-.}" --stream --federation-config "num-supernodes=${NUM_SUPERNODES:-10}" "$@"
   # `flwr run` exits 0 even when the run failed: ask the SuperLink.
   "$VENV/bin/flwr" ls --format json | "$VENV/bin/python" -c '
 import json, sys

@@ -333,6 +333,8 @@ class LensembleStrategy(Strategy):
             "late": float(len(outcome.late)),
             "rejected": float(outcome.rejected),
         }
+        if "frame_drift" in outcome.diagnostics:
+            metrics["frame-drift"] = float(outcome.diagnostics["frame_drift"])
         transport = self.transport
         if transport is not None:
             metrics["exchanges"] = float(transport.exchanges(outcome.round))
@@ -365,6 +367,8 @@ class LensembleStrategy(Strategy):
             ]
         if "train-loss" in metrics:
             parts.append(f"train-loss={metrics['train-loss']:.4f}")
+        if "frame-drift" in metrics:
+            parts.append(f"drift={metrics['frame-drift']:.4f}")
         parts.append(f"exchanges={metrics.get('exchanges', 0):.0f}")
         parts.append(f"sent={metrics.get('bytes-sent', 0) / 1e6:.2f}MB")
         if aborted:
