@@ -172,3 +172,30 @@ def test_add_streams_adds_exactly_the_expanded_words(size: int) -> None:
                                       + prg.expand(seed, size))
     prg.add_streams([(seed, -1)], acc)
     np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64))
+    out = np.full(size, 7, np.int64)  # with a base, the accumulator's contents are not read
+    prg.add_streams([(seed, +1), (seed, -1)], out, base=np.arange(size, dtype=np.int64))
+    np.testing.assert_array_equal(out, np.arange(size, dtype=np.int64))
+
+
+def test_masking_leaves_the_values_alone() -> None:
+    keys, members = federation(3)
+    values = {"w": np.arange(10, dtype=np.int64)}
+    mask(values, me="p0", keys=keys["p0"], members=members, threshold=2, context=CONTEXT)
+    np.testing.assert_array_equal(values["w"], np.arange(10, dtype=np.int64))
+
+
+def test_a_masked_input_of_another_layout_is_refused_and_changes_nothing() -> None:
+    _keys, members = federation(3)
+    template = {"a": np.zeros((3, 4), np.int64), "b": np.zeros(5, np.int64)}
+    aggregator = MaskedSum(template, members, threshold=2, context=CONTEXT)
+    good = {"a": np.ones((3, 4), np.int64), "b": np.ones(5, np.int64)}
+    for bad in (
+        {"a": np.ones((4, 3), np.int64), "b": np.ones(5, np.int64)},  # same size, other shape
+        {"a": np.ones((3, 4), np.int64)},  # a name missing
+        {**good, "c": np.ones(1, np.int64)},  # a name too many
+    ):
+        with pytest.raises(SecureAggregationError, match="wrong layout"):
+            aggregator.add("p0", bad)
+    assert aggregator.survivors == []
+    aggregator.add("p0", good)
+    assert aggregator.survivors == ["p0"]

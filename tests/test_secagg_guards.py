@@ -155,6 +155,10 @@ def test_budget_prg_and_shamir_refuse_bad_arguments(tmp_path: Path) -> None:
         prg.add_streams([(bytes(32), 1)], np.zeros(4, np.float64))
     with pytest.raises(ValueError, match="32 bytes"):
         prg.add_streams([(b"short", 1)], np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="base"):
+        prg.add_streams([(bytes(32), 1)], np.zeros(4, np.int64), base=np.zeros(5, np.int64))
+    with pytest.raises(ValueError, match="base"):
+        prg.add_streams([(bytes(32), 1)], np.zeros(4, np.int64), base=np.zeros(4, np.float64))
     with pytest.raises(ValueError, match="threshold"):
         shamir.split(bytes(32), 4, 3)
 

@@ -94,12 +94,28 @@ class AggregateSum:
 def to_fixed_point(values: Mapping[str, np.ndarray], factors: Mapping[str, float]) -> NamedArrays:
     """``rint(float64(x) * factor)`` as int64, name by name: the integers the plaintext fold
     adds for an update (``factor`` = weight * 2**F, times the int8 scale if quantized).
-    A masked participant computes them itself."""
+    A masked participant computes them itself. Chunk by chunk on the kernel threads, with
+    the float64 temporaries in cache (the same operations as the fold, so the same
+    integers)."""
     out: NamedArrays = {}
     for name in sorted(values):
-        scaled = np.multiply(values[name], np.float64(factors[name]), dtype=np.float64)
-        np.rint(scaled, out=scaled)
-        out[name] = scaled.astype(np.int64)
+        source = np.asarray(values[name])
+        flat_in = source.reshape(-1)
+        flat_out = np.empty(flat_in.size, np.int64)
+        factor = np.float64(factors[name])
+
+        def kernel(lo: int, hi: int, src=flat_in, dst=flat_out, factor=factor) -> None:
+            t = np.empty(min(CHUNK, hi - lo), np.float64)
+            for s in range(lo, hi, CHUNK):
+                e = min(s + CHUNK, hi)
+                tk = t[: e - s]
+                np.copyto(tk, src[s:e])
+                np.multiply(tk, factor, out=tk)
+                np.rint(tk, out=tk)
+                np.copyto(dst[s:e], tk, casting="unsafe")
+
+        run_ranges(flat_in.size, kernel)
+        out[name] = flat_out.reshape(source.shape)
     return out
 
 

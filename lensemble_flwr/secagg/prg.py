@@ -28,13 +28,18 @@ def _cipher(seed: bytes) -> Cipher:
 _CHUNK_WORDS = 1 << 15  # 256 KiB of keystream at a time, in one reused buffer
 
 
-def add_streams(streams: list[tuple[bytes, int]], acc: np.ndarray) -> None:
-    """``acc += sum(sign * expand(seed, acc.size))`` over ``streams`` (mod 2**64), in place.
+def add_streams(
+    streams: list[tuple[bytes, int]], acc: np.ndarray, *, base: np.ndarray | None = None
+) -> None:
+    """``acc += sum(sign * expand(seed, acc.size))`` over ``streams`` (mod 2**64), in place;
+    with ``base``, ``acc = base + ...`` instead (``acc``'s old contents are not read).
 
     Chunk-major: every stream's next 256 KiB is generated and added while that chunk of
-    ``acc`` is in cache, so ``acc`` crosses memory once, however many streams there are.
-    The words are exactly :func:`expand`'s.
+    ``acc`` is in cache, so ``acc`` (and ``base``) cross memory once, however many streams
+    there are. The words are exactly :func:`expand`'s.
     """
+    if base is not None and (base.dtype != np.int64 or base.shape != acc.shape):
+        raise ValueError("add_streams: base must be int64 with the accumulator's shape")
     for seed, _ in streams:
         if len(seed) != SEED_BYTES:
             raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
@@ -53,6 +58,8 @@ def add_streams(streams: list[tuple[bytes, int]], acc: np.ndarray) -> None:
     for lo in range(0, acc.size, _CHUNK_WORDS):
         k = min(_CHUNK_WORDS, acc.size - lo)
         chunk = acc[lo : lo + k]
+        if base is not None:
+            np.copyto(chunk, base[lo : lo + k])
         for encryptor, combine in encryptors:
             encryptor.update_into(zeros[: 8 * k], out)
             combine(chunk, words[:k], out=chunk)

@@ -130,14 +130,19 @@ def mask(
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
-    masked = _flatten(values)  # a fresh array: masked in place
+    names = sorted(values)
+    if len(names) == 1:  # one array: read it where it is (a view, not a copy)
+        base = np.asarray(values[names[0]], np.int64).reshape(-1)
+    else:
+        base = _flatten(values)
+    masked = np.empty(base.size, np.int64)  # fresh: the values are not modified
     self_seed = os.urandom(prg.SEED_BYTES)
     streams = [(self_seed, +1)] + [
         (pair_seed(keys.mask_private, peer.mask_public, context), +1 if me < peer.pid else -1)
         for peer in ordered
         if peer.pid != me
     ]
-    prg.add_streams(streams, masked)
+    prg.add_streams(streams, masked, base=base)
     sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
 
@@ -218,11 +223,16 @@ class MaskedSum:
     def add(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
         if pid not in {m.pid for m in self.members} or pid in self.survivors:
             raise SecureAggregationError(f"{pid}: not a member, or a second masked input")
-        flat = _flatten(masked)
-        if flat.size != self._sum.size:
-            raise SecureAggregationError(f"{pid}: masked input of the wrong size")
+        if set(masked) != set(self._template) or any(
+            np.shape(masked[n]) != self._template[n].shape for n in self._template
+        ):
+            raise SecureAggregationError(f"{pid}: masked input of the wrong layout")
+        offset = 0
         with np.errstate(over="ignore"):
-            self._sum += flat
+            for name in self._template:  # no concatenated copy: add slice by slice
+                part = np.asarray(masked[name], np.int64).reshape(-1)
+                self._sum[offset : offset + part.size] += part
+                offset += part.size
         self.survivors.append(pid)
 
     @property
