@@ -267,11 +267,12 @@ class LensembleConfig(_Section):
     release: ReleaseConfig = ReleaseConfig()
     gauge: GaugeConfig = GaugeConfig()
 
-    @model_validator(mode="after")
-    def _harness_is_plaintext_only(self) -> LensembleConfig:
-        if not self.gauge.coordinator_harness:
-            return self
-        protected = [
+    @property
+    def protected_releases(self) -> list[str]:
+        """The settings (run_config keys) under which participants protect what they
+        release: clipping, noise, quantization, masking. A coordinator-side transform of
+        individual updates is refused under any of them."""
+        return [
             key
             for key, on in (
                 ("clip-norm", self.privacy.clip_norm > 0),
@@ -281,11 +282,14 @@ class LensembleConfig(_Section):
             )
             if on
         ]
-        if protected:
+
+    @model_validator(mode="after")
+    def _harness_is_plaintext_only(self) -> LensembleConfig:
+        if self.gauge.coordinator_harness and self.protected_releases:
             raise ConfigError(
                 "gauge-coordinator-harness",
                 f"the coordinator-side alignment harness sees individual plaintext updates; "
-                f"it cannot be combined with {protected}",
+                f"it cannot be combined with {self.protected_releases}",
             )
         return self
 

@@ -341,24 +341,13 @@ class Coordinator:
             raise ConfigError(
                 "update_transform", "gauge-coordinator-harness already transforms each update"
             )
-        if update_transform is not None:
-            protected = [
-                name
-                for name, on in (
-                    ("clip-norm", config.privacy.clip_norm > 0),
-                    ("noise-multiplier", config.privacy.noised),
-                    ("quantize", config.release.quantize != "none"),
-                    ("secagg-threshold", config.federation.secagg_threshold > 0),
-                )
-                if on
-            ]
-            if protected:
-                raise ConfigError(
-                    "update_transform",
-                    f"a coordinator-side transform of individual updates cannot be combined "
-                    f"with {protected}: it would see (or undo) what the participants protect; "
-                    "transform before release, on the participant",
-                )
+        if update_transform is not None and config.protected_releases:
+            raise ConfigError(
+                "update_transform",
+                f"a coordinator-side transform of individual updates cannot be combined "
+                f"with {config.protected_releases}: it would see (or undo) what the "
+                "participants protect; transform before release, on the participant",
+            )
         self.config = config
         self.transport = transport
         self.store = store
