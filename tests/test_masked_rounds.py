@@ -94,7 +94,7 @@ def test_a_member_dropping_before_its_masked_input_is_unmasked_around(tmp_path: 
     masked, _, _ = run(tmp_path, "masked", masked_config(), 2, faults=faults)
     assert [o.count for o in masked.outcomes] == [4, 3]
     assert masked.global_state().params_hash == plain.global_state().params_hash
-    assert "p02" in masked._membership.compromised  # its mask key was revealed: rotate
+    assert "p02" in masked.registry.membership.compromised  # its mask key was revealed: rotate
 
 
 def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Path) -> None:
@@ -140,13 +140,13 @@ def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
 def test_a_member_whose_key_was_revealed_rotates_it_and_masks_again(tmp_path: Path) -> None:
     faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING).rejoin("p02", round=2)
     coordinator, _, _ = run(tmp_path, "masked", masked_config(), 1, faults=faults)
-    first_key = coordinator._commitments["p02"].mask_key
+    first_key = coordinator.registry.commitments["p02"].mask_key
     coordinator.run(3)
     # round 1: p02 drops before masking, its key is revealed to unmask around it; round 2:
     # it comes back after the member set was fixed, so it only commits new keys; round 3:
     # it masks again, with them
     assert [o.count for o in coordinator.outcomes] == [4, 3, 3, 4]
     assert "p02" in coordinator.outcomes[-1].contributors
-    assert coordinator._commitments["p02"].mask_key != first_key  # rotated
-    assert "p02" not in coordinator._membership.compromised
+    assert coordinator.registry.commitments["p02"].mask_key != first_key  # rotated
+    assert "p02" not in coordinator.registry.membership.compromised
     verify(Store(tmp_path / "masked"))

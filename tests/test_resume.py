@@ -67,7 +67,7 @@ def test_bindings_survive_a_restart(tmp_path: Path) -> None:
     coordinator.run(1)
     network.flush()
     resumed = restart(coordinator)
-    assert set(resumed._commitments) == {"p00", "p01", "p02", "p03"}
+    assert set(resumed.registry.commitments) == {"p00", "p01", "p02", "p03"}
     assert not resumed.round_open_for("p00").needs_commitment  # still one exchange a round
     network.faults.corrupt("p01", round=1, kind="update", mutate=forge_root)
     with pytest.raises(CommitmentMismatch, match="p01"):
@@ -168,10 +168,10 @@ def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> 
     faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
     coordinator, _network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
     coordinator.run(2)  # round 1 unmasks around p03: its mask key is reconstructed
-    assert "p03" in coordinator._membership.compromised
+    assert "p03" in coordinator.registry.membership.compromised
     resumed = restart(coordinator)
-    assert "p03" in resumed._membership.compromised
-    assert resumed._membership.snapshot() == coordinator._membership.snapshot()
+    assert "p03" in resumed.registry.membership.compromised
+    assert resumed.registry.membership.snapshot() == coordinator.registry.membership.snapshot()
 
 
 def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path) -> None:
@@ -180,9 +180,10 @@ def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path
     coordinator, network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
     coordinator.run(1)
     # the shares sealed in round 0 are lost (as if they died with a coordinator process)
-    coordinator._membership = type(coordinator._membership)()
-    coordinator._registry_dirty = True
-    coordinator._persist_registry()
+    registry = coordinator.registry
+    registry.membership = type(registry.membership)()
+    registry._dirty = True
+    registry.persist()
     resumed = restart(coordinator)
     sent: list[dict] = []
     post = network._post

@@ -74,7 +74,7 @@ def test_a_signed_federation_registers_keys_and_closes_rounds(tmp_path: Path) ->
     coordinator, _, _ = signed_federation(tmp_path)
     coordinator.run(2)
     assert [o.count for o in coordinator.outcomes] == [4, 4]
-    registered = {p: c.identity_key for p, c in coordinator._commitments.items()}
+    registered = {p: c.identity_key for p, c in coordinator.registry.commitments.items()}
     assert registered == {p: KEYS[p].public_openssh for p in PIDS}
     verify(coordinator.store)
 
@@ -145,7 +145,7 @@ def test_required_signatures_refuse_an_unsigned_participant(tmp_path: Path) -> N
     coordinator, _, _ = signed_federation(tmp_path, config=config, unsigned=("p02",))
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p01", "p03")
-    assert "p02" not in coordinator._commitments  # its commitment was refused too
+    assert "p02" not in coordinator.registry.commitments  # its commitment was refused too
 
 
 def test_an_allow_list_admits_only_listed_keys(tmp_path: Path) -> None:
@@ -175,7 +175,7 @@ def test_a_registered_key_cannot_be_replaced(tmp_path: Path) -> None:
     network._post("p01", COORDINATOR, to_wire(intruder.sign(claim, _seed(1))))
     nodes[1].identity = intruder  # and p01's own messages now come signed by that key
     coordinator.run(1)
-    assert coordinator._commitments["p01"].identity_key == KEYS["p01"].public_openssh
+    assert coordinator.registry.commitments["p01"].identity_key == KEYS["p01"].public_openssh
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
     assert coordinator.outcomes[-1].rejected == 2
 

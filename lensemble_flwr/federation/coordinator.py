@@ -37,11 +37,9 @@ from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
-    CommitmentMismatch,
     ConfigError,
     DuplicateMessage,
     FaultToleranceExceeded,
-    ForgedMessage,
     LedgerError,
     LensembleError,
     NonDeterministicAggregation,
@@ -52,7 +50,6 @@ from lensemble_flwr.errors import (
     Response,
     RoundError,
     StoreError,
-    UnboundContribution,
     UnprivatizedContribution,
     response_to,
 )
@@ -68,17 +65,13 @@ from lensemble_flwr.federation.alignment import (
 )
 from lensemble_flwr.federation.durable import (
     load_closing,
-    load_registry,
     mark_started,
     save_closing,
-    save_registry,
     started_attempts,
 )
-from lensemble_flwr.federation.identity import parse_public_key, verify_signature
 from lensemble_flwr.federation.messages import (
     Commitment,
     ControlMessage,
-    ParticipantMessage,
     Refusal,
     RoundClose,
     RoundOpen,
@@ -90,6 +83,7 @@ from lensemble_flwr.federation.messages import (
     message_digest,
 )
 from lensemble_flwr.federation.outer_optimizer import outer_step, zero_momentum
+from lensemble_flwr.federation.registry import ParticipantRegistry
 from lensemble_flwr.federation.round import (
     GlobalState,
     RoundEvent,
@@ -109,7 +103,6 @@ from lensemble_flwr.provenance.ledger import (
     verify_chain,
 )
 from lensemble_flwr.secagg.aggregator import SecureAggregator
-from lensemble_flwr.secagg.membership import Membership
 from lensemble_flwr.secagg.participant_role import encode_member
 from lensemble_flwr.secagg.protocol import Member, context_of
 
@@ -192,6 +185,9 @@ class _Attempt:
 
 class Coordinator:
     """Drives rounds, holds the canonical global state, runs the outer optimizer.
+
+    Who takes part — bindings, identity keys, masked-round membership — is in
+    :attr:`registry` (:class:`~lensemble_flwr.federation.registry.ParticipantRegistry`).
 
     Args:
         config: the federation's config.
@@ -355,23 +351,14 @@ class Coordinator:
         self._aggregator_factory = aggregator_factory
         self._update_transform = update_transform
         self._gauge = gauge
-        self._identities = dict(identities) if identities is not None else None
-        for pid, key in (self._identities or {}).items():
-            try:
-                parse_public_key(key)
-            except ForgedMessage as exc:
-                raise ConfigError(f"identities[{pid}]", str(exc)) from None
+        self.registry = ParticipantRegistry(config, store, identities)
         self._admitted_updates: set[str] = set()  # digests of every admitted update
         self._on_round = on_round
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
         self._machine: RoundMachine | None = None
-        self._commitments: dict[str, Commitment] = {}
-        self._membership = Membership()  # masked rounds: keys, compromises, key shares
-        self._registry_dirty = False  # the registry changed since it was last stored
         self.last_close: RoundClose | None = None
         self._grace = 0.0
-        self._warned_unbound: set[str] = set()
         self.outcomes: list[RoundOutcome] = []
 
     def _recover(self, check: Literal["full", "chain"]) -> None:
@@ -419,7 +406,7 @@ class Coordinator:
         self._global = self._pin(ckpt.round, ckpt.params, copy=False)
         self._momentum = ckpt.momentum
         self._head_hash = head.record_hash if head else GENESIS
-        self._commitments, self._membership = load_registry(self.store)
+        self.registry.restore()
         self._admitted_updates = {d for r in records for d in r.update_digests.values()}
         t = self._global.round
         finished = {e.attempt for e in self._manifest.rounds if e.round == t}
@@ -442,7 +429,7 @@ class Coordinator:
             "resumed run %s at round %d (%d participants registered)",
             self.run_id,
             t,
-            len(self._commitments),
+            len(self.registry.commitments),
         )
 
     # -- observability -----------------------------------------------------------------
@@ -515,7 +502,7 @@ class Coordinator:
             h_steps=state.h_steps,
             probe_hash=state.probe_hash,
             landmark_hashes=state.landmark_hashes,
-            needs_commitment=peer not in self._commitments,
+            needs_commitment=not self.registry.is_bound(peer),
         )
 
     def run_attempt(self, *, transport: Transport | None = None) -> RoundOutcome:
@@ -613,9 +600,6 @@ class Coordinator:
     def _masked(self) -> bool:
         return self.config.federation.secagg_threshold > 0
 
-    def _keyed(self, pid: str) -> bool:
-        return self._membership.keyed(self._commitments.get(pid))
-
     def _fix_members(self, ctx: _Attempt, *, final: bool = False) -> None:
         """Masked rounds: fix the round's members — every reachable participant once all
         of them are keyed (or, when the open timeout is up, the keyed ones if they are at
@@ -623,13 +607,13 @@ class Coordinator:
         if not self._masked or ctx.members is not None:
             return
         reachable = set(self.transport.peers())
-        keyed = sorted(p for p in reachable if self._keyed(p))
+        keyed = sorted(p for p in reachable if self.registry.keyed(p))
         if len(keyed) < self.config.federation.quorum:
             return
         if not final and set(keyed) != reachable:
             return  # somebody is still committing its keys
-        members = self._membership.members(keyed, self._commitments)
-        ctx.key_shares.update(self._membership.shares_for(members))
+        members = self.registry.members(keyed)
+        ctx.key_shares.update(self.registry.membership.shares_for(members))
         ctx.members = members
         ctx.aggregator = SecureAggregator(
             ctx.state.params,
@@ -650,11 +634,11 @@ class Coordinator:
             if peer in ctx.invited and not resend:
                 continue
             ctx.invited.add(peer)
-            changes: dict[str, object] = {"needs_commitment": peer not in self._commitments}
+            changes: dict[str, object] = {"needs_commitment": not self.registry.is_bound(peer)}
             if self._masked:
                 changes.update(
-                    needs_commitment=not self._keyed(peer),
-                    rekey=peer in self._membership.compromised,
+                    needs_commitment=not self.registry.keyed(peer),
+                    rekey=peer in self.registry.membership.compromised,
                     secagg_threshold=self.config.federation.secagg_threshold,
                 )
                 if peer in member_ids:
@@ -669,7 +653,7 @@ class Coordinator:
         if self._masked:
             return {m.pid for m in ctx.members or []} & reachable
         if self.config.federation.require_binding:
-            return {p for p in reachable if p in self._commitments}
+            return {p for p in reachable if self.registry.is_bound(p)}
         return reachable
 
     def _open(self, ctx: _Attempt) -> None:
@@ -714,7 +698,7 @@ class Coordinator:
             raise FaultToleranceExceeded(
                 f"{len(ctx.admitted)} updates by the collect deadline, quorum {quorum}"
             )
-        self._persist_registry()  # the bindings this round's sum rests on
+        self.registry.persist()  # the bindings this round's sum rests on
 
     def _ingest(self, payload: WirePayload | None, ctx: _Attempt) -> None:
         """Validate and admit one payload; errors whose response is to reject the message
@@ -752,7 +736,7 @@ class Coordinator:
             )
             return
         pid = msg.participant_id
-        self._check_signature(msg, ctx.state.sketch_seed)
+        self.registry.check_signature(msg, ctx.state.sketch_seed)
         collecting = ctx.machine.state in (RoundState.OPEN, RoundState.COLLECTING)
         if isinstance(msg, UnmaskResponse):
             if not isinstance(ctx.aggregator, SecureAggregator) or collecting:
@@ -771,11 +755,11 @@ class Coordinator:
             if msg.error == PrivacyBudgetExceeded.__name__:  # fail closed: the table stops us
                 raise PrivacyBudgetExceeded(f"{pid}: {msg.reason}")
         elif isinstance(msg, Commitment):
-            self._bind(msg)
+            self.registry.bind(msg)
         else:
             if pid in ctx.admitted:
                 raise DuplicateMessage(f"{pid}: a second update in round {msg.round}; refused")
-            self._check_binding(msg)
+            self.registry.check_binding(msg)
             self._check_privacy(msg)
             if ctx.sketch_fingerprint is not None:
                 check_sketch(msg, ctx.sketch_fingerprint)
@@ -789,11 +773,7 @@ class Coordinator:
                 # mask-key shares once per member set and sends them again only when a
                 # RoundOpen says the coordinator lacks them (send_key_shares).
                 assert ctx.members is not None
-                ctx.key_shares[pid] = self._membership.store_shares(
-                    pid, ctx.members, msg.key_shares
-                )
-                self._registry_dirty = True
-                self._persist_registry()
+                ctx.key_shares[pid] = self.registry.store_shares(pid, ctx.members, msg.key_shares)
             uniform = self.config.federation.weighting == "uniform"
             ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
             ctx.admitted.add(pid)
@@ -802,54 +782,6 @@ class Coordinator:
             assert digest is not None
             ctx.update_digests[pid] = digest  # of the update as received
             self._admitted_updates.add(digest)
-
-    def _check_signature(self, msg: ParticipantMessage, round_seed: int) -> None:
-        """A participant with a registered identity key must sign with it; a Commitment
-        may register a key (unless an allow-list fixes it) but never change it.
-
-        Raises:
-            ForgedMessage: not on the allow-list, unsigned where a signature is required,
-                claims another key than the registered one, or a bad signature.
-        """
-        pid = msg.participant_id
-        bound = self._commitments.get(pid)
-        if self._identities is not None:
-            if pid not in self._identities:
-                raise ForgedMessage(f"{pid}: not on the coordinator's identity allow-list")
-            key: str | None = self._identities[pid]
-        else:
-            key = bound.identity_key if bound is not None else None
-        if isinstance(msg, Commitment) and msg.identity_key is not None:
-            if key is not None and msg.identity_key.strip() != key.strip():
-                raise ForgedMessage(f"{pid}: commitment claims another identity key")
-            key = msg.identity_key
-        if key is None:
-            if self.config.federation.require_signatures:
-                raise ForgedMessage(f"{pid}: no registered identity key; signatures required")
-            return
-        verify_signature(msg, key, round_seed)
-
-    def _bind(self, commitment: Commitment) -> None:
-        """Bind a participant to its dataset root; the binding outlives the round."""
-        pid = commitment.participant_id
-        prior = self._commitments.get(pid)
-        if prior is not None and prior.dataset_root != commitment.dataset_root:
-            raise CommitmentMismatch(
-                f"{pid} is bound to {prior.dataset_root[:12]}… and committed "
-                f"{commitment.dataset_root[:12]}…"
-            )
-        if prior is None:
-            log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
-        self._membership.rebound(prior, commitment)
-        if commitment != prior:
-            self._commitments[pid] = commitment
-            self._registry_dirty = True
-
-    def _persist_registry(self) -> None:
-        """Store the participant registry if it changed (see :mod:`.durable`)."""
-        if self._registry_dirty:
-            save_registry(self.store, self._commitments, self._membership)
-            self._registry_dirty = False
 
     def _check_privacy(self, update: Update) -> None:
         """Refuse an update that did not go through the release stages the config requires
@@ -868,42 +800,13 @@ class Coordinator:
                 "configuration requires; refused"
             )
 
-    def _check_binding(self, update: Update) -> None:
-        pid = update.participant_id
-        if update.dataset_root is None:
-            if self.config.federation.require_binding:
-                raise UnboundContribution(
-                    f"{pid}: update without a dataset commitment (a stock ClientApp?) "
-                    "refused because require-binding is set"
-                )
-            if pid not in self._warned_unbound:
-                self._warned_unbound.add(pid)
-                log.warning(
-                    "%s contributes UNBOUND updates: no dataset commitment, no participant-side "
-                    "alignment or privacy; they are recorded as unbound in the ledger",
-                    pid,
-                )
-            return
-        commitment = self._commitments.get(pid)
-        if commitment is None:
-            raise RoundError(f"{pid}: update bound to a root it never committed")
-        if update.dataset_root != commitment.dataset_root:
-            raise CommitmentMismatch(
-                f"{pid}: update bound to {update.dataset_root[:12]}…, committed "
-                f"{commitment.dataset_root[:12]}…"
-            )
-        if update.num_examples != commitment.num_examples:
-            raise RoundError(f"{pid}: update and commitment disagree on num_examples")
-
     def _unmask(self, ctx: _Attempt, aggregator: SecureAggregator) -> None:
         """The disclosure exchange of a masked round: one request to every survivor, then
         their answers until all came or the collect timeout passed."""
         requests = aggregator.disclosure_requests()
         # The dropped members' mask keys are about to be reconstructed: record that before
         # asking, so that no restart can forget it and admit those keys again.
-        self._membership.revealed(aggregator.dropped)
-        self._registry_dirty = True
-        self._persist_registry()
+        self.registry.revealed(aggregator.dropped)
         for holder, request in requests.items():
             sealed = {**request.self_mask_shares, **request.mask_key_shares}
             self.transport.send(
@@ -939,7 +842,7 @@ class Coordinator:
             result = aggregator.reveal()
             aggregator.verify(result)
         if isinstance(aggregator, SecureAggregator):
-            self._membership.revealed(aggregator.dropped)
+            self.registry.revealed(aggregator.dropped)
         return result
 
     def _commit(

@@ -1,0 +1,186 @@
+"""The coordinator's record of who takes part, and the ingress checks that rest on it.
+
+A participant is *bound* by its Commitment: a dataset root and an example count, and
+optionally an identity key (to sign with) and X25519 keys (for masked rounds). A binding
+outlives rounds and coordinator restarts: the registry is durable in the run's store
+(:mod:`.durable`), written whenever it changed and before anything that depends on it can
+reach the ledger. The checks here are the ones that ask "is this message really from a
+participant, bound as it says": signatures, dataset roots, example counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import (
+    CommitmentMismatch,
+    ConfigError,
+    ForgedMessage,
+    RoundError,
+    UnboundContribution,
+)
+from lensemble_flwr.federation.durable import load_registry, save_registry
+from lensemble_flwr.federation.identity import parse_public_key, verify_signature
+from lensemble_flwr.federation.messages import Commitment, ParticipantMessage, Update
+from lensemble_flwr.secagg.membership import Membership
+from lensemble_flwr.secagg.protocol import Member
+
+log = logging.getLogger(__name__)
+
+
+class ParticipantRegistry:
+    """Bindings, identity keys and masked-round membership of a run's participants.
+
+    Args:
+        config: the federation's config (``require-binding``, ``require-signatures``).
+        store: the run's store, where the registry is kept.
+        identities: an allow-list of participant id → OpenSSH public identity key; None
+            lets a participant register its key with its first Commitment.
+
+    Raises:
+        ConfigError: an allow-listed key is not an OpenSSH NIST P-256/P-384 key.
+    """
+
+    def __init__(
+        self,
+        config: LensembleConfig,
+        store: Store,
+        identities: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.identities = dict(identities) if identities is not None else None
+        for pid, key in (self.identities or {}).items():
+            try:
+                parse_public_key(key)
+            except ForgedMessage as exc:
+                raise ConfigError(f"identities[{pid}]", str(exc)) from None
+        self.commitments: dict[str, Commitment] = {}
+        self.membership = Membership()  # masked rounds: keys, compromises, key shares
+        self._dirty = False
+        self._warned_unbound: set[str] = set()
+
+    def restore(self) -> None:
+        """Replace the in-memory registry with the stored one (after a restart)."""
+        self.commitments, self.membership = load_registry(self.store)
+        self._dirty = False
+
+    # -- who is bound -------------------------------------------------------------------
+    def is_bound(self, pid: str) -> bool:
+        return pid in self.commitments
+
+    def keyed(self, pid: str) -> bool:
+        """Bound with masking keys that were never revealed: may be a masked-round member."""
+        return self.membership.keyed(self.commitments.get(pid))
+
+    def members(self, pids: Iterable[str]) -> list[Member]:
+        return self.membership.members(pids, self.commitments)
+
+    def bind(self, commitment: Commitment) -> None:
+        """Bind a participant to its dataset root; the binding outlives the round.
+
+        Raises:
+            CommitmentMismatch: the participant is bound to another dataset root.
+        """
+        pid = commitment.participant_id
+        prior = self.commitments.get(pid)
+        if prior is not None and prior.dataset_root != commitment.dataset_root:
+            raise CommitmentMismatch(
+                f"{pid} is bound to {prior.dataset_root[:12]}… and committed "
+                f"{commitment.dataset_root[:12]}…"
+            )
+        if prior is None:
+            log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
+        self.membership.rebound(prior, commitment)
+        if commitment != prior:
+            self.commitments[pid] = commitment
+            self._dirty = True
+
+    # -- masked rounds ------------------------------------------------------------------
+    def store_shares(
+        self, pid: str, members: list[Member], sealed_hex: Mapping[str, str]
+    ) -> dict[str, bytes]:
+        """Keep ``pid``'s sealed mask-key shares for ``members``, durably at once: a member
+        sends them once per member set, and again only when a RoundOpen asks for them."""
+        shares = self.membership.store_shares(pid, members, sealed_hex)
+        self._dirty = True
+        self.persist()
+        return shares
+
+    def revealed(self, pids: Iterable[str]) -> None:
+        """These members' mask keys are (about to be) reconstructed: durably compromised,
+        so that no restart can forget it and admit the same keys again."""
+        self.membership.revealed(pids)
+        self._dirty = True
+        self.persist()
+
+    def persist(self) -> None:
+        """Store the registry if it changed since it was last stored."""
+        if self._dirty:
+            save_registry(self.store, self.commitments, self.membership)
+            self._dirty = False
+
+    # -- ingress checks -----------------------------------------------------------------
+    def check_signature(self, msg: ParticipantMessage, round_seed: int) -> None:
+        """A participant with a registered identity key must sign with it; a Commitment
+        may register a key (unless the allow-list fixes it) but never change it.
+
+        Raises:
+            ForgedMessage: not on the allow-list, unsigned where a signature is required,
+                claims another key than the registered one, or a bad signature.
+        """
+        pid = msg.participant_id
+        bound = self.commitments.get(pid)
+        if self.identities is not None:
+            if pid not in self.identities:
+                raise ForgedMessage(f"{pid}: not on the coordinator's identity allow-list")
+            key: str | None = self.identities[pid]
+        else:
+            key = bound.identity_key if bound is not None else None
+        if isinstance(msg, Commitment) and msg.identity_key is not None:
+            if key is not None and msg.identity_key.strip() != key.strip():
+                raise ForgedMessage(f"{pid}: commitment claims another identity key")
+            key = msg.identity_key
+        if key is None:
+            if self.config.federation.require_signatures:
+                raise ForgedMessage(f"{pid}: no registered identity key; signatures required")
+            return
+        verify_signature(msg, key, round_seed)
+
+    def check_binding(self, update: Update) -> None:
+        """An update is bound to its sender's committed root and example count (or, where
+        the config allows it, openly unbound).
+
+        Raises:
+            UnboundContribution: unbound while ``require-binding`` is set.
+            CommitmentMismatch: bound to another root than the committed one.
+            RoundError: bound without a commitment, or another example count.
+        """
+        pid = update.participant_id
+        if update.dataset_root is None:
+            if self.config.federation.require_binding:
+                raise UnboundContribution(
+                    f"{pid}: update without a dataset commitment (a stock ClientApp?) "
+                    "refused because require-binding is set"
+                )
+            if pid not in self._warned_unbound:
+                self._warned_unbound.add(pid)
+                log.warning(
+                    "%s contributes UNBOUND updates: no dataset commitment, no participant-side "
+                    "alignment or privacy; they are recorded as unbound in the ledger",
+                    pid,
+                )
+            return
+        commitment = self.commitments.get(pid)
+        if commitment is None:
+            raise RoundError(f"{pid}: update bound to a root it never committed")
+        if update.dataset_root != commitment.dataset_root:
+            raise CommitmentMismatch(
+                f"{pid}: update bound to {update.dataset_root[:12]}…, committed "
+                f"{commitment.dataset_root[:12]}…"
+            )
+        if update.num_examples != commitment.num_examples:
+            raise RoundError(f"{pid}: update and commitment disagree on num_examples")
