@@ -140,10 +140,13 @@ class DeltaTraining:
 assert isinstance(DeltaTraining(0), LocalTraining)
 
 
-def bench_config(threshold: int, min_participants: int, *, masked: bool) -> LensembleConfig:
+def bench_config(
+    threshold: int, min_participants: int, *, masked: bool, neighbours: int = 0
+) -> LensembleConfig:
     return LensembleConfig(
         federation={"min_participants": min_participants,
                      "secagg_threshold": threshold if masked else 0,
+                     "secagg_neighbours": neighbours if masked else 0,
                      "open_timeout": 60.0, "collect_timeout": 120.0},
         inner={"steps": 1, "batch_size": 1},
         groups={"shared": "*", "local": ""},
@@ -375,7 +378,8 @@ def run_inprocess(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"wall": {n: [] for n in names}}
     with tempfile.TemporaryDirectory(prefix="bench-secagg-") as tmp:
         feds = {n: Federation(n, bench_config(args.threshold, args.min_participants,
-                                              masked=n != "plaintext"),
+                                              masked=n != "plaintext",
+                                              neighbours=args.neighbours),
                               Path(tmp) / f"run-{i}", c, p)
                 for i, n in enumerate(names)}
 
@@ -438,7 +442,8 @@ def flower_client_app(args: argparse.Namespace) -> Any:
     from lensemble_flwr.clients.state import ARRAYS_KEY, META_KEY
     from lensemble_flwr.strategies import records
 
-    config = bench_config(args.threshold, args.min_participants, masked=True)
+    config = bench_config(args.threshold, args.min_participants, masked=True,
+                          neighbours=args.neighbours)
 
     class DeltaClient(NumPyClient):
         def __init__(self, index: int) -> None:
@@ -573,7 +578,8 @@ def flower_server_app(args: argparse.Namespace, out: dict[str, Any]) -> Any:
     def lensemble_block(grid: Grid, run_id: str, run_dir: Path) -> dict[str, Any]:
         marks: list[float] = []
         strategy = LensembleStrategy(
-            bench_config(args.threshold, args.min_participants, masked=True),
+            bench_config(args.threshold, args.min_participants, masked=True,
+                          neighbours=args.neighbours),
             run_dir=run_dir, run_id=run_id, fraction_evaluate=0.0,
             poll_interval=args.poll, warmup_timeout=60.0,
             on_round=lambda _line: marks.append(time.perf_counter()))
@@ -709,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12, help="cProfile rows")
     parser.add_argument("--target", type=float, default=2.0, help="masked/plaintext target")
     parser.add_argument("--no-flower", action="store_true", help="skip part 2")
+    parser.add_argument("--neighbours", type=int, default=0,
+                        help="secagg-neighbours of the masked federations (even; default 0: "
+                        "the full graph); with it, SecAgg+ gets num_shares = neighbours + 1")
     parser.add_argument("--blocks", type=int, default=2, help="simulation: blocks of each")
     parser.add_argument("--flower-rounds", type=int, default=4,
                         help="simulation: measured rounds per block")
@@ -732,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     c = args.participants
     args.threshold = args.threshold or c // 2 + 1
     args.min_participants = args.min_participants or args.threshold
+    if args.neighbours and not args.flower_num_shares:
+        args.flower_num_shares = args.neighbours + 1
     if not 2 <= args.threshold <= c or max(args.threshold, args.min_participants) > c:
         parser.error("need 2 <= threshold <= C and min_participants <= C")
     logging.basicConfig(level=logging.ERROR)
@@ -740,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     print(f"== masked rounds: C={c} participants, P={args.params:,} float32 params (one "
           f"array), secagg_threshold={args.threshold}, min_participants="
-          f"{args.min_participants}; {cores} cores, Python {sys.version.split()[0]}, numpy "
+          f"{args.min_participants}, secagg_neighbours={args.neighbours or 'all'}; "
+          f"{cores} cores, Python {sys.version.split()[0]}, numpy "
           f"{np.__version__}, cryptography {cryptography.__version__}; load average {_load()}")
     t_start = time.perf_counter()
     in_ratio = report_inprocess(args, run_inprocess(args))

@@ -40,6 +40,12 @@ class FederationConfig(_Section):
     secagg_threshold: int = Field(
         0, ge=0, description="Dropout threshold of secure aggregation (0: no masking)."
     )
+    secagg_neighbours: int = Field(
+        0,
+        ge=0,
+        description="Masked rounds: pairwise masks with this many neighbours, an even "
+        "number (SecAgg+ graph); 0: with every other member.",
+    )
     open_timeout: float = Field(
         60.0, gt=0, description="Seconds the round stays OPEN waiting for K commitments."
     )
@@ -64,6 +70,13 @@ class FederationConfig(_Section):
     weighting: Literal["uniform", "num-examples"] = Field(
         "uniform", description="Per-update weight in the mean: 1, or the update's example count."
     )
+
+    @field_validator("secagg_neighbours")
+    @classmethod
+    def _even_degree(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError("the neighbour graph is a ring: the degree must be even (or 0)")
+        return value
 
     @property
     def quorum(self) -> int:

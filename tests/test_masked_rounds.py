@@ -150,3 +150,27 @@ def test_a_member_whose_key_was_revealed_rotates_it_and_masks_again(tmp_path: Pa
     assert coordinator.registry.commitments["p02"].mask_key != first_key  # rotated
     assert "p02" not in coordinator.registry.membership.compromised
     verify(Store(tmp_path / "masked"))
+
+
+def test_a_sparse_neighbour_graph_reveals_bitwise_the_plaintext_sum(tmp_path: Path) -> None:
+    plain, _, _ = run(tmp_path, "plain", small_config(min_participants=3), 3)
+    sparse_config = small_config(secagg_threshold=3, min_participants=3, secagg_neighbours=2)
+    sparse, network, _ = run(tmp_path, "sparse", sparse_config, 3)
+    assert sparse.global_state().params_hash == plain.global_state().params_hash
+    opens = [p for p in payloads_to_coordinator(network, "update")]
+    assert opens and all(p["masked"] for p in opens)
+    assert all(e.secure_sum for e in sparse.manifest.rounds)
+
+
+def test_a_participant_refuses_a_sparser_graph_than_it_agreed_to(tmp_path: Path) -> None:
+    config = small_config(secagg_threshold=3, min_participants=3)  # full graph agreed
+    coordinator, _, _ = federation(tmp_path, config=config, name="run")
+    sparser = config.model_copy(
+        update={"federation": config.federation.model_copy(update={"secagg_neighbours": 2})}
+    )
+    coordinator.config = sparser  # the coordinator asks for degree 2
+    outcome = coordinator.run_attempt()
+    assert outcome.state is RoundState.ABORTED
+    entry = coordinator.manifest.rounds[-1]
+    assert entry.refused and not entry.contributors  # it aborts once quorum is out of reach
+    assert all("neighbour graph of degree 2" in r for r in entry.refused.values())

@@ -15,7 +15,9 @@ from lensemble_flwr.secagg.protocol import (
     Member,
     context_of,
     disclose,
+    isolated_survivors,
     mask,
+    neighbours,
     share_mask_key,
 )
 
@@ -29,7 +31,8 @@ def federation(n: int) -> tuple[dict[str, SecAggKeys], list[Member]]:
 
 
 def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: int,
-               send: set[str], answer: set[str]) -> tuple[dict[str, np.ndarray], MaskedSum]:
+               send: set[str], answer: set[str], degree: int = 0,
+               ) -> tuple[dict[str, np.ndarray], MaskedSum]:
     """Run both roles: every member masks, only ``send`` deliver, only ``answer`` disclose."""
     keys, members = federation(n)
     template = next(iter(values.values()))
@@ -37,8 +40,9 @@ def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: i
     key_shares = {pid: share_mask_key(keys[pid], me=pid, members=members, threshold=threshold,
                                       run_id="run") for pid in keys}
     releases = {pid: mask(values[pid], me=pid, keys=keys[pid], members=members,
-                          threshold=threshold, context=CONTEXT) for pid in keys}
-    aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT)
+                          threshold=threshold, context=CONTEXT, degree=degree) for pid in keys}
+    aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT,
+                           degree=degree)
     for pid in sorted(send):  # the others drop before their masked input arrives
         aggregator.add(pid, releases[pid].masked)
     disclosures = {
@@ -47,6 +51,7 @@ def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: i
             survivors=aggregator.survivors, dropped=aggregator.dropped,
             self_mask_shares={s: releases[s].sealed[holder] for s in aggregator.survivors},
             mask_key_shares={s: key_shares[s][holder] for s in aggregator.dropped},
+            degree=degree,
         )
         for holder in sorted(answer)
     }
@@ -199,3 +204,56 @@ def test_a_masked_input_of_another_layout_is_refused_and_changes_nothing() -> No
     assert aggregator.survivors == []
     aggregator.add("p0", good)
     assert aggregator.survivors == ["p0"]
+
+
+# -- the sparse (SecAgg+) neighbour graph ---------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 12), degree=st.sampled_from([0, 2, 4, 6]), ctx=st.binary(max_size=8))
+def test_the_neighbour_graph_is_symmetric_with_the_asked_degree(
+    n: int, degree: int, ctx: bytes
+) -> None:
+    _keys, members = federation(n)
+    graph = {m.pid: neighbours(m.pid, members, degree, ctx) for m in members}
+    for pid, near in graph.items():
+        assert pid not in near
+        assert len(near) == (n - 1 if degree == 0 or degree >= n - 1 else degree)
+        assert all(pid in graph[other] for other in near)  # symmetric
+
+
+def test_the_ring_is_reshuffled_every_round_attempt() -> None:
+    _keys, members = federation(12)
+    rings = {tuple(neighbours("p0", members, 2, context_of("run", r, 1))) for r in range(8)}
+    assert len(rings) > 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(5, 9), seed=st.integers(0, 2**32), data=st.data())
+def test_a_sparse_graph_reveals_the_exact_sum_with_dropouts(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    threshold, degree = n - 2, 4
+    values = random_values(n, seed)
+    drop = data.draw(st.sets(st.sampled_from(sorted(values)), max_size=2))
+    survivors = set(values) - drop
+    _keys, members = federation(n)
+    if isolated_survivors(members, sorted(survivors), degree, CONTEXT):
+        return  # the refusal has its own test
+    revealed, _ = secure_sum(values, n=n, threshold=threshold, send=survivors,
+                             answer=survivors, degree=degree)
+    expected = plain_sum(values, survivors)
+    for name in expected:
+        np.testing.assert_array_equal(revealed[name], expected[name])
+
+
+def test_a_survivor_left_without_a_surviving_neighbour_is_never_exposed() -> None:
+    n, degree = 8, 2
+    values = random_values(n, 3)
+    _keys, members = federation(n)
+    target = "p0"
+    drop = set(neighbours(target, members, degree, CONTEXT))  # both of p0's neighbours
+    survivors = set(values) - drop
+    assert isolated_survivors(members, sorted(survivors), degree, CONTEXT) == [target]
+    with pytest.raises(SecureAggregationError, match="no surviving neighbour"):
+        secure_sum(values, n=n, threshold=4, send=survivors, answer=set(), degree=degree)
+    with pytest.raises(SecureAggregationError, match="no surviving neighbour"):
+        secure_sum(values, n=n, threshold=4, send=survivors, answer=survivors, degree=degree)

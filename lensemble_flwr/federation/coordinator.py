@@ -622,6 +622,7 @@ class Coordinator:
             threshold=self.config.federation.secagg_threshold,
             context=context_of(self.run_id, ctx.machine.round, ctx.machine.attempt),
             mask_key_shares=ctx.key_shares,
+            degree=self.config.federation.secagg_neighbours,
         )
 
     def _invite(self, ctx: _Attempt) -> None:
@@ -640,6 +641,7 @@ class Coordinator:
                     needs_commitment=not self.registry.keyed(peer),
                     rekey=peer in self.registry.membership.compromised,
                     secagg_threshold=self.config.federation.secagg_threshold,
+                    secagg_neighbours=self.config.federation.secagg_neighbours,
                 )
                 if peer in member_ids:
                     changes["secagg_members"] = encoded

@@ -93,6 +93,9 @@ class RoundOpen(_Message):
         (), description="Masked round: 'pid:mask_key:enc_key' of every member (sorted)."
     )
     secagg_threshold: int = Field(0, ge=0)
+    secagg_neighbours: int = Field(
+        0, ge=0, description="Masked: pairwise masks with this many neighbours (0: all)."
+    )
     rekey: bool = Field(False, description="The recipient's mask key was revealed: rotate.")
     send_key_shares: bool = Field(
         False,

@@ -59,6 +59,7 @@ class SecureAggregator:
         threshold: int,
         context: bytes,
         mask_key_shares: Mapping[str, Mapping[str, bytes]],
+        degree: int = 0,
     ) -> None:
         bound = len(members) * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
         if bound >= 2.0**63:
@@ -68,7 +69,9 @@ class SecureAggregator:
                 "could overflow the int64 sum",
             )
         self._config = config
-        self._sum = MaskedSum(template, members, threshold=threshold, context=context)
+        self._sum = MaskedSum(
+            template, members, threshold=threshold, context=context, degree=degree
+        )
         self._member_ids = {m.pid for m in members}
         self._key_shares = mask_key_shares
         self._self_shares: dict[str, dict[str, bytes]] = {}

@@ -50,6 +50,7 @@ class MaskingRole:
         self.key_shares: dict[str, str] = {}  # the sealed shares sent for that set (hex)
         self.members: list[Member] = []
         self.context = b""
+        self.degree = 0  # the round's neighbour graph (0: every other member)
 
     def keys_for_commitment(self, rotate: bool) -> dict[str, str]:
         if self.keys is None or rotate:
@@ -67,6 +68,12 @@ class MaskingRole:
         """The masked Update's fields for ``released``."""
         if self.keys is None:
             raise SecureAggregationError(f"{self.participant_id}: no keys for a masked round")
+        if msg.secagg_neighbours != config.federation.secagg_neighbours:
+            raise SecureAggregationError(
+                f"{self.participant_id}: the round asks for a neighbour graph of degree "
+                f"{msg.secagg_neighbours}, this participant agreed to "
+                f"{config.federation.secagg_neighbours}"
+            )
         members = parse_members(msg.secagg_members)
         agg = config.aggregation
         weight = 1 if config.federation.weighting == "uniform" else released.num_examples
@@ -83,6 +90,7 @@ class MaskingRole:
         )
         self.members = members
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
+        self.degree = msg.secagg_neighbours
         masked = mask(
             values,
             me=self.participant_id,
@@ -90,6 +98,7 @@ class MaskingRole:
             members=members,
             threshold=msg.secagg_threshold,
             context=self.context,
+            degree=self.degree,
         )
         fields: dict[str, Any] = {
             "delta": masked.masked,
@@ -134,6 +143,7 @@ class MaskingRole:
             mask_key_shares={
                 s: bytes.fromhex(c) for s, c in request.sealed.items() if s not in survivors
             },
+            degree=self.degree,
         )
         return {
             "b_shares": {s: f"{x}:{y:x}" for s, (x, y) in shares["b"].items()},
@@ -149,6 +159,7 @@ class MaskingRole:
             "key_shares": self.key_shares,
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
+            "degree": self.degree,
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
@@ -158,3 +169,4 @@ class MaskingRole:
         self.key_shares = dict(meta.get("key_shares") or {})
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()
+        self.degree = int(meta.get("degree", 0))

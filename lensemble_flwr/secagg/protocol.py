@@ -13,6 +13,15 @@ discloses, for every sender, exactly one of the two: the b-share if the sender's
 input was received, the key share if it was not. The aggregator then
 removes the self masks of survivors and the dangling pairwise masks of dropped members.
 A dropped member's mask key is revealed, so it must rotate its keys before it masks again.
+
+With ``degree`` > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise masks
+only with its ``degree`` neighbours in a ring of the members ordered by a hash of the
+round attempt's context — a fresh order every attempt, which nobody chooses — instead of
+with every other member. A survivor's input stays hidden in the sum as long as one of its
+neighbours survives too; the aggregator refuses to reveal, and every member refuses to
+disclose, when a survivor would be left with none. The price is collusion resistance: a
+member's input is exposed to a coordinator colluding with all its ``degree`` neighbours,
+instead of with ``threshold`` members.
 """
 
 from __future__ import annotations
@@ -76,6 +85,38 @@ class MaskedRelease:
     sealed: dict[str, bytes]  # holder -> this round's self-mask share, sealed for it
 
 
+def neighbours(me: str, members: Sequence[Member], degree: int, context: bytes) -> list[str]:
+    """The members ``me`` exchanges pairwise masks with, sorted: every other member when
+    ``degree`` is 0 or reaches them all; otherwise the ``degree // 2`` members on either
+    side of ``me`` in the ring ordered by SHA-256(context, pid). The relation is
+    symmetric: u is v's neighbour exactly when v is u's."""
+    others = sorted(m.pid for m in members if m.pid != me)
+    if degree <= 0 or degree >= len(others):
+        return others
+    ring = sorted(
+        (m.pid for m in members),
+        key=lambda pid: hashlib.sha256(context + b"|ring|" + pid.encode()).digest(),
+    )
+    at, half = ring.index(me), degree // 2
+    near = {ring[(at + step) % len(ring)] for step in range(-half, half + 1) if step != 0}
+    return sorted(near)
+
+
+def isolated_survivors(
+    members: Sequence[Member], survivors: Sequence[str], degree: int, context: bytes
+) -> list[str]:
+    """In a sparse graph (``degree`` > 0), the survivors none of whose neighbours survived:
+    revealing the sum would expose their input (their only remaining mask is their self
+    mask, which the reveal removes). With the full graph the threshold and the quorum
+    govern how few survivors a sum may have, as before."""
+    if degree <= 0:
+        return []
+    alive = set(survivors)
+    return sorted(
+        s for s in alive if not alive.intersection(neighbours(s, members, degree, context))
+    )
+
+
 def members_digest(members: Sequence[Member]) -> str:
     """Names a member set (and its keys): mask-key shares are valid for exactly one."""
     h = hashlib.sha256()
@@ -125,11 +166,14 @@ def mask(
     members: Sequence[Member],
     threshold: int,
     context: bytes,
+    degree: int = 0,
 ) -> MaskedRelease:
-    """Mask ``values`` (int64) for the round and seal shares of its fresh self mask."""
+    """Mask ``values`` (int64) for the round and seal shares of its fresh self mask.
+    ``degree``: pairwise masks with that many neighbours (0: with every other member)."""
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
+    near = set(neighbours(me, ordered, degree, context))
     names = sorted(values)
     if len(names) == 1:  # one array: read it where it is (a view, not a copy)
         base = np.asarray(values[names[0]], np.int64).reshape(-1)
@@ -140,7 +184,7 @@ def mask(
     streams = [(self_seed, +1)] + [
         (pair_seed(keys.mask_private, peer.mask_public, context), +1 if me < peer.pid else -1)
         for peer in ordered
-        if peer.pid != me
+        if peer.pid in near
     ]
     prg.add_streams(streams, masked, base=base)
     sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
@@ -166,6 +210,7 @@ def disclose(
     dropped: Sequence[str],
     self_mask_shares: Mapping[str, bytes],
     mask_key_shares: Mapping[str, bytes],
+    degree: int = 0,
 ) -> Shares:
     """A member's answer to the unmask request: for each sender, one share, never two.
 
@@ -176,12 +221,18 @@ def disclose(
 
     Raises:
         SecureAggregationError: a sender is named both survivor and dropped (revealing
-            both of its shares would unmask its individual input), or a sealed share
-            does not authenticate.
+            both of its shares would unmask its individual input), a survivor would be
+            left with no surviving neighbour (the same, in a sparse graph), or a sealed
+            share does not authenticate.
     """
     both = set(survivors) & set(dropped)
     if both:
         raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
+    alone = isolated_survivors(members, survivors, degree, context)
+    if alone:
+        raise SecureAggregationError(
+            f"refusing to disclose: {alone} would have no surviving neighbour"
+        )
     by_id = {m.pid: m for m in members}
     out: Shares = {"b": {}, "m": {}}
     for sender in survivors:
@@ -212,10 +263,12 @@ class MaskedSum:
         *,
         threshold: int,
         context: bytes,
+        degree: int = 0,
     ) -> None:
         self.members = _ordered(members)
         self.threshold = threshold
         self.context = context
+        self.degree = degree
         self._template = {n: template[n] for n in sorted(template)}
         self._sum = np.zeros(sum(int(a.size) for a in self._template.values()), np.int64)
         self.survivors: list[str] = []
@@ -244,11 +297,16 @@ class MaskedSum:
 
         Raises:
             SecureAggregationError: fewer survivors, or fewer shares of a secret, than the
-                threshold.
+                threshold, or a survivor with no surviving neighbour.
         """
         if len(self.survivors) < self.threshold:
             raise SecureAggregationError(
                 f"{len(self.survivors)} masked inputs, threshold {self.threshold}"
+            )
+        alone = isolated_survivors(self.members, self.survivors, self.degree, self.context)
+        if alone:
+            raise SecureAggregationError(
+                f"{alone} have no surviving neighbour: revealing would expose their input"
             )
         collected: Shares = {"b": {}, "m": {}}
         for answer in disclosures.values():
@@ -262,8 +320,9 @@ class MaskedSum:
             for pid in self.survivors
         ]
         for pid in self.dropped:
+            near = set(neighbours(pid, self.members, self.degree, self.context))
             key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
-            for survivor in self.survivors:
+            for survivor in (s for s in self.survivors if s in near):
                 seed = pair_seed(key, by_id[survivor].mask_public, self.context)
                 # the survivor added +stream if it sorts before the dropped member
                 streams.append((seed, -1 if survivor < pid else +1))
