@@ -146,3 +146,11 @@ def test_fixed_point_capacity_check_is_refused() -> None:
     # One step below the limit is accepted.
     ok = AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=3)
     assert ok.max_weight == 3
+
+
+def test_the_neighbour_graph_degree_must_be_even() -> None:
+    assert LensembleConfig(federation={"secagg_neighbours": 4}).federation.secagg_neighbours == 4
+    with pytest.raises(ConfigError, match="secagg-neighbours"):
+        LensembleConfig.from_run_config({"secagg-neighbours": 3})
+    with pytest.raises(ConfigError, match="secagg_neighbours"):
+        LensembleConfig(federation={"secagg_neighbours": -2})
