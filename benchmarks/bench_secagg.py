@@ -743,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     args.min_participants = args.min_participants or args.threshold
     if args.neighbours and not args.flower_num_shares:
         args.flower_num_shares = args.neighbours + 1
+    if args.neighbours and not args.flower_threshold:  # SecAgg+ shares among neighbours
+        args.flower_threshold = min(args.threshold, args.flower_num_shares - 1)
     if not 2 <= args.threshold <= c or max(args.threshold, args.min_participants) > c:
         parser.error("need 2 <= threshold <= C and min_participants <= C")
     logging.basicConfig(level=logging.ERROR)

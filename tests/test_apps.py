@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from flwr.common.config import validate_config
 
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import LensembleConfig, run_config_keys
 from lensemble_flwr.simulations import digits, world
 
 if sys.version_info >= (3, 11):
@@ -31,6 +31,8 @@ def test_the_app_is_valid_and_its_run_config_loads(app_dir: Path, module) -> Non
     components = config["tool"]["flwr"]["app"]["components"]
     assert components["serverapp"] == f"{module.__name__}:server_app"
     run_config = config["tool"]["flwr"]["app"]["config"]
+    # Flower refuses a --run-config override of a key the app does not declare
+    assert set(run_config_keys()) <= set(run_config)
     loaded = LensembleConfig.from_run_config(run_config, extra_keys=module.APP_KEYS)
     if module is world:
         world.check_groups(loaded)  # the action heads stay local
