@@ -65,9 +65,21 @@ __all__ = [
     "Trainer",
     "deterministic_algorithms",
     "run_inner_loop",
+    "training_state",
 ]
 
 log = logging.getLogger(__name__)
+
+_TRAINING = "training/"  # where exported state keeps the LocalTraining's arrays
+
+
+def training_state(state: PortableState) -> PortableState:
+    """The LocalTraining's part of what :meth:`Participant.export_state` returned (its
+    inner optimizer, local groups such as action heads): for an app that rebuilds its
+    model from a node's saved state outside a round, e.g. to evaluate with its own head."""
+    cut = len(_TRAINING)
+    arrays = {k[cut:]: v for k, v in state.arrays.items() if k.startswith(_TRAINING)}
+    return PortableState(arrays=arrays, meta=state.meta.get("training") or {})
 
 
 class Participant:
@@ -344,7 +356,7 @@ class Participant:
             "training": inner.meta,
             "masking": self.masking.export(),
         }
-        arrays = {f"training/{k}": v for k, v in inner.arrays.items()}
+        arrays = {f"{_TRAINING}{k}": v for k, v in inner.arrays.items()}
         return PortableState(arrays=arrays, meta=meta)
 
     def import_state(self, state: PortableState) -> None:
@@ -352,8 +364,4 @@ class Participant:
         last_open = state.meta.get("last_open")
         self._last_open = tuple(last_open) if last_open else None  # type: ignore[assignment]
         self.masking.restore(state.meta.get("masking") or {})
-        prefix = "training/"
-        arrays = {k[len(prefix) :]: v for k, v in state.arrays.items() if k.startswith(prefix)}
-        self.training.import_state(
-            PortableState(arrays=arrays, meta=state.meta.get("training") or {})
-        )
+        self.training.import_state(training_state(state))

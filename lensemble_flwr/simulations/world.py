@@ -29,7 +29,7 @@ from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.federation.alignment import GaugeSetup
-from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.federation.participant import training_state
 from lensemble_flwr.params import is_local, is_shared
 from lensemble_flwr.simulations.world_data import participant_data
 from lensemble_flwr.simulations.world_federation import world_gauge
@@ -52,9 +52,6 @@ APP_KEYS = {
     "rotate-start",
 }
 """The app's own run_config keys (everything else must be a lensemble key)."""
-
-_PARTICIPANT_TRAINING = "training/"
-"""Where a Participant's exported state keeps its LocalTraining's arrays and metadata."""
 
 
 def check_groups(config: LensembleConfig) -> None:
@@ -96,16 +93,7 @@ def trainer_fn(context: Context) -> WorldTraining:
         rotate_start=bool(context.run_config.get("rotate-start", False)),
         rotation_seed=data_seed,
     )
-    saved = load_state(context.state)
-    cut = len(_PARTICIPANT_TRAINING)
-    training.import_state(
-        PortableState(
-            arrays={
-                k[cut:]: v for k, v in saved.arrays.items() if k.startswith(_PARTICIPANT_TRAINING)
-            },
-            meta=saved.meta.get("training") or {},
-        )
-    )
+    training.import_state(training_state(load_state(context.state)))
     return training
 
 
