@@ -118,8 +118,16 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
         RunManifest.with_round = real
     with pytest.raises(LedgerError):
         verify(coordinator.store)  # the half-done commit is visible as such
+    entry_file = coordinator.store.root / "names" / durable.CLOSING
+    kept = entry_file.read_bytes()
+    entry_file.unlink()  # without the entry kept before the commit, nothing is guessed
+    with pytest.raises(LedgerError, match="in the ledger but not in the manifest"):
+        restart(coordinator)
+    entry_file.write_bytes(kept)
     resumed = restart(coordinator)
     assert resumed.global_state().round == 2  # round 1 was committed: it is not lost
+    (entry,) = (e for e in resumed.manifest.rounds if e.round == 1)
+    assert entry.diagnostics["mean_delta_l2"] > 0  # what the live attempt knew
     assert [r.round for r in verify(resumed.store)] == [0, 1]
     resumed.run(1)
     assert [r.round for r in verify(resumed.store)] == [0, 1, 2]

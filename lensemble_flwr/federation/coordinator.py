@@ -369,28 +369,16 @@ class Coordinator:
             rec = records[-1]  # committed, but the crash came before its manifest entry
             log.warning("round %d: completing the manifest after a crash", rec.round)
             kept = load_closing(self.store)
-            if kept is not None and (kept.round, kept.attempt, kept.new_global_hash) == (
+            if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
                 rec.round,
                 rec.attempt,
                 rec.new_global_hash,
             ):
-                entry = kept
-            else:  # no closing entry kept (written by an older version): rebuild it
-                entry = RoundEntry(
-                    round=rec.round,
-                    attempt=rec.attempt,
-                    state="closed",
-                    round_seed=rec.round_seed,
-                    prior_global_hash=rec.previous_global_hash,
-                    contributors=rec.contributors,
-                    count=rec.count,
-                    total_weight=rec.total_weight,
-                    update_digests=rec.update_digests,
-                    aggregate_digest=rec.aggregate_digest,
-                    new_global_hash=rec.new_global_hash,
-                    secure_sum=self._masked,
-                    diagnostics={} if rec.frame_drift is None else {"frame_drift": rec.frame_drift},
+                raise LedgerError(
+                    f"round {rec.round} is in the ledger but not in the manifest, and the "
+                    "manifest entry kept before its commit is missing or is another round's"
                 )
+            entry = kept
             self._manifest = self._manifest.with_round(self.store, entry)
         if check == "full":
             verify(self.store)
