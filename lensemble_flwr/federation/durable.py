@@ -103,8 +103,8 @@ def save_closing(store: Store, entry: RoundEntry) -> None:
 
 
 def load_closing(store: Store) -> RoundEntry | None:
-    """The last closing entry kept, or None (none kept, or unreadable: the caller then
-    rebuilds the entry from the ledger record)."""
+    """The last closing entry kept, or None when none was kept or it does not parse (the
+    caller refuses to resume rather than guess the entry)."""
     if not store.bound(CLOSING):
         return None
     try:
