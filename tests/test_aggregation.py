@@ -475,3 +475,47 @@ def test_never_holds_more_than_fold_batch_pending_updates(fold_batch: int) -> No
     assert agg._pending == []
     assert result.count == 20
     agg.verify(result)
+
+
+_HARD_FLOAT32 = st.one_of(
+    st.floats(-64, 64, width=32),
+    # values whose scaled form sits on or next to a rounding tie at 2**-32 resolution
+    st.integers(-(2**37), 2**37).map(lambda n: np.float32((n + 0.5) / 2**32)),
+    st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 2**-33, -(2**-33), 63.999996, -64.0]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.lists(_HARD_FLOAT32, min_size=3, max_size=3), min_size=1, max_size=5),
+    weights=st.lists(st.sampled_from([1, 2, 3, 4, 7, 8, 1024]), min_size=5, max_size=5),
+)
+def test_the_fold_gives_the_float64_fixed_point_integers_whatever_path_it_takes(
+    values: list[list[float]], weights: list[int]
+) -> None:
+    """Power-of-two scales take a float32 path in the fold; the integers must be exactly
+    rint(float64(x) * w * 2**F), the ones a masked participant computes (to_fixed_point)."""
+    from lensemble_flwr.federation.aggregation import to_fixed_point
+
+    template = {"w": np.zeros(3, np.float32)}
+    agg = FixedPointAggregator(template, AggregationConfig(), check_seed=1)
+    expected = np.zeros(3, np.int64)
+    for i, (row, weight) in enumerate(zip(values, weights, strict=False)):
+        delta = {"w": np.asarray(row, np.float32)}
+        agg.admit(
+            Update(
+                run_id="r",
+                round=0,
+                sender=f"p{i}",
+                participant_id=f"p{i}",
+                dataset_root=None,
+                delta=delta,
+                l2_norm=1.0,
+                num_examples=1,
+            ),
+            weight=weight,
+        )
+        expected += to_fixed_point(delta, {"w": float(weight) * 2.0**32})["w"]
+    result = agg.reveal()
+    agg.verify(result)
+    np.testing.assert_array_equal(result.sums["w"], expected)

@@ -136,6 +136,15 @@ def _checksum_vector(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 1 << 31, size=CHUNK, dtype=np.int64)
 
 
+def _float32_exact(values: np.ndarray, scale: np.float64) -> bool:
+    """Whether ``rint(x * scale)`` may be computed in float32 with the float64 result:
+    float32 input and a power-of-two scale (no int8 scale, weight a power of two). Then
+    the product only shifts exponents, so it is exact (|x| <= max-abs-update keeps it far
+    from overflow), and rint of an exact float32 equals rint of the same value in float64.
+    Half the bytes per temporary, twice the SIMD width."""
+    return values.dtype == np.float32 and math.frexp(float(scale))[0] == 0.5
+
+
 def _chunk_checksum(q: np.ndarray, r: np.ndarray) -> int:
     return int(q.sum()) + int(np.dot(q, r[: q.size]))
 
@@ -218,37 +227,50 @@ class FixedPointAggregator:
         r = self._r
         for name, acc in self._acc.items():
             flat_acc = acc.reshape(-1)
-            inputs = [(p.delta[name].reshape(-1), p.scale[name]) for p in batch]
+            inputs = [
+                (
+                    p.delta[name].reshape(-1),
+                    p.scale[name],
+                    _float32_exact(p.delta[name], p.scale[name]),
+                )
+                for p in batch
+            ]
 
             def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
                 t = np.empty(CHUNK, np.float64)
                 b = np.empty(CHUNK, np.float64)
+                b32 = np.empty(CHUNK, np.float32)
                 q = np.empty(CHUNK, np.int64)
                 ti = np.empty(CHUNK, np.int64)
                 check = 0
+
+                def rounded(x: np.ndarray, sc: np.float64, in_f32: bool, k: int) -> np.ndarray:
+                    """rint(x * sc) for one chunk, in float32 where that is exact."""
+                    if in_f32:
+                        out32 = b32[:k]
+                        np.multiply(x, np.float32(sc), out=out32)
+                        np.rint(out32, out=out32)
+                        return out32
+                    out = b[:k]
+                    np.copyto(out, x)  # copy-then-scale: faster than a mixed-dtype ufunc
+                    np.multiply(out, sc, out=out)
+                    np.rint(out, out=out)
+                    return out
+
                 for s in range(lo, hi, CHUNK):
                     e = min(s + CHUNK, hi)
                     k = e - s
-                    tk, bk, qk, tik = t[:k], b[:k], q[:k], ti[:k]
-                    (x0, s0), rest = inputs[0], inputs[1:]
-                    # copy-then-scale in place: same values, faster than a mixed-dtype ufunc
-                    np.copyto(tk, x0[s:e])
-                    np.multiply(tk, s0, out=tk)
-                    np.rint(tk, out=tk)
+                    tk, qk, tik = t[:k], q[:k], ti[:k]
+                    (x0, s0, f0), rest = inputs[0], inputs[1:]
+                    np.copyto(tk, rounded(x0[s:e], s0, f0, k))
                     if exact_in_float:
-                        for x, sc in rest:
-                            np.copyto(bk, x[s:e])
-                            np.multiply(bk, sc, out=bk)
-                            np.rint(bk, out=bk)
-                            np.add(tk, bk, out=tk)
+                        for x, sc, f32 in rest:
+                            np.add(tk, rounded(x[s:e], sc, f32, k), out=tk)
                         np.copyto(qk, tk, casting="unsafe")
                     else:
                         np.copyto(tik, tk, casting="unsafe")
-                        for x, sc in rest:
-                            np.copyto(bk, x[s:e])
-                            np.multiply(bk, sc, out=bk)
-                            np.rint(bk, out=bk)
-                            np.copyto(qk, bk, casting="unsafe")
+                        for x, sc, f32 in rest:
+                            np.copyto(qk, rounded(x[s:e], sc, f32, k), casting="unsafe")
                             np.add(tik, qk, out=tik)
                         qk[...] = tik
                     np.add(flat_acc[s:e], qk, out=flat_acc[s:e])
