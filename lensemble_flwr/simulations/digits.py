@@ -8,43 +8,23 @@ setting comes from ``[tool.flwr.app.config]``; see ``docs/configuration.md``.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import make_client_app
-from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.simulations.digits_data import (
     DigitsTrainer,
     centralized_evaluate,
     initial_params,
     load_partition,
 )
-from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.simulations.flower_app import APP_KEYS, partition_of, strategy_from_context
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
-
-APP_KEYS = {
-    "num-server-rounds",
-    "num-partitions",
-    "run-dir",
-    "warmup-timeout",
-    "fraction-evaluate",
-    "data-seed",
-}
-"""The app's own run_config keys (everything else must be a lensemble key)."""
-
-
-def _partition(context: Context) -> tuple[int, int]:
-    node = context.node_config
-    count = int(node.get("num-partitions", context.run_config.get("num-partitions", 10)))
-    return int(node.get("partition-id", 0)) % count, count
 
 
 def trainer_fn(context: Context) -> DigitsTrainer:
     """This node's trainer: its partition of the digits, a fresh model."""
-    partition_id, count = _partition(context)
+    partition_id, count = partition_of(context, default_count=10)
     seed = int(context.run_config.get("data-seed", 0))
     return DigitsTrainer(load_partition(partition_id, count, seed=seed))
 
@@ -58,17 +38,7 @@ server_app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation and print one line per round."""
     run_config = dict(context.run_config)
-    config = LensembleConfig.from_run_config(run_config, extra_keys=APP_KEYS)
-    run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
-    if run_dir:
-        run_dir = str(Path(run_dir) / f"flwr-{context.run_id}")
-    strategy = LensembleStrategy(
-        config,
-        run_dir=run_dir or None,
-        warmup_timeout=float(run_config.get("warmup-timeout", 120.0)),
-        fraction_evaluate=float(run_config.get("fraction-evaluate", 1.0)),
-        on_round=lambda line: print(line, flush=True),
-    )
+    config, strategy = strategy_from_context(context, APP_KEYS)
     seed = int(run_config.get("data-seed", 0))
     count = int(run_config.get("num-partitions", 10))
 

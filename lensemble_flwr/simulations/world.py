@@ -15,9 +15,7 @@ randomly rotated latent frame (the experiment of ``docs/gauge.md``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +29,7 @@ from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.federation.alignment import GaugeSetup
 from lensemble_flwr.federation.participant import training_state
 from lensemble_flwr.params import is_local, is_shared
+from lensemble_flwr.simulations import flower_app
 from lensemble_flwr.simulations.world_data import participant_data
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import (
@@ -38,19 +37,9 @@ from lensemble_flwr.simulations.world_model import (
     WorldTraining,
     initial_params,
 )
-from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
-APP_KEYS = {
-    "num-server-rounds",
-    "num-partitions",
-    "run-dir",
-    "warmup-timeout",
-    "fraction-evaluate",
-    "data-seed",
-    "init-seed",
-    "rotate-start",
-}
+APP_KEYS = flower_app.APP_KEYS | {"init-seed", "rotate-start"}
 """The app's own run_config keys (everything else must be a lensemble key)."""
 
 
@@ -72,21 +61,14 @@ def _seeds(context: Context) -> tuple[int, int]:
     return int(run.get("data-seed", 0)), int(run.get("init-seed", 0))
 
 
-def _partition(context: Context) -> int:
-    node = context.node_config
-    count = int(node.get("num-partitions", context.run_config.get("num-partitions", 6)))
-    return int(node.get("partition-id", 0)) % count
-
-
 def trainer_fn(context: Context) -> WorldTraining:
     """This node's world model and embodiment, with its local state (action head, inner
     optimizer) restored from ``context.state`` so that evaluation uses its own head."""
     config = config_from_context(context)
     check_groups(config)
     data_seed, init_seed = _seeds(context)
-    trainer = WorldTrainer(
-        participant_data(_partition(context), seed=data_seed), init_seed=init_seed
-    )
+    partition, _count = flower_app.partition_of(context, default_count=6)
+    trainer = WorldTrainer(participant_data(partition, seed=data_seed), init_seed=init_seed)
     training = WorldTraining(
         trainer,
         config,
@@ -130,22 +112,10 @@ def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> flo
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation and print one line per round."""
-    run_config = dict(context.run_config)
-    config = LensembleConfig.from_run_config(run_config, extra_keys=APP_KEYS)
-    check_groups(config)
-    run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
-    if run_dir:
-        run_dir = str(Path(run_dir) / f"flwr-{context.run_id}")
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
-    strategy = LensembleStrategy(
-        config,
-        run_dir=run_dir or None,
-        warmup_timeout=float(run_config.get("warmup-timeout", 120.0)),
-        fraction_evaluate=float(run_config.get("fraction-evaluate", 1.0)),
-        on_round=lambda line: print(line, flush=True),
-        gauge=gauge,
-    )
+    config, strategy = flower_app.strategy_from_context(context, APP_KEYS, gauge=gauge)
+    check_groups(config)
 
     def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         return MetricRecord({"probe-moment-gap": probe_moment_gap(gauge, record_to_arrays(arrays))})
@@ -153,7 +123,7 @@ def main(grid: Grid, context: Context) -> None:
     result = strategy.start(
         grid=grid,
         initial_arrays=arrays_to_record(initial_params(init_seed)),
-        num_rounds=int(run_config.get("num-server-rounds", 5)),
+        num_rounds=int(context.run_config.get("num-server-rounds", 5)),
         timeout=config.federation.collect_timeout,
         evaluate_fn=server_evaluate,
     )
