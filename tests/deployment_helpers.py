@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
 LOOPBACK = "127.0.0.1"
 VENV_BIN = Path(sys.executable).parent
 """The Flower CLIs are taken from the interpreter's own environment, never from $PATH."""
@@ -31,6 +33,14 @@ VENV_BIN = Path(sys.executable).parent
 
 def flower_bin(name: str) -> str:
     return str(VENV_BIN / name)
+
+
+def skip_without_flower_clis() -> None:
+    """Skip the calling test module when the Flower CLIs are not next to this interpreter."""
+    if not all(Path(flower_bin(name)).exists() for name in ("flower-superlink", "flwr")):
+        pytest.skip(
+            "the Flower CLIs are not installed next to this interpreter", allow_module_level=True
+        )
 
 
 def free_ports(count: int) -> list[int]:

@@ -35,6 +35,7 @@ from deployment_helpers import (
     off_loopback,
     processes_in_groups,
     read_net_audit,
+    skip_without_flower_clis,
     still_running,
     wait_until,
     write_cli_config,
@@ -52,10 +53,7 @@ NUM_ROUNDS = 2
 RUN_TIMEOUT = 240.0
 STARTUP_TIMEOUT = 60.0
 
-if not (Path(flower_bin("flower-superlink")).exists() and Path(flower_bin("flwr")).exists()):
-    pytest.skip(
-        "the Flower CLIs are not installed next to this interpreter", allow_module_level=True
-    )
+skip_without_flower_clis()
 
 
 @dataclass

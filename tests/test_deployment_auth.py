@@ -49,6 +49,7 @@ from deployment_helpers import (
     make_node_key,
     make_tls_files,
     processes_in_groups,
+    skip_without_flower_clis,
     still_running,
     wait_until,
     write_cli_config,
@@ -67,10 +68,7 @@ STARTUP_TIMEOUT = 45.0
 RUN_TIMEOUT = 75.0
 SUPERNODE_CONNECTION_ERROR = 305  # flwr.supercore.exit.ExitCode: activation refused
 
-if not (Path(flower_bin("flower-superlink")).exists() and Path(flower_bin("flwr")).exists()):
-    pytest.skip(
-        "the Flower CLIs are not installed next to this interpreter", allow_module_level=True
-    )
+skip_without_flower_clis()
 
 
 def _start_supernode(
