@@ -280,6 +280,21 @@ class LensembleConfig(_Section):
     release: ReleaseConfig = ReleaseConfig()
     gauge: GaugeConfig = GaugeConfig()
 
+    def check_recorded(self, recorded: Mapping[str, Any]) -> None:
+        """Refuse to continue a run recorded with another configuration.
+
+        Raises:
+            ConfigError: naming the run_config keys that differ.
+        """
+        given = self.to_run_config()
+        if dict(recorded) != given:
+            differ = sorted(
+                k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
+            )
+            raise ConfigError(
+                "config", f"differs from the run's recorded configuration in {differ}"
+            )
+
     @property
     def protected_releases(self) -> list[str]:
         """The settings (run_config keys) under which participants protect what they

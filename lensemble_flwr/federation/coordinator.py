@@ -295,14 +295,7 @@ class Coordinator:
                 run is not resumed: ``lensemble-flwr verify`` names the broken link).
         """
         manifest = RunManifest.load(store)
-        recorded, given = manifest.config, config.to_run_config()
-        if recorded != given:
-            differ = sorted(
-                k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
-            )
-            raise ConfigError(
-                "config", f"differs from the run's recorded configuration in {differ}"
-            )
+        config.check_recorded(manifest.config)
         self = cls.__new__(cls)
         self._setup(
             config,

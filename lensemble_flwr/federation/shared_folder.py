@@ -330,14 +330,7 @@ class SharedFolderParticipant:
                 f"the run was started with {list(genesis.participants)}, "
                 f"this process has {list(self.participants)}",
             )
-        recorded, given = RunManifest.load(self.store).config, self.config.to_run_config()
-        if recorded != given:
-            differ = sorted(
-                k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
-            )
-            raise ConfigError(
-                "config", f"differs from the run's recorded configuration in {differ}"
-            )
+        self.config.check_recorded(RunManifest.load(self.store).config)
         return genesis.first
 
     def _create(self) -> bytes:
