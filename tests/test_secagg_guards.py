@@ -138,6 +138,14 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
                           l2_norm=0.0, dataset_root=None, num_examples=1)
     with pytest.raises(RoundError, match="max-abs-update"):
         role.mask_release(huge, opened, config)
+    # a NaN or an infinity is never masked (the plaintext ingress check, participant-side)
+    for bad in (np.nan, np.inf):
+        spoiled = dataclasses.replace(huge, delta={"w": np.array([0.5, bad], np.float32)})
+        with pytest.raises(RoundError, match="NaN or infinity"):
+            role.mask_release(spoiled, opened, config)
+    int8 = dataclasses.replace(huge, delta={"w": np.ones(6, np.int8)}, scales={"w": np.nan})
+    with pytest.raises(RoundError, match="not finite and positive"):
+        role.mask_release(int8, opened, config)
     fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
     role.mask_release(fine, opened, config)
     other = UnmaskRequest(run_id="run", round=7, sender="coordinator", attempt=1,

@@ -54,16 +54,26 @@ def _validate_arrays(value: Any) -> dict[str, np.ndarray]:
 NamedArraysField = Annotated[dict[str, np.ndarray], PlainValidator(_validate_arrays)]
 
 
-def _finite_max_abs(arrays: Mapping[str, np.ndarray]) -> float:
-    """Largest |value| over all arrays; ValueError naming the first non-finite array."""
+def released_max_abs(
+    arrays: Mapping[str, np.ndarray], scales: Mapping[str, float] | None = None
+) -> float:
+    """Largest |released value| over all arrays (``array * scale`` for an int8 release).
+
+    Raises:
+        ValueError: naming the first array with a NaN or an infinity, or a scale that is
+            not finite and positive.
+    """
     largest = 0.0
     for name, array in arrays.items():
+        scale = 1.0 if scales is None else scales[name]
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name}: scale {scale} is not finite and positive")
         if array.size == 0:
             continue
         hi, lo = float(array.max()), float(array.min())
         if not (math.isfinite(hi) and math.isfinite(lo)):
             raise ValueError(f"{name}: contains NaN or infinity")
-        largest = max(largest, hi, -lo)
+        largest = max(largest, hi * scale, -lo * scale)
     return largest
 
 
@@ -188,19 +198,13 @@ class Update(_FromParticipant):
         if int64 or self.sealed_shares is not None:
             raise ValueError("int64 arrays and sealed shares belong to masked updates")
         int8 = {n for n, a in self.delta.items() if a.dtype == np.int8}
-        if self.scales is None:
-            if int8:
-                raise ValueError(f"int8 arrays {sorted(int8)} without scales")
-            self._max_abs = _finite_max_abs(self.delta)
-            return self
-        if int8 != set(self.delta) or set(self.scales) != set(self.delta):
+        if self.scales is None and int8:
+            raise ValueError(f"int8 arrays {sorted(int8)} without scales")
+        if self.scales is not None and (
+            int8 != set(self.delta) or set(self.scales) != set(self.delta)
+        ):
             raise ValueError("a quantized update needs int8 arrays and one scale for each")
-        if not all(math.isfinite(s) and s > 0 for s in self.scales.values()):
-            raise ValueError("scales must be finite and positive")
-        self._max_abs = max(
-            float(np.abs(self.delta[n].astype(np.int16)).max(initial=0)) * self.scales[n]
-            for n in self.delta
-        )
+        self._max_abs = released_max_abs(self.delta, self.scales)
         return self
 
     def scale_of(self, name: str) -> float:

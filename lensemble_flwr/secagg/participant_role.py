@@ -14,7 +14,7 @@ from typing import Any
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.federation.aggregation import to_fixed_point
-from lensemble_flwr.federation.messages import RoundOpen, UnmaskRequest
+from lensemble_flwr.federation.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.federation.round import PseudoGradient
 from lensemble_flwr.secagg.keys import SecAggKeys
 from lensemble_flwr.secagg.protocol import (
@@ -78,10 +78,10 @@ class MaskingRole:
         agg = config.aggregation
         weight = 1 if config.federation.weighting == "uniform" else released.num_examples
         scales = released.scales or {}
-        largest = max(
-            max(float(a.max(initial=0)), -float(a.min(initial=0))) * scales.get(n, 1.0)
-            for n, a in released.delta.items()
-        )
+        try:  # the same ingress check a plaintext update gets: finite, within bounds
+            largest = released_max_abs(released.delta, released.scales)
+        except ValueError as exc:
+            raise RoundError(f"{self.participant_id}: {exc}; nothing is masked") from None
         if largest > agg.max_abs_update:
             raise RoundError(f"{self.participant_id}: release exceeds max-abs-update")
         unit = float(weight) * 2.0**agg.fraction_bits
