@@ -13,11 +13,17 @@ import pytest
 import torch
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import DegenerateProcrustes, GaugeError
-from lensemble_flwr.federation.alignment import drift_diagnostics, group_names
+from lensemble_flwr.errors import DegenerateProcrustes, GaugeError, SketchMismatch
+from lensemble_flwr.federation.alignment import (
+    check_sketch,
+    drift_diagnostics,
+    expected_fingerprint,
+    group_names,
+)
+from lensemble_flwr.federation.messages import Update
 from lensemble_flwr.federation.round import RoundState
 from lensemble_flwr.federation.transport import FaultPlan
-from lensemble_flwr.gauge import Probe, encoder_hash
+from lensemble_flwr.gauge import Probe, encoder_hash, sketch_fingerprint, sketch_matrix
 from lensemble_flwr.provenance.ledger import Ledger, verify
 from lensemble_flwr.simulations.world_federation import build_world
 from lensemble_flwr.simulations.world_model import initial_params
@@ -51,6 +57,35 @@ def test_a_participant_with_another_probe_rejects_the_round(tmp_path: Path) -> N
     entry = fed.coordinator.manifest.rounds[-1]
     assert entry.contributors == ("p00", "p01")
     assert entry.refused["p02"].startswith("ProbeError")
+
+
+def test_check_sketch_passes_the_rounds_fingerprint_and_refuses_any_other() -> None:
+    from lensemble_flwr.simulations.world_federation import world_gauge
+
+    gauge, cfg = world_gauge(0), config(sketch_rows=8)
+    expected = expected_fingerprint(gauge, cfg, round_seed=3)
+    assert expected == sketch_fingerprint(sketch_matrix(3, 8, gauge.probe.size))
+
+    def update(fingerprint: str | None) -> Update:
+        delta = {"w": np.zeros(2, np.float32)}
+        return Update(
+            run_id="r",
+            round=0,
+            sender="p01",
+            participant_id="p01",
+            dataset_root="a" * 64,
+            delta=delta,
+            l2_norm=0.0,
+            num_examples=1,
+            sketch_fingerprint=fingerprint,
+        )
+
+    check_sketch(update(expected), expected)
+    other = expected_fingerprint(gauge, cfg, round_seed=4)
+    with pytest.raises(SketchMismatch, match=r"p01: aligned on sketch .*contribution rejected"):
+        check_sketch(update(other), expected)
+    with pytest.raises(SketchMismatch, match="aligned on sketch None"):
+        check_sketch(update(None), expected)
 
 
 def test_an_update_aligned_on_another_sketch_is_rejected(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from lensemble_flwr.gauge.adapter import GaugeAdapter
 from lensemble_flwr.gauge.drift import frame_drift
 from lensemble_flwr.gauge.probe import Probe, check_pinned
 from lensemble_flwr.gauge.procrustes import CONDITIONING_RULES, Alignment, procrustes_align
-from lensemble_flwr.gauge.sketch import check_sketch, sketch_fingerprint, sketch_matrix
+from lensemble_flwr.gauge.sketch import sketch_fingerprint, sketch_matrix
 from lensemble_flwr.gauge.stage import (
     align,
     align_to_global,
@@ -29,7 +29,6 @@ __all__ = [
     "align_to_global",
     "alignment_metadata",
     "check_pinned",
-    "check_sketch",
     "check_warm_start",
     "coordinator_harness",
     "encoder_hash",

@@ -4,7 +4,8 @@ Procrustes runs on ``A @ Z_local`` against ``A @ Z_global`` (m × d) instead of 
 n × d probe embeddings. Every participant derives the same A from the round seed, so all
 of them align on the same sketched probe, and A changes every round, so no fixed subset
 of probe rows decides the frame. An update carries :func:`sketch_fingerprint` of the A it
-used; :func:`check_sketch` is the coordinator's test that it is the round's A.
+used; the coordinator computes the round's fingerprint once and refuses an update that
+carries another (``federation.alignment.check_sketch``).
 """
 
 from __future__ import annotations
@@ -44,17 +45,3 @@ def sketch_fingerprint(a: np.ndarray) -> str:
         raise GaugeError(f"a sketch matrix is a finite 2-D array, got shape {a.shape}")
     return digest_arrays({"sketch": np.asarray(a, dtype="<f8")}, "gauge-sketch")
 
-
-def check_sketch(fingerprint: str, *, round_seed: int, rows: int, probe_size: int) -> None:
-    """Refuse an update aligned on another sketch than the round's.
-
-    Raises:
-        GaugeError: ``fingerprint`` is not that of ``sketch_matrix(round_seed, rows,
-            probe_size)``.
-    """
-    expected = sketch_fingerprint(sketch_matrix(round_seed, rows, probe_size))
-    if fingerprint != expected:
-        raise GaugeError(
-            f"update aligned on sketch {str(fingerprint)[:12]}..., the round's sketch is "
-            f"{expected[:12]}... (seed {round_seed}, {rows} x {probe_size})"
-        )
