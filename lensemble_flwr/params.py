@@ -31,20 +31,22 @@ def frozen(arrays: Mapping[str, np.ndarray]) -> NamedArrays:
     return out
 
 
-def _matches(name: str, entry: str) -> bool:
-    return name == entry or name.startswith(entry + ".")
+def in_group(name: str, group: str) -> bool:
+    """True if ``name`` belongs to parameter group ``group``: it is ``group`` itself or
+    starts with ``group + "."`` (``"enc"`` holds ``"enc.weight"``, not ``"encoder.weight"``)."""
+    return name == group or name.startswith(group + ".")
 
 
 def is_local(name: str, groups: ParamGroupsConfig) -> bool:
     """True if ``name`` belongs to a local (never shared) group."""
-    return any(_matches(name, entry) for entry in groups.local)
+    return any(in_group(name, entry) for entry in groups.local)
 
 
 def is_shared(name: str, groups: ParamGroupsConfig) -> bool:
     """True if ``name`` belongs to a shared group (``"*"`` shares all non-local names)."""
     if is_local(name, groups):
         return False
-    return any(entry == "*" or _matches(name, entry) for entry in groups.shared)
+    return any(entry == "*" or in_group(name, entry) for entry in groups.shared)
 
 
 def _shared_float_entries(

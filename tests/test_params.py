@@ -16,6 +16,7 @@ from lensemble_flwr.params import (
     check_same_layout,
     export_shared,
     frozen,
+    in_group,
     load_shared,
     shared_names,
     subtract,
@@ -105,6 +106,12 @@ def test_group_prefix_matches_whole_components_only() -> None:
 
     exported = export_shared(Named(), ParamGroupsConfig(shared=("enc",), local=()))
     assert list(exported) == ["enc.bias", "enc.weight"]
+
+
+def test_in_group_is_the_group_itself_or_a_dotted_child() -> None:
+    assert in_group("enc", "enc") and in_group("enc.weight", "enc")
+    assert in_group("enc.0.weight", "enc.0") and not in_group("enc.10.weight", "enc.1")
+    assert not in_group("encoder.weight", "enc") and not in_group("enc", "enc.weight")
 
 
 def test_export_is_a_snapshot() -> None:

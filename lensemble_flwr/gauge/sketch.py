@@ -44,4 +44,3 @@ def sketch_fingerprint(a: np.ndarray) -> str:
     if a.ndim != 2 or not np.issubdtype(a.dtype, np.number) or not np.all(np.isfinite(a)):
         raise GaugeError(f"a sketch matrix is a finite 2-D array, got shape {a.shape}")
     return digest_arrays({"sketch": np.asarray(a, dtype="<f8")}, "gauge-sketch")
-

@@ -13,10 +13,7 @@ import numpy as np
 
 from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.errors import GaugeError
-
-
-def _in_groups(name: str, groups: tuple[str, ...]) -> bool:
-    return any(name == g or name.startswith(g + ".") for g in groups)
+from lensemble_flwr.params import in_group
 
 
 def encoder_hash(params: Mapping[str, np.ndarray], names: Iterable[str]) -> str:
@@ -24,14 +21,14 @@ def encoder_hash(params: Mapping[str, np.ndarray], names: Iterable[str]) -> str:
 
     Args:
         params: named arrays (e.g. a global state's shared params).
-        names: the encoder's parameter groups; a name belongs to group ``g`` if it equals
-            ``g`` or starts with ``g + "."`` (``("encoder",)`` for the world model).
+        names: the encoder's parameter groups, matched by
+            :func:`~lensemble_flwr.params.in_group` (``("encoder",)`` for the world model).
 
     Raises:
         GaugeError: no array of ``params`` belongs to ``names``.
     """
     groups = tuple(names)
-    selected = {n: np.asarray(a) for n, a in params.items() if _in_groups(n, groups)}
+    selected = {n: np.asarray(a) for n, a in params.items() if any(in_group(n, g) for g in groups)}
     if not selected:
         raise GaugeError(f"no parameter belongs to the encoder groups {list(groups)}")
     return digest_arrays(selected, "gauge-warm-start")

@@ -34,7 +34,7 @@ from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig, ParamGroupsConfig
 from lensemble_flwr.errors import ParameterMismatch
 from lensemble_flwr.federation.local_training import TorchTraining
-from lensemble_flwr.params import NamedArrays, load_shared
+from lensemble_flwr.params import NamedArrays, export_shared, load_shared
 from lensemble_flwr.simulations.world_data import LATENT_DIM, OBS_DIM, ParticipantData
 
 HIDDEN, EMBED_DIM = 64, 8
@@ -120,12 +120,7 @@ def _init(module: nn.Module, seed: int) -> None:
 
 def initial_params(seed: int = 0) -> NamedArrays:
     """θ_0 and φ_0: the shared groups of a fresh world model (no action head)."""
-    model = WorldModel(action_dim=1, seed=seed)
-    return {
-        name: tensor.detach().numpy().copy()
-        for name, tensor in sorted(model.state_dict().items())
-        if not name.startswith("action_head")
-    }
+    return export_shared(WorldModel(action_dim=1, seed=seed), WORLD_GROUPS)
 
 
 class WorldModelAdapter:
