@@ -30,6 +30,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.clients import app as app_module
 from lensemble_flwr.clients.app import handle_train
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
@@ -43,7 +44,7 @@ from lensemble_flwr.federation.messages import (
     to_wire,
 )
 from lensemble_flwr.federation.round import RoundState, l2_norm
-from lensemble_flwr.federation.transport import COORDINATOR
+from lensemble_flwr.federation.transport import COORDINATOR, ReplyCollector
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
@@ -604,6 +605,19 @@ def test_warm_up_gives_up_at_its_timeout() -> None:
     transport = make_transport(grid, clock)
     assert transport.warm_up(min_nodes=1, timeout_s=3.0) == []
     assert clock.t == pytest.approx(3.0)
+
+
+def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:
+    """The participant's transport in ``handle_train`` (and in a shared-folder process):
+    sends and broadcasts are kept in order and handed over once, as wire payloads."""
+    collector = ReplyCollector()
+    collector.send(COORDINATOR, round_close(0))
+    collector.broadcast(round_close(1))
+    assert collector.recv(timeout_s=5.0) is None
+    assert collector.peers() == [COORDINATOR]
+    assert collector.take() == [to_wire(round_close(0)), to_wire(round_close(1))]
+    assert collector.take() == [] and collector.sent == []
+    assert app_module.ReplyCollector is ReplyCollector  # still importable from the app
 
 
 # -- (k) end to end: a Coordinator over a GridTransport over the FakeGrid -----------------------

@@ -10,7 +10,7 @@ run ``evaluate_fn``; query instructions (the strategy's warm-up) are answered at
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -21,8 +21,8 @@ from lensemble_flwr.config import LensembleConfig, run_config_keys
 from lensemble_flwr.federation.alignment import GaugeSetup
 from lensemble_flwr.federation.identity import IdentityKey
 from lensemble_flwr.federation.local_training import LocalTraining, Trainer
-from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
 from lensemble_flwr.federation.participant import Participant
+from lensemble_flwr.federation.transport import ReplyCollector
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.strategies import records
 
@@ -32,28 +32,6 @@ TrainerFn = Callable[[Context], "Trainer | LocalTraining"]
 EvaluateFn = Callable[[Any, NamedArrays, Mapping[str, Any]], Mapping[str, float]]
 REFUSED = 3201
 """Error code of a train reply when the participant released nothing (see its log)."""
-
-
-class ReplyCollector:
-    """A Transport that keeps what the participant sends, to return it as one reply."""
-
-    def __init__(self) -> None:
-        self.sent: list[ControlMessage] = []
-
-    def send(self, peer_id: str, message: ControlMessage) -> None:
-        self.sent.append(message)
-
-    def broadcast(self, message: ControlMessage) -> None:
-        self.sent.append(message)
-
-    def recv(self, *, timeout_s: float) -> WirePayload | None:
-        return None
-
-    def peers(self) -> Sequence[str]:
-        return []
-
-    def now(self) -> float:
-        return 0.0
 
 
 def config_from_context(context: Context) -> LensembleConfig:
@@ -114,7 +92,7 @@ def handle_train(
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
     if participant.last_loss is not None:
         metrics["train-loss"] = float(participant.last_loss)
-    content = records.encode_reply([to_wire(m) for m in collector.sent], metrics)
+    content = records.encode_reply(collector.take(), metrics)
     return Message(content=content, reply_to=message)
 
 

@@ -40,7 +40,6 @@ import logging
 import os
 import re
 import socket
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -86,43 +85,17 @@ from lensemble_flwr.federation.folder_records import (
     encode_record,
 )
 from lensemble_flwr.federation.local_training import LocalTraining, Trainer
-from lensemble_flwr.federation.messages import ControlMessage, RoundOpen, WirePayload, to_wire
+from lensemble_flwr.federation.messages import RoundOpen, WirePayload
 from lensemble_flwr.federation.participant import Participant
 from lensemble_flwr.federation.replay import ReplayTransport
 from lensemble_flwr.federation.round import GlobalState, RoundState
-from lensemble_flwr.federation.transport import COORDINATOR
+from lensemble_flwr.federation.transport import ReplyCollector
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.release import ReleaseTransform
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-class _Outbox:
-    """The participant's transport: what it sends is kept, to be deposited as its record."""
-
-    def __init__(self) -> None:
-        self._sent: list[WirePayload] = []
-
-    def send(self, peer_id: str, message: ControlMessage) -> None:
-        self._sent.append(to_wire(message))
-
-    def broadcast(self, message: ControlMessage) -> None:
-        self._sent.append(to_wire(message))
-
-    def recv(self, *, timeout_s: float) -> WirePayload | None:
-        return None
-
-    def peers(self) -> Sequence[str]:
-        return [COORDINATOR]
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def take(self) -> list[WirePayload]:
-        sent, self._sent = self._sent, []
-        return sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +233,7 @@ class SharedFolderParticipant:
             publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
             poll_interval=poll_interval,
         )
-        self._outbox = _Outbox()
+        self._outbox = ReplyCollector()
         self.participant = Participant(
             config,
             participant_id=participant_id,

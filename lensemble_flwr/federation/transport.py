@@ -18,6 +18,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -58,6 +59,35 @@ class MessageHandler(Protocol):
 
     def handle(self, payload: WirePayload) -> None:
         """React to one payload addressed to this party."""
+
+
+class ReplyCollector:
+    """The transport of a participant that only answers: what it sends is kept, to go
+    back as one reply (a Flower train reply, a shared-folder record), and it receives
+    nothing (its instructions are handed to :meth:`Participant.handle` directly)."""
+
+    def __init__(self) -> None:
+        self.sent: list[ControlMessage] = []
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def broadcast(self, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        return None
+
+    def peers(self) -> Sequence[str]:
+        return [COORDINATOR]
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def take(self) -> list[WirePayload]:
+        """The wire payloads of what was sent since the last ``take``, in order."""
+        sent, self.sent = self.sent, []
+        return [to_wire(message) for message in sent]
 
 
 @dataclasses.dataclass
