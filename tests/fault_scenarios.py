@@ -45,6 +45,7 @@ class Expected:
     error: str | None = None  # the error that stops the federation, if any
     contributors: tuple[str, ...] | None = None  # C of the attempt that closed
     rejected: int | None = None  # messages rejected at ingress in that attempt
+    rejected_as: str | None = None  # the error type those rejections were logged with
     late: tuple[str, ...] = ()  # dropped as late when they arrive, in the next round
 
 
@@ -262,7 +263,7 @@ SCENARIOS: list[Scenario] = [
         lambda tmp: _plain(
             tmp, FaultPlan().corrupt("p03", round=1, kind="update", mutate=_nan_delta)
         ),
-        Expected(CLOSED, contributors=THREE, rejected=1),
+        Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="RoundError"),
     ),
     Scenario(
         "forged update",
@@ -271,21 +272,21 @@ SCENARIOS: list[Scenario] = [
         lambda tmp: _signed(
             tmp, FaultPlan().corrupt("p03", round=1, kind="update", mutate=_resign)
         ),
-        Expected(CLOSED, contributors=THREE, rejected=1),
+        Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="ForgedMessage"),
     ),
     Scenario(
         "replayed update",
         "p01's admitted round-0 update is delivered again in round 1",
         "rejected at ingress (ReplayedMessage); p01's real update counts",
         _replay,
-        Expected(CLOSED, contributors=ALL, rejected=1),
+        Expected(CLOSED, contributors=ALL, rejected=1, rejected_as="ReplayedMessage"),
     ),
     Scenario(
         "duplicated update",
         "p03 sends its round-1 update twice",
         "the copy is rejected (DuplicateMessage); p03 counts once",
         _duplicate,
-        Expected(CLOSED, contributors=ALL, rejected=1),
+        Expected(CLOSED, contributors=ALL, rejected=1, rejected_as="DuplicateMessage"),
     ),
     Scenario(
         "commitment mismatch",

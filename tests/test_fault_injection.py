@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ from lensemble_flwr.provenance.ledger import Ledger, verify
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
-def test_fault_scenario(scenario: Scenario, tmp_path: Path) -> None:
-    observed = play(scenario, tmp_path)
+def test_fault_scenario(scenario: Scenario, tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="lensemble_flwr.federation.coordinator"):
+        observed = play(scenario, tmp_path)
     coordinator, expected = observed.coordinator, scenario.expected
     fault_round = FAULTED_ROUND.get(scenario.name, FAULT_ROUND)
 
@@ -30,6 +32,9 @@ def test_fault_scenario(scenario: Scenario, tmp_path: Path) -> None:
         assert last.contributors == expected.contributors
     if expected.rejected is not None:
         assert last.rejected == expected.rejected
+    if expected.rejected_as is not None:
+        rejections = [r.getMessage() for r in caplog.records if "rejected (" in r.getMessage()]
+        assert rejections and all(f"({expected.rejected_as})" in r for r in rejections)
     if expected.late:  # a late update surfaces, and is dropped, in the next round
         coordinator.run(1)
         after = [e for e in coordinator.manifest.rounds if e.round == fault_round + 1][-1]

@@ -107,7 +107,7 @@ def test_an_update_altered_in_flight_is_forged(tmp_path: Path) -> None:
     assert coordinator.outcomes[-1].rejected == 1
 
 
-def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path) -> None:
+def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path, caplog) -> None:
     seen: list[dict] = []
     faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=capture(seen))
     coordinator, network, _ = signed_federation(tmp_path, faults=faults)
@@ -116,14 +116,16 @@ def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path) -> None:
     # the same bytes again during round 1, and a copy relabelled as round 1
     network._post("p01", COORDINATOR, seen[0])
     network._post("p01", COORDINATOR, {**seen[0], "round": 1})
-    coordinator.run(1)
+    with caplog.at_level(logging.WARNING):
+        coordinator.run(1)
+    assert "(ReplayedMessage)" in caplog.text and "(ForgedMessage)" in caplog.text
     last = coordinator.outcomes[-1]
     assert last.rejected == 2 and last.count == 4  # p01's real round-1 update is admitted
     records = verify(coordinator.store)
     assert records[0].update_digests["p01"] != records[1].update_digests["p01"]
 
 
-def test_an_update_sent_twice_in_one_round_counts_once(tmp_path: Path) -> None:
+def test_an_update_sent_twice_in_one_round_counts_once(tmp_path: Path, caplog) -> None:
     coordinator, network, _ = signed_federation(tmp_path)
     post = network._post
 
@@ -134,7 +136,9 @@ def test_an_update_sent_twice_in_one_round_counts_once(tmp_path: Path) -> None:
 
     network._post = post_twice
     network.set_compute_time("p03", 0.1)  # so that both copies come before the others
-    coordinator.run(1)
+    with caplog.at_level(logging.WARNING):
+        coordinator.run(1)
+    assert "(DuplicateMessage)" in caplog.text and "(ReplayedMessage)" not in caplog.text
     last = coordinator.outcomes[-1]
     assert last.count == 4 and last.rejected == 1
     assert verify(coordinator.store)[0].contributors == PIDS

@@ -79,6 +79,7 @@ from lensemble_flwr.federation.messages import (
     UnmaskResponse,
     Update,
     WirePayload,
+    canonical_fields,
     from_wire,
     message_digest,
 )
@@ -345,7 +346,6 @@ class Coordinator:
         self._update_transform = update_transform
         self._gauge = gauge
         self.registry = ParticipantRegistry(config, store, identities)
-        self._admitted_updates: set[str] = set()  # digests of every admitted update
         self._on_round = on_round
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
@@ -388,7 +388,6 @@ class Coordinator:
         self._momentum = ckpt.momentum
         self._head_hash = head.record_hash if head else GENESIS
         self.registry.restore()
-        self._admitted_updates = {d for r in records for d in r.update_digests.values()}
         t = self._global.round
         finished = {e.attempt for e in self._manifest.rounds if e.round == t}
         for attempt in started_attempts(self.store, t):
@@ -694,20 +693,17 @@ class Coordinator:
             if response_to(exc) is not Response.REJECT_MESSAGE:
                 raise
             ctx.rejected += 1
-            log.warning("round %d: message rejected: %s", ctx.machine.round, exc)
+            log.warning(
+                "round %d: message rejected (%s): %s", ctx.machine.round, type(exc).__name__, exc
+            )
 
     def _accept(self, msg: ControlMessage, ctx: _Attempt) -> None:
         if not isinstance(msg, (Commitment, Update, Refusal, UnmaskResponse)):
             raise RoundError(f"a participant may not send {msg.kind} (from {msg.sender})")
         if msg.run_id != self.run_id:
             raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
-        digest = message_digest(msg) if isinstance(msg, Update) else None
-        if digest in self._admitted_updates:
-            raise ReplayedMessage(
-                f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
-                "was admitted before; the copy is refused"
-            )
         if (msg.round, msg.attempt) != (ctx.machine.round, ctx.machine.attempt):
+            self._check_replay(msg)
             ctx.late.add(msg.sender)
             log.info(
                 "round %d: late %s from %s (round %d attempt %d) dropped",
@@ -719,7 +715,8 @@ class Coordinator:
             )
             return
         pid = msg.participant_id
-        self.registry.check_signature(msg, ctx.state.sketch_seed)
+        fields = canonical_fields(msg)  # hashes an update's arrays: once, here
+        self.registry.check_signature(msg, ctx.state.sketch_seed, fields)
         collecting = ctx.machine.state in (RoundState.OPEN, RoundState.COLLECTING)
         if isinstance(msg, UnmaskResponse):
             if not isinstance(ctx.aggregator, SecureAggregator) or collecting:
@@ -748,6 +745,7 @@ class Coordinator:
                 check_sketch(msg, ctx.sketch_fingerprint)
             if ctx.aggregator is None:
                 raise RoundError(f"{pid}: update before the masked round's members were fixed")
+            msg_received = msg  # the ledger records the update as it was received
             if ctx.transform is not None:  # plaintext research harness only
                 msg = ctx.transform(msg)
             members = {m.pid for m in ctx.members or []}
@@ -762,9 +760,25 @@ class Coordinator:
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon
-            assert digest is not None
-            ctx.update_digests[pid] = digest  # of the update as received
-            self._admitted_updates.add(digest)
+            ctx.update_digests[pid] = message_digest(msg_received, fields)
+
+    def _check_replay(self, msg: ControlMessage) -> None:
+        """A message of another attempt is late, never admitted; if it is an exact copy
+        of an update the manifest records as admitted in its attempt, it is a replay.
+
+        Raises:
+            ReplayedMessage: the copy of an admitted update.
+        """
+        if not isinstance(msg, Update):
+            return
+        for entry in self._manifest.rounds:
+            if (entry.round, entry.attempt) == (msg.round, msg.attempt):
+                if entry.update_digests.get(msg.participant_id) == message_digest(msg):
+                    raise ReplayedMessage(
+                        f"{msg.participant_id}: update of round {msg.round} attempt "
+                        f"{msg.attempt} was admitted then; the copy is refused"
+                    )
+                return
 
     def _check_privacy(self, update: Update) -> None:
         """Refuse an update that did not go through the release stages the config requires

@@ -22,7 +22,9 @@ purposes is discussed in docs/deployment.md.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -30,18 +32,25 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from lensemble_flwr.canonical import digest_record
 from lensemble_flwr.errors import ForgedMessage
-from lensemble_flwr.federation.messages import ParticipantMessage, message_digest
+from lensemble_flwr.federation.messages import (
+    ParticipantMessage,
+    canonical_fields,
+    message_digest,
+)
 
 _CURVES = (ec.SECP256R1, ec.SECP384R1)
 _HASH = {ec.SECP256R1: hashes.SHA256, ec.SECP384R1: hashes.SHA384}
 
 
-def signing_digest(message: ParticipantMessage, round_seed: int) -> str:
-    """What a signature covers: the message without its signature, and s_t."""
-    unsigned = message.model_copy(update={"signature": None})
+def signing_digest(
+    message: ParticipantMessage, round_seed: int, fields: Mapping[str, Any] | None = None
+) -> str:
+    """What a signature covers: the message without its signature, and s_t.
+    ``fields``: the message's :func:`canonical_fields`, when already computed."""
+    unsigned = {**(canonical_fields(message) if fields is None else fields), "signature": None}
     return digest_record(
         "participant-signature",
-        {"message": message_digest(unsigned), "round_seed": round_seed},
+        {"message": message_digest(message, unsigned), "round_seed": round_seed},
     )
 
 
@@ -116,8 +125,14 @@ def parse_public_key(openssh: str) -> ec.EllipticCurvePublicKey:
     return key
 
 
-def verify_signature(message: ParticipantMessage, public_key: str, round_seed: int) -> None:
-    """Check ``message``'s signature against the sender's registered key.
+def verify_signature(
+    message: ParticipantMessage,
+    public_key: str,
+    round_seed: int,
+    fields: Mapping[str, Any] | None = None,
+) -> None:
+    """Check ``message``'s signature against the sender's registered key (``fields``:
+    the message's :func:`canonical_fields`, when already computed).
 
     Raises:
         ForgedMessage: unsigned, malformed, or not signed by that key for this round.
@@ -125,7 +140,7 @@ def verify_signature(message: ParticipantMessage, public_key: str, round_seed: i
     if not message.signature:
         raise ForgedMessage(f"{message.participant_id}: unsigned {message.kind}")
     key = parse_public_key(public_key)
-    digest = bytes.fromhex(signing_digest(message, round_seed))
+    digest = bytes.fromhex(signing_digest(message, round_seed, fields))
     try:
         signature = bytes.fromhex(message.signature)
         key.verify(signature, digest, ec.ECDSA(_HASH[_curve_of(key)]()))

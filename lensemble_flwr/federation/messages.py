@@ -304,8 +304,9 @@ def from_wire(payload: Any) -> ControlMessage:
         ) from None
 
 
-def message_digest(message: ControlMessage) -> str:
-    """SHA-256 of a message in the canonical encoding (arrays by their own digest)."""
+def canonical_fields(message: ControlMessage) -> dict[str, Any]:
+    """A message's fields as they are hashed: arrays by their own digest (the expensive
+    part: compute this once per message and pass it on)."""
     fields: dict[str, Any] = {}
     for name, value in to_wire(message).items():
         if name in _ARRAY_FIELDS:
@@ -314,4 +315,12 @@ def message_digest(message: ControlMessage) -> str:
             fields[name] = list(value)
         else:
             fields[name] = value
-    return digest_record(f"message/{message.kind}", fields)
+    return fields
+
+
+def message_digest(message: ControlMessage, fields: Mapping[str, Any] | None = None) -> str:
+    """SHA-256 of a message in the canonical encoding (arrays by their own digest);
+    ``fields``: its :func:`canonical_fields`, when already computed."""
+    if fields is None:
+        fields = canonical_fields(message)
+    return digest_record(f"message/{message.kind}", dict(fields))

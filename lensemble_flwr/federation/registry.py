@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
@@ -124,9 +125,15 @@ class ParticipantRegistry:
             self._dirty = False
 
     # -- ingress checks -----------------------------------------------------------------
-    def check_signature(self, msg: ParticipantMessage, round_seed: int) -> None:
+    def check_signature(
+        self,
+        msg: ParticipantMessage,
+        round_seed: int,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
         """A participant with a registered identity key must sign with it; a Commitment
         may register a key (unless the allow-list fixes it) but never change it.
+        ``fields``: the message's canonical fields, when already computed.
 
         Raises:
             ForgedMessage: not on the allow-list, unsigned where a signature is required,
@@ -148,7 +155,7 @@ class ParticipantRegistry:
             if self.config.federation.require_signatures:
                 raise ForgedMessage(f"{pid}: no registered identity key; signatures required")
             return
-        verify_signature(msg, key, round_seed)
+        verify_signature(msg, key, round_seed, fields)
 
     def check_binding(self, update: Update) -> None:
         """An update is bound to its sender's committed root and example count (or, where
