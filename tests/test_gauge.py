@@ -24,11 +24,14 @@ from lensemble_flwr.gauge import (
     GaugeAdapter,
     Probe,
     align,
+    align_to_global,
+    alignment_target,
     check_pinned,
     check_warm_start,
     coordinator_harness,
     encoder_hash,
     frame_drift,
+    harness_delta,
     procrustes_align,
     sketch_fingerprint,
     sketch_matrix,
@@ -530,3 +533,22 @@ def test_coordinator_harness_aligns_a_plaintext_delta(probe: Probe) -> None:
         np.testing.assert_allclose(aligned[name], release.delta[name], atol=1e-6)
     with pytest.raises(ParameterMismatch):
         coordinator_harness(WorldModelAdapter(), probe, GAUGE, params, {"encoder.x": 1}, 5)
+
+
+def test_a_round_target_computed_once_gives_the_same_alignments(probe: Probe) -> None:
+    adapter, params = WorldModelAdapter(), initial_params(0)
+    target = alignment_target(adapter, probe, GAUGE, params, 5)
+    assert target.fingerprint == sketch_fingerprint(sketch_matrix(5, 32, probe.size))
+    for seed in (2, 3):
+        _, local = drifted_local(params, seed=seed)
+        raw = subtract(local, params)
+        once = harness_delta(adapter, probe, GAUGE, target, raw)
+        each = coordinator_harness(adapter, probe, GAUGE, params, raw, 5)
+        for name in params:
+            np.testing.assert_array_equal(once[name], each[name])
+        _, _, fingerprint = align_to_global(
+            adapter, probe, GAUGE, local=local, global_params=params, round_seed=5
+        )
+        assert fingerprint == target.fingerprint
+    with pytest.raises(ParameterMismatch):
+        harness_delta(adapter, probe, GAUGE, target, {"encoder.x": np.ones(1)})

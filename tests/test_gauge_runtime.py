@@ -18,14 +18,26 @@ from lensemble_flwr.federation.alignment import (
     check_sketch,
     drift_diagnostics,
     expected_fingerprint,
+    harness_transform,
 )
 from lensemble_flwr.federation.messages import Update
 from lensemble_flwr.federation.round import RoundState
 from lensemble_flwr.federation.transport import FaultPlan
-from lensemble_flwr.gauge import Probe, encoder_hash, sketch_fingerprint, sketch_matrix
+from lensemble_flwr.gauge import (
+    Probe,
+    coordinator_harness,
+    encoder_hash,
+    sketch_fingerprint,
+    sketch_matrix,
+)
+from lensemble_flwr.gauge import stage as gauge_stage
 from lensemble_flwr.provenance.ledger import Ledger, verify
-from lensemble_flwr.simulations.world_federation import build_world
-from lensemble_flwr.simulations.world_model import initial_params
+from lensemble_flwr.simulations.world_federation import build_world, world_gauge
+from lensemble_flwr.simulations.world_model import (
+    WorldModelAdapter,
+    initial_params,
+    random_orthogonal,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +60,20 @@ def world(tmp: Path, cfg: LensembleConfig | None = None, **kwargs: object):
     return build_world(cfg or config(), tmp / "run", participants=3, trajectories=2, **kwargs)
 
 
+def plaintext_update(delta: dict, **fields: object) -> Update:
+    return Update(
+        run_id="r",
+        round=0,
+        sender="p01",
+        participant_id="p01",
+        dataset_root="a" * 64,
+        delta=delta,
+        l2_norm=0.0,
+        num_examples=1,
+        **fields,
+    )
+
+
 def test_a_participant_with_another_probe_rejects_the_round(tmp_path: Path) -> None:
     fed = world(tmp_path)
     other = Probe(inputs=fed.gauge.probe.inputs + 1.0, landmarks=fed.gauge.probe.landmarks)
@@ -59,25 +85,12 @@ def test_a_participant_with_another_probe_rejects_the_round(tmp_path: Path) -> N
 
 
 def test_check_sketch_passes_the_rounds_fingerprint_and_refuses_any_other() -> None:
-    from lensemble_flwr.simulations.world_federation import world_gauge
-
     gauge, cfg = world_gauge(0), config(sketch_rows=8)
     expected = expected_fingerprint(gauge, cfg, round_seed=3)
     assert expected == sketch_fingerprint(sketch_matrix(3, 8, gauge.probe.size))
 
     def update(fingerprint: str | None) -> Update:
-        delta = {"w": np.zeros(2, np.float32)}
-        return Update(
-            run_id="r",
-            round=0,
-            sender="p01",
-            participant_id="p01",
-            dataset_root="a" * 64,
-            delta=delta,
-            l2_norm=0.0,
-            num_examples=1,
-            sketch_fingerprint=fingerprint,
-        )
+        return plaintext_update({"w": np.zeros(2, np.float32)}, sketch_fingerprint=fingerprint)
 
     check_sketch(update(expected), expected)
     other = expected_fingerprint(gauge, cfg, round_seed=4)
@@ -85,6 +98,32 @@ def test_check_sketch_passes_the_rounds_fingerprint_and_refuses_any_other() -> N
         check_sketch(update(other), expected)
     with pytest.raises(SketchMismatch, match="aligned on sketch None"):
         check_sketch(update(None), expected)
+
+
+def test_the_harness_computes_the_rounds_target_once(monkeypatch) -> None:
+    gauge, cfg, params = world_gauge(0), config(sketch_rows=16), initial_params(0)
+    calls = []
+    real_target = gauge_stage.alignment_target
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real_target(*args, **kwargs)
+
+    monkeypatch.setattr(gauge_stage, "alignment_target", counted)
+    transform = harness_transform(gauge, cfg, params, round_seed=7)
+    assert calls == []  # computed at the first update, where a failure rejects that update
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        moved = {
+            n: a + 1e-3 * rng.standard_normal(a.shape).astype(np.float32) for n, a in params.items()
+        }
+        local = WorldModelAdapter().rotate(moved, random_orthogonal(8, seed=k))
+        raw = {n: local[n] - params[n] for n in params}
+        aligned = transform(plaintext_update(raw)).delta
+        expected = coordinator_harness(gauge.adapter, gauge.probe, cfg.gauge, params, raw, 7)
+        for name in params:
+            np.testing.assert_array_equal(aligned[name], expected[name])
+    assert len(calls) == 1 + 3  # once for the round, once per direct coordinator_harness
 
 
 def test_an_update_aligned_on_another_sketch_is_rejected(tmp_path: Path) -> None:
@@ -150,8 +189,6 @@ def test_a_drift_that_cannot_be_computed_does_not_stop_the_run(monkeypatch) -> N
         raise DegenerateProcrustes("all-zero probe embeddings")
 
     monkeypatch.setattr("lensemble_flwr.federation.alignment.frame_drift", degenerate)
-    from lensemble_flwr.simulations.world_federation import world_gauge
-
     params = initial_params(0)
     out = drift_diagnostics(world_gauge(0), fed_config, params, params, round=3)
     assert "frame_drift" not in out and out["frame_drift_failed"] == 1.0

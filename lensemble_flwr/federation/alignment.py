@@ -145,12 +145,24 @@ def drift_diagnostics(
 def harness_transform(
     gauge: GaugeSetup, config: LensembleConfig, params: NamedArrays, round_seed: int
 ) -> Callable[[Update], Update]:
-    """The plaintext research harness: align each raw update on the coordinator."""
-    from lensemble_flwr.gauge.stage import coordinator_harness  # see the imports above
+    """The plaintext research harness: align each raw update on the coordinator.
+
+    The round's target (its sketch and the sketched global embeddings) is computed once,
+    at the first update, and reused for every other update of the round; computed there,
+    a failure rejects that update as before instead of stopping the round from opening.
+    """
+    # see the imports above
+    from lensemble_flwr.gauge.stage import AlignmentTarget, alignment_target, harness_delta
+
+    round_target: list[AlignmentTarget] = []
 
     def transform(update: Update) -> Update:
-        delta = coordinator_harness(
-            gauge.adapter, gauge.probe, config.gauge, params, update.delta, round_seed
+        if not round_target:
+            round_target.append(
+                alignment_target(gauge.adapter, gauge.probe, config.gauge, params, round_seed)
+            )
+        delta = harness_delta(
+            gauge.adapter, gauge.probe, config.gauge, round_target[0], update.delta
         )
         return update.model_copy(update={"delta": delta})
 

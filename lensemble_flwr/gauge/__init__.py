@@ -13,26 +13,34 @@ from lensemble_flwr.gauge.probe import Probe, check_pinned
 from lensemble_flwr.gauge.procrustes import CONDITIONING_RULES, Alignment, procrustes_align
 from lensemble_flwr.gauge.sketch import sketch_fingerprint, sketch_matrix
 from lensemble_flwr.gauge.stage import (
+    AlignmentTarget,
     align,
     align_to_global,
+    align_to_target,
     alignment_metadata,
+    alignment_target,
     coordinator_harness,
+    harness_delta,
 )
 from lensemble_flwr.gauge.warm_start import check_warm_start, encoder_hash
 
 __all__ = [
     "CONDITIONING_RULES",
     "Alignment",
+    "AlignmentTarget",
     "GaugeAdapter",
     "Probe",
     "align",
     "align_to_global",
+    "align_to_target",
     "alignment_metadata",
+    "alignment_target",
     "check_pinned",
     "check_warm_start",
     "coordinator_harness",
     "encoder_hash",
     "frame_drift",
+    "harness_delta",
     "procrustes_align",
     "sketch_fingerprint",
     "sketch_matrix",

@@ -10,10 +10,14 @@ delta in the shared frame. :func:`chain` refuses any order that puts alignment l
 
 :func:`coordinator_harness` does the same to one plaintext delta at the coordinator. It
 exists for research runs without privacy stages only (the config refuses it otherwise).
+A coordinator aligning many updates of one round computes what the round fixes (the sketch
+A and the sketched global embeddings A·Z_global, :func:`alignment_target`) once, and runs
+only the per-update part (:func:`harness_delta`) on each update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +33,70 @@ from lensemble_flwr.params import NamedArrays, check_same_layout, subtract
 from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class AlignmentTarget:
+    """What every alignment of one round aligns onto, computed once per round.
+
+    Attributes:
+        global_params: the round's global shared weights (the layout every local must have).
+        sketch: the round's sketch A (m × n).
+        sketched_global: ``A @ Z_global``, the sketched probe embeddings of the global
+            weights (m × d): the Procrustes target.
+        fingerprint: ``sketch_fingerprint(A)``.
+    """
+
+    global_params: Mapping[str, np.ndarray]
+    sketch: np.ndarray
+    sketched_global: np.ndarray
+    fingerprint: str
+
+
+def alignment_target(
+    adapter: GaugeAdapter,
+    probe: Probe,
+    gauge: GaugeConfig,
+    global_params: Mapping[str, np.ndarray],
+    round_seed: int,
+) -> AlignmentTarget:
+    """The round's sketch and sketched global embeddings (they depend on the round only).
+
+    Raises:
+        ConfigError: a negative ``round_seed`` or fewer than one sketch row.
+        ParameterMismatch: ``global_params`` lack the encoder's tensors.
+    """
+    a = sketch_matrix(round_seed, gauge.sketch_rows, probe.size)  # (m, n)
+    z_global = adapter.embed(global_params, probe.inputs)  # (n, d)
+    return AlignmentTarget(global_params, a, a @ z_global, sketch_fingerprint(a))
+
+
+def align_to_target(
+    adapter: GaugeAdapter,
+    probe: Probe,
+    gauge: GaugeConfig,
+    target: AlignmentTarget,
+    local: Mapping[str, np.ndarray],
+) -> tuple[NamedArrays, Alignment]:
+    """``local`` expressed in the frame of ``target.global_params``, with the alignment.
+
+    Raises:
+        DegenerateProcrustes: the sketched probe embeddings do not determine a frame.
+        ParameterMismatch: ``local`` and the global weights differ in names or shapes, or
+            the adapter's rotation changed the layout.
+    """
+    check_same_layout(target.global_params, local, "align")
+    z_local = adapter.embed(local, probe.inputs)  # (n, d)
+    alignment = procrustes_align(
+        target.sketch @ z_local,
+        target.sketched_global,
+        max_condition=gauge.max_condition,
+        conditioning=gauge.conditioning,
+        ridge=gauge.ridge,
+    )
+    rotated = adapter.rotate(local, alignment.q)
+    check_same_layout(local, rotated, "rotate")
+    return rotated, alignment
+
+
 def align_to_global(
     adapter: GaugeAdapter,
     probe: Probe,
@@ -39,26 +107,17 @@ def align_to_global(
     round_seed: int,
 ) -> tuple[NamedArrays, Alignment, str]:
     """``local`` expressed in the frame of ``global_params``, with the alignment and the
-    fingerprint of the sketch it used.
+    fingerprint of the sketch it used (:func:`alignment_target` then
+    :func:`align_to_target`, for a single alignment).
 
     Raises:
         DegenerateProcrustes: the sketched probe embeddings do not determine a frame.
         ParameterMismatch: ``local`` and ``global_params`` differ in names or shapes.
     """
     check_same_layout(global_params, local, "align")
-    a = sketch_matrix(round_seed, gauge.sketch_rows, probe.size)  # (m, n)
-    z_local = adapter.embed(local, probe.inputs)  # (n, d)
-    z_global = adapter.embed(global_params, probe.inputs)
-    alignment = procrustes_align(
-        a @ z_local,
-        a @ z_global,
-        max_condition=gauge.max_condition,
-        conditioning=gauge.conditioning,
-        ridge=gauge.ridge,
-    )
-    rotated = adapter.rotate(local, alignment.q)
-    check_same_layout(local, rotated, "rotate")
-    return rotated, alignment, sketch_fingerprint(a)
+    target = alignment_target(adapter, probe, gauge, global_params, round_seed)
+    rotated, alignment = align_to_target(adapter, probe, gauge, target, local)
+    return rotated, alignment, target.fingerprint
 
 
 def alignment_metadata(alignment: Alignment, fingerprint: str) -> dict[str, Any]:
@@ -107,6 +166,41 @@ def align(adapter: GaugeAdapter, probe: Probe, gauge: GaugeConfig) -> ReleaseTra
     return ReleaseTransform("align", Stage.ALIGN, init, update)
 
 
+def _harness_local(
+    global_params: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]
+) -> NamedArrays:
+    """global + delta (float32), refusing a delta of another layout or a non-finite sum."""
+    check_same_layout(global_params, delta, "coordinator harness")
+    local = {
+        name: np.asarray(global_params[name], dtype=np.float32)
+        + np.asarray(delta[name], dtype=np.float32)
+        for name in sorted(global_params)
+    }
+    if not all(np.all(np.isfinite(v)) for v in local.values()):
+        raise ParameterMismatch("coordinator harness: non-finite delta")
+    return local
+
+
+def harness_delta(
+    adapter: GaugeAdapter,
+    probe: Probe,
+    gauge: GaugeConfig,
+    target: AlignmentTarget,
+    delta: Mapping[str, np.ndarray],
+) -> NamedArrays:
+    """:func:`coordinator_harness` against a round's precomputed ``target``: the per-update
+    part, for a coordinator that aligns many updates of one round.
+
+    Raises:
+        DegenerateProcrustes: as :func:`align`.
+        ParameterMismatch: ``delta`` does not have the layout of the global weights, or
+            global + delta is not finite.
+    """
+    local = _harness_local(target.global_params, delta)
+    rotated, _ = align_to_target(adapter, probe, gauge, target, local)
+    return subtract(rotated, target.global_params)
+
+
 def coordinator_harness(
     adapter: GaugeAdapter,
     probe: Probe,
@@ -122,17 +216,10 @@ def coordinator_harness(
 
     Raises:
         DegenerateProcrustes: as :func:`align`.
-        ParameterMismatch: ``delta`` does not have the layout of ``global_params``.
+        ParameterMismatch: ``delta`` does not have the layout of ``global_params``, or
+            global + delta is not finite.
     """
-    check_same_layout(global_params, delta, "coordinator harness")
-    local = {
-        name: np.asarray(global_params[name], dtype=np.float32)
-        + np.asarray(delta[name], dtype=np.float32)
-        for name in sorted(global_params)
-    }
-    if not all(np.all(np.isfinite(v)) for v in local.values()):
-        raise ParameterMismatch("coordinator harness: non-finite delta")
-    rotated, _, _ = align_to_global(
-        adapter, probe, gauge, local=local, global_params=global_params, round_seed=round_seed
-    )
+    local = _harness_local(global_params, delta)
+    target = alignment_target(adapter, probe, gauge, global_params, round_seed)
+    rotated, _ = align_to_target(adapter, probe, gauge, target, local)
     return subtract(rotated, global_params)
