@@ -9,22 +9,16 @@ were altered is refused even if its blob was re-addressed.
 from __future__ import annotations
 
 import dataclasses
-import json
-import struct
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
-from lensemble_flwr.canonical import canonical_json, digest_arrays
+from lensemble_flwr.artifacts.tensors import pack, unpack
+from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.errors import CheckpointIntegrityError
 from lensemble_flwr.params import NamedArrays
 
 FORMAT = "lensemble-checkpoint/1"
-_META_KEY = "lensemble"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +51,7 @@ def encode_checkpoint(
         "params_hash": params_hash or digest_arrays(params, "params"),
         "momentum_hash": digest_arrays(momentum, "momentum"),
     }
-    # safetensors writes its metadata map in hash-map order, so several keys would make
-    # the bytes (and the blob address) vary from run to run; one key is deterministic.
-    return st_save(tensors, metadata={_META_KEY: canonical_json(info).decode("ascii")})
+    return pack(tensors, info)
 
 
 def decode_checkpoint(data: bytes) -> Checkpoint:
@@ -70,9 +62,8 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
             the recorded params hash.
     """
     try:
-        tensors = st_load(data)
-        metadata = _metadata(data)
-    except (SafetensorError, ValueError, KeyError, struct.error) as exc:
+        tensors, metadata = unpack(data)
+    except ValueError as exc:
         raise CheckpointIntegrityError(f"unreadable checkpoint: {exc}") from None
     if metadata.get("format") != FORMAT:
         raise CheckpointIntegrityError(f"not a {FORMAT} checkpoint: {metadata.get('format')!r}")
@@ -95,12 +86,3 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
         params_hash=actual,
     )
 
-
-def _metadata(data: bytes) -> dict[str, Any]:
-    """The ``__metadata__`` of a safetensors buffer (8-byte length, then a JSON header)."""
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + header_len])
-    info = json.loads(header.get("__metadata__", {}).get(_META_KEY, "{}"))
-    if not isinstance(info, dict):
-        raise ValueError("checkpoint metadata is not a mapping")
-    return info

@@ -22,23 +22,18 @@ other transport's.
 from __future__ import annotations
 
 import dataclasses
-import json
-import struct
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors import SafetensorError
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
+from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError, RoundError
 from lensemble_flwr.federation.messages import RoundOpen, WirePayload
 
 RECORD_FORMAT = "lensemble-folder-record/1"
-_META_KEY = "lensemble"
 _HEX64 = r"^[0-9a-f]{64}$"
 
 OutcomeState = Literal["closed", "aborted", "incomplete"]
@@ -103,8 +98,7 @@ def encode_record(record: FolderRecord) -> bytes:
         payloads=payloads,
         arrays=arrays,
     )
-    meta = canonical_json(header.model_dump(mode="json")).decode("ascii")
-    return st_save(tensors, metadata={_META_KEY: meta})
+    return pack(tensors, header.model_dump(mode="json"))
 
 
 def decode_record(data: bytes) -> FolderRecord:
@@ -115,11 +109,9 @@ def decode_record(data: bytes) -> FolderRecord:
             coordinator).
     """
     try:
-        tensors = st_load(data)
-        (length,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8 : 8 + length])["__metadata__"][_META_KEY]
-        header = _RecordHeader.model_validate_json(meta)
-    except (SafetensorError, ValidationError, ValueError, KeyError, TypeError, struct.error) as e:
+        tensors, meta = unpack(data)
+        header = _RecordHeader.model_validate(meta)
+    except ValueError as e:  # a ValidationError is one
         raise RoundError(f"unreadable shared-folder record: {str(e)[:200]}") from None
     if len(header.arrays) != len(header.payloads):
         raise RoundError("unreadable shared-folder record: arrays and payloads differ")

@@ -40,12 +40,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
-
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import canonical_json
+from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import CheckpointIntegrityError, LensembleError
 from lensemble_flwr.federation.aggregation import FixedPointAggregator
@@ -89,21 +86,14 @@ _STATE = "participant/state"
 
 
 def encode_state(state: PortableState) -> bytes:
-    """A participant's PortableState as safetensors bytes (the metadata as canonical JSON)."""
-    tensors = {name: state.arrays[name] for name in sorted(state.arrays)}
-    return st_save(tensors, metadata={"meta": canonical_json(state.meta).decode("ascii")})
+    """A participant's PortableState as safetensors bytes (:func:`pack`)."""
+    return pack({name: state.arrays[name] for name in sorted(state.arrays)}, state.meta)
 
 
 def decode_state(data: bytes) -> PortableState:
     """What :func:`encode_state` encoded."""
-    arrays = st_load(data)
-    meta = json.loads(_safetensors_metadata(data)["meta"])
-    return PortableState(arrays=dict(arrays), meta=meta)
-
-
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    header_len = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+    arrays, meta = unpack(data)
+    return PortableState(arrays=arrays, meta=meta)
 
 
 class KeptParticipant:
