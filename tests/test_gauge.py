@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.linalg import orthogonal_procrustes
 
-from lensemble_flwr.config import GaugeConfig
+from lensemble_flwr.config import GaugeConfig, LensembleConfig
 from lensemble_flwr.errors import (
     ConfigError,
     DegenerateProcrustes,
@@ -37,7 +37,16 @@ from lensemble_flwr.gauge import (
     sketch_matrix,
 )
 from lensemble_flwr.params import subtract
-from lensemble_flwr.release import Release, ReleaseContext, Stage, bind, chain, clip, difference
+from lensemble_flwr.release import (
+    Release,
+    ReleaseContext,
+    Stage,
+    bind,
+    chain,
+    clip,
+    difference,
+    release_pipeline,
+)
 from lensemble_flwr.simulations.world_data import participant_data, public_probe
 from lensemble_flwr.simulations.world_model import (
     WorldModelAdapter,
@@ -552,3 +561,41 @@ def test_a_round_target_computed_once_gives_the_same_alignments(probe: Probe) ->
         assert fingerprint == target.fingerprint
     with pytest.raises(ParameterMismatch):
         harness_delta(adapter, probe, GAUGE, target, {"encoder.x": np.ones(1)})
+
+
+def test_coordinator_harness_refuses_a_non_finite_delta(probe: Probe) -> None:
+    params = initial_params(0)
+    raw = {n: np.zeros_like(a) for n, a in params.items()}
+    raw["predictor.out.bias"][0] = np.inf
+    with pytest.raises(ParameterMismatch, match="coordinator harness: non-finite delta"):
+        coordinator_harness(WorldModelAdapter(), probe, GAUGE, params, raw, 5)
+    raw["predictor.out.bias"][0] = 0.0
+    raw["encoder.out.weight"][1, 2] = np.nan
+    with pytest.raises(ParameterMismatch, match="coordinator harness: non-finite delta"):
+        coordinator_harness(WorldModelAdapter(), probe, GAUGE, params, raw, 5)
+
+
+class LossyAdapter(WorldModelAdapter):
+    """A broken adapter whose rotation loses a tensor."""
+
+    def rotate(self, params, q):  # type: ignore[override]
+        rotated = super().rotate(params, q)
+        del rotated["predictor.inp.bias"]
+        return rotated
+
+
+def test_alignment_refuses_an_adapter_whose_rotation_changes_the_layout(probe: Probe) -> None:
+    params = initial_params(0)
+    _, local = drifted_local(params)
+    with pytest.raises(ParameterMismatch, match=r"rotate: missing \['predictor\.inp\.bias'\]"):
+        align_to_global(
+            LossyAdapter(), probe, GAUGE, local=local, global_params=params, round_seed=5
+        )
+
+
+def test_a_pipeline_that_aligns_needs_a_gauge_setup() -> None:
+    with pytest.raises(ConfigError) as info:
+        release_pipeline(
+            LensembleConfig(gauge={"align": True}), participant_id="p", dataset_root=None
+        )
+    assert info.value.field == "gauge-align" and "GaugeSetup" in info.value.reason
