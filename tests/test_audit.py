@@ -143,7 +143,6 @@ def alter_aggregate_digest(run: Path) -> tuple[str, str, str | None]:
 
 
 def alter_update_digest(run: Path) -> tuple[str, str, str | None]:
-    # ledger.verify does not compare update digests; the audit does
     entry = read_json(run, "manifest/rounds/00000002-0001")
     digests = entry["update_digests"] | {"p02": "cd" * 32}
     rewrite_json(run, "manifest/rounds/00000002-0001", update_digests=digests)
@@ -167,6 +166,20 @@ def tamper_manifest_header(run: Path) -> tuple[str, str, str | None]:
     return "manifest/header", "blob sha256", digest_of(run, "manifest/header")
 
 
+def header_with_rounds(run: Path) -> tuple[str, str, str | None]:
+    # a header carries no rounds (they are entries of their own): the audit reads it with
+    # the same parser as the runtime, so both refuse it
+    rewrite_json(run, "manifest/header", rounds=[])
+    return "manifest/header", "contents", None
+
+
+def unsorted_contributors(run: Path) -> tuple[str, str, str | None]:
+    # the contributing set is the sorted list of who sent an update: same set, other order
+    record = read_json(run, "ledger/00000002")
+    reseal_record(run, "ledger/00000002", contributors=record["contributors"][::-1])
+    return "round 2", "ledger.update_digests senders", None
+
+
 TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     flip_checkpoint_byte,
     delete_checkpoint,
@@ -182,10 +195,12 @@ TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     alter_aborted_prior_hash,
     rename_record,
     tamper_manifest_header,
+    header_with_rounds,
+    unsorted_contributors,
 ]
 
-# links ledger.verify() does not look at (the audit's cross-checks)
-BEYOND_VERIFY = {alter_update_digest, alter_aborted_prior_hash}
+# links ledger.verify() does not look at (the audit's cross-checks of the manifest alone)
+BEYOND_VERIFY = {alter_aborted_prior_hash}
 
 
 @pytest.mark.parametrize("tamper", TAMPERS, ids=lambda f: f.__name__)
@@ -204,11 +219,12 @@ def test_tampering_is_caught_and_the_first_broken_link_named(
     with pytest.raises(AuditFailure) as caught:
         report.raise_on_failure()
     assert isinstance(caught.value, LedgerError) and caught.value.finding == first
-    # the audit is never weaker than the runtime's own check
+    # the audit is never weaker than the runtime's own check, and verify() applies the
+    # same link rules (ledger.py) to everything but the manifest's own consistency
     try:
         verify(Store(run))
     except LensembleError:
-        pass
+        assert tamper not in BEYOND_VERIFY
     else:
         assert tamper in BEYOND_VERIFY, "verify() rejects nothing here, yet the audit does"
 
@@ -260,3 +276,29 @@ def test_an_extra_attempt_after_a_closed_one_is_a_finding(run: Path) -> None:
     rebind(run, "manifest/rounds/00000002-0002", json.dumps(entry, sort_keys=True).encode())
     fields = [(f.where, f.field) for f in audit_run(run).findings]
     assert fields == [("round 2", "manifest.state")]
+
+
+def test_verify_raises_the_message_of_the_rule_the_audit_names(run: Path) -> None:
+    unsorted_contributors(run)
+    with pytest.raises(LedgerError, match=r"^round 2: contributing set and C_t disagree$"):
+        verify(Store(run))
+
+
+def test_the_manifest_must_agree_with_the_ledger_for_verify_too(run: Path) -> None:
+    alter_update_digest(run)
+    with pytest.raises(LedgerError, match=r"^round 2: manifest and ledger disagree$"):
+        verify(Store(run))
+
+
+def test_the_audit_reads_each_blob_once(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fetched: list[str] = []
+    get = Store.get
+
+    def counting_get(self: Store, digest: str) -> bytes:
+        fetched.append(digest)
+        return get(self, digest)
+
+    monkeypatch.setattr(Store, "get", counting_get)
+    assert audit_run(run).ok
+    # header, 4 manifest entries, 3 records, 4 checkpoints
+    assert len(fetched) == len(set(fetched)) == 12

@@ -1,56 +1,52 @@
 """Audit a run directory: which link of the run's evidence is broken, and how.
 
 :func:`lensemble_flwr.provenance.ledger.verify` is the runtime's fail-closed check: it
-recomputes the hash chain, decodes every checkpoint and compares the ledger with the
-manifest, and raises on the first disagreement. :func:`audit_run` runs it and adds what
-an auditor needs on top:
+walks the ledger's links (see ``ledger.link_breaks``) and raises on the first broken one.
+:func:`audit_run` applies the same link rules, reading every blob once, and adds what an
+auditor needs on top:
 
-* the cross-checks ``verify`` does not make: each closed attempt's update digests,
-  total weight, attempt number, round seed and prior global hash against its ledger
-  record; every attempt (aborted ones too) starts from the global state the round before
-  left; attempts are numbered 1, 2, … with at most one closed and none after it; rounds
-  follow each other without gaps; a name (``ledger/00000003``) holds the round it names;
+* the cross-checks ``verify`` does not make: every attempt (aborted ones too) starts from
+  the global state the round before left, and an aborted one produced none; attempts
+  are numbered 1, 2, … with at most one closed and none after it; rounds follow each
+  other without gaps; a name (``ledger/00000003``) holds the round it names;
 * a :class:`Finding` per broken link that names the round, the field, and the expected
   and found values, in the order a reader walks the run (round by round), so the first
-  finding is the first broken link;
+  finding is the first broken link; a missing record does not hide the rounds after it;
 * optionally, the ledger head an auditor got from elsewhere (every participant hears the
   head's ``record_hash`` in the round's ``RoundClose``): without it, the newest record
   can be rewritten and resealed without breaking any link in the directory.
-
-When ``verify`` rejects the run, the walk also decodes the checkpoints to say which one
-broke; when it passes, the checkpoints are decoded only once (by ``verify``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.errors import (
-    CheckpointIntegrityError,
-    LedgerError,
-    LensembleError,
-    StoreError,
-)
+from lensemble_flwr.errors import LedgerError, StoreError
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
+    LEDGER,
     MANIFEST_HEADER,
     MANIFEST_ROUNDS,
     ContributionRecord,
+    LinkBreak,
     RoundEntry,
     RunManifest,
-    verify,
+    UnreadableDocument,
+    agreement_breaks,
+    checkpoint_breaks,
+    fetch_blob,
+    ledger_name,
+    manifest_entry_name,
+    parse_document,
+    record_breaks,
 )
 
-_Model = TypeVar("_Model", bound=BaseModel)
+_Doc = TypeVar("_Doc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +75,10 @@ class Finding:
             text += f": expected {self.expected}, found {self.found}"
         return text
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @classmethod
+    def of(cls, where: str, broken: LinkBreak) -> Finding:
+        """The finding for a link that ``ledger``'s rules found broken."""
+        return cls(where, broken.field, _show(broken.expected), _show(broken.found), broken.round)
 
 
 class AuditFailure(LedgerError):
@@ -163,17 +161,9 @@ def audit_run(
         NotARunDirectory: ``run_dir`` is not a run directory at all.
     """
     store = open_run(run_dir)
-    try:
-        verify(store)
-        verify_error: LensembleError | None = None
-    except LensembleError as exc:  # LedgerError, or a blob that does not hash right
-        verify_error = exc
-    walk = _Walk(store, decode_checkpoints=verify_error is not None)
+    walk = _Walk(store)
     walk.run(expected_head)
     findings = walk.findings
-    if verify_error is not None and not findings:
-        # verify() saw something the field-by-field walk has no name for
-        findings.append(Finding("ledger.verify", f"{type(verify_error).__name__}: {verify_error}"))
     return AuditReport(
         run_dir=Path(run_dir),
         run_id=walk.header.run_id if walk.header else None,
@@ -187,15 +177,6 @@ def audit_run(
     )
 
 
-def _differences(pairs: Iterable[tuple[str, Any, Any]], *, where: str, round: int) -> list[Finding]:
-    """A finding for each (field, expected, found) whose two values differ."""
-    return [
-        Finding(where, field, _show(expected), _show(found), round)
-        for field, expected, found in pairs
-        if expected != found
-    ]
-
-
 def _show(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(map(str, value)) + "]"
@@ -207,9 +188,8 @@ def _show(value: Any) -> str:
 class _Walk:
     """One pass over a run directory, round by round, collecting findings in order."""
 
-    def __init__(self, store: Store, *, decode_checkpoints: bool) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.decode_checkpoints = decode_checkpoints
         self.findings: list[Finding] = []
         self.header: RunManifest | None = None
         self.records: list[ContributionRecord] = []
@@ -218,36 +198,28 @@ class _Walk:
         self.checkpoints = 0
         self.global_hash: str | None = None
 
-    def _blob(self, where: str, digest: str, field: str, round: int | None) -> bytes | None:
-        """The blob's bytes, or None after a finding (missing, or not hashing to its digest)."""
-        try:
-            return self.store.get(digest)
-        except CheckpointIntegrityError:
-            # the store's layout is public (blobs/<2 hex>/<digest>, checkable with sha256sum)
-            path = self.store.root / "blobs" / digest[:2] / digest
-            actual = hashlib.sha256(path.read_bytes()).hexdigest()
-            self.findings.append(Finding(where, f"{field} sha256", digest, actual, round))
-        except StoreError as exc:
-            self.findings.append(Finding(where, field, digest, f"missing ({exc})", round))
-        return None
+    def _breaks(self, where: str, breaks: Iterable[LinkBreak]) -> None:
+        self.findings += [Finding.of(where, b) for b in breaks]
 
-    def _load(self, name: str, model: type[_Model]) -> _Model | None:
+    def _load(self, name: str, parse: Callable[[bytes], _Doc]) -> _Doc | None:
+        """The document bound to ``name``, or None after a finding."""
         try:
             digest = self.store.resolve(name)
         except StoreError as exc:
             self.findings.append(Finding(name, "name", "a bound name", str(exc)))
             return None
-        data = self._blob(name, digest, "blob", None)
-        if data is None:
+        data = fetch_blob(self.store, digest, field="blob", round=None, message="")
+        if isinstance(data, LinkBreak):
+            self._breaks(name, [data])
             return None
         try:
-            return model.model_validate_json(data)
-        except ValidationError as exc:
-            self.findings.append(Finding(name, "contents", found=_first_error(exc)))
+            return parse(data)
+        except UnreadableDocument as exc:
+            self.findings.append(Finding(name, "contents", found=exc.detail))
             return None
 
     def run(self, expected_head: str | None) -> None:
-        self.header = self._load(MANIFEST_HEADER, RunManifest)
+        self.header = self._load(MANIFEST_HEADER, RunManifest.from_header)
         if self.header is None:
             return
         self.global_hash = self.header.initial_params_hash
@@ -309,10 +281,10 @@ class _Walk:
     def _entries(self) -> list[RoundEntry]:
         entries = []
         for name in self.store.bound(MANIFEST_ROUNDS):
-            entry = self._load(name, RoundEntry)
+            entry = self._load(name, lambda data, n=name: parse_document(RoundEntry, data, n))
             if entry is None:
                 continue
-            named = f"{MANIFEST_ROUNDS}/{entry.round:08d}-{entry.attempt:04d}"
+            named = manifest_entry_name(entry.round, entry.attempt)
             if named != name:
                 self.findings.append(Finding(name, "round and attempt", name, named, entry.round))
                 continue
@@ -321,14 +293,15 @@ class _Walk:
 
     def _records(self) -> list[ContributionRecord]:
         records = []
-        for name in self.store.bound("ledger"):
-            record = self._load(name, ContributionRecord)
+        for name in self.store.bound(LEDGER):
+            record = self._load(
+                name, lambda data, n=name: parse_document(ContributionRecord, data, n)
+            )
             if record is None:
                 continue
-            if name != f"ledger/{record.round:08d}":
-                self.findings.append(
-                    Finding(name, "round", name, f"ledger/{record.round:08d}", record.round)
-                )
+            named = ledger_name(record.round)
+            if named != name:
+                self.findings.append(Finding(name, "round", name, named, record.round))
                 continue
             records.append(record)
         return records
@@ -394,73 +367,31 @@ class _Walk:
     def _check_record(
         self, rec: ContributionRecord, prev_record: str | None, closed: RoundEntry | None
     ) -> None:
-        t, where = rec.round, f"round {rec.round}"
-        checks: list[tuple[str, Any, Any]] = [
-            ("ledger.record_hash", rec.expected_hash(), rec.record_hash)
-        ]
-        if prev_record is not None:
-            checks.append(("ledger.previous_record_hash", prev_record, rec.previous_record_hash))
-        checks += [
-            ("ledger.previous_global_hash", self.global_hash, rec.previous_global_hash),
-            ("ledger.count", len(rec.contributors), rec.count),
-            ("ledger.update_digests senders", rec.contributors, tuple(sorted(rec.update_digests))),
-            ("ledger.dataset_roots senders", rec.contributors, tuple(sorted(rec.dataset_roots))),
-        ]
-        self.findings += _differences(checks, where=where, round=t)
-        self._check_checkpoint(where, rec.checkpoint, params_hash=rec.new_global_hash, round=t + 1)
-        if closed is None:
-            return
-        drift = getattr(rec, "frame_drift", None)  # a ledger field in runs with a gauge adapter
-        if drift is not None and "frame_drift" in closed.diagnostics:
-            checks = [
-                ("manifest.diagnostics.frame_drift", drift, closed.diagnostics["frame_drift"])
-            ]
-            self.findings += _differences(checks, where=where, round=t)
-        self.findings += _differences(
-            [
-                ("manifest.attempt", rec.attempt, closed.attempt),
-                ("manifest.prior_global_hash", rec.previous_global_hash, closed.prior_global_hash),
-                ("manifest.round_seed", rec.round_seed, closed.round_seed),
-                ("manifest.contributors", rec.contributors, closed.contributors),
-                ("manifest.count", rec.count, closed.count),
-                ("manifest.total_weight", rec.total_weight, closed.total_weight),
-                ("manifest.update_digests", rec.update_digests, closed.update_digests),
-                ("manifest.aggregate_digest", rec.aggregate_digest, closed.aggregate_digest),
-                ("manifest.new_global_hash", rec.new_global_hash, closed.new_global_hash),
-            ],
-            where=where,
-            round=t,
+        where = f"round {rec.round}"
+        self._breaks(
+            where,
+            record_breaks(
+                rec,
+                previous_record_hash=prev_record,
+                previous_global_hash=self.global_hash,
+                checkpoint=lambda r: self._checkpoint_breaks(
+                    r.checkpoint, params_hash=r.new_global_hash, round=r.round
+                ),
+            ),
         )
+        if closed is not None:
+            self._breaks(where, agreement_breaks(rec, closed))
+
+    def _checkpoint_breaks(
+        self, digest: str, *, params_hash: str, round: int | None
+    ) -> Iterable[LinkBreak]:
+        self.checkpoints += 1
+        return checkpoint_breaks(self.store, digest, params_hash=params_hash, round=round)
 
     def _check_checkpoint(
         self, where: str, digest: str, *, params_hash: str, round: int | None
     ) -> None:
-        self.checkpoints += 1
-        if not self.decode_checkpoints:
-            return  # verify() decoded it already
-        t = None if round is None else round - 1
-        data = self._blob(where, digest, "checkpoint", t)
-        if data is None:
-            return
-        try:
-            ckpt = decode_checkpoint(data)
-        except CheckpointIntegrityError as exc:
-            self.findings.append(
-                Finding(where, "checkpoint", "a lensemble checkpoint", str(exc), t)
-            )
-            return
-        checks: list[tuple[str, Any, Any]] = [
-            ("checkpoint.params_hash", params_hash, ckpt.params_hash)
-        ]
-        if round is not None:
-            checks.append(("checkpoint.round", round, ckpt.round))
-        self.findings += _differences(checks, where=where, round=t)
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(map(str, err.get("loc", ()))) or "document"
-    return f"{loc}: {err.get('msg', 'invalid')}"
+        self._breaks(where, self._checkpoint_breaks(digest, params_hash=params_hash, round=round))
 
 
 __all__ = [

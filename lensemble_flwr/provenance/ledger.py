@@ -13,9 +13,10 @@ have the same manifest digest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,12 +26,21 @@ from lensemble_flwr.canonical import canonical_json, digest_record
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
 
 GENESIS = "0" * 64
+LEDGER = "ledger"
 MANIFEST_HEADER = "manifest/header"
 MANIFEST_ROUNDS = "manifest/rounds"
+FRAME_DRIFT = "frame_drift"
+"""The manifest diagnostic holding the latent frame's drift over the round, when recorded."""
 
 
-def _ledger_name(round: int) -> str:
-    return f"ledger/{round:08d}"
+def ledger_name(round: int) -> str:
+    """The store name a round's ledger record is claimed under."""
+    return f"{LEDGER}/{round:08d}"
+
+
+def manifest_entry_name(round: int, attempt: int) -> str:
+    """The store name the manifest entry of one attempt of one round is claimed under."""
+    return f"{MANIFEST_ROUNDS}/{round:08d}-{attempt:04d}"
 
 
 class _Frozen(BaseModel):
@@ -133,26 +143,64 @@ class RunManifest(_Frozen):
 
     @staticmethod
     def _store_entry(store: Store, entry: RoundEntry) -> None:
-        name = f"{MANIFEST_ROUNDS}/{entry.round:08d}-{entry.attempt:04d}"
+        name = manifest_entry_name(entry.round, entry.attempt)
         if not store.claim(name, store.put(canonical_json(entry.model_dump(mode="json")))):
             raise LedgerError(f"round {entry.round} attempt {entry.attempt} is already recorded")
 
     @classmethod
+    def from_header(cls, data: bytes) -> RunManifest:
+        """The manifest a stored header describes, before any round entry.
+
+        Raises:
+            UnreadableDocument: ``data`` is not a manifest header.
+        """
+        return cls(**dict(parse_document(_Header, data, "manifest header")))
+
+    @classmethod
     def load(cls, store: Store) -> RunManifest:
         """The run's manifest as stored. Raises StoreError or LedgerError."""
-        header = _parse(_Header, store.get(store.resolve(MANIFEST_HEADER)), "manifest header")
+        header = cls.from_header(store.get(store.resolve(MANIFEST_HEADER)))
         entries = tuple(
-            _parse(RoundEntry, store.get(store.resolve(name)), name)
+            parse_document(RoundEntry, store.get(store.resolve(name)), name)
             for name in store.bound(MANIFEST_ROUNDS)
         )
-        return cls(**dict(header), rounds=entries)
+        return header.model_copy(update={"rounds": entries})
 
 
-def _parse(model: type[BaseModel], data: bytes, what: str) -> Any:
+class UnreadableDocument(LedgerError):
+    """A stored manifest header, manifest entry or ledger record that does not parse."""
+
+    def __init__(self, what: str, detail: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+        self.detail = detail  # the first problem, in one line
+
+
+_Doc = TypeVar("_Doc", bound=BaseModel)
+
+
+def parse_document(model: type[_Doc], data: bytes, what: str) -> _Doc:
+    """Parse one stored JSON document (a header, entry or record) as ``model``.
+
+    Raises:
+        UnreadableDocument: not JSON, or not a valid ``model``.
+    """
     try:
         return model.model_validate(json.loads(data))
-    except (ValidationError, ValueError) as exc:
-        raise LedgerError(f"{what} does not parse: {exc}") from None
+    except ValidationError as exc:  # before ValueError, its base class
+        detail = first_error(exc)
+        raise UnreadableDocument(what, detail, f"{what} does not parse: {exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise UnreadableDocument(
+            what, f"document: {exc}", f"{what} does not parse: {exc}"
+        ) from None
+
+
+def first_error(exc: ValidationError) -> str:
+    """The first of a pydantic validation's errors, as ``location: message``."""
+    err = exc.errors()[0]
+    loc = ".".join(map(str, err.get("loc", ()))) or "document"
+    return f"{loc}: {err.get('msg', 'invalid')}"
 
 
 class Ledger:
@@ -165,18 +213,20 @@ class Ledger:
     def records(self) -> list[ContributionRecord]:
         """All records in round order (as stored; :func:`verify` checks them)."""
         return [
-            _parse(ContributionRecord, self.store.get(self.store.resolve(name)), name)
-            for name in self.store.bound("ledger/")
+            parse_document(ContributionRecord, self.store.get(self.store.resolve(name)), name)
+            for name in self.store.bound(LEDGER)
         ]
 
     def head(self) -> ContributionRecord | None:
         """The newest record, or None before the first CLOSED round."""
         if self._head is not None:
             return self._head  # what this Ledger appended last (appends are claims)
-        names = self.store.bound("ledger/")
+        names = self.store.bound(LEDGER)
         if not names:
             return None
-        return _parse(ContributionRecord, self.store.get(self.store.resolve(names[-1])), names[-1])
+        return parse_document(
+            ContributionRecord, self.store.get(self.store.resolve(names[-1])), names[-1]
+        )
 
     def append(self, record: ContributionRecord) -> ContributionRecord:
         """Seal ``record`` onto the chain and store it.
@@ -195,7 +245,7 @@ class Ledger:
             )
         sealed = record.sealed()
         digest = self.store.put(canonical_json(sealed.model_dump(mode="json")))
-        if not self.store.claim(_ledger_name(sealed.round), digest):
+        if not self.store.claim(ledger_name(sealed.round), digest):
             raise LedgerError(f"round {sealed.round} is already recorded")
         self._head = sealed
         return sealed
@@ -212,25 +262,21 @@ def verify(store: Store) -> list[ContributionRecord]:
             checkpoint that does not match its record, a manifest that disagrees).
     """
     manifest = RunManifest.load(store)
-    try:
-        initial = decode_checkpoint(store.get(manifest.initial_checkpoint))
-    except (CheckpointIntegrityError, StoreError) as exc:
-        raise LedgerError(f"initial checkpoint: {exc}") from None
-    if initial.params_hash != manifest.initial_params_hash:
-        raise LedgerError("initial checkpoint does not match the manifest's initial params hash")
+    _raise_first(
+        checkpoint_breaks(
+            store, manifest.initial_checkpoint, params_hash=manifest.initial_params_hash
+        )
+    )
     records = Ledger(store).records()
-
-    def check_checkpoint(rec: ContributionRecord) -> None:
-        try:
-            ckpt = decode_checkpoint(store.get(rec.checkpoint))
-        except (CheckpointIntegrityError, StoreError) as exc:
-            raise LedgerError(f"round {rec.round}: checkpoint: {exc}") from None
-        if ckpt.params_hash != rec.new_global_hash or ckpt.round != rec.round + 1:
-            raise LedgerError(
-                f"round {rec.round}: checkpoint does not hold the recorded new global state"
-            )
-
-    _verify_links(records, manifest, check_checkpoint)
+    _raise_first(
+        link_breaks(
+            records,
+            manifest,
+            lambda rec: checkpoint_breaks(
+                store, rec.checkpoint, params_hash=rec.new_global_hash, round=rec.round
+            ),
+        )
+    )
     return records
 
 
@@ -242,38 +288,177 @@ def verify_chain(records: list[ContributionRecord], manifest: RunManifest) -> No
     Raises:
         LedgerError: naming the first broken link.
     """
-    _verify_links(records, manifest, lambda _rec: None)
+    _raise_first(link_breaks(records, manifest))
 
 
-def _verify_links(
+# -- the link rules: one definition, walked by verify() and by the run audit --------------------
+@dataclasses.dataclass(frozen=True)
+class LinkBreak:
+    """One broken link of a run's evidence.
+
+    Attributes:
+        round: the ledger round concerned (None for θ_0 and for run-wide links).
+        field: what disagrees, prefixed by its source (``"ledger.count"``,
+            ``"manifest.aggregate_digest"``, ``"checkpoint.params_hash"``).
+        expected: what the rest of the evidence says ``field`` must hold.
+        found: what it holds.
+        message: the sentence :func:`verify` raises for it.
+    """
+
+    round: int | None
+    field: str
+    expected: Any
+    found: Any
+    message: str
+
+
+def _raise_first(breaks: Iterator[LinkBreak]) -> None:
+    for broken in breaks:
+        raise LedgerError(broken.message)
+
+
+def fetch_blob(
+    store: Store, digest: str, *, field: str, round: int | None, message: str
+) -> bytes | LinkBreak:
+    """The blob's bytes (re-hashed by the store), or the break saying it is missing or
+    does not hash to its address; ``message`` prefixes the store's own error."""
+    try:
+        return store.get(digest)
+    except CheckpointIntegrityError as exc:
+        return LinkBreak(
+            round, f"{field} sha256", digest, f"other bytes ({exc})", f"{message}{exc}"
+        )
+    except StoreError as exc:
+        return LinkBreak(round, field, digest, f"missing ({exc})", f"{message}{exc}")
+
+
+def checkpoint_breaks(
+    store: Store, digest: str, *, params_hash: str, round: int | None = None
+) -> Iterator[LinkBreak]:
+    """The checkpoint blob ``digest`` must decode and hold ``params_hash``.
+
+    Args:
+        round: the ledger round whose new global state the checkpoint holds (the
+            checkpoint itself is then of round ``round + 1``); None for θ_0's.
+    """
+    label = "initial checkpoint" if round is None else f"round {round}: checkpoint"
+    data = fetch_blob(store, digest, field="checkpoint", round=round, message=f"{label}: ")
+    if isinstance(data, LinkBreak):
+        yield data
+        return
+    try:
+        ckpt = decode_checkpoint(data)
+    except CheckpointIntegrityError as exc:
+        yield LinkBreak(round, "checkpoint", "a lensemble checkpoint", str(exc), f"{label}: {exc}")
+        return
+    if round is None:
+        wrong = "initial checkpoint does not match the manifest's initial params hash"
+    else:
+        wrong = f"round {round}: checkpoint does not hold the recorded new global state"
+    if ckpt.params_hash != params_hash:
+        yield LinkBreak(round, "checkpoint.params_hash", params_hash, ckpt.params_hash, wrong)
+    if round is not None and ckpt.round != round + 1:
+        yield LinkBreak(round, "checkpoint.round", round + 1, ckpt.round, wrong)
+
+
+def record_breaks(
+    rec: ContributionRecord,
+    *,
+    previous_record_hash: str | None,
+    previous_global_hash: str | None,
+    checkpoint: Callable[[ContributionRecord], Iterator[LinkBreak]] | None = None,
+) -> Iterator[LinkBreak]:
+    """One ledger record: its own hash, its links to the record and the global state before
+    it (``previous_record_hash`` None: not checked), its checkpoint (when ``checkpoint``
+    is given), and a contributing set that agrees with C_t, the update digests and the
+    dataset roots (``contributors`` is the sorted list of who sent an update)."""
+    t, where = rec.round, f"round {rec.round}"
+    if rec.record_hash != rec.expected_hash():
+        yield LinkBreak(
+            t,
+            "ledger.record_hash",
+            rec.expected_hash(),
+            rec.record_hash,
+            f"{where}: record hash does not match its contents",
+        )
+    if previous_record_hash is not None and rec.previous_record_hash != previous_record_hash:
+        yield LinkBreak(
+            t,
+            "ledger.previous_record_hash",
+            previous_record_hash,
+            rec.previous_record_hash,
+            f"{where}: chain broken (previous record hash differs)",
+        )
+    if rec.previous_global_hash != previous_global_hash:
+        yield LinkBreak(
+            t,
+            "ledger.previous_global_hash",
+            previous_global_hash,
+            rec.previous_global_hash,
+            f"{where}: previous global hash is not the prior round's new hash",
+        )
+    if checkpoint is not None:
+        yield from checkpoint(rec)
+    disagree = f"{where}: contributing set and C_t disagree"
+    for field, expected, found in [
+        ("ledger.count", len(rec.contributors), rec.count),
+        ("ledger.update_digests senders", rec.contributors, tuple(sorted(rec.update_digests))),
+        ("ledger.dataset_roots senders", rec.contributors, tuple(sorted(rec.dataset_roots))),
+    ]:
+        if expected != found:
+            yield LinkBreak(t, field, expected, found, disagree)
+
+
+def agreement_breaks(rec: ContributionRecord, entry: RoundEntry) -> Iterator[LinkBreak]:
+    """A closed attempt's manifest entry must say what its ledger record says."""
+    pairs: list[tuple[str, Any, Any]] = []
+    if rec.frame_drift is not None and FRAME_DRIFT in entry.diagnostics:
+        pairs.append(
+            ("manifest.diagnostics.frame_drift", rec.frame_drift, entry.diagnostics[FRAME_DRIFT])
+        )
+    pairs += [
+        ("manifest.attempt", rec.attempt, entry.attempt),
+        ("manifest.prior_global_hash", rec.previous_global_hash, entry.prior_global_hash),
+        ("manifest.round_seed", rec.round_seed, entry.round_seed),
+        ("manifest.contributors", rec.contributors, entry.contributors),
+        ("manifest.count", rec.count, entry.count),
+        ("manifest.total_weight", rec.total_weight, entry.total_weight),
+        ("manifest.update_digests", rec.update_digests, entry.update_digests),
+        ("manifest.aggregate_digest", rec.aggregate_digest, entry.aggregate_digest),
+        ("manifest.new_global_hash", rec.new_global_hash, entry.new_global_hash),
+    ]
+    message = f"round {rec.round}: manifest and ledger disagree"
+    for field, expected, found in pairs:
+        if expected != found:
+            yield LinkBreak(rec.round, field, expected, found, message)
+
+
+def link_breaks(
     records: list[ContributionRecord],
     manifest: RunManifest,
-    check_record: Callable[[ContributionRecord], None],
-) -> None:
+    checkpoint: Callable[[ContributionRecord], Iterator[LinkBreak]] | None = None,
+) -> Iterator[LinkBreak]:
+    """Every record's links in round order from the manifest's θ_0, then the manifest's
+    closed rounds against the ledger's, lazily (so :func:`verify` stops at the first)."""
     prev_record, prev_global = GENESIS, manifest.initial_params_hash
     for rec in records:
-        where = f"round {rec.round}"
-        if rec.record_hash != rec.expected_hash():
-            raise LedgerError(f"{where}: record hash does not match its contents")
-        if rec.previous_record_hash != prev_record:
-            raise LedgerError(f"{where}: chain broken (previous record hash differs)")
-        if rec.previous_global_hash != prev_global:
-            raise LedgerError(f"{where}: previous global hash is not the prior round's new hash")
-        check_record(rec)
-        if rec.count != len(rec.contributors) or set(rec.update_digests) != set(rec.contributors):
-            raise LedgerError(f"{where}: contributing set and C_t disagree")
+        yield from record_breaks(
+            rec,
+            previous_record_hash=prev_record,
+            previous_global_hash=prev_global,
+            checkpoint=checkpoint,
+        )
         prev_record, prev_global = rec.record_hash, rec.new_global_hash
     closed = {e.round: e for e in manifest.rounds if e.state == "closed"}
-    if sorted(closed) != [r.round for r in records]:
-        raise LedgerError(
-            f"manifest closed rounds {sorted(closed)} differ from ledger rounds "
-            f"{[r.round for r in records]}"
+    rounds = [r.round for r in records]
+    if sorted(closed) != rounds:
+        yield LinkBreak(
+            None,
+            "manifest closed rounds",
+            sorted(closed),
+            rounds,
+            f"manifest closed rounds {sorted(closed)} differ from ledger rounds {rounds}",
         )
+        return
     for rec in records:
-        entry = closed[rec.round]
-        if (entry.aggregate_digest, entry.contributors, entry.new_global_hash) != (
-            rec.aggregate_digest,
-            rec.contributors,
-            rec.new_global_hash,
-        ):
-            raise LedgerError(f"round {rec.round}: manifest and ledger disagree")
+        yield from agreement_breaks(rec, closed[rec.round])

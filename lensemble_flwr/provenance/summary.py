@@ -12,10 +12,13 @@ import os
 from typing import Any
 
 from lensemble_flwr.provenance.audit import open_run
-from lensemble_flwr.provenance.ledger import ContributionRecord, Ledger, RoundEntry, RunManifest
-
-FRAME_DRIFT = "frame_drift"
-"""The manifest diagnostic holding the latent frame's drift over the round, when recorded."""
+from lensemble_flwr.provenance.ledger import (
+    FRAME_DRIFT,
+    ContributionRecord,
+    Ledger,
+    RoundEntry,
+    RunManifest,
+)
 
 
 @dataclasses.dataclass(frozen=True)
