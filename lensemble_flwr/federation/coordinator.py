@@ -838,8 +838,6 @@ class Coordinator:
             log.warning("self-check mismatch, re-summing once: %s", exc)
             result = aggregator.reveal()
             aggregator.verify(result)
-        if isinstance(aggregator, SecureAggregator):
-            self.registry.revealed(aggregator.dropped)
         return result
 
     def _commit(

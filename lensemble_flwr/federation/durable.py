@@ -23,6 +23,8 @@ either the previous version or the new one, never a half-written file.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +38,7 @@ from lensemble_flwr.provenance.ledger import RoundEntry
 from lensemble_flwr.secagg.membership import Membership
 
 REGISTRY = "coordinator/participants"
+SHARES = "coordinator/shares"
 ATTEMPTS = "coordinator/attempts"
 CLOSING = "coordinator/closing"
 
@@ -58,18 +61,34 @@ def save_registry(
     store.bind(REGISTRY, store.put(canonical_json(registry.model_dump(mode="json"))))
 
 
+def save_shares(store: Store, pid: str, membership: Membership) -> None:
+    """Keep ``pid``'s stored mask-key shares under a name of its own: a masked round's
+    first update of each member costs one small write, not a rewrite of everyone's."""
+    entry = {"pid": pid, **membership.shares_snapshot(pid)}
+    store.bind(_shares_name(pid), store.put(canonical_json(entry)))
+
+
+def _shares_name(pid: str) -> str:
+    # participant ids are free text; store names are not
+    return f"{SHARES}/{hashlib.sha256(pid.encode()).hexdigest()}"
+
+
 def load_registry(store: Store) -> tuple[dict[str, Commitment], Membership]:
-    """The stored registry; empty when the run never bound anyone.
+    """The stored registry and mask-key shares; empty when the run never bound anyone.
 
     Raises:
-        LedgerError: the stored registry does not parse.
+        LedgerError: the stored registry or a stored share set does not parse.
     """
-    if not store.bound(REGISTRY):
-        return {}, Membership()
     try:
+        shares = {}
+        for name in store.bound(SHARES):
+            entry = json.loads(store.get(store.resolve(name)))
+            shares[str(entry.pop("pid"))] = entry
+        if not store.bound(REGISTRY):
+            return {}, Membership.restore({"compromised": []}, shares)
         registry = _Registry.model_validate_json(store.get(store.resolve(REGISTRY)))
         commitments = {p: Commitment.model_validate(c) for p, c in registry.commitments.items()}
-        membership = Membership.restore(registry.membership)
+        membership = Membership.restore(registry.membership, shares)
     except (ValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise LedgerError(f"participant registry does not parse: {exc}") from None
     return commitments, membership

@@ -23,7 +23,7 @@ from lensemble_flwr.errors import (
     RoundError,
     UnboundContribution,
 )
-from lensemble_flwr.federation.durable import load_registry, save_registry
+from lensemble_flwr.federation.durable import load_registry, save_registry, save_shares
 from lensemble_flwr.federation.identity import parse_public_key, verify_signature
 from lensemble_flwr.federation.messages import Commitment, ParticipantMessage, Update
 from lensemble_flwr.secagg.membership import Membership
@@ -107,14 +107,16 @@ class ParticipantRegistry:
         """Keep ``pid``'s sealed mask-key shares for ``members``, durably at once: a member
         sends them once per member set, and again only when a RoundOpen asks for them."""
         shares = self.membership.store_shares(pid, members, sealed_hex)
-        self._dirty = True
-        self.persist()
+        save_shares(self.store, pid, self.membership)
         return shares
 
     def revealed(self, pids: Iterable[str]) -> None:
         """These members' mask keys are (about to be) reconstructed: durably compromised,
         so that no restart can forget it and admit the same keys again."""
-        self.membership.revealed(pids)
+        new = set(pids) - self.membership.compromised
+        if not new:
+            return  # nothing changed: nothing to write
+        self.membership.revealed(new)
         self._dirty = True
         self.persist()
 

@@ -67,25 +67,30 @@ class Membership:
         self.compromised.update(pids)
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-compatible copy of this record (for the coordinator's durable state)."""
-        return {
-            "compromised": sorted(self.compromised),
-            "shares": {
-                pid: {"members": digest, "sealed": {h: c.hex() for h, c in sorted(s.items())}}
-                for pid, (digest, s) in sorted(self._shares.items())
-            },
-        }
+        """The compromised members, JSON-compatible (for the coordinator's durable state;
+        the stored shares are kept one participant at a time: :meth:`shares_snapshot`)."""
+        return {"compromised": sorted(self.compromised)}
+
+    def shares_snapshot(self, pid: str) -> dict[str, Any]:
+        """``pid``'s stored mask-key shares, JSON-compatible (none: an empty mapping)."""
+        if pid not in self._shares:
+            return {}
+        digest, sealed = self._shares[pid]
+        return {"members": digest, "sealed": {h: c.hex() for h, c in sorted(sealed.items())}}
 
     @classmethod
-    def restore(cls, snapshot: Mapping[str, Any]) -> Membership:
-        """The record a :meth:`snapshot` was taken of.
+    def restore(
+        cls, snapshot: Mapping[str, Any], shares: Mapping[str, Mapping[str, Any]] = {}
+    ) -> Membership:
+        """The record :meth:`snapshot` and :meth:`shares_snapshot` were taken of.
 
         Raises:
-            ValueError, TypeError, KeyError: the snapshot is malformed.
+            ValueError, TypeError, KeyError: a snapshot is malformed.
         """
         restored = cls()
         restored.compromised = {str(p) for p in snapshot["compromised"]}
-        for pid, entry in snapshot["shares"].items():
-            sealed = {str(h): bytes.fromhex(c) for h, c in entry["sealed"].items()}
-            restored._shares[str(pid)] = (str(entry["members"]), sealed)
+        for pid, entry in shares.items():
+            if entry:
+                sealed = {str(h): bytes.fromhex(c) for h, c in entry["sealed"].items()}
+                restored._shares[str(pid)] = (str(entry["members"]), sealed)
         return restored
