@@ -78,6 +78,11 @@ class FederationConfig(_Section):
             raise ValueError("the neighbour graph is a ring: the degree must be even (or 0)")
         return value
 
+    def weight_of(self, num_examples: int) -> int:
+        """An update's integer weight in the mean: 1, or its example count. The masked
+        participant and the coordinator must agree on it, so both ask here."""
+        return 1 if self.weighting == "uniform" else num_examples
+
     @property
     def quorum(self) -> int:
         """K = max(min_participants, secagg_threshold)."""

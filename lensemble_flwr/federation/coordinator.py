@@ -755,8 +755,7 @@ class Coordinator:
                 # RoundOpen says the coordinator lacks them (send_key_shares).
                 assert ctx.members is not None
                 ctx.key_shares[pid] = self.registry.store_shares(pid, ctx.members, msg.key_shares)
-            uniform = self.config.federation.weighting == "uniform"
-            ctx.aggregator.admit(msg, weight=1 if uniform else msg.num_examples)
+            ctx.aggregator.admit(msg, weight=self.config.federation.weight_of(msg.num_examples))
             ctx.admitted.add(pid)
             ctx.roots[pid] = msg.dataset_root
             ctx.epsilon[pid] = msg.epsilon

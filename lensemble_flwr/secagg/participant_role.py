@@ -76,7 +76,7 @@ class MaskingRole:
             )
         members = parse_members(msg.secagg_members)
         agg = config.aggregation
-        weight = 1 if config.federation.weighting == "uniform" else released.num_examples
+        weight = config.federation.weight_of(released.num_examples)
         scales = released.scales or {}
         try:  # the same ingress check a plaintext update gets: finite, within bounds
             largest = released_max_abs(released.delta, released.scales)
