@@ -180,6 +180,44 @@ def unsorted_contributors(run: Path) -> tuple[str, str, str | None]:
     return "round 2", "ledger.update_digests senders", None
 
 
+def skip_a_round(run: Path) -> tuple[str, str, str | None]:
+    # an aborted attempt of round 4 where round 3 was never attempted
+    entry = read_json(run, "manifest/rounds/00000002-0001") | {"round": 4, "state": "aborted"}
+    entry |= {"new_global_hash": None, "reason": "forged"}
+    entry["prior_global_hash"] = read_json(run, "ledger/00000002")["new_global_hash"]
+    rebind(run, "manifest/rounds/00000004-0001", json.dumps(entry, sort_keys=True).encode())
+    return "round 4", "round sequence", "3"
+
+
+def mark_closed_attempt_aborted(run: Path) -> tuple[str, str, str | None]:
+    rewrite_json(run, "manifest/rounds/00000002-0001", state="aborted", new_global_hash=None)
+    return "round 2", "manifest closed attempt", None
+
+
+def file_entry_under_another_attempt(run: Path) -> tuple[str, str, str | None]:
+    # round 2's entry (attempt 1) bound a second time, as attempt 2
+    (run / "names" / "manifest" / "rounds" / "00000002-0002").write_text(
+        digest_of(run, "manifest/rounds/00000002-0001") + "\n"
+    )
+    return "manifest/rounds/00000002-0002", "round and attempt", "manifest/rounds/00000002-0002"
+
+
+def remove_aborted_attempt(run: Path) -> tuple[str, str, str | None]:
+    # round 1's closed attempt 2 is now its first
+    (run / "names" / "manifest" / "rounds" / "00000001-0001").unlink()
+    return "round 1", "manifest.attempt", "1"
+
+
+def give_aborted_attempt_a_new_state(run: Path) -> tuple[str, str, str | None]:
+    rewrite_json(run, "manifest/rounds/00000001-0001", new_global_hash="ef" * 32)
+    return "round 1 attempt 1", "manifest.new_global_hash", "none (the attempt was aborted)"
+
+
+def garble_a_name(run: Path) -> tuple[str, str, str | None]:
+    (run / "names" / "ledger" / "00000001").write_text("not a digest\n")
+    return "ledger/00000001", "name", "a bound name"
+
+
 TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     flip_checkpoint_byte,
     delete_checkpoint,
@@ -197,10 +235,22 @@ TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     tamper_manifest_header,
     header_with_rounds,
     unsorted_contributors,
+    skip_a_round,
+    mark_closed_attempt_aborted,
+    file_entry_under_another_attempt,
+    remove_aborted_attempt,
+    give_aborted_attempt_a_new_state,
+    garble_a_name,
 ]
 
 # links ledger.verify() does not look at (the audit's cross-checks of the manifest alone)
-BEYOND_VERIFY = {alter_aborted_prior_hash}
+BEYOND_VERIFY = {
+    alter_aborted_prior_hash,
+    skip_a_round,
+    file_entry_under_another_attempt,
+    remove_aborted_attempt,
+    give_aborted_attempt_a_new_state,
+}
 
 
 @pytest.mark.parametrize("tamper", TAMPERS, ids=lambda f: f.__name__)
