@@ -36,6 +36,10 @@ from lensemble_flwr.params import NamedArrays
 
 log = logging.getLogger(__name__)
 
+ENCODER_GROUP = "encoder"
+"""The parameter group whose round-0 hash is the warm start, unless a GaugeSetup says
+otherwise."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GaugeSetup:
@@ -45,7 +49,7 @@ class GaugeSetup:
 
     adapter: GaugeAdapter
     probe: Probe
-    encoder_group: str = "encoder"
+    encoder_group: str = ENCODER_GROUP
 
 
 def require_setup(config: LensembleConfig, gauge: GaugeSetup | None) -> None:
@@ -95,7 +99,7 @@ def check_warm_start_of(
     expected = config.gauge.warm_start_hash
     if not expected:
         return
-    group = gauge.encoder_group if gauge is not None else "encoder"
+    group = gauge.encoder_group if gauge is not None else ENCODER_GROUP
     check_warm_start(params, (group,), expected)
 
 

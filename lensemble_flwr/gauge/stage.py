@@ -30,7 +30,13 @@ from lensemble_flwr.gauge.probe import Probe, check_pinned
 from lensemble_flwr.gauge.procrustes import Alignment, procrustes_align
 from lensemble_flwr.gauge.sketch import sketch_fingerprint, sketch_matrix
 from lensemble_flwr.params import NamedArrays, check_same_layout, subtract
-from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
+from lensemble_flwr.release.pipeline import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    no_state,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -145,9 +151,6 @@ def align(adapter: GaugeAdapter, probe: Probe, gauge: GaugeConfig) -> ReleaseTra
         RoundError: there are no local weights (alignment must come before difference).
     """
 
-    def init(_params: Mapping[str, np.ndarray]) -> None:
-        return None
-
     def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
         if release.local is None:
             raise RoundError("align: no local weights to align (align runs before difference)")
@@ -163,7 +166,7 @@ def align(adapter: GaugeAdapter, probe: Probe, gauge: GaugeConfig) -> ReleaseTra
         metadata = {**release.metadata, **alignment_metadata(alignment, fingerprint)}
         return release.replace(local=rotated, metadata=metadata), state
 
-    return ReleaseTransform("align", Stage.ALIGN, init, update)
+    return ReleaseTransform("align", Stage.ALIGN, no_state, update)
 
 
 def _harness_local(

@@ -65,6 +65,11 @@ class Release:
         return dataclasses.replace(self, **changes)
 
 
+def no_state(_params: Mapping[str, np.ndarray]) -> None:
+    """The ``init`` of a transform that keeps no state between rounds."""
+    return None
+
+
 class ReleaseTransform(NamedTuple):
     """A named, staged pair of pure functions."""
 

@@ -20,7 +20,13 @@ from lensemble_flwr.federation.round import l2_norm
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal
-from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
+from lensemble_flwr.release.pipeline import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    no_state,
+)
 
 _SHRINK = 1.0 - 2.0**-20
 """Scale just below C/‖Δ‖, so that rounding to float32 cannot push the norm past C."""
@@ -39,9 +45,6 @@ def clip(clip_norm: float) -> ReleaseTransform:
     if not (clip_norm > 0 and math.isfinite(clip_norm)):
         raise ValueError("clip_norm must be positive and finite")
 
-    def init(_params: Any) -> None:
-        return None
-
     def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
         if release.delta is None:
             raise RoundError("clip: no delta to clip")
@@ -54,7 +57,7 @@ def clip(clip_norm: float) -> ReleaseTransform:
         meta = {**release.metadata, "pre_clip_norm": norm, "clipped_norm": clipped}
         return release.replace(delta=delta, metadata=meta), state
 
-    return ReleaseTransform("clip", Stage.CLIP, init, update)
+    return ReleaseTransform("clip", Stage.CLIP, no_state, update)
 
 
 def gaussian_noise(
@@ -64,9 +67,6 @@ def gaussian_noise(
     if not noise_multiplier > 0:
         raise ValueError("noise_multiplier must be positive")
     std = noise_multiplier * clip_norm
-
-    def init(_params: Any) -> None:
-        return None
 
     def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
         if release.delta is None or "clipped_norm" not in release.metadata:
@@ -79,4 +79,4 @@ def gaussian_noise(
         meta = {**release.metadata, "epsilon": epsilon, "noise_std": std}
         return release.replace(delta=noisy, metadata=meta), state
 
-    return ReleaseTransform("gaussian_noise", Stage.NOISE, init, update)
+    return ReleaseTransform("gaussian_noise", Stage.NOISE, no_state, update)

@@ -20,7 +20,13 @@ import numpy as np
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.release.pipeline import Release, ReleaseContext, ReleaseTransform, Stage
+from lensemble_flwr.release.pipeline import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    no_state,
+)
 
 LEVELS = 127
 
@@ -44,9 +50,6 @@ def dequantize(q: NamedArrays, scales: dict[str, float]) -> NamedArrays:
 def int8_quantize() -> ReleaseTransform:
     """Quantize every tensor of the delta to int8 with a per-tensor scale."""
 
-    def init(_params: Any) -> None:
-        return None
-
     def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
         if release.delta is None:
             raise RoundError("int8_quantize: no delta to quantize")
@@ -57,4 +60,4 @@ def int8_quantize() -> ReleaseTransform:
         meta = {**release.metadata, "scales": scales}
         return release.replace(delta=quantized, metadata=meta), state
 
-    return ReleaseTransform("int8_quantize", Stage.QUANTIZE, init, update)
+    return ReleaseTransform("int8_quantize", Stage.QUANTIZE, no_state, update)

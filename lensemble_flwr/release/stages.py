@@ -7,10 +7,7 @@ an update whose root differs from its sender's commitment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError, RoundError
@@ -22,16 +19,13 @@ from lensemble_flwr.release.pipeline import (
     ReleaseTransform,
     Stage,
     chain,
+    no_state,
 )
 from lensemble_flwr.release.privacy import clip, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
 
 if TYPE_CHECKING:
     from lensemble_flwr.federation.alignment import GaugeSetup
-
-
-def _no_state(_params: Mapping[str, np.ndarray]) -> None:
-    return None
 
 
 def difference() -> ReleaseTransform:
@@ -43,7 +37,7 @@ def difference() -> ReleaseTransform:
         delta = subtract(release.local, ctx.global_state.params)
         return release.replace(local=None, delta=delta), state
 
-    return ReleaseTransform("difference", Stage.DIFFERENCE, _no_state, update)
+    return ReleaseTransform("difference", Stage.DIFFERENCE, no_state, update)
 
 
 def bind() -> ReleaseTransform:
@@ -58,7 +52,7 @@ def bind() -> ReleaseTransform:
             raise RoundError("bind: this participant has no dataset commitment to bind to")
         return release.replace(bound_root=ctx.dataset_root), state
 
-    return ReleaseTransform("bind", Stage.BIND, _no_state, update)
+    return ReleaseTransform("bind", Stage.BIND, no_state, update)
 
 
 def release_pipeline(

@@ -135,8 +135,6 @@ class WorldModelAdapter:
     Everything else is copied.
     """
 
-    encoder_groups = ("encoder",)
-
     def __init__(self, latent_dim: int = LATENT_DIM, obs_dim: int = OBS_DIM) -> None:
         self.latent_dim = latent_dim
         self.frame_names = (
