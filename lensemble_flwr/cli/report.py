@@ -9,7 +9,8 @@ from pathlib import Path
 
 from lensemble_flwr.cli.output import EXIT_OK, status, stderr, stdout, write_atomically
 from lensemble_flwr.provenance.audit import AuditReport, audit_run
-from lensemble_flwr.provenance.summary import FRAME_DRIFT, RunSummary, summarize_run
+from lensemble_flwr.provenance.ledger import FRAME_DRIFT
+from lensemble_flwr.provenance.summary import RunSummary, summarize_run
 
 PNG_NAME = "rounds.png"
 MARKDOWN_NAME = "report.md"

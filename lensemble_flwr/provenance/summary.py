@@ -12,13 +12,7 @@ import os
 from typing import Any
 
 from lensemble_flwr.provenance.audit import open_run
-from lensemble_flwr.provenance.ledger import (
-    FRAME_DRIFT,
-    ContributionRecord,
-    Ledger,
-    RoundEntry,
-    RunManifest,
-)
+from lensemble_flwr.provenance.ledger import FRAME_DRIFT, Ledger, RunManifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +98,6 @@ class RunSummary:
         }
 
 
-def _diagnostics(entry: RoundEntry, record: ContributionRecord | None) -> dict[str, float]:
-    """The manifest's diagnostics, with the ledger's frame drift when only it has one."""
-    out = dict(entry.diagnostics)
-    drift = getattr(record, FRAME_DRIFT, None)  # a ledger field in runs with a gauge adapter
-    if FRAME_DRIFT not in out and isinstance(drift, float):
-        out[FRAME_DRIFT] = drift
-    return out
-
-
 def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
     """Read a run directory's manifest and ledger into a :class:`RunSummary`.
 
@@ -126,7 +111,8 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
     store = open_run(run_dir)
     manifest = RunManifest.load(store)
     records = Ledger(store).records()
-    by_attempt = {(r.round, r.attempt): r for r in records}
+    # only a closed attempt has a record, so an aborted one finds no epsilon here
+    epsilon = {(r.round, r.attempt): r.epsilon for r in records}
     attempts = tuple(
         AttemptSummary(
             round=e.round,
@@ -138,10 +124,8 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
             refused=dict(e.refused),
             reason=e.reason,
             secure_sum=e.secure_sum,
-            diagnostics=_diagnostics(e, by_attempt.get((e.round, e.attempt))),
-            epsilon=dict(by_attempt[e.round, e.attempt].epsilon)
-            if e.state == "closed" and (e.round, e.attempt) in by_attempt
-            else {},
+            diagnostics=dict(e.diagnostics),
+            epsilon=dict(epsilon.get((e.round, e.attempt), {})),
             new_global_hash=e.new_global_hash,
         )
         for e in sorted(manifest.rounds, key=lambda e: (e.round, e.attempt))
