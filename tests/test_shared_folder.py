@@ -419,6 +419,31 @@ def test_a_record_filed_under_another_participant_is_left_out(tmp_path: Path) ->
     assert [r.contributors for r in verify(store)] == [("p00",)]
 
 
+@pytest.mark.parametrize(
+    ("change", "contributors"),
+    [
+        ({}, ("p00", "p01")),  # the record as answered: admitted
+        ({"sitting": 2}, ("p00",)),  # says it is another sitting's
+        ({"run_id": "other"}, ("p00",)),  # says it is another run's
+        ({"round": 1}, ("p00",)),  # says round 1 and carries round 0's messages
+    ],
+)
+def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
+    tmp_path: Path, change: dict[str, Any], contributors: tuple[str, ...], caplog: Any
+) -> None:
+    n0, n1 = node(tmp_path, "p00"), node(tmp_path, "p01")
+    store = store_of(tmp_path)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(n0.run, 1)
+        when(lambda: bool(store.bound("barrier/genesis")))
+        genesis = decode_genesis(store.get(store.resolve("barrier/genesis")))
+        record = dataclasses.replace(n1.answer(genesis.first), **change)
+        n1.barrier.deposit(SittingKey(0, 1), "p01", encode_record(record))
+        running.result()
+    assert [r.contributors for r in verify(store)] == [contributors]
+    assert ("record filed under p01 says" in caplog.text) == bool(change)
+
+
 def test_sizes_all_or_none() -> None:
     def record(pid: str, size: int | None, update_size: int | None = 10) -> FolderRecord:
         payloads = () if update_size is None else ({"kind": "update", "num_examples": update_size},)

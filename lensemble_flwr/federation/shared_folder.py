@@ -451,19 +451,38 @@ class SharedFolderParticipant:
         )
 
     def _readable(self, snapshot: Snapshot) -> list[FolderRecord]:
-        """The snapshot's records that parse and speak for the participant they are filed
-        under; any other is left out (its participant then sent nothing the coordinator
-        can admit, as with a message that fails validation)."""
-        readable = []
+        """The snapshot's records that parse, speak for the participant they are filed
+        under, and say they belong to this run and sitting in a header that agrees with
+        their payloads; any other is left out (its participant then sent nothing the
+        coordinator can admit, as with a message that fails validation).
+
+        A record of another round passes, when its payloads say the same round: the
+        coordinator files its sender as late, as it does a late message."""
+        key, readable = snapshot.key, []
         for pid, data in sorted(snapshot.records.items()):
             try:
                 record = decode_record(data)
             except RoundError as exc:
-                log.warning("%s: record of %s left out: %s", snapshot.key, pid, exc)
+                log.warning("%s: record of %s left out: %s", key, pid, exc)
                 continue
             speakers = {p.get("participant_id") for p in record.payloads}
             if record.participant != pid or not speakers <= {pid}:
-                log.warning("%s: record filed under %s speaks for %s", snapshot.key, pid, speakers)
+                log.warning("%s: record filed under %s speaks for %s", key, pid, speakers)
+                continue
+            carried = {(p.get("run_id"), p.get("round")) for p in record.payloads}
+            if (record.run_id, record.sitting) != (self.run_id, key.sitting) or not carried <= {
+                (record.run_id, record.round)
+            }:
+                log.warning(
+                    "%s: record filed under %s says run %r round %d sitting %d and carries "
+                    "messages of %s; left out",
+                    key,
+                    pid,
+                    record.run_id,
+                    record.round,
+                    record.sitting,
+                    sorted(carried, key=str),
+                )
                 continue
             readable.append(record)
         return readable
