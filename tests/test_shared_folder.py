@@ -29,6 +29,7 @@ from shared_folder_worker import folder_config
 
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.artifacts.tensors import pack
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
@@ -664,10 +665,33 @@ def test_a_record_reads_back_to_the_same_messages() -> None:
     ]
 
 
-@pytest.mark.parametrize("data", [b"", b"not a record", b"\x08" + b"\x00" * 7 + b"{}"])
-def test_bytes_that_are_not_a_record_are_refused(data: bytes) -> None:
-    with pytest.raises(RoundError, match="unreadable shared-folder record"):
+_HEADER = {
+    "format": "lensemble-folder-record/1",
+    "run_id": "run",
+    "round": 0,
+    "sitting": 1,
+    "participant": "p1",
+    "num_examples": None,
+    "payloads": [{"kind": "refusal"}],
+    "arrays": [[]],
+}
+
+
+@pytest.mark.parametrize(
+    ("data", "complaint"),
+    [
+        (b"", "not lensemble safetensors"),
+        (b"not a record", "not lensemble safetensors"),
+        (b"\x08" + b"\x00" * 7 + b"{}", "not lensemble safetensors"),
+        (pack({}, {**_HEADER, "round": -1}), "round"),
+        (pack({}, {**_HEADER, "arrays": []}), "1 payloads and 0 lists of array fields"),
+    ],
+)
+def test_bytes_that_are_not_a_record_are_refused(data: bytes, complaint: str) -> None:
+    with pytest.raises(RoundError, match="unreadable shared-folder record") as caught:
         decode_record(data)
+    assert complaint in str(caught.value)
+    assert decode_record(pack({}, _HEADER)).payloads == ({"kind": "refusal"},)  # the control
 
 
 def test_a_stored_outcome_that_does_not_parse_is_refused() -> None:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
@@ -55,6 +55,14 @@ class _RecordHeader(_Frozen):
     num_examples: int | None = Field(None, ge=1)
     payloads: list[dict[str, Any]]
     arrays: list[list[str]] = Field(description="per payload, the fields that are arrays")
+
+    @model_validator(mode="after")
+    def _one_array_list_per_payload(self) -> _RecordHeader:
+        if len(self.arrays) != len(self.payloads):
+            raise ValueError(
+                f"{len(self.payloads)} payloads and {len(self.arrays)} lists of array fields"
+            )
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +121,6 @@ def decode_record(data: bytes) -> FolderRecord:
         header = _RecordHeader.model_validate(meta)
     except ValueError as e:  # a ValidationError is one
         raise RoundError(f"unreadable shared-folder record: {str(e)[:200]}") from None
-    if len(header.arrays) != len(header.payloads):
-        raise RoundError("unreadable shared-folder record: arrays and payloads differ")
     payloads: list[dict[str, Any]] = []
     for i, (fields, array_fields) in enumerate(zip(header.payloads, header.arrays, strict=True)):
         payload = dict(fields)
