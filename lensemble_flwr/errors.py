@@ -201,6 +201,20 @@ def response_to(error: BaseException) -> Response:
     return Response.STOP_FEDERATION
 
 
+def _taxonomy(root: type[LensembleError] = LensembleError) -> list[type[LensembleError]]:
+    return [root, *(c for sub in root.__subclasses__() for c in _taxonomy(sub))]
+
+
+def reported(name: str, message: str) -> LensembleError | None:
+    """The error a participant reported by name (in a Refusal), rebuilt so that the
+    coordinator can look its response up in :data:`RESPONSES`; None for a name that is
+    not in the taxonomy."""
+    for cls in _taxonomy():
+        if cls.__name__ == name:
+            return cls("reported by a participant", message) if cls is ConfigError else cls(message)
+    return None
+
+
 def response_table() -> str:
     """The error table as markdown (error, response, what it means); used by the docs."""
     rows = ["| error | response | raised when |", "| --- | --- | --- |"]

@@ -17,6 +17,7 @@ from lensemble_flwr.errors import (
     CommitmentMismatch,
     FaultToleranceExceeded,
     NonDeterministicAggregation,
+    ResidencyViolation,
     StoreError,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, FixedPointAggregator
@@ -312,3 +313,29 @@ def test_a_run_directory_holds_one_run(tmp_path: Path) -> None:
     federation(tmp_path)
     with pytest.raises(StoreError, match="already holds a run"):
         federation(tmp_path)
+
+
+def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
+    """A participant that refuses with an error whose response is to stop (a release that
+    would leak a local group) stops the federation; other refusals only leave it out."""
+
+    def refuse_with(error: str):
+        def mutate(payload: dict) -> dict:
+            keep = ("run_id", "round", "attempt", "sender", "participant_id")
+            return {**{k: payload[k] for k in keep}, "kind": "refusal", "error": error,
+                    "reason": "refused in the test"}
+        return mutate
+
+    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=refuse_with("ProbeError"))
+    coordinator, _, _ = federation(tmp_path, faults=faults, name="probe")
+    coordinator.run(1)
+    assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
+
+    faults = FaultPlan().corrupt(
+        "p01", round=0, kind="update", mutate=refuse_with("ResidencyViolation")
+    )
+    coordinator, _, _ = federation(tmp_path, faults=faults, name="leak")
+    with pytest.raises(ResidencyViolation, match="p01"):
+        coordinator.run(1)
+    assert_aborted_unchanged(coordinator, coordinator.global_state().params_hash,
+                             ResidencyViolation)

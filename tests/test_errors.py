@@ -127,3 +127,23 @@ def test_config_error_names_the_field_and_is_not_a_value_error() -> None:
 def test_response_table_is_read_only() -> None:
     with pytest.raises(TypeError):
         RESPONSES[ProbeError] = Response.STOP_FEDERATION  # type: ignore[index]
+
+
+def test_an_error_a_participant_reports_is_rebuilt_for_the_table() -> None:
+    from lensemble_flwr.errors import (
+        ConfigError,
+        PrivacyBudgetExceeded,
+        ProbeError,
+        Response,
+        reported,
+        response_to,
+    )
+
+    spent = reported("PrivacyBudgetExceeded", "p1: budget spent")
+    assert isinstance(spent, PrivacyBudgetExceeded) and str(spent) == "p1: budget spent"
+    assert response_to(spent) is Response.STOP_FEDERATION
+    assert response_to(reported("ProbeError", "x")) is Response.REFUSE_RELEASE
+    assert isinstance(reported("ProbeError", "x"), ProbeError)
+    assert isinstance(reported("ConfigError", "bad"), ConfigError)
+    assert reported("ValueError", "not ours") is None
+    assert reported("Exception", "not ours") is None

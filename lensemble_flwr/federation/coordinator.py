@@ -44,13 +44,13 @@ from lensemble_flwr.errors import (
     LensembleError,
     NonDeterministicAggregation,
     ParameterMismatch,
-    PrivacyBudgetExceeded,
     ReplayedMessage,
     ResidencyViolation,
     Response,
     RoundError,
     StoreError,
     UnprivatizedContribution,
+    reported,
     response_to,
 )
 from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
@@ -732,8 +732,9 @@ class Coordinator:
             log.warning(
                 "round %d: %s releases nothing: %s", ctx.machine.round, pid, ctx.refused[pid]
             )
-            if msg.error == PrivacyBudgetExceeded.__name__:  # fail closed: the table stops us
-                raise PrivacyBudgetExceeded(f"{pid}: {msg.reason}")
+            error = reported(msg.error, f"{pid}: {msg.reason}")
+            if error is not None and response_to(error) is Response.STOP_FEDERATION:
+                raise error  # fail closed, as the error table says (a spent budget, a leak)
         elif isinstance(msg, Commitment):
             self.registry.bind(msg)
         else:
