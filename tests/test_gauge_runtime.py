@@ -5,6 +5,8 @@ drift in the manifest and the ledger, and alignment before every other release s
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+COORDINATOR_LOG = "lensemble_flwr.federation.coordinator"
 
 
 def config(**gauge: object) -> LensembleConfig:
@@ -126,35 +131,56 @@ def test_the_harness_computes_the_rounds_target_once(monkeypatch) -> None:
     assert len(calls) == 1 + 3  # once for the round, once per direct coordinator_harness
 
 
-def test_an_update_aligned_on_another_sketch_is_rejected(tmp_path: Path) -> None:
+def rejections(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == COORDINATOR_LOG and "message rejected" in r.getMessage()
+    ]
+
+
+def test_an_update_aligned_on_another_sketch_is_rejected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     def other_sketch(payload: dict) -> dict:
         payload["sketch_fingerprint"] = "0" * 64
         return payload
 
     faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=other_sketch)
     fed = world(tmp_path, faults=faults)
-    fed.coordinator.run(1)
+    with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
+        fed.coordinator.run(1)
     entry = fed.coordinator.manifest.rounds[-1]
     assert entry.state == "closed" and entry.contributors == ("p00", "p02")
     assert entry.rejected == 1
+    (rejected,) = rejections(caplog)
+    assert re.search(
+        r"p01: aligned on sketch 000000000000…, the round's is [0-9a-f]{12}…", rejected
+    )
 
 
-def test_an_unaligned_update_is_rejected_when_alignment_is_on(tmp_path: Path) -> None:
+def test_an_unaligned_update_is_rejected_when_alignment_is_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     def strip(payload: dict) -> dict:
         payload["sketch_fingerprint"] = None
         return payload
 
     faults = FaultPlan().corrupt("p00", round=0, kind="update", mutate=strip)
     fed = world(tmp_path, faults=faults)
-    fed.coordinator.run(1)
-    assert fed.coordinator.manifest.rounds[-1].contributors == ("p01", "p02")
+    with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
+        fed.coordinator.run(1)
+    entry = fed.coordinator.manifest.rounds[-1]
+    assert entry.contributors == ("p01", "p02") and entry.rejected == 1
+    (rejected,) = rejections(caplog)
+    assert "p00: aligned on sketch None…" in rejected
 
 
 def test_the_warm_start_is_checked_at_every_join_point(tmp_path: Path) -> None:
     params = initial_params(0)
     good = encoder_hash(params, ["encoder"])
     # the coordinator refuses to start from another encoder
-    with pytest.raises(GaugeError):
+    with pytest.raises(GaugeError, match="is not the warm start abababababab"):
         world(tmp_path / "a", config(warm_start_hash="ab" * 32))
     # participants check round 0's encoder on RoundOpen: a participant pinned to another
     # warm start refuses round 0 (and only round 0)
@@ -165,9 +191,9 @@ def test_the_warm_start_is_checked_at_every_join_point(tmp_path: Path) -> None:
     assert first.refused["p01"].startswith("GaugeError") and "p01" not in first.contributors
     assert "p01" in second.contributors
     # a round-0 rejoiner revalidates it from the run directory
-    with pytest.raises(GaugeError):
-        fresh = world(tmp_path / "c", config(warm_start_hash=good))
-        fresh.participants[0].config = config(warm_start_hash="cd" * 32)
+    fresh = world(tmp_path / "c", config(warm_start_hash=good))
+    fresh.participants[0].config = config(warm_start_hash="cd" * 32)
+    with pytest.raises(GaugeError, match="is not the warm start"):
         fresh.participants[0].join(str(tmp_path / "c" / "run"))
 
 

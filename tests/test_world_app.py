@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flwr.app import Context, Message, RecordDict
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
@@ -18,7 +20,9 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import world
-from lensemble_flwr.strategies import records
+from lensemble_flwr.simulations.world_federation import world_gauge
+from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
+from lensemble_flwr.strategies import LensembleStrategy, records
 
 NODES = (21, 22, 23)
 RUN_CONFIG: dict[str, Any] = {
@@ -61,14 +65,29 @@ def world_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]
 
 
 def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_config = {**RUN_CONFIG, "run-dir": str(tmp_path)}
     grid, contexts = world_grid(run_config)
     server = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    results = []
+    start = LensembleStrategy.start
+
+    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
+        results.append(start(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
     world.main(grid, server)
     out = capsys.readouterr().out
     assert "final validation loss (nodes' own action heads): {'loss'" in out
+    # the server evaluates the probe moment gap of the initial and every committed model
+    (result,) = results
+    gaps = result.evaluate_metrics_serverapp
+    assert sorted(gaps) == [0, 1, 2]
+    assert all(
+        math.isfinite(m["probe-moment-gap"]) and m["probe-moment-gap"] >= 0 for m in gaps.values()
+    )
     ledger = verify(Store(tmp_path / "flwr-7"))
     assert [r.count for r in ledger] == [3, 3]
     assert all(r.frame_drift is not None and 0 <= r.frame_drift <= 1 for r in ledger)
@@ -112,3 +131,21 @@ def test_the_world_app_refuses_groups_that_would_share_action_heads(
 ) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
         world.check_groups(LensembleConfig.from_run_config(groups))
+
+
+def test_probe_moment_gap_by_hand() -> None:
+    gauge, params = world_gauge(0), initial_params(0)
+    d = gauge.adapter.latent_dim
+    silent = {
+        **params,
+        "encoder.out.weight": np.zeros_like(params["encoder.out.weight"]),
+        "encoder.out.bias": np.zeros_like(params["encoder.out.bias"]),
+    }
+    assert world.probe_moment_gap(gauge, silent) == pytest.approx(1.0)  # ||0 - I||² / d
+    one_axis = {**silent, "encoder.out.bias": np.eye(d, dtype=np.float32)[0]}
+    assert world.probe_moment_gap(gauge, one_axis) == pytest.approx((d - 1) / d)  # z = e1
+    # frame-invariant: the same network in another frame has the same gap
+    rotated = gauge.adapter.rotate(params, random_orthogonal(d, seed=3))
+    assert world.probe_moment_gap(gauge, rotated) == pytest.approx(
+        world.probe_moment_gap(gauge, params), rel=1e-5
+    )
