@@ -17,7 +17,7 @@ import argparse
 from collections.abc import Sequence
 
 from lensemble_flwr.cli import proof, report, show, verify
-from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, stderr
+from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, UsageError, stderr
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.provenance.audit import NotARunDirectory
 
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = stderr()
     try:
         return int(args.run(args))
-    except (proof.UsageError, NotARunDirectory) as exc:
+    except (UsageError, NotARunDirectory) as exc:
         err.print(f"lensemble-flwr {args.command}: {exc}", style="red")
         return EXIT_USAGE
     except LensembleError as exc:

@@ -1,4 +1,5 @@
-"""What every ``lensemble-flwr`` command shares: exit codes, consoles, atomic writes."""
+"""What every ``lensemble-flwr`` command shares: exit codes, the usage error, consoles, atomic
+writes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ EXIT_FAILED = 1
 """A check failed: a broken link in the run, a proof that does not verify."""
 EXIT_USAGE = 2
 """The command could not run: bad arguments, a path that is not a run directory."""
+
+
+class UsageError(Exception):
+    """Arguments that name nothing usable (reported with exit code ``EXIT_USAGE``)."""
 
 
 def stdout() -> Console:

@@ -13,17 +13,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lensemble_flwr.cli.output import EXIT_OK, status, stdout, write_atomically
+from lensemble_flwr.cli.output import EXIT_OK, UsageError, status, stdout, write_atomically
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.inclusion import (
     InclusionProof,
     check_against_ledger,
     prove_inclusion,
 )
-
-
-class UsageError(Exception):
-    """Arguments that name nothing usable (reported with exit code 2)."""
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -126,11 +122,7 @@ def run_prove(args: argparse.Namespace) -> int:
 
 def run_check(args: argparse.Namespace) -> int:
     store = open_run(args.run_dir)
-    try:
-        data = args.proof.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{args.proof}: {exc}") from None
-    proof = InclusionProof.from_json(data)
+    proof = InclusionProof.from_json(args.proof.read_bytes())  # OSError: main exits 2
     with status("verifying the ledger"):
         accepted = check_against_ledger(proof, store, args.participant)
     rounds = accepted.rounds
