@@ -511,6 +511,26 @@ def test_a_decider_that_fails_publishes_why(tmp_path: Path, monkeypatch: Any) ->
     assert (outcome.state, outcome.error, outcome.next) == ("aborted", "RuntimeError", None)
 
 
+def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    def refuses(*args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("x", "y")
+
+    first = node(tmp_path, "p00", ["p00", "p01"], quorum=1, round_timeout=0.1)
+    with monkeypatch.context() as patch:
+        patch.setattr(Coordinator, "resume", refuses)
+        with pytest.raises(ConfigError) as decider:
+            first.run(1)
+    outcome = decode_outcome(first.barrier.outcome(SittingKey(0, 1)) or b"")
+    assert (outcome.error, outcome.error_field, outcome.reason) == ("ConfigError", "x", "y")
+    # a process arriving later reads the published outcome: the same error, rebuilt
+    with pytest.raises(ConfigError) as late:
+        node(tmp_path, "p01", ["p00", "p01"], quorum=1).run(1)
+    assert (decider.value.field, decider.value.reason) == ("x", "y")
+    assert (late.value.field, late.value.reason) == ("x", "y")
+
+
 def test_a_closed_round_missing_from_the_ledger_is_refused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(Ledger, "head", lambda self: None)
     with pytest.raises(LedgerError, match="does not hold the closed round"):
