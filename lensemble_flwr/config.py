@@ -324,6 +324,12 @@ class LensembleConfig(_Section):
                 f"the coordinator-side alignment harness sees individual plaintext updates; "
                 f"it cannot be combined with {self.protected_releases}",
             )
+        if self.gauge.coordinator_harness and self.gauge.align:
+            raise ConfigError(
+                "gauge-coordinator-harness",
+                "participants already align (gauge-align); aligning again at the "
+                "coordinator would do the work twice",
+            )
         return self
 
     @classmethod

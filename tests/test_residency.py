@@ -86,6 +86,8 @@ def test_gauge_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
         LensembleConfig(gauge={"coordinator_harness": True}, federation={"secagg_threshold": 2})
     with pytest.raises(ConfigError, match="gauge-coordinator-harness"):
         LensembleConfig(gauge={"coordinator_harness": True}, release={"quantize": "int8"})
+    with pytest.raises(ConfigError, match="already align"):
+        LensembleConfig(gauge={"coordinator_harness": True, "align": True})
     aligned = small_config().model_copy(
         update={"gauge": LensembleConfig(gauge={"align": True}).gauge}
     )

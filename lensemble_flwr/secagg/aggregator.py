@@ -48,8 +48,6 @@ class SecureAggregator:
         mask_key_shares: sender -> holder -> its sealed mask-key share, for this member set.
     """
 
-    secure = True
-
     def __init__(
         self,
         template: Mapping[str, np.ndarray],
