@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lensemble_flwr.errors import CommitmentMismatch
 from lensemble_flwr.provenance.merkle import (
     inclusion_proof,
+    inclusion_proof_and_root,
     leaf_hash,
     merkle_root,
     node_hash,
@@ -159,3 +160,15 @@ def test_proof_for_one_record_is_empty_and_size_matters() -> None:
     proof = inclusion_proof(records, 0)
     with pytest.raises(CommitmentMismatch):
         verify_inclusion(records[0], 0, 5, proof, merkle_root(records))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+def test_proof_and_root_at_once_are_the_two_calls(n: int) -> None:
+    records = _records(n)
+    for i in range(n):
+        path, root = inclusion_proof_and_root(records, i)
+        assert root == merkle_root(records) == _reference_root(records).hex()
+        assert path == inclusion_proof(records, i)
+        verify_inclusion(records[i], i, n, path, root)
+    with pytest.raises(IndexError):
+        inclusion_proof_and_root(records, n)

@@ -29,9 +29,8 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CommitmentMismatch, LedgerError
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.provenance.merkle import (
-    inclusion_proof,
+    inclusion_proof_and_root,
     leaf_hash,
-    merkle_root,
     verify_inclusion,
 )
 
@@ -117,7 +116,7 @@ def prove_inclusion(
     rows = list(records)
     if not rows:
         raise ValueError("cannot prove anything about an empty dataset")
-    siblings = inclusion_proof(rows, index)
+    siblings, root = inclusion_proof_and_root(rows, index)
     return InclusionProof(
         participant_id=participant_id,
         record=base64.b64encode(rows[index]).decode("ascii"),
@@ -125,7 +124,7 @@ def prove_inclusion(
         index=index,
         size=len(rows),
         siblings=tuple(siblings),
-        root=merkle_root(rows),
+        root=root,
     )
 
 
