@@ -42,6 +42,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +116,7 @@ def check_sizes(records: Sequence[FolderRecord]) -> None:
         InconsistentSizes: naming who states a size and who does not, or whose size is
             not its update's.
     """
-    answered = [(r, _update_of(r)) for r in records]
+    answered = [(r, _update_of(r.payloads)) for r in records]
     answered = [(r, u) for r, u in answered if u is not None]
     stated = sorted(r.participant for r, _ in answered if r.num_examples is not None)
     silent = sorted(r.participant for r, _ in answered if r.num_examples is None)
@@ -132,8 +133,9 @@ def check_sizes(records: Sequence[FolderRecord]) -> None:
             )
 
 
-def _update_of(record: FolderRecord) -> Mapping[str, object] | None:
-    return next((p for p in record.payloads if p.get("kind") == "update"), None)
+def _update_of(payloads: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The Update among a participant's payloads, if it sent one."""
+    return next((p for p in payloads if p.get("kind") == "update"), None)
 
 
 def _rebuild_error(outcome: Outcome) -> LensembleError:
@@ -346,7 +348,7 @@ class SharedFolderParticipant:
             self.participant.handle(announcement.round_open(self.participant_id, params))
             self._answer = (attempt, self._outbox.take())
         payloads = self._answer[1]
-        update = next((p for p in payloads if p.get("kind") == "update"), None)
+        update = _update_of(payloads)
         weighs = self.config.federation.weighting == "num-examples"
         return FolderRecord(
             run_id=self.run_id,
