@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CommitmentMismatch, LedgerError
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.ledger import first_error, verify
 from lensemble_flwr.provenance.merkle import (
     inclusion_proof_and_root,
     leaf_hash,
@@ -62,10 +62,8 @@ class InclusionProof(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(map(str, err.get("loc", ()))) or "document"
             raise CommitmentMismatch(
-                f"not an inclusion proof bundle ({FORMAT}): {where}: {err.get('msg')}"
+                f"not an inclusion proof bundle ({FORMAT}): {first_error(exc)}"
             ) from None
 
     def to_json(self) -> str:
