@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
     FakeGrid,
@@ -19,7 +19,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.ledger import verify
-from lensemble_flwr.simulations import world
+from lensemble_flwr.simulations import flower_app, world
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
 from lensemble_flwr.strategies import LensembleStrategy, records
@@ -149,3 +149,10 @@ def test_probe_moment_gap_by_hand() -> None:
     assert world.probe_moment_gap(gauge, rotated) == pytest.approx(
         world.probe_moment_gap(gauge, params), rel=1e-5
     )
+
+
+def test_the_final_report_reads_the_latest_round_and_survives_none() -> None:
+    assert flower_app.last_metrics({}) is None  # no round evaluated
+    by_round = {0: MetricRecord({"loss": 2.0}), 2: MetricRecord({"loss": 0.5})}
+    assert flower_app.last_metrics(by_round) == {"loss": 0.5}
+    assert flower_app.last_metrics({**by_round, 3: MetricRecord({})}) is None

@@ -18,7 +18,12 @@ from lensemble_flwr.simulations.digits_data import (
     initial_params,
     load_partition,
 )
-from lensemble_flwr.simulations.flower_app import APP_KEYS, partition_of, strategy_from_context
+from lensemble_flwr.simulations.flower_app import (
+    APP_KEYS,
+    partition_of,
+    start_and_report,
+    strategy_from_context,
+)
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 
@@ -48,13 +53,13 @@ def main(grid: Grid, context: Context) -> None:
         )
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
-    result = strategy.start(
-        grid=grid,
+    start_and_report(
+        strategy,
+        grid,
+        context,
+        config,
         initial_arrays=arrays_to_record(initial_params()),
-        num_rounds=int(run_config.get("num-server-rounds", 5)),
-        timeout=config.federation.collect_timeout,
         evaluate_fn=evaluate_fn,
+        final_label="final centralized evaluation",
+        final_metrics=lambda result: result.evaluate_metrics_serverapp,
     )
-    final = result.evaluate_metrics_serverapp.get(max(result.evaluate_metrics_serverapp))
-    print(f"run directory: {result.run_dir}", flush=True)
-    print(f"final centralized evaluation: {dict(final) if final else None}", flush=True)

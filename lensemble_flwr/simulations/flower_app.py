@@ -1,15 +1,17 @@
-"""What the example Flower Apps share: their own run_config keys, the node's partition, and
-a LensembleStrategy built from the run config.
+"""What the example Flower Apps share: their own run_config keys, the node's partition, a
+LensembleStrategy built from the run config, and the run's start and final report.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
@@ -53,3 +55,35 @@ def strategy_from_context(
         **strategy_args,
     )
     return config, strategy
+
+
+def last_metrics(by_round: Mapping[int, MetricRecord]) -> dict[str, Any] | None:
+    """The metrics of the latest round in ``by_round`` (None if there is none, or it is
+    empty)."""
+    final = by_round.get(max(by_round, default=0))
+    return dict(final) if final else None
+
+
+def start_and_report(
+    strategy: LensembleStrategy,
+    grid: Grid,
+    context: Context,
+    config: LensembleConfig,
+    *,
+    initial_arrays: ArrayRecord,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
+    final_label: str,
+    final_metrics: Callable[[Result], Mapping[int, MetricRecord]],
+) -> Result:
+    """Run ``num-server-rounds`` rounds (default 5), then print the run directory and
+    ``final_label: <the latest round's final_metrics(result)>``."""
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial_arrays,
+        num_rounds=int(context.run_config.get("num-server-rounds", 5)),
+        timeout=config.federation.collect_timeout,
+        evaluate_fn=evaluate_fn,
+    )
+    print(f"run directory: {result.run_dir}", flush=True)
+    print(f"{final_label}: {last_metrics(final_metrics(result))}", flush=True)
+    return result

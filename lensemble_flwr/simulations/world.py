@@ -120,16 +120,13 @@ def main(grid: Grid, context: Context) -> None:
     def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         return MetricRecord({"probe-moment-gap": probe_moment_gap(gauge, record_to_arrays(arrays))})
 
-    result = strategy.start(
-        grid=grid,
+    flower_app.start_and_report(
+        strategy,
+        grid,
+        context,
+        config,
         initial_arrays=arrays_to_record(initial_params(init_seed)),
-        num_rounds=int(context.run_config.get("num-server-rounds", 5)),
-        timeout=config.federation.collect_timeout,
         evaluate_fn=server_evaluate,
-    )
-    final = result.evaluate_metrics_clientapp.get(max(result.evaluate_metrics_clientapp, default=0))
-    print(f"run directory: {result.run_dir}", flush=True)
-    print(
-        f"final validation loss (nodes' own action heads): {dict(final) if final else None}",
-        flush=True,
+        final_label="final validation loss (nodes' own action heads)",
+        final_metrics=lambda result: result.evaluate_metrics_clientapp,
     )
