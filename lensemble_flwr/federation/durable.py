@@ -94,8 +94,8 @@ def load_registry(store: Store) -> tuple[dict[str, Commitment], Membership]:
     return commitments, membership
 
 
-def _attempt_name(round: int, attempt: int) -> str:
-    return f"{ATTEMPTS}/{round:08d}-{attempt:04d}"
+def _round_attempts(round: int) -> str:
+    return f"{ATTEMPTS}/{round:08d}"
 
 
 def mark_started(store: Store, round: int, attempt: int) -> None:
@@ -105,15 +105,14 @@ def mark_started(store: Store, round: int, attempt: int) -> None:
         LedgerError: the attempt was already started once (attempt numbers never repeat).
     """
     marker = store.put(canonical_json({"round": round, "attempt": attempt}))
-    if not store.claim(_attempt_name(round, attempt), marker):
+    if not store.claim(f"{_round_attempts(round)}/{attempt:04d}", marker):
         raise LedgerError(f"round {round} attempt {attempt} was already started")
 
 
 def started_attempts(store: Store, round: int) -> list[int]:
-    """The attempt numbers of ``round`` that have a start marker, ascending."""
-    prefix = f"{round:08d}-"
-    names = (n.rsplit("/", 1)[-1] for n in store.bound(ATTEMPTS))
-    return sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix))
+    """The attempt numbers of ``round`` that have a start marker, ascending (only that
+    round's markers are listed, however long the run)."""
+    return sorted(int(n.rsplit("/", 1)[-1]) for n in store.bound(_round_attempts(round)))
 
 
 def save_closing(store: Store, entry: RoundEntry) -> None:
