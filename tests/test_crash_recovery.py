@@ -29,6 +29,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
 from lensemble_flwr.federation import durable
 from lensemble_flwr.federation.coordinator import INTERRUPTED
+from lensemble_flwr.federation.round import RoundMachine
 from lensemble_flwr.provenance.ledger import RunManifest, verify
 from lensemble_flwr.simulations import crash_drill
 from lensemble_flwr.simulations.kill_points import KILL_POINTS, KILL_POINTS_BY_NAME
@@ -351,10 +352,18 @@ def test_resume_refuses_a_config_the_run_was_not_started_with(
     ],
 )
 def test_the_drill_refuses_malformed_options(argv: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exc:
-        crash_drill.parse_args(["--run-dir", str(tmp_path), "--rounds", "4", *argv])
+        crash_drill.main(["--run-dir", str(run_dir), "--rounds", "4", *argv])
     assert exc.value.code == 2
-    assert not any(tmp_path.iterdir())  # nothing was created
+    assert not any(tmp_path.iterdir())  # neither the run nor the participants' folder
+
+
+def test_an_unknown_kill_point_is_refused_before_anything_is_hooked(tmp_path: Path) -> None:
+    hooked = (RoundMachine.__init__, RoundMachine.fire, Store._publish)
+    with pytest.raises(ValueError, match="unknown kill point 'nowhere'"):
+        crash_drill.install_kill(tmp_path, 0, "nowhere")
+    assert (RoundMachine.__init__, RoundMachine.fire, Store._publish) == hooked
 
 
 def test_the_drill_runs_as_python_dash_m(run_drill: Runner, tmp_path: Path) -> None:

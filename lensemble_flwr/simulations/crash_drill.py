@@ -399,11 +399,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return NOT_REACHED if args.kill_at is not None else 0
 
 
-def run_cli(argv: Sequence[str]) -> None:
-    """``main(argv)`` as a process's whole life: exits with its status."""
-    sys.stdout.flush()
-    raise SystemExit(main(argv))
-
-
 if __name__ == "__main__":
     raise SystemExit(main())
