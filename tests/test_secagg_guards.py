@@ -109,6 +109,37 @@ def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
     tampered = {"w": result.sums["w"] + 1}
     with pytest.raises(NonDeterministicAggregation):
         agg.verify(dataclasses.replace(result, sums=tampered))
+    agg._disclosures.clear()  # the transcript is gone: the reveal cannot be repeated
+    with pytest.raises(NonDeterministicAggregation, match="no longer reveals"):
+        agg.verify(result)
+
+
+def test_a_member_set_must_be_well_formed_and_include_the_masker(trio) -> None:
+    keys, members = trio
+    values = {"w": np.arange(6, dtype=np.int64)}
+    with pytest.raises(SecureAggregationError, match="duplicate member ids"):
+        mask(values, me="a", keys=keys["a"], members=[*members, members[0]], threshold=2,
+             context=CONTEXT)
+    with pytest.raises(SecureAggregationError, match="not a member"):
+        mask(values, me="z", keys=keys["a"], members=members, threshold=2, context=CONTEXT)
+
+
+def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_discloses(
+    trio,
+) -> None:
+    _keys, members = trio
+    role = MaskingRole("a")  # never committed keys
+    opened = RoundOpen.model_construct(run_id="run", round=0, attempt=1,
+                                       secagg_members=tuple(encode_member(m) for m in members),
+                                       secagg_threshold=2)
+    release = PseudoGradient(participant_id="a", round=0, delta={"w": np.zeros(6, np.float32)},
+                             l2_norm=0.0, dataset_root=None, num_examples=1)
+    with pytest.raises(SecureAggregationError, match="no keys"):
+        role.mask_release(release, opened, LensembleConfig())
+    request = UnmaskRequest(run_id="run", round=0, sender="coordinator", attempt=1,
+                            survivors=("a",), dropped=(), sealed={})
+    with pytest.raises(SecureAggregationError, match="no masked round"):
+        role.disclose(request)
 
 
 def test_a_member_set_that_could_overflow_the_sum_is_refused(trio) -> None:
