@@ -646,6 +646,8 @@ def test_a_record_is_deposited_once(tmp_path: Path) -> None:
     with pytest.raises(RoundError, match="already deposited a different record"):
         b.deposit(key, "b", b"second")
     assert b.deposited(key) == ["b"] and b.deposited(SittingKey(0, 2)) == []
+    assert b.has_deposited(key, "b")
+    assert not b.has_deposited(key, "c") and not b.has_deposited(SittingKey(0, 2), "b")
 
 
 def test_barrier_arguments_that_cannot_work_are_refused(tmp_path: Path) -> None:

@@ -177,6 +177,11 @@ class FolderBarrier:
         prefix = f"{key.name}/record"
         return [name.rsplit("/", 1)[-1] for name in self.store.bound(prefix)]
 
+    def has_deposited(self, key: SittingKey, participant: str) -> bool:
+        """Whether ``participant`` deposited a record for sitting ``key`` (one name is
+        looked up; the sitting's other records are not listed)."""
+        return bool(self.store.bound(self._record_name(key, participant)))
+
     def outcome(self, key: SittingKey) -> bytes | None:
         """The published outcome of sitting ``key``, or None if there is none yet."""
         return self._published(f"{key.name}/outcome")
@@ -198,12 +203,14 @@ class FolderBarrier:
         deadline = self._clock() + self.round_timeout
         outcome_name, decision_name = f"{key.name}/outcome", f"{key.name}/decision"
         while True:
+            # an outcome is only ever published under a claimed decision: until somebody
+            # claims it there is nothing to read, only deposits to count
             if not self.store.bound(decision_name):
-                present = set(self.deposited(key))
-                complete = expected_set <= present
-                if (complete or self._clock() >= deadline) and self.store.claim(
-                    decision_name, self._me
-                ):
+                complete = expected_set <= set(self.deposited(key))
+                if not (complete or self._clock() >= deadline):
+                    self._sleep(self.poll_interval)
+                    continue
+                if self.store.claim(decision_name, self._me):
                     return self._decide(key, expected, decide)
             published = self._await_publication(outcome_name, decision_name, str(key))
             if published is not None:
@@ -234,9 +241,10 @@ class FolderBarrier:
         return self.store.get(self.store.resolve(name))
 
     def _await_publication(self, name: str, claim_name: str, what: str) -> bytes | None:
-        """One look for ``name``; ClaimantDied once ``claim_name``'s holder took too long."""
+        """One look for ``name``, whose claim ``claim_name`` somebody holds; ClaimantDied
+        once the holder took too long."""
         published = self._published(name)
-        if published is not None or not self.store.bound(claim_name):
+        if published is not None:
             return published
         now = self._clock()
         first_seen = self._claims_seen.setdefault(claim_name, now)

@@ -360,7 +360,7 @@ class SharedFolderParticipant:
         )
 
     def _deposit(self, key: SittingKey, announcement: Announcement) -> None:
-        if self.participant_id in self.barrier.deposited(key):
+        if self.barrier.has_deposited(key, self.participant_id):
             log.info("%s: %s already deposited (a restart?)", key, self.participant_id)
             return
         self.barrier.deposit(key, self.participant_id, encode_record(self.answer(announcement)))
