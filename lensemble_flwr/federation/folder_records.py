@@ -31,10 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError, RoundError
-from lensemble_flwr.federation.messages import RoundOpen, WirePayload
+from lensemble_flwr.federation.messages import _HEX64, RoundOpen, WirePayload
 
 RECORD_FORMAT = "lensemble-folder-record/1"
-_HEX64 = r"^[0-9a-f]{64}$"
 
 OutcomeState = Literal["closed", "aborted", "incomplete"]
 """closed: the round committed; aborted: the coordinator's attempt ended without a commit
