@@ -127,6 +127,19 @@ _DISCOVERY_INTERVAL = 1.0
 INTERRUPTED = "CoordinatorRestart: the attempt was cut short by a coordinator restart"
 """The reason recorded for an attempt a crash interrupted."""
 
+_RECORDED_FROM_ENTRY = {
+    "round",
+    "attempt",
+    "contributors",
+    "count",
+    "total_weight",
+    "update_digests",
+    "aggregate_digest",
+    "new_global_hash",
+    "round_seed",
+}
+"""The ledger record's fields that are the closing manifest entry's, under the same name."""
+
 AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
 
 
@@ -859,22 +872,15 @@ class Coordinator:
         # the manifest entry first, so that a crash right after the commit loses nothing
         ctx.closing = self._entry(ctx, result, diagnostics, None, new_state.params_hash)
         save_closing(self.store, ctx.closing)
+        entry = ctx.closing  # what the record shares with the manifest comes from it
         record = self._ledger.append(
             ContributionRecord(
-                round=t,
-                attempt=ctx.machine.attempt,
-                contributors=result.contributors,
-                count=result.count,
-                total_weight=result.total_weight,
-                dataset_roots={p: ctx.roots[p] for p in result.contributors},
-                epsilon={p: ctx.epsilon.get(p) for p in result.contributors},
-                update_digests=dict(sorted(ctx.update_digests.items())),
-                aggregate_digest=result.digest,
-                previous_global_hash=prior.params_hash,
-                new_global_hash=new_state.params_hash,
+                **entry.model_dump(include=_RECORDED_FROM_ENTRY),
+                previous_global_hash=entry.prior_global_hash,
+                frame_drift=entry.diagnostics.get("frame_drift"),
+                dataset_roots={p: ctx.roots[p] for p in entry.contributors},
+                epsilon={p: ctx.epsilon.get(p) for p in entry.contributors},
                 checkpoint=digest,
-                round_seed=prior.sketch_seed,
-                frame_drift=diagnostics.get("frame_drift"),
                 previous_record_hash=self._head_hash,
             )
         )
