@@ -29,7 +29,10 @@ models across arms whatever frame they ended in.
 Targets, checked on every seed:
   1. (a) ends within 10% of (c)'s final validation loss;
   2. (b) ends at least 2x worse than (c);
-  3. DiLoCo reaches (c)'s final loss in at most half the rounds plain averaging needs.
+  3. DiLoCo reaches (c)'s final loss in at most half the rounds plain averaging needs;
+  4. no round attempt aborted in any run (a retried round is still reported here).
+A round that never closed (the federation stopped) has a NaN loss and drift, so every
+ratio that needs it is NaN and its target fails.
 Writes ``benchmarks/results/gauge.json`` and ``benchmarks/results/gauge.png`` and prints one
 PASS/FAIL line per target. A report, not a test: the exit code is 0 whatever the outcome.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import platform
 import sys
 import tempfile
@@ -51,6 +55,7 @@ import numpy as np
 import torch
 
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.federation.coordinator import RoundOutcome
 from lensemble_flwr.federation.round import RoundState
 from lensemble_flwr.simulations.world_federation import build_world, validation_loss
@@ -66,7 +71,9 @@ OUTER = {"diloco": {"lr": 0.7, "momentum": 0.9}, "plain": {"lr": 1.0, "momentum"
 
 
 def run_arm(args: argparse.Namespace, arm: str, seed: int, rounds: int) -> dict[str, Any]:
-    """One federation: the validation loss after every round and the frame drift of each."""
+    """One federation: the validation loss after every round (index 0: the initial model)
+    and the frame drift of each round (index 0: round 1), NaN for a round that never
+    closed; the aborted attempts; whether and why the federation stopped early."""
     spec = ARMS[arm]
     config = LensembleConfig(
         federation={
@@ -84,16 +91,21 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, rounds: int) -> dict[
         outer=OUTER[spec["outer"]],
         gauge={"align": spec["align"], "sketch_rows": args.sketch_rows},
     )
-    losses: list[float] = []
-    drift: list[float] = []
+    nan = float("nan")
+    losses = [nan] * (rounds + 1)
+    drift = [nan] * rounds
     aborted: list[str] = []
+    stopped: str | None = None
 
     def on_round(outcome: RoundOutcome) -> None:
+        # Coordinator.run retries an aborted round: the next attempt carries the same index
         if outcome.state is not RoundState.CLOSED:
             aborted.append(f"round {outcome.round}: {outcome.reason}")
             return
-        losses.append(validation_loss(fed.coordinator.global_state().params, fed.trainers))
-        drift.append(float(outcome.diagnostics.get("frame_drift", float("nan"))))
+        losses[outcome.round + 1] = validation_loss(
+            fed.coordinator.global_state().params, fed.trainers
+        )
+        drift[outcome.round] = float(outcome.diagnostics.get("frame_drift", nan))
 
     with tempfile.TemporaryDirectory(prefix="bench-gauge-") as run_dir:
         fed = build_world(
@@ -106,11 +118,20 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, rounds: int) -> dict[
             trajectories=args.trajectories,
             on_round=on_round,
         )
-        losses.append(validation_loss(fed.coordinator.global_state().params, fed.trainers))
+        losses[0] = validation_loss(fed.coordinator.global_state().params, fed.trainers)
         started = time.perf_counter()
-        fed.coordinator.run(rounds)
+        try:
+            fed.coordinator.run(rounds)
+        except LensembleError as exc:  # the later rounds stay NaN; the report goes on
+            stopped = f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - started
-    return {"loss": losses, "frame_drift": drift, "aborted": aborted, "seconds": seconds}
+    return {
+        "loss": losses,
+        "frame_drift": drift,
+        "aborted": aborted,
+        "stopped": stopped,
+        "seconds": seconds,
+    }
 
 
 def first_round_at_or_below(curve: Sequence[float], level: float) -> int | None:
@@ -120,28 +141,43 @@ def first_round_at_or_below(curve: Sequence[float], level: float) -> int | None:
 
 def evaluate_seed(runs: dict[str, dict[str, Any]], rounds: int) -> dict[str, Any]:
     control = runs["control"]["loss"]
-    final = control[-1]
-    diloco = first_round_at_or_below(control, final)
+    final = control[rounds]
+    diloco = first_round_at_or_below(control, final)  # None only if final is NaN
     plain = first_round_at_or_below(runs["plain-averaging"]["loss"], final)
     plain_budget = len(runs["plain-averaging"]["loss"]) - 1
+    if diloco is None:
+        ratio = float("nan")
+    elif plain is not None:
+        ratio = diloco / plain
+    else:  # not reached within the budget: the true ratio is below diloco / budget
+        ratio = diloco / plain_budget
     return {
         "loss_at_round_R": {arm: run["loss"][rounds] for arm, run in runs.items()},
-        "aligned_over_control": runs["aligned"]["loss"][-1] / final,
-        "unaligned_over_control": runs["unaligned"]["loss"][-1] / final,
+        "aligned_over_control": runs["aligned"]["loss"][rounds] / final,
+        "unaligned_over_control": runs["unaligned"]["loss"][rounds] / final,
         "diloco_rounds": diloco,
         "plain_rounds": plain,
         "plain_budget": plain_budget,
-        # not reached within the budget: the true ratio is below diloco / budget
-        "rounds_ratio": diloco / plain if plain else diloco / plain_budget,
+        "rounds_ratio": ratio,
         "plain_reached": plain is not None,
+        "aborted_attempts": sum(len(run["aborted"]) for run in runs.values()),
+        "stopped": {arm: run["stopped"] for arm, run in runs.items() if run["stopped"]},
     }
+
+
+def worst(values: Sequence[float], pick: Any) -> float:
+    """``pick`` (max or min) of ``values``, NaN if any is NaN (max/min would skip it or
+    not depending on where it sits)."""
+    return float("nan") if any(math.isnan(v) for v in values) else pick(values)
 
 
 def verdicts(per_seed: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     seeds = list(per_seed.values())
-    worst_a = max(s["aligned_over_control"] for s in seeds)
-    worst_b = min(s["unaligned_over_control"] for s in seeds)
-    worst_rounds = max(s["rounds_ratio"] for s in seeds)
+    worst_a = worst([s["aligned_over_control"] for s in seeds], max)
+    worst_b = worst([s["unaligned_over_control"] for s in seeds], min)
+    worst_rounds = worst([s["rounds_ratio"] for s in seeds], max)
+    aborted = sum(s["aborted_attempts"] for s in seeds)
+    stopped = sum(len(s["stopped"]) for s in seeds)
     bound = "" if all(s["plain_reached"] for s in seeds) else " (upper bound: plain not reached)"
     return [
         {
@@ -164,6 +200,13 @@ def verdicts(per_seed: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             "value": worst_rounds,
             "threshold": "<= 0.5",
             "pass": worst_rounds <= 0.5,
+        },
+        {
+            "target": "no round attempt aborted, no federation stopped early",
+            "measure": "aborted attempts + stopped runs over all arms and seeds",
+            "value": aborted + stopped,
+            "threshold": "== 0",
+            "pass": aborted + stopped == 0,
         },
     ]
 
@@ -269,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"seed {seed} {arm:<16} {rounds:4d} rounds in {run['seconds']:5.1f} s: "
                 f"loss {run['loss'][0]:.4f} -> {run['loss'][args.rounds]:.4f} at round "
-                f"{args.rounds}" + (f", {len(run['aborted'])} aborted" if run["aborted"] else ""),
+                f"{args.rounds}"
+                + (f", {len(run['aborted'])} aborted" if run["aborted"] else "")
+                + (f", stopped: {run['stopped']}" if run["stopped"] else ""),
                 flush=True,
             )
         runs[str(seed)] = seed_runs
