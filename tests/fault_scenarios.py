@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from federation_helpers import federation, small_config
+from federation_helpers import federation, signed_federation, small_config
 
-from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.federation.coordinator import Coordinator
@@ -28,7 +27,6 @@ from lensemble_flwr.federation.participant import Participant
 from lensemble_flwr.federation.round import RoundMachine, RoundState
 from lensemble_flwr.federation.transport import COORDINATOR, FaultPlan, InProcessNetwork
 from lensemble_flwr.provenance.ledger import Ledger
-from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
 FAULT_ROUND = 1  # round 0 closes cleanly first, so there is something committed to lose
 
@@ -81,27 +79,8 @@ def _masked(tmp: Path, faults: FaultPlan | None = None, threshold: int = 3) -> S
 
 
 def _signed(tmp: Path, faults: FaultPlan | None = None) -> Setup:
-    config = small_config()
-    network = InProcessNetwork(faults=faults, join_endpoint=str(tmp / "run"))
-    nodes = []
-    for i in range(4):
-        pid = f"p{i:02d}"
-        node = Participant(
-            config,
-            participant_id=pid,
-            transport=network.transport_for(pid),
-            trainer=ToyTrainer(i),
-            identity=IdentityKey.generate(),
-        )
-        network.attach(node)
-        nodes.append(node)
-    coordinator = Coordinator(
-        config,
-        transport=network.coordinator,
-        initial_params=initial_params(),
-        store=Store(tmp / "run"),
-    )
-    return Setup(coordinator, network, nodes)
+    keys = {f"p{i:02d}": IdentityKey.generate() for i in range(4)}
+    return Setup(*signed_federation(tmp, keys, faults=faults))
 
 
 def _dp(tmp: Path) -> Setup:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.federation.coordinator import Coordinator
+from lensemble_flwr.federation.identity import IdentityKey
 from lensemble_flwr.federation.participant import Participant
 from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
 from lensemble_flwr.simulations.inprocess import build
+from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
 
 def small_config(**federation: Any) -> LensembleConfig:
@@ -33,3 +36,37 @@ def federation(
     return build(
         config or small_config(), tmp / name, participants=participants, faults=faults
     )
+
+
+def signed_federation(
+    tmp: Path,
+    keys: dict[str, IdentityKey],
+    *,
+    config: LensembleConfig | None = None,
+    faults: FaultPlan | None = None,
+    identities: dict[str, str] | None = None,
+    unsigned: tuple[str, ...] = (),
+) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
+    """Participants ``keys`` (id -> identity key; those in ``unsigned`` sign nothing)
+    and a coordinator with the optional allow-list ``identities``."""
+    config = config or small_config()
+    network = InProcessNetwork(faults=faults, join_endpoint=str(tmp / "run"))
+    nodes = []
+    for i, pid in enumerate(sorted(keys)):
+        node = Participant(
+            config,
+            participant_id=pid,
+            transport=network.transport_for(pid),
+            trainer=ToyTrainer(i),
+            identity=None if pid in unsigned else keys[pid],
+        )
+        network.attach(node)
+        nodes.append(node)
+    coordinator = Coordinator(
+        config,
+        transport=network.coordinator,
+        initial_params=initial_params(),
+        store=Store(tmp / "run"),
+        identities=identities,
+    )
+    return coordinator, network, nodes

@@ -6,60 +6,29 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import federation_helpers
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from federation_helpers import small_config
 
-from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError, ForgedMessage
-from lensemble_flwr.federation.coordinator import Coordinator
 from lensemble_flwr.federation.identity import (
     IdentityKey,
     parse_public_key,
     verify_signature,
 )
 from lensemble_flwr.federation.messages import Commitment, Update, from_wire, to_wire
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.transport import COORDINATOR, FaultPlan, InProcessNetwork
+from lensemble_flwr.federation.transport import COORDINATOR, FaultPlan
 from lensemble_flwr.provenance.ledger import verify
-from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
 PIDS = ("p00", "p01", "p02", "p03")
 KEYS = {pid: IdentityKey.generate() for pid in PIDS}
 
 
-def signed_federation(
-    tmp: Path,
-    *,
-    config: LensembleConfig | None = None,
-    faults: FaultPlan | None = None,
-    identities: dict[str, str] | None = None,
-    unsigned: tuple[str, ...] = (),
-):
-    config = config or small_config()
-    network = InProcessNetwork(faults=faults, join_endpoint=str(tmp / "run"))
-    nodes = []
-    for i, pid in enumerate(PIDS):
-        node = Participant(
-            config,
-            participant_id=pid,
-            transport=network.transport_for(pid),
-            trainer=ToyTrainer(i),
-            identity=None if pid in unsigned else KEYS[pid],
-        )
-        network.attach(node)
-        nodes.append(node)
-    coordinator = Coordinator(
-        config,
-        transport=network.coordinator,
-        initial_params=initial_params(),
-        store=Store(tmp / "run"),
-        identities=identities,
-    )
-    return coordinator, network, nodes
+def signed_federation(tmp: Path, **kwargs):
+    return federation_helpers.signed_federation(tmp, KEYS, **kwargs)
 
 
 def capture(into: list[dict]):
