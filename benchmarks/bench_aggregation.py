@@ -40,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.aggregation import AggregateSum, FixedPointAggregator
-from lensemble_flwr.federation.messages import Update, message_digest
-from lensemble_flwr.federation.outer_optimizer import outer_step, zero_momentum
+from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
+from lensemble_flwr.protocol.messages import Update, message_digest
 
 NamedArrays = dict[str, np.ndarray]
 STAGES = ("init + admit/fold", "reveal + verify", "mean", "outer step")
@@ -200,8 +200,7 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(None)
         m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and \
-            bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 
@@ -213,12 +212,14 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
     fed = Federation(config, params, zero_momentum(params))
     deltas = [random_arrays(sizes, rng, 1e-3) for _ in range(args.clients)]
     nbytes = args.clients * args.params * 4
-    workers = max(1, min(4, os.cpu_count() or 1))  # as lensemble_flwr.federation.chunked
+    workers = max(1, min(4, os.cpu_count() or 1))  # as lensemble_flwr.aggregation.chunked
 
-    print(f"== throughput: C={args.clients} updates x P={args.params:,} float32 "
-          f"in {args.tensors} arrays ({nbytes / MB:,.0f} MB read), "
-          f"fold_batch={config.aggregation.fold_batch}, best of {args.repeats}, "
-          f"{os.cpu_count()} cores (aggregator kernels on {workers} threads)")
+    print(
+        f"== throughput: C={args.clients} updates x P={args.params:,} float32 "
+        f"in {args.tensors} arrays ({nbytes / MB:,.0f} MB read), "
+        f"fold_batch={config.aggregation.fold_batch}, best of {args.repeats}, "
+        f"{os.cpu_count()} cores (aggregator kernels on {workers} threads)"
+    )
 
     updates: list[Update] = []
 
@@ -248,33 +249,49 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
             for _, r in runs
         )
         print(f"{stage:<28}{cells}")
-    print(f"{'total (best repeat)':<28}"
-          + "".join(f"{r.best_total * 1e3:>20.1f}{'':>7}" for _, r in runs).rstrip())
+    print(
+        f"{'total (best repeat)':<28}"
+        + "".join(f"{r.best_total * 1e3:>20.1f}{'':>7}" for _, r in runs).rstrip()
+    )
     for name, r in runs:
-        print(f"  {name}: per repeat total "
-              f"{', '.join(f'{t * 1e3:.0f}' for t in r.totals)} ms, minor page faults "
-              f"{', '.join(str(f) for f in r.faults)}, baseline "
-              f"{', '.join(f'{b * 1e3:.1f}' for b in r.base)} ms")
+        print(
+            f"  {name}: per repeat total "
+            f"{', '.join(f'{t * 1e3:.0f}' for t in r.totals)} ms, minor page faults "
+            f"{', '.join(str(f) for f in r.faults)}, baseline "
+            f"{', '.join(f'{b * 1e3:.1f}' for b in r.base)} ms"
+        )
     print(f"baseline: .sum() on 1 thread  {t_base * 1e3:7.1f} ms = {gbs / t_base:.1f} GB/s")
-    print(f"reference: .sum() on {workers} threads {t_base_mt * 1e3:6.1f} ms = "
-          f"{gbs / t_base_mt:.1f} GB/s (not the target's baseline)")
+    print(
+        f"reference: .sum() on {workers} threads {t_base_mt * 1e3:6.1f} ms = "
+        f"{gbs / t_base_mt:.1f} GB/s (not the target's baseline)"
+    )
     for name, r in runs:
-        print(f"aggregation + outer step, {name}: {gbs / r.best_total:.2f} GB/s = "
-              f"{r.ratio:.2f} x baseline bandwidth (per repeat "
-              f"{', '.join(f'{b / t:.2f}' for b, t in zip(r.base, r.totals, strict=True))})")
+        print(
+            f"aggregation + outer step, {name}: {gbs / r.best_total:.2f} GB/s = "
+            f"{r.ratio:.2f} x baseline bandwidth (per repeat "
+            f"{', '.join(f'{b / t:.2f}' for b, t in zip(r.base, r.totals, strict=True))})"
+        )
     print("not part of the target:")
-    print(f"  ingress validation, Update(...) x{args.clients}: {t_ingress * 1e3:.1f} ms "
-          f"= {t_base / t_ingress:.2f} x baseline bandwidth")
-    print(f"  AggregateSum.digest (SHA-256 of {sum_bytes / MB:.0f} MB int64 sums): "
-          f"{t_digest * 1e3:.1f} ms = {sum_bytes / t_digest / 1e9:.2f} GB/s, "
-          f"{t_digest / as_is.best_total:.2f} x the aggregation")
-    print(f"  message_digest x{args.clients} (the coordinator hashes every admitted update): "
-          f"{t_msg_digest * 1e3:.1f} ms = {t_base / t_msg_digest:.2f} x baseline bandwidth, "
-          f"{t_msg_digest / as_is.best_total:.2f} x the aggregation")
+    print(
+        f"  ingress validation, Update(...) x{args.clients}: {t_ingress * 1e3:.1f} ms "
+        f"= {t_base / t_ingress:.2f} x baseline bandwidth"
+    )
+    print(
+        f"  AggregateSum.digest (SHA-256 of {sum_bytes / MB:.0f} MB int64 sums): "
+        f"{t_digest * 1e3:.1f} ms = {sum_bytes / t_digest / 1e9:.2f} GB/s, "
+        f"{t_digest / as_is.best_total:.2f} x the aggregation"
+    )
+    print(
+        f"  message_digest x{args.clients} (the coordinator hashes every admitted update): "
+        f"{t_msg_digest * 1e3:.1f} ms = {t_base / t_msg_digest:.2f} x baseline bandwidth, "
+        f"{t_msg_digest / as_is.best_total:.2f} x the aggregation"
+    )
     ratio = as_is.ratio
     extra = f"; {reused.ratio:.2f} with memory reused" if reused else ""
-    return f"{verdict(ratio >= 0.5)}: aggregation + outer step at {ratio:.2f} x streaming-read " \
-           f"bandwidth as is{extra} (target >= 0.50)"
+    return (
+        f"{verdict(ratio >= 0.5)}: aggregation + outer step at {ratio:.2f} x streaming-read "
+        f"bandwidth as is{extra} (target >= 0.50)"
+    )
 
 
 def measured_aggregation(fed: Federation, updates: list[Update]) -> None:
@@ -354,9 +371,18 @@ def rss_child(args: argparse.Namespace, config: LensembleConfig) -> None:
 
 def rss_growth(args: argparse.Namespace, clients: int) -> tuple[float, bool] | None:
     """Run ``rss_child`` in a subprocess; (MB of peak RSS growth, was the peak reset?)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--rss-child", str(clients),
-           "--mem-params", str(args.mem_params), "--tensors", str(args.tensors),
-           "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--rss-child",
+        str(clients),
+        "--mem-params",
+        str(args.mem_params),
+        "--tensors",
+        str(args.tensors),
+        "--seed",
+        str(args.seed),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         print(f"  (peak-RSS subprocess for C={clients} failed: {proc.stderr.strip()[-200:]})")
@@ -368,11 +394,15 @@ def rss_growth(args: argparse.Namespace, clients: int) -> tuple[float, bool] | N
 def memory_report(args: argparse.Namespace, config: LensembleConfig) -> str:
     clients = sorted(set(args.mem_clients))
     one_update = args.mem_params * 4
-    print(f"\n== memory: P={args.mem_params:,} float32 (one update = {one_update / MB:.1f} MB) "
-          f"in {args.tensors} arrays, updates pre-built, fold_batch="
-          f"{config.aggregation.fold_batch}")
-    print("   expected floor ~ 20 bytes/param: int64 accumulator 8 + float32 mean 4 + "
-          f"new params and momentum 8 = {20 * args.mem_params / MB:.0f} MB")
+    print(
+        f"\n== memory: P={args.mem_params:,} float32 (one update = {one_update / MB:.1f} MB) "
+        f"in {args.tensors} arrays, updates pre-built, fold_batch="
+        f"{config.aggregation.fold_batch}"
+    )
+    print(
+        "   expected floor ~ 20 bytes/param: int64 accumulator 8 + float32 mean 4 + "
+        f"new params and momentum 8 = {20 * args.mem_params / MB:.0f} MB"
+    )
     fed, all_updates = memory_fixture(args, config, max(clients))
     measured_aggregation(fed, all_updates[:2])  # warm-up outside tracing
     peaks = {c: tracemalloc_peak(fed, all_updates[:c]) for c in clients}
@@ -389,10 +419,14 @@ def memory_report(args: argparse.Namespace, config: LensembleConfig) -> str:
     growth = peaks[hi] / peaks[lo] - 1
     r_lo, r_hi = rss.get(lo), rss.get(hi)
     if r_lo and r_hi and r_lo[0] > 0:
-        print(f"peak RSS growth (fresh process per C): C={hi} vs C={lo}: "
-              f"{r_hi[0] / r_lo[0] - 1:+.1%} (informational)")
-    return f"{verdict(abs(growth) <= 0.10)}: peak extra memory C={hi} vs C={lo}: " \
-           f"{growth:+.1%} (tracemalloc; target within 10%)"
+        print(
+            f"peak RSS growth (fresh process per C): C={hi} vs C={lo}: "
+            f"{r_hi[0] / r_lo[0] - 1:+.1%} (informational)"
+        )
+    return (
+        f"{verdict(abs(growth) <= 0.10)}: peak extra memory C={hi} vs C={lo}: "
+        f"{growth:+.1%} (tracemalloc; target within 10%)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,8 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mem-params", type=int, default=2_000_000, help="P for the memory part")
     parser.add_argument("--mem-clients", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
-    parser.add_argument("--no-reuse", action="store_true",
-                        help="skip the repeat with glibc keeping freed memory (no page faults)")
+    parser.add_argument(
+        "--no-reuse",
+        action="store_true",
+        help="skip the repeat with glibc keeping freed memory (no page faults)",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -236,8 +236,9 @@ class RoundMarks:
 
 
 def now_marks() -> RoundMarks:
-    return RoundMarks(time.time(), time.perf_counter(), time.thread_time(),
-                      StoreWrites.seconds, StoreWrites.calls)
+    return RoundMarks(
+        time.time(), time.perf_counter(), time.thread_time(), StoreWrites.seconds, StoreWrites.calls
+    )
 
 
 class TimedGrid:
@@ -323,8 +324,14 @@ class Measured:
 
 
 def run_block(
-    grid: Grid, variant: Variant, rounds: int, nodes: int, size: int, run_dir: Path,
-    run_id: str, profiler: cProfile.Profile | None = None,
+    grid: Grid,
+    variant: Variant,
+    rounds: int,
+    nodes: int,
+    size: int,
+    run_dir: Path,
+    run_id: str,
+    profiler: cProfile.Profile | None = None,
 ) -> tuple[TimedGrid, RoundMarks, list[float]]:
     """``rounds`` rounds of ``variant``; (proxy with the push marks, end mark, the
     coordinator's own per-round seconds for LensembleStrategy)."""
@@ -338,10 +345,14 @@ def run_block(
             saved = grid.pull_interval  # type: ignore[attr-defined]
             grid.pull_interval = variant.poll  # type: ignore[attr-defined]
             try:
-                strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes,
-                                  min_train_nodes=nodes)
-                result = strategy.start(grid=proxy, initial_arrays=initial,  # type: ignore[arg-type]
-                                        num_rounds=rounds)
+                strategy = FedAvg(
+                    fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes
+                )
+                result = strategy.start(
+                    grid=proxy,
+                    initial_arrays=initial,  # type: ignore[arg-type]
+                    num_rounds=rounds,
+                )
             finally:
                 grid.pull_interval = saved  # type: ignore[attr-defined]
             end = now_marks()
@@ -349,11 +360,19 @@ def run_block(
             if not np.allclose(final, rounds):
                 raise RuntimeError(f"FedAvg: w = {final[:3]}..., expected {rounds}")
         else:
-            lens = LensembleStrategy(bench_config(nodes), run_dir=run_dir, run_id=run_id,
-                                     fraction_evaluate=0.0, poll_interval=variant.poll,
-                                     warmup_timeout=60.0)
-            result = lens.start(grid=proxy, initial_arrays=initial,  # type: ignore[arg-type]
-                                num_rounds=rounds)
+            lens = LensembleStrategy(
+                bench_config(nodes),
+                run_dir=run_dir,
+                run_id=run_id,
+                fraction_evaluate=0.0,
+                poll_interval=variant.poll,
+                warmup_timeout=60.0,
+            )
+            result = lens.start(
+                grid=proxy,
+                initial_arrays=initial,  # type: ignore[arg-type]
+                num_rounds=rounds,
+            )
             end = now_marks()
             for rnd, metrics in sorted(result.train_metrics_clientapp.items()):
                 if metrics["C_t"] != nodes or metrics["exchanges"] != 1:
@@ -364,13 +383,18 @@ def run_block(
             profiler.disable()
     replies = [m.replies for m in proxy.rounds]
     if len(replies) != rounds or any(n != nodes for n in replies):
-        raise RuntimeError(f"{variant.name}: {len(replies)} train pushes for {rounds} "
-                           f"rounds, train replies per round {replies}")
+        raise RuntimeError(
+            f"{variant.name}: {len(replies)} train pushes for {rounds} "
+            f"rounds, train replies per round {replies}"
+        )
     return proxy, end, own
 
 
 def record_block(
-    measured: Measured, proxy: TimedGrid, end: RoundMarks, own: list[float],
+    measured: Measured,
+    proxy: TimedGrid,
+    end: RoundMarks,
+    own: list[float],
     discard: int,
 ) -> None:
     """Add the block's rounds after the first ``discard`` to ``measured``."""
@@ -382,8 +406,12 @@ def record_block(
         measured.client.append(m.client_seconds)
         measured.store_seconds.append(nxt.store_seconds - m.store_seconds)
         measured.store_calls.append(nxt.store_calls - m.store_calls)
-        timeline = {"dispatch": m.first_start - m.pushed, "clients": m.last_end - m.first_start,
-                    "pickup": m.last_pull - m.last_end, "server": nxt.pushed - m.last_pull}
+        timeline = {
+            "dispatch": m.first_start - m.pushed,
+            "clients": m.last_end - m.first_start,
+            "pickup": m.last_pull - m.last_end,
+            "server": nxt.pushed - m.last_pull,
+        }
         for name, seconds in timeline.items():
             measured.phases[name].append(seconds)
     measured.coordinator_seconds.extend(own[discard:])
@@ -396,9 +424,14 @@ def warm_up_nodes(grid: Grid, nodes: int, timeout: float) -> float:
         if time.perf_counter() - t0 > timeout:
             raise RuntimeError("nodes did not connect")
         time.sleep(0.2)
-    messages = [Message(RecordDict({"bench.ping": ConfigRecord({"ping": 1})}),
-                        dst_node_id=node, message_type=MessageType.QUERY)
-                for node in grid.get_node_ids()]
+    messages = [
+        Message(
+            RecordDict({"bench.ping": ConfigRecord({"ping": 1})}),
+            dst_node_id=node,
+            message_type=MessageType.QUERY,
+        )
+        for node in grid.get_node_ids()
+    ]
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     if len(replies) != nodes or any(r.has_error() for r in replies):
         raise RuntimeError(f"warm-up: {len(replies)} replies from {nodes} nodes")
@@ -416,8 +449,15 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                 out["warm-up"] = warm_up_nodes(grid, args.nodes, timeout=120.0)
                 t0 = time.perf_counter()
                 for strategy in ("FedAvg", "LensembleStrategy"):  # untimed, one block each
-                    run_block(grid, Variant(strategy, 0.1), args.discard + 1, args.nodes,
-                              args.size, Path(tmp) / f"warm-{strategy}", f"warm-{strategy}")
+                    run_block(
+                        grid,
+                        Variant(strategy, 0.1),
+                        args.discard + 1,
+                        args.nodes,
+                        args.size,
+                        Path(tmp) / f"warm-{strategy}",
+                        f"warm-{strategy}",
+                    )
                 out["warm-blocks"] = time.perf_counter() - t0
                 measured = {v: Measured() for v in variants}
                 profilers = {v: cProfile.Profile() for v in variants} if args.profile else {}
@@ -426,9 +466,16 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                     k = block % len(variants)
                     for i, v in enumerate(variants[k:] + variants[:k]):
                         run_id = f"bench-{block}-{i}"
-                        proxy, end, own = run_block(grid, v, args.rounds, args.nodes, args.size,
-                                                    Path(tmp) / run_id, run_id,
-                                                    profilers.get(v))
+                        proxy, end, own = run_block(
+                            grid,
+                            v,
+                            args.rounds,
+                            args.nodes,
+                            args.size,
+                            Path(tmp) / run_id,
+                            run_id,
+                            profilers.get(v),
+                        )
                         record_block(measured[v], proxy, end, own, args.discard)
                 out["blocks"] = time.perf_counter() - t0
                 out["measured"] = measured
@@ -455,16 +502,19 @@ def print_profile(variant: Variant, profiler: cProfile.Profile, rounds: int, top
         print(f"{'calls/rnd':>10}{'own ms/rnd':>11}{'cum ms/rnd':>11}  function")
         for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in rows[:top]:
             where = func if filename == "~" else f"{_short(filename)}:{line}({func})"
-            print(f"{ncalls / rounds:>10.1f}{tottime / rounds * 1e3:>11.2f}"
-                  f"{cumtime / rounds * 1e3:>11.2f}  {where}")
+            print(
+                f"{ncalls / rounds:>10.1f}{tottime / rounds * 1e3:>11.2f}"
+                f"{cumtime / rounds * 1e3:>11.2f}  {where}"
+            )
 
-    print(f"\n== cProfile of the ServerApp thread, {variant.name}, per round over {rounds} "
-          "rounds (cProfile inflates call-heavy code: read shares, not absolute times)")
+    print(
+        f"\n== cProfile of the ServerApp thread, {variant.name}, per round over {rounds} "
+        "rounds (cProfile inflates call-heavy code: read shares, not absolute times)"
+    )
     table("by own time:", sorted(raw.items(), key=lambda kv: -kv[1][2]))
     own = [kv for kv in raw.items() if os.sep + "lensemble_flwr" + os.sep in kv[0][0]]
     if own:
-        table("lensemble_flwr functions by cumulative time:",
-              sorted(own, key=lambda kv: -kv[1][3]))
+        table("lensemble_flwr functions by cumulative time:", sorted(own, key=lambda kv: -kv[1][3]))
 
 
 def _short(filename: str) -> str:
@@ -477,60 +527,83 @@ def _short(filename: str) -> str:
 
 def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: float) -> None:
     measured: dict[Variant, Measured] = out["measured"]
-    print(f"\nRay start-up + node warm-up, not measured: {total - out['blocks']:.1f} s in all "
-          f"(query warm-up {out['warm-up']:.1f} s, untimed blocks {out['warm-blocks']:.1f} s); "
-          f"timed blocks {out['blocks']:.1f} s")
-    print(f"\n{'variant (poll = Grid pull interval)':<36}{'rounds':>7}{'median':>8}{'mean':>7}"
-          f"{'min':>7}{'p90':>7}{'<=1 tick':>9}{'server CPU':>11}{'ClientApp':>10}")
+    print(
+        f"\nRay start-up + node warm-up, not measured: {total - out['blocks']:.1f} s in all "
+        f"(query warm-up {out['warm-up']:.1f} s, untimed blocks {out['warm-blocks']:.1f} s); "
+        f"timed blocks {out['blocks']:.1f} s"
+    )
+    print(
+        f"\n{'variant (poll = Grid pull interval)':<36}{'rounds':>7}{'median':>8}{'mean':>7}"
+        f"{'min':>7}{'p90':>7}{'<=1 tick':>9}{'server CPU':>11}{'ClientApp':>10}"
+    )
     for v in variants:
         m = measured[v]
         p90 = statistics.quantiles(m.wall, n=10)[-1] if len(m.wall) > 1 else float("nan")
         one_tick = sum(w < 1.5 * ENGINE_TICK for w in m.wall) / len(m.wall)
-        print(f"{v.name:<36}{len(m.wall):>7}{median(m.wall):>8.3f}{statistics.fmean(m.wall):>7.3f}"
-              f"{min(m.wall):>7.3f}{p90:>7.3f}{one_tick:>9.0%}{median(m.server_cpu):>11.4f}"
-              f"{median(m.client):>10.4f}")
-    print(f"(seconds per round; <=1 tick = share of rounds shorter than 1.5 x the simulation "
-          f"engine's stock {ENGINE_TICK:g} s dispatch tick; server CPU = the ServerApp thread's "
-          f"CPU time, median; ClientApp = the {args.nodes} train calls' seconds inside the "
-          f"actors, summed, median; they run {args.actors} at a time)")
-    print(f"\nwhere a round goes, mean seconds (the four phases add up to the mean wall):\n"
-          f"{'variant':<36}{'mean':>7}" + "".join(f"{name:>10}" for name in PHASES)
-          + f"{'(store writes)':>16}")
+        print(
+            f"{v.name:<36}{len(m.wall):>7}{median(m.wall):>8.3f}{statistics.fmean(m.wall):>7.3f}"
+            f"{min(m.wall):>7.3f}{p90:>7.3f}{one_tick:>9.0%}{median(m.server_cpu):>11.4f}"
+            f"{median(m.client):>10.4f}"
+        )
+    print(
+        f"(seconds per round; <=1 tick = share of rounds shorter than 1.5 x the simulation "
+        f"engine's stock {ENGINE_TICK:g} s dispatch tick; server CPU = the ServerApp thread's "
+        f"CPU time, median; ClientApp = the {args.nodes} train calls' seconds inside the "
+        f"actors, summed, median; they run {args.actors} at a time)"
+    )
+    print(
+        f"\nwhere a round goes, mean seconds (the four phases add up to the mean wall):\n"
+        f"{'variant':<36}{'mean':>7}"
+        + "".join(f"{name:>10}" for name in PHASES)
+        + f"{'(store writes)':>16}"
+    )
     for v in variants:
         m = measured[v]
         writes = statistics.fmean(m.store_calls)
-        print(f"{v.name:<36}{statistics.fmean(m.wall):>7.3f}"
-              + "".join(f"{statistics.fmean(m.phases[name]):>10.3f}" for name in PHASES)
-              + f"{statistics.fmean(m.store_seconds):>10.3f} ({writes:.0f})")
+        print(
+            f"{v.name:<36}{statistics.fmean(m.wall):>7.3f}"
+            + "".join(f"{statistics.fmean(m.phases[name]):>10.3f}" for name in PHASES)
+            + f"{statistics.fmean(m.store_seconds):>10.3f} ({writes:.0f})"
+        )
     for name, what in PHASES.items():
         print(f"  {name}: {what}")
-    print("  (store writes): of the server phase, the coordinator's fsynced Store writes "
-          "(checkpoint, ledger record, manifest entry, their names), seconds (count)")
+    print(
+        "  (store writes): of the server phase, the coordinator's fsynced Store writes "
+        "(checkpoint, ledger record, manifest entry, their names), seconds (count)"
+    )
     for v in variants:
         if measured[v].coordinator_seconds:
             own = median(measured[v].coordinator_seconds)
-            print(f"  {v.name}: the strategy's own 'seconds' metric (RoundOpen to commit, "
-                  f"excl. the manifest write), median {own:.3f}")
+            print(
+                f"  {v.name}: the strategy's own 'seconds' metric (RoundOpen to commit, "
+                f"excl. the manifest write), median {own:.3f}"
+            )
 
     by = {(v.strategy, v.poll): measured[v] for v in variants}
     comparisons = [(f"equal polls, {p:.2f} s", p, p) for p in args.polls]
     if 0.05 in args.polls and 0.1 in args.polls:
         comparisons.insert(0, ("as shipped (each its default)", 0.05, 0.1))
-    print(f"\n{'LensembleStrategy / FedAvg':<32}{'lens poll':>10}{'FedAvg poll':>12}"
-          f"{'ratio of means':>16}{'of medians':>12}{'of mins':>9}")
+    print(
+        f"\n{'LensembleStrategy / FedAvg':<32}{'lens poll':>10}{'FedAvg poll':>12}"
+        f"{'ratio of means':>16}{'of medians':>12}{'of mins':>9}"
+    )
     judged = []
     for label, lens_poll, fed_poll in comparisons:
         lens, fed = by[("LensembleStrategy", lens_poll)], by[("FedAvg", fed_poll)]
         ratio = statistics.fmean(lens.wall) / statistics.fmean(fed.wall)
         of_medians, of_mins = median(lens.wall) / median(fed.wall), min(lens.wall) / min(fed.wall)
-        print(f"{label:<32}{lens_poll:>9.2f}s{fed_poll:>11.2f}s{ratio:>16.2f}"
-              f"{of_medians:>12.2f}{of_mins:>9.2f}")
+        print(
+            f"{label:<32}{lens_poll:>9.2f}s{fed_poll:>11.2f}s{ratio:>16.2f}"
+            f"{of_medians:>12.2f}{of_mins:>9.2f}"
+        )
         if lens_poll == fed_poll:
             judged.append((ratio, label))
     worst, label = max(judged)
-    print(f"{'PASS' if worst <= args.target else 'FAIL'}: plaintext path, LensembleStrategy / "
-          f"FedAvg seconds per round <= {args.target:g} at equal polls: worst ratio of means "
-          f"{worst:.2f} ({label})")
+    print(
+        f"{'PASS' if worst <= args.target else 'FAIL'}: plaintext path, LensembleStrategy / "
+        f"FedAvg seconds per round <= {args.target:g} at equal polls: worst ratio of means "
+        f"{worst:.2f} ({label})"
+    )
 
 
 def patch_extractor_tick(tick: float) -> None:
@@ -568,22 +641,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=10, help="supernodes (participants)")
     parser.add_argument("--rounds", type=int, default=12, help="rounds per block")
-    parser.add_argument("--discard", type=int, default=1,
-                        help="rounds at the start of every block not measured")
+    parser.add_argument(
+        "--discard", type=int, default=1, help="rounds at the start of every block not measured"
+    )
     parser.add_argument("--blocks", type=int, default=4, help="blocks of each variant")
     parser.add_argument("--size", type=int, default=100, help="float32 values in the model")
-    parser.add_argument("--num-cpus", type=float, default=1.0,
-                        help="client_resources num_cpus (Ray runs cores/num_cpus actors)")
-    parser.add_argument("--polls", type=float, nargs="+", default=[0.1, 0.05],
-                        help="Grid pull intervals to run each strategy at")
+    parser.add_argument(
+        "--num-cpus",
+        type=float,
+        default=1.0,
+        help="client_resources num_cpus (Ray runs cores/num_cpus actors)",
+    )
+    parser.add_argument(
+        "--polls",
+        type=float,
+        nargs="+",
+        default=[0.1, 0.05],
+        help="Grid pull intervals to run each strategy at",
+    )
     parser.add_argument("--target", type=float, default=1.2)
-    parser.add_argument("--extractor-tick", type=float, default=ENGINE_TICK,
-                        help="diagnostic: patch the simulation engine's dispatch tick "
-                             f"(stock: {ENGINE_TICK} s, hard-coded in flwr's vce_api)")
-    parser.add_argument("--no-fsync", action="store_true",
-                        help="diagnostic: the coordinator's Store skips its fsyncs (not durable)")
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile the ServerApp thread during the timed blocks")
+    parser.add_argument(
+        "--extractor-tick",
+        type=float,
+        default=ENGINE_TICK,
+        help="diagnostic: patch the simulation engine's dispatch tick "
+        f"(stock: {ENGINE_TICK} s, hard-coded in flwr's vce_api)",
+    )
+    parser.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="diagnostic: the coordinator's Store skips its fsyncs (not durable)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the ServerApp thread during the timed blocks",
+    )
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
     args = parser.parse_args(argv)
     if args.rounds <= args.discard:
@@ -594,16 +687,20 @@ def main(argv: list[str] | None = None) -> int:
     import flwr
     import ray
 
-    print(f"== Flower simulation round time: {args.nodes} supernodes, model = one float32 "
-          f"array of {args.size}, {args.blocks} blocks x {args.rounds} rounds per variant "
-          f"({args.discard} discarded per block), num_cpus={args.num_cpus:g} per ClientApp "
-          f"({args.actors} actors on {cores} cores); flwr {flwr.__version__}, ray "
-          f"{ray.__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}"
-          f"{' [cProfile on]' if args.profile else ''}; load average {_load()}")
+    print(
+        f"== Flower simulation round time: {args.nodes} supernodes, model = one float32 "
+        f"array of {args.size}, {args.blocks} blocks x {args.rounds} rounds per variant "
+        f"({args.discard} discarded per block), num_cpus={args.num_cpus:g} per ClientApp "
+        f"({args.actors} actors on {cores} cores); flwr {flwr.__version__}, ray "
+        f"{ray.__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}"
+        f"{' [cProfile on]' if args.profile else ''}; load average {_load()}"
+    )
     if args.extractor_tick != ENGINE_TICK:
         patch_extractor_tick(args.extractor_tick)
-        print(f"!! diagnostic run: the engine's dispatch tick is patched to "
-              f"{args.extractor_tick:g} s (stock {ENGINE_TICK} s)")
+        print(
+            f"!! diagnostic run: the engine's dispatch tick is patched to "
+            f"{args.extractor_tick:g} s (stock {ENGINE_TICK} s)"
+        )
     if args.no_fsync:
         store_module.os = _OsWithoutFsync()  # type: ignore[assignment]
         print("!! diagnostic run: the coordinator's Store does not fsync (writes not durable)")

@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import RoundOutcome
 from lensemble_flwr.errors import LensembleError
-from lensemble_flwr.federation.coordinator import RoundOutcome
-from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.simulations.world_federation import build_world, validation_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -41,15 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
-import lensemble_flwr.federation.participant as participant_module
+import lensemble_flwr.participant.participant as participant_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import InProcessNetwork
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import RoundEntry, RunManifest
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 class NoOpModel(nn.Module):
@@ -85,13 +85,15 @@ def build(
     nodes = []
     for i in range(participants):
         pid = f"p{i:03d}"
-        node = Participant(config, participant_id=pid, transport=network.transport_for(pid),
-                           trainer=NoOpTrainer(i))
+        node = Participant(
+            config, participant_id=pid, transport=network.transport_for(pid), trainer=NoOpTrainer(i)
+        )
         network.attach(node)
         nodes.append(node)
     initial = {n: t.detach().numpy().copy() for n, t in NoOpModel().state_dict().items()}
-    coordinator = Coordinator(config, transport=network.coordinator, initial_params=initial,
-                              store=Store(run_dir))
+    coordinator = Coordinator(
+        config, transport=network.coordinator, initial_params=initial, store=Store(run_dir)
+    )
     return coordinator, nodes
 
 
@@ -144,10 +146,12 @@ def phase_breakdown(
     torch.manual_seed = timers.wrap(SEED, original_seed)
     for node in nodes:
         node.handle = timers.wrap("participant", node.handle)  # type: ignore[method-assign]
-    patched = {"_ingest": "coordinator: ingress (validate, digest, admit)",
-               "_aggregate": "coordinator: reveal + verify",
-               "_commit": "coordinator: commit (outer step, checkpoint, ledger)",
-               "_record": "coordinator: record (manifest)"}
+    patched = {
+        "_ingest": "coordinator: ingress (validate, digest, admit)",
+        "_aggregate": "coordinator: reveal + verify",
+        "_commit": "coordinator: commit (outer step, checkpoint, ledger)",
+        "_record": "coordinator: record (manifest)",
+    }
     for attr, phase in patched.items():
         setattr(coordinator, attr, timers.wrap(phase, getattr(coordinator, attr)))
     try:
@@ -181,7 +185,7 @@ def short_location(filename: str, line: int, func: str) -> str:
     if marker in filename:
         filename = filename.split(marker, 1)[1]
     elif filename.startswith(REPO):
-        filename = filename[len(REPO):]
+        filename = filename[len(REPO) :]
     else:
         filename = os.path.basename(filename)
     return f"{filename}:{line}({func})"
@@ -203,16 +207,22 @@ def profile_rounds(coordinator: Coordinator, rounds: int, participants: int, top
         print(title)
         print(f"{'calls/p-r':>10}{'own us/p-r':>11}{'own %':>7}{'cum us/p-r':>11}  function")
         for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in rows[:top]:
-            print(f"{ncalls / per:>10.2f}{tottime / per * 1e6:>11.1f}{tottime / total:>7.1%}"
-                  f"{cumtime / per * 1e6:>11.1f}  {short_location(filename, line, func)}")
+            print(
+                f"{ncalls / per:>10.2f}{tottime / per * 1e6:>11.1f}{tottime / total:>7.1%}"
+                f"{cumtime / per * 1e6:>11.1f}  {short_location(filename, line, func)}"
+            )
 
-    print(f"\n== cProfile (pass 3): {rounds} rounds, {total:.2f} s of profiled time; "
-          f"cProfile inflates call-heavy code, read shares, not absolute times")
+    print(
+        f"\n== cProfile (pass 3): {rounds} rounds, {total:.2f} s of profiled time; "
+        f"cProfile inflates call-heavy code, read shares, not absolute times"
+    )
     table(f"top {top} by own time:", sorted(raw.items(), key=lambda kv: -kv[1][2]))
     package = os.sep + "lensemble_flwr" + os.sep
     own = [kv for kv in raw.items() if package in kv[0][0]]
-    table(f"top {top} lensemble_flwr functions by cumulative time:",
-          sorted(own, key=lambda kv: -kv[1][3]))
+    table(
+        f"top {top} lensemble_flwr functions by cumulative time:",
+        sorted(own, key=lambda kv: -kv[1][3]),
+    )
 
 
 # -- manifest probe -----------------------------------------------------------------------
@@ -224,13 +234,27 @@ def manifest_probe(
     not grow with R."""
     digest = hashlib.sha256(b"x").hexdigest()
     pids = tuple(f"p{i:03d}" for i in range(participants))
-    entry = RoundEntry(round=0, attempt=1, state="closed", round_seed=1,
-                       prior_global_hash=digest, contributors=pids, count=participants,
-                       total_weight=participants, update_digests=dict.fromkeys(pids, digest),
-                       aggregate_digest=digest, new_global_hash=digest,
-                       diagnostics={"mean_delta_l2": 0.0})
-    base = RunManifest(run_id="probe", config=config.to_run_config(), root_seed=0,
-                       initial_params_hash=digest, initial_checkpoint=digest)
+    entry = RoundEntry(
+        round=0,
+        attempt=1,
+        state="closed",
+        round_seed=1,
+        prior_global_hash=digest,
+        contributors=pids,
+        count=participants,
+        total_weight=participants,
+        update_digests=dict.fromkeys(pids, digest),
+        aggregate_digest=digest,
+        new_global_hash=digest,
+        diagnostics={"mean_delta_l2": 0.0},
+    )
+    base = RunManifest(
+        run_id="probe",
+        config=config.to_run_config(),
+        root_seed=0,
+        initial_params_hash=digest,
+        initial_checkpoint=digest,
+    )
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(tmp)
@@ -256,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="cProfile rows")
     parser.add_argument("--target-ms", type=float, default=1.0)
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--probe-rounds", type=int, nargs="*", default=[10, 100, 1000],
-                        help="manifest sizes (closed rounds) for the manifest probe")
+    parser.add_argument(
+        "--probe-rounds",
+        type=int,
+        nargs="*",
+        default=[10, 100, 1000],
+        help="manifest sizes (closed rounds) for the manifest probe",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     config = LensembleConfig(
@@ -267,10 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     c, rounds = args.participants, args.rounds
     per = rounds * c
-    print(f"== in-process round overhead: C={c} participants, min_participants="
-          f"{args.min_participants}, {rounds} rounds per pass after {args.warmup} warm-up, "
-          f"no-op trainer (nn.Linear(4, 2), H=1, batch 1), {os.cpu_count()} cores, "
-          f"Python {sys.version.split()[0]}, torch {torch.__version__}")
+    print(
+        f"== in-process round overhead: C={c} participants, min_participants="
+        f"{args.min_participants}, {rounds} rounds per pass after {args.warmup} warm-up, "
+        f"no-op trainer (nn.Linear(4, 2), H=1, batch 1), {os.cpu_count()} cores, "
+        f"Python {sys.version.split()[0]}, torch {torch.__version__}"
+    )
     with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
         t0 = time.perf_counter()
         coordinator, nodes = build(config, Path(tmp), c)
@@ -283,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         per_pr_ms = wall / per * 1e3
 
         wall_p, phases = phase_breakdown(coordinator, nodes, rounds)
-        print(f"\n== phases (pass 2, timers on: {wall_p / per * 1e3:.3f} ms per "
-              f"participant-round vs {per_pr_ms:.3f} in pass 1)")
+        print(
+            f"\n== phases (pass 2, timers on: {wall_p / per * 1e3:.3f} ms per "
+            f"participant-round vs {per_pr_ms:.3f} in pass 1)"
+        )
         print(f"{'phase':<54}{'us/p-r':>9}{'share':>8}")
         for name, seconds in phases.items():
             print(f"{name:<54}{seconds / per * 1e6:>9.1f}{seconds / wall_p:>8.1%}")
@@ -295,24 +328,32 @@ def main(argv: list[str] | None = None) -> int:
         total_rounds = len(coordinator.outcomes)
 
     if args.probe_rounds:
-        print(f"\n== manifest probe: cost of recording one attempt (one entry blob + claim) "
-              f"as the manifest grows (C={c} digests per round)")
+        print(
+            f"\n== manifest probe: cost of recording one attempt (one entry blob + claim) "
+            f"as the manifest grows (C={c} digests per round)"
+        )
         print(f"{'closed rounds R':>16}{'save ms':>10}{'us per p-r':>12}{'manifest MB':>13}")
         for r, seconds, size in manifest_probe(config, c, args.probe_rounds):
             print(f"{r:>16}{seconds * 1e3:>10.2f}{seconds / c * 1e6:>12.1f}{size / 1e6:>13.2f}")
 
     inner = phases[INNER] + phases[SEED]
     runtime_ms = (wall_p - inner) / per * 1e3
-    print(f"\nbuild (Merkle roots, manifest, initial checkpoint): {t_build:.2f} s; "
-          f"{total_rounds} rounds left {run_dir_mb:.1f} MB in the run directory")
+    print(
+        f"\nbuild (Merkle roots, manifest, initial checkpoint): {t_build:.2f} s; "
+        f"{total_rounds} rounds left {run_dir_mb:.1f} MB in the run directory"
+    )
     print(f"pass 1: {wall:.3f} s wall, {cpu:.3f} s CPU for {rounds} rounds x {c} participants")
-    print(f"wall per participant per round: {per_pr_ms:.3f} ms "
-          f"= {per_pr_ms / args.target_ms:.2f} x target; inner loop (torch) "
-          f"{inner / wall_p:.0%} of it (pass 2); runtime excl. inner loop "
-          f"{runtime_ms:.3f} ms = {runtime_ms / args.target_ms:.2f} x target (informational)")
+    print(
+        f"wall per participant per round: {per_pr_ms:.3f} ms "
+        f"= {per_pr_ms / args.target_ms:.2f} x target; inner loop (torch) "
+        f"{inner / wall_p:.0%} of it (pass 2); runtime excl. inner loop "
+        f"{runtime_ms:.3f} ms = {runtime_ms / args.target_ms:.2f} x target (informational)"
+    )
     ok = per_pr_ms <= args.target_ms
-    print(f"{'PASS' if ok else 'FAIL'}: {per_pr_ms:.3f} ms wall per participant per round "
-          f"(target <= {args.target_ms:g} ms)")
+    print(
+        f"{'PASS' if ok else 'FAIL'}: {per_pr_ms:.3f} ms wall per participant per round "
+        f"(target <= {args.target_ms:g} ms)"
+    )
     return 0
 
 

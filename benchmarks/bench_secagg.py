@@ -93,13 +93,13 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.local_training import LocalTraining, PortableState
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import InProcessNetwork
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.participant.local_training import LocalTraining, PortableState
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg import prg
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 DELTA_SCALE = 1e-3
 
@@ -124,8 +124,10 @@ class DeltaTraining:
         yield self.index.to_bytes(4, "little")
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
-        return {n: a + small_delta([seed, i], a.shape) for i, (n, a) in
-                enumerate(sorted(global_params.items()))}
+        return {
+            n: a + small_delta([seed, i], a.shape)
+            for i, (n, a) in enumerate(sorted(global_params.items()))
+        }
 
     def forget(self) -> None:
         return None
@@ -144,10 +146,13 @@ def bench_config(
     threshold: int, min_participants: int, *, masked: bool, neighbours: int = 0
 ) -> LensembleConfig:
     return LensembleConfig(
-        federation={"min_participants": min_participants,
-                     "secagg_threshold": threshold if masked else 0,
-                     "secagg_neighbours": neighbours if masked else 0,
-                     "open_timeout": 60.0, "collect_timeout": 120.0},
+        federation={
+            "min_participants": min_participants,
+            "secagg_threshold": threshold if masked else 0,
+            "secagg_neighbours": neighbours if masked else 0,
+            "open_timeout": 60.0,
+            "collect_timeout": 120.0,
+        },
         inner={"steps": 1, "batch_size": 1},
         groups={"shared": "*", "local": ""},
     )
@@ -160,13 +165,19 @@ class Federation:
         self.network = InProcessNetwork(join_endpoint=str(run_dir))
         for i in range(c):
             pid = f"p{i:02d}"
-            node = Participant(config, participant_id=pid,
-                               transport=self.network.transport_for(pid),
-                               trainer=DeltaTraining(i))
+            node = Participant(
+                config,
+                participant_id=pid,
+                transport=self.network.transport_for(pid),
+                trainer=DeltaTraining(i),
+            )
             self.network.attach(node)
-        self.coordinator = Coordinator(config, transport=self.network.coordinator,
-                                       initial_params={"w": np.zeros(p, np.float32)},
-                                       store=Store(run_dir))
+        self.coordinator = Coordinator(
+            config,
+            transport=self.network.coordinator,
+            initial_params={"w": np.zeros(p, np.float32)},
+            store=Store(run_dir),
+        )
         self.c = c
 
     def round(self) -> float:
@@ -177,14 +188,19 @@ class Federation:
         wall = time.perf_counter() - t0
         for o in self.coordinator.outcomes[start:]:
             if o.state is not RoundState.CLOSED or o.count != self.c:
-                raise RuntimeError(f"{self.name}: round {o.round} ended {o.state.value} "
-                                   f"with C_t={o.count}: {o.reason}")
+                raise RuntimeError(
+                    f"{self.name}: round {o.round} ended {o.state.value} "
+                    f"with C_t={o.count}: {o.reason}"
+                )
         return wall
 
     def exchanges(self, rnd: int) -> int:
         """Instructions (RoundOpen, UnmaskRequest) a participant got in round ``rnd``."""
-        per_node = Counter(dest for _, _, dest, kind, r in self.network.delivered
-                           if r == rnd and kind in ("round-open", "unmask-request"))
+        per_node = Counter(
+            dest
+            for _, _, dest, kind, r in self.network.delivered
+            if r == rnd and kind in ("round-open", "unmask-request")
+        )
         return max(per_node.values(), default=0)
 
 
@@ -233,19 +249,28 @@ BREAKDOWN = [
     ("  messages.from_wire (pydantic)", "federation/messages.py", "from_wire"),
     ("  aggregator admit", "aggregat", "admit"),
     ("  message_digest (SHA-256 of the update)", "federation/messages.py", "message_digest"),
-    ("coordinator: _aggregate (unmask exchange, reveal, verify)", "federation/coordinator.py",
-     "_aggregate"),
+    (
+        "coordinator: _aggregate (unmask exchange, reveal, verify)",
+        "federation/coordinator.py",
+        "_aggregate",
+    ),
     ("  aggregator reveal", "aggregat", "reveal"),
     ("  aggregator verify", "aggregat", "verify"),
     ("  MaskedSum.reveal (reveal + verify)", "secagg/protocol.py", "reveal"),
     ("    prg.expand (self masks of survivors)", "secagg/prg.py", "expand@reveal"),
     ("    shamir.combine", "secagg/shamir.py", "combine"),
-    ("coordinator: _commit (outer step, checkpoint, ledger)", "federation/coordinator.py",
-     "_commit"),
+    (
+        "coordinator: _commit (outer step, checkpoint, ledger)",
+        "federation/coordinator.py",
+        "_commit",
+    ),
     ("  Store._publish (fsynced writes)", "artifacts/store.py", "_publish"),
     ("coordinator: _record (manifest)", "federation/coordinator.py", "_record"),
-    ("all: canonical.digest_arrays (hashing arrays)", "lensemble_flwr/canonical.py",
-     "digest_arrays"),
+    (
+        "all: canonical.digest_arrays (hashing arrays)",
+        "lensemble_flwr/canonical.py",
+        "digest_arrays",
+    ),
 ]
 OWN_HOTSPOTS = [
     ("ChaCha20 keystream (CipherContext.update)", "~", "update' of 'cryptography"),
@@ -264,7 +289,7 @@ def _short(filename: str, line: int, func: str) -> str:
     if "site-packages" + os.sep in filename:
         filename = filename.split("site-packages" + os.sep, 1)[1]
     elif filename.startswith(REPO):
-        filename = filename[len(REPO):]
+        filename = filename[len(REPO) :]
     else:
         filename = os.path.basename(filename)
     return f"{filename}:{line}({func})"
@@ -312,12 +337,16 @@ def print_profiles(profiles: dict[str, tuple[float, dict]], rounds: int, top: in
     wall_p, raw_p = profiles["plaintext"]
     wall_m, raw_m = profiles["masked"]
     wall_w, raw_w = profiles.get("masked, what-if PRG", (0.0, {}))
-    print(f"\n== where the time goes: cProfile over {rounds} round(s) of each, ms per round "
-          f"(cum = callees included; nested rows overlap; cProfile inflates call-heavy code, "
-          f"read shares)")
-    print(f"profiled wall per round: plaintext {wall_p / rounds * 1e3:.0f} ms, masked "
-          f"{wall_m / rounds * 1e3:.0f} ms, masked with the what-if PRG "
-          f"{wall_w / rounds * 1e3:.0f} ms")
+    print(
+        f"\n== where the time goes: cProfile over {rounds} round(s) of each, ms per round "
+        f"(cum = callees included; nested rows overlap; cProfile inflates call-heavy code, "
+        f"read shares)"
+    )
+    print(
+        f"profiled wall per round: plaintext {wall_p / rounds * 1e3:.0f} ms, masked "
+        f"{wall_m / rounds * 1e3:.0f} ms, masked with the what-if PRG "
+        f"{wall_w / rounds * 1e3:.0f} ms"
+    )
     print(f"{'':<58}{'plaintext':>10}{'masked':>9}{'own':>7}{'share':>7}{'what-if':>9}")
 
     def cell(value: float | None, width: int) -> str:
@@ -328,18 +357,25 @@ def print_profiles(profiles: dict[str, tuple[float, dict]], rounds: int, top: in
         if p is None and m is None:
             continue
         share = f"{m[0] / wall_m:>7.1%}" if m else f"{'':>7}"
-        print(f"{label:<58}{cell(p and p[0], 10)}{cell(m and m[0], 9)}{cell(m and m[1], 7)}"
-              f"{share}{cell(w and w[0], 9)}")
+        print(
+            f"{label:<58}{cell(p and p[0], 10)}{cell(m and m[0], 9)}{cell(m and m[1], 7)}"
+            f"{share}{cell(w and w[0], 9)}"
+        )
+
     def rest(wall: float, raw: dict) -> float | None:
         if not raw:
             return None
-        handlers = [breakdown_value(raw, "federation/participant.py", f)
-                    for f in ("_on_round_open", "_on_unmask")]
+        handlers = [
+            breakdown_value(raw, "federation/participant.py", f)
+            for f in ("_on_round_open", "_on_unmask")
+        ]
         return wall - sum(h[0] for h in handlers if h)
 
-    print(f"{'coordinator + network (round minus the handlers above)':<58}"
-          f"{cell(rest(wall_p, raw_p), 10)}{cell(rest(wall_m, raw_m), 9)}{'':>7}"
-          f"{rest(wall_m, raw_m) / wall_m:>7.1%}{cell(rest(wall_w, raw_w), 9)}")
+    print(
+        f"{'coordinator + network (round minus the handlers above)':<58}"
+        f"{cell(rest(wall_p, raw_p), 10)}{cell(rest(wall_m, raw_m), 9)}{'':>7}"
+        f"{rest(wall_m, raw_m) / wall_m:>7.1%}{cell(rest(wall_w, raw_w), 9)}"
+    )
     print("hot spots by own time (C code called from the rows above):")
     for label, _f, needle in OWN_HOTSPOTS:
         p, m, w = (hotspot_value(raw, needle) for raw in (raw_p, raw_m, raw_w))
@@ -354,22 +390,29 @@ def print_profiles(profiles: dict[str, tuple[float, dict]], rounds: int, top: in
             calls = breakdown_value(raw, "bench_secagg.py", "fast_expand")
             n = sum(v[1] for k, v in raw.items() if k[2] == "fast_expand")
         if calls:
-            print(f"  ({name}: {n / rounds:.0f} PRG expansions per round, "
-                  f"{calls[0] / max(n, 1) * 1e3:.2f} ms each, callees included)")
+            print(
+                f"  ({name}: {n / rounds:.0f} PRG expansions per round, "
+                f"{calls[0] / max(n, 1) * 1e3:.2f} ms each, callees included)"
+            )
 
     def table(title: str, rows: list[tuple[tuple[str, int, str], tuple[Any, ...]]]) -> None:
         print(title)
         print(f"{'calls/rnd':>10}{'own ms/rnd':>11}{'cum ms/rnd':>11}  function")
         for (filename, line, func), (_cc, ncalls, tt, ct, _callers) in rows[:top]:
-            print(f"{ncalls / rounds:>10.1f}{tt / rounds * 1e3:>11.1f}{ct / rounds * 1e3:>11.1f}"
-                  f"  {_short(filename, line, func)}")
+            print(
+                f"{ncalls / rounds:>10.1f}{tt / rounds * 1e3:>11.1f}{ct / rounds * 1e3:>11.1f}"
+                f"  {_short(filename, line, func)}"
+            )
 
-    table(f"masked round, top {top} functions by own time:",
-          sorted(raw_m.items(), key=lambda kv: -kv[1][2]))
+    table(
+        f"masked round, top {top} functions by own time:",
+        sorted(raw_m.items(), key=lambda kv: -kv[1][2]),
+    )
     package = os.sep + "lensemble_flwr" + os.sep
-    table(f"masked round, top {top} lensemble_flwr functions by cumulative time:",
-          sorted([kv for kv in raw_m.items() if package in kv[0][0]],
-                 key=lambda kv: -kv[1][3]))
+    table(
+        f"masked round, top {top} lensemble_flwr functions by cumulative time:",
+        sorted([kv for kv in raw_m.items() if package in kv[0][0]], key=lambda kv: -kv[1][3]),
+    )
 
 
 def run_inprocess(args: argparse.Namespace) -> dict[str, Any]:
@@ -377,11 +420,21 @@ def run_inprocess(args: argparse.Namespace) -> dict[str, Any]:
     names = ("plaintext", "masked", "masked, what-if PRG")
     out: dict[str, Any] = {"wall": {n: [] for n in names}}
     with tempfile.TemporaryDirectory(prefix="bench-secagg-") as tmp:
-        feds = {n: Federation(n, bench_config(args.threshold, args.min_participants,
-                                              masked=n != "plaintext",
-                                              neighbours=args.neighbours),
-                              Path(tmp) / f"run-{i}", c, p)
-                for i, n in enumerate(names)}
+        feds = {
+            n: Federation(
+                n,
+                bench_config(
+                    args.threshold,
+                    args.min_participants,
+                    masked=n != "plaintext",
+                    neighbours=args.neighbours,
+                ),
+                Path(tmp) / f"run-{i}",
+                c,
+                p,
+            )
+            for i, n in enumerate(names)
+        }
 
         def one_round(name: str) -> float:
             if name.endswith("what-if PRG"):
@@ -408,22 +461,30 @@ def run_inprocess(args: argparse.Namespace) -> dict[str, Any]:
 def report_inprocess(args: argparse.Namespace, out: dict[str, Any]) -> float:
     wall = out["wall"]
     plain = wall["plaintext"]
-    print(f"\n{'in process, seconds per round':<34}{'warm-up':>9}{'best':>8}{'median':>8}"
-          f"{'worst':>8}{'best/plain':>12}{'median/plain':>14}{'exchanges':>11}")
+    print(
+        f"\n{'in process, seconds per round':<34}{'warm-up':>9}{'best':>8}{'median':>8}"
+        f"{'worst':>8}{'best/plain':>12}{'median/plain':>14}{'exchanges':>11}"
+    )
     for name, values in wall.items():
         first, steady = out["exchanges"][name]
-        print(f"{name:<34}{out['warm-up'][name]:>9.3f}{min(values):>8.3f}"
-              f"{statistics.median(values):>8.3f}{max(values):>8.3f}"
-              f"{min(values) / min(plain):>12.2f}"
-              f"{statistics.median(values) / statistics.median(plain):>14.2f}"
-              f"{f'{first} / {steady}':>11}")
+        print(
+            f"{name:<34}{out['warm-up'][name]:>9.3f}{min(values):>8.3f}"
+            f"{statistics.median(values):>8.3f}{max(values):>8.3f}"
+            f"{min(values) / min(plain):>12.2f}"
+            f"{statistics.median(values) / statistics.median(plain):>14.2f}"
+            f"{f'{first} / {steady}':>11}"
+        )
     paired = [m / q for m, q in zip(wall["masked"], plain, strict=True)]
-    print(f"(warm-up = the first round, in which masked participants commit keys and seal "
-          f"key shares; exchanges = instructions per participant in the first / the last "
-          f"round; paired masked/plain ratios per repetition: "
-          f"{' '.join(f'{r:.2f}' for r in paired)})")
-    print(f"global states after {args.rounds + 1} rounds bitwise equal across the three "
-          f"federations: {out['bitwise']}")
+    print(
+        f"(warm-up = the first round, in which masked participants commit keys and seal "
+        f"key shares; exchanges = instructions per participant in the first / the last "
+        f"round; paired masked/plain ratios per repetition: "
+        f"{' '.join(f'{r:.2f}' for r in paired)})"
+    )
+    print(
+        f"global states after {args.rounds + 1} rounds bitwise equal across the three "
+        f"federations: {out['bitwise']}"
+    )
     if "profile" in out:
         print_profiles(out["profile"], args.profile_rounds, args.top)
     return min(wall["masked"]) / min(plain)
@@ -442,8 +503,9 @@ def flower_client_app(args: argparse.Namespace) -> Any:
     from lensemble_flwr.clients.state import ARRAYS_KEY, META_KEY
     from lensemble_flwr.strategies import records
 
-    config = bench_config(args.threshold, args.min_participants, masked=True,
-                          neighbours=args.neighbours)
+    config = bench_config(
+        args.threshold, args.min_participants, masked=True, neighbours=args.neighbours
+    )
 
     class DeltaClient(NumPyClient):
         def __init__(self, index: int) -> None:
@@ -451,8 +513,7 @@ def flower_client_app(args: argparse.Namespace) -> Any:
 
         def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> Any:
             rnd = int(config["round"])
-            out = [a + small_delta([self.index, rnd, i], a.shape) for i, a in
-                   enumerate(parameters)]
+            out = [a + small_delta([self.index, rnd, i], a.shape) for i, a in enumerate(parameters)]
             return out, 1, {}
 
     def client_fn(context: Context) -> Any:
@@ -461,7 +522,9 @@ def flower_client_app(args: argparse.Namespace) -> Any:
     flower = ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
     lensemble = make_client_app(
         lambda ctx: DeltaTraining(int(ctx.node_config["partition-id"])),
-        config_fn=lambda ctx: config, evaluate_fn=None)
+        config_fn=lambda ctx: config,
+        evaluate_fn=None,
+    )
     app = ClientApp()
 
     @app.train()
@@ -551,48 +614,68 @@ def flower_server_app(args: argparse.Namespace, out: dict[str, Any]) -> Any:
 
     def flower_block(grid: Grid, context: Context) -> dict[str, Any]:
         strategy = MarkedFedAvg(
-            fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=c,
+            fraction_fit=1.0,
+            fraction_evaluate=0.0,
+            min_fit_clients=c,
             min_available_clients=c,
             initial_parameters=ndarrays_to_parameters([np.zeros(p, np.float32)]),
             on_fit_config_fn=lambda rnd: {"round": rnd},
             fit_metrics_aggregation_fn=lambda _metrics: {},
         )
-        legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=per_block),
-                               strategy=strategy)
-        workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
-            num_shares=shares, reconstruction_threshold=threshold,
-            max_weight=args.flower_max_weight, timeout=args.timeout))
+        legacy = LegacyContext(
+            context=context, config=ServerConfig(num_rounds=per_block), strategy=strategy
+        )
+        workflow = DefaultWorkflow(
+            fit_workflow=SecAggPlusWorkflow(
+                num_shares=shares,
+                reconstruction_threshold=threshold,
+                max_weight=args.flower_max_weight,
+                timeout=args.timeout,
+            )
+        )
         timer = StageTimer(grid)
         workflow(timer, legacy)  # type: ignore[arg-type]
         m = strategy.marks
         if len(m) != per_block + 1 or strategy.final is None:
             raise RuntimeError(f"Flower SecAgg+: {len(m) - 1} of {per_block} rounds completed")
         if len(timer.seconds) != 4 * per_block:
-            raise RuntimeError(f"Flower SecAgg+: {len(timer.seconds)} exchanges in "
-                               f"{per_block} rounds, expected 4 per round")
+            raise RuntimeError(
+                f"Flower SecAgg+: {len(timer.seconds)} exchanges in "
+                f"{per_block} rounds, expected 4 per round"
+            )
         err = float(np.abs(strategy.final - expected_flower_params(c, p, per_block)).max())
-        stages = [timer.seconds[4 * r: 4 * r + 4] for r in range(per_block)]
-        return {"rounds": [b - a for a, b in itertools.pairwise(m)], "error": err,
-                "stages": stages}
+        stages = [timer.seconds[4 * r : 4 * r + 4] for r in range(per_block)]
+        return {"rounds": [b - a for a, b in itertools.pairwise(m)], "error": err, "stages": stages}
 
     def lensemble_block(grid: Grid, run_id: str, run_dir: Path) -> dict[str, Any]:
         marks: list[float] = []
         strategy = LensembleStrategy(
-            bench_config(args.threshold, args.min_participants, masked=True,
-                          neighbours=args.neighbours),
-            run_dir=run_dir, run_id=run_id, fraction_evaluate=0.0,
-            poll_interval=args.poll, warmup_timeout=60.0,
-            on_round=lambda _line: marks.append(time.perf_counter()))
+            bench_config(
+                args.threshold, args.min_participants, masked=True, neighbours=args.neighbours
+            ),
+            run_dir=run_dir,
+            run_id=run_id,
+            fraction_evaluate=0.0,
+            poll_interval=args.poll,
+            warmup_timeout=60.0,
+            on_round=lambda _line: marks.append(time.perf_counter()),
+        )
         t0 = time.perf_counter()
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(
-            {"w": Array(np.zeros(p, np.float32))}), num_rounds=per_block)
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord({"w": Array(np.zeros(p, np.float32))}),
+            num_rounds=per_block,
+        )
         metrics = [dict(result.train_metrics_clientapp[r]) for r in range(1, per_block + 1)]
         for r, m in enumerate(metrics, start=1):
             if m["C_t"] != c or m["attempts"] != 1:
                 raise RuntimeError(f"lensemble round {r}: {m}")
         rounds = [marks[0] - t0] + [b - a for a, b in itertools.pairwise(marks)]
-        return {"rounds": rounds, "exchanges": [int(m["exchanges"]) for m in metrics],
-                "own": [float(m["seconds"]) for m in metrics]}
+        return {
+            "rounds": rounds,
+            "exchanges": [int(m["exchanges"]) for m in metrics],
+            "own": [float(m["seconds"]) for m in metrics],
+        }
 
     def warm_up(grid: Grid) -> float:
         t0 = time.perf_counter()
@@ -600,9 +683,14 @@ def flower_server_app(args: argparse.Namespace, out: dict[str, Any]) -> Any:
             if time.perf_counter() - t0 > 120:
                 raise RuntimeError("nodes did not connect")
             time.sleep(0.2)
-        messages = [Message(RecordDict({"bench.ping": ConfigRecord({"ping": 1})}),
-                            dst_node_id=node, message_type=MessageType.QUERY)
-                    for node in grid.get_node_ids()]
+        messages = [
+            Message(
+                RecordDict({"bench.ping": ConfigRecord({"ping": 1})}),
+                dst_node_id=node,
+                message_type=MessageType.QUERY,
+            )
+            for node in grid.get_node_ids()
+        ]
         replies = list(grid.send_and_receive(messages, timeout=120))
         if len(replies) != c or any(r.has_error() for r in replies):
             raise RuntimeError(f"warm-up: {len(replies)} replies from {c} nodes")
@@ -626,7 +714,8 @@ def flower_server_app(args: argparse.Namespace, out: dict[str, Any]) -> Any:
                         else:
                             run_id = f"bench-secagg-{block}"
                             out["lensemble"].append(
-                                lensemble_block(grid, run_id, Path(tmp) / run_id))
+                                lensemble_block(grid, run_id, Path(tmp) / run_id)
+                            )
                 out["blocks"] = time.perf_counter() - t0
         except BaseException as exc:  # handed back to the main thread, which reports it
             out["error"] = "".join(traceback.format_exception(exc))
@@ -659,40 +748,56 @@ def report_flower(args: argparse.Namespace, out: dict[str, Any]) -> float | None
     w = args.warmup
     flower = [s for b in out["flower"] for s in b["rounds"][w:]]
     lens = [s for b in out["lensemble"] for s in b["rounds"][w:]]
-    print(f"\nRay start-up + node warm-up, not measured: "
-          f"{out['total'] - out.get('blocks', 0.0):.1f} s (query warm-up "
-          f"{out['warm-up']:.1f} s); blocks {out.get('blocks', 0.0):.1f} s")
-    print(f"{'simulation, seconds per round':<34}{'rounds':>7}{'first':>8}{'mean':>8}"
-          f"{'median':>8}{'min':>8}{'max':>8}  exchanges per round")
+    print(
+        f"\nRay start-up + node warm-up, not measured: "
+        f"{out['total'] - out.get('blocks', 0.0):.1f} s (query warm-up "
+        f"{out['warm-up']:.1f} s); blocks {out.get('blocks', 0.0):.1f} s"
+    )
+    print(
+        f"{'simulation, seconds per round':<34}{'rounds':>7}{'first':>8}{'mean':>8}"
+        f"{'median':>8}{'min':>8}{'max':>8}  exchanges per round"
+    )
     stages = [st for b in out["flower"] for st in b["stages"][w:]]
     first_f = statistics.fmean(b["rounds"][0] for b in out["flower"])
     first_l = statistics.fmean(b["rounds"][0] for b in out["lensemble"])
     exchanges_l = out["lensemble"][0]["exchanges"]
     for name, values, first, exch in (
         ("Flower SecAgg+ (DefaultWorkflow)", flower, first_f, "4 (every round)"),
-        ("lensemble masked (Strategy)", lens, first_l,
-         f"{exchanges_l[0]} first, then {'/'.join(str(e) for e in exchanges_l[1:])}"),
+        (
+            "lensemble masked (Strategy)",
+            lens,
+            first_l,
+            f"{exchanges_l[0]} first, then {'/'.join(str(e) for e in exchanges_l[1:])}",
+        ),
     ):
-        print(f"{name:<34}{len(values):>7}{first:>8.3f}{statistics.fmean(values):>8.3f}"
-              f"{statistics.median(values):>8.3f}{min(values):>8.3f}{max(values):>8.3f}  "
-              f"{exch}")
+        print(
+            f"{name:<34}{len(values):>7}{first:>8.3f}{statistics.fmean(values):>8.3f}"
+            f"{statistics.median(values):>8.3f}{min(values):>8.3f}{max(values):>8.3f}  "
+            f"{exch}"
+        )
     own = [s for b in out["lensemble"] for s in b["own"][w:]]
-    print(f"(first = each block's first round, not measured: lensemble's includes the "
-          f"strategy's node warm-up query and the key set-up; lensemble's own 'seconds' "
-          f"metric, RoundOpen to commit, median {statistics.median(own):.3f} s; Flower's "
-          f"result vs exact FedAvg of the deltas: max abs error "
-          f"{max(b['error'] for b in out['flower']):.1e} (SecAgg+ quantization), lensemble "
-          f"is exact by construction)")
+    print(
+        f"(first = each block's first round, not measured: lensemble's includes the "
+        f"strategy's node warm-up query and the key set-up; lensemble's own 'seconds' "
+        f"metric, RoundOpen to commit, median {statistics.median(own):.3f} s; Flower's "
+        f"result vs exact FedAvg of the deltas: max abs error "
+        f"{max(b['error'] for b in out['flower']):.1e} (SecAgg+ quantization), lensemble "
+        f"is exact by construction)"
+    )
     names = ("setup", "share keys", "collect masked vectors", "unmask")
     means = [statistics.fmean(st[i] for st in stages) for i in range(4)]
-    print("Flower SecAgg+ stages (send_and_receive, mean s): "
-          + ", ".join(f"{n} {v:.3f}" for n, v in zip(names, means, strict=True))
-          + f"; rest of the round (aggregate_fit, workflow) "
-            f"{statistics.fmean(flower) - sum(means):.3f}")
+    print(
+        "Flower SecAgg+ stages (send_and_receive, mean s): "
+        + ", ".join(f"{n} {v:.3f}" for n, v in zip(names, means, strict=True))
+        + f"; rest of the round (aggregate_fit, workflow) "
+        f"{statistics.fmean(flower) - sum(means):.3f}"
+    )
     ratio = statistics.fmean(lens) / statistics.fmean(flower)
-    print(f"lensemble / Flower SecAgg+: ratio of means {ratio:.2f}, of medians "
-          f"{statistics.median(lens) / statistics.median(flower):.2f}, of mins "
-          f"{min(lens) / min(flower):.2f}")
+    print(
+        f"lensemble / Flower SecAgg+: ratio of means {ratio:.2f}, of medians "
+        f"{statistics.median(lens) / statistics.median(flower):.2f}, of mins "
+        f"{min(lens) / min(flower):.2f}"
+    )
     return ratio
 
 
@@ -704,39 +809,76 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--participants", type=int, default=10, help="C")
     parser.add_argument("--params", type=int, default=1_000_000, help="P float32 parameters")
-    parser.add_argument("--threshold", type=int, default=0,
-                        help="secagg_threshold (default C//2 + 1)")
-    parser.add_argument("--min-participants", type=int, default=0,
-                        help="min_participants (default: the threshold)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="in process: measured rounds of each federation")
-    parser.add_argument("--profile-rounds", type=int, default=2,
-                        help="in process: rounds under cProfile (0: no profile)")
+    parser.add_argument(
+        "--threshold", type=int, default=0, help="secagg_threshold (default C//2 + 1)"
+    )
+    parser.add_argument(
+        "--min-participants", type=int, default=0, help="min_participants (default: the threshold)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="in process: measured rounds of each federation"
+    )
+    parser.add_argument(
+        "--profile-rounds",
+        type=int,
+        default=2,
+        help="in process: rounds under cProfile (0: no profile)",
+    )
     parser.add_argument("--top", type=int, default=12, help="cProfile rows")
     parser.add_argument("--target", type=float, default=2.0, help="masked/plaintext target")
     parser.add_argument("--no-flower", action="store_true", help="skip part 2")
-    parser.add_argument("--neighbours", type=int, default=0,
-                        help="secagg-neighbours of the masked federations (even; default 0: "
-                        "the full graph); with it, SecAgg+ gets num_shares = neighbours + 1")
+    parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="secagg-neighbours of the masked federations (even; default 0: "
+        "the full graph); with it, SecAgg+ gets num_shares = neighbours + 1",
+    )
     parser.add_argument("--blocks", type=int, default=2, help="simulation: blocks of each")
-    parser.add_argument("--flower-rounds", type=int, default=4,
-                        help="simulation: measured rounds per block")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="simulation: unmeasured rounds at the start of each block")
-    parser.add_argument("--flower-num-shares", type=int, default=0,
-                        help="SecAgg+ num_shares (default 0: 1.0 = every client, as SecAgg)")
-    parser.add_argument("--flower-threshold", type=int, default=0,
-                        help="SecAgg+ reconstruction_threshold (default: --threshold)")
-    parser.add_argument("--flower-max-weight", type=float, default=1.0,
-                        help="SecAgg+ max_weight (clients report 1 example; Flower's default "
-                             "1000 would coarsen its quantization 1000x)")
-    parser.add_argument("--num-cpus", type=float, default=1.0,
-                        help="client_resources num_cpus (Ray runs cores/num_cpus actors)")
-    parser.add_argument("--poll", type=float, default=0.05,
-                        help="LensembleStrategy poll_interval (its default; Flower's "
-                             "InMemoryGrid polls every 0.1 s)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="SecAgg+ per-stage timeout (s)")
+    parser.add_argument(
+        "--flower-rounds", type=int, default=4, help="simulation: measured rounds per block"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="simulation: unmeasured rounds at the start of each block",
+    )
+    parser.add_argument(
+        "--flower-num-shares",
+        type=int,
+        default=0,
+        help="SecAgg+ num_shares (default 0: 1.0 = every client, as SecAgg)",
+    )
+    parser.add_argument(
+        "--flower-threshold",
+        type=int,
+        default=0,
+        help="SecAgg+ reconstruction_threshold (default: --threshold)",
+    )
+    parser.add_argument(
+        "--flower-max-weight",
+        type=float,
+        default=1.0,
+        help="SecAgg+ max_weight (clients report 1 example; Flower's default "
+        "1000 would coarsen its quantization 1000x)",
+    )
+    parser.add_argument(
+        "--num-cpus",
+        type=float,
+        default=1.0,
+        help="client_resources num_cpus (Ray runs cores/num_cpus actors)",
+    )
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=0.05,
+        help="LensembleStrategy poll_interval (its default; Flower's "
+        "InMemoryGrid polls every 0.1 s)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="SecAgg+ per-stage timeout (s)"
+    )
     args = parser.parse_args(argv)
     c = args.participants
     args.threshold = args.threshold or c // 2 + 1
@@ -751,11 +893,13 @@ def main(argv: list[str] | None = None) -> int:
     import cryptography
 
     cores = os.cpu_count() or 1
-    print(f"== masked rounds: C={c} participants, P={args.params:,} float32 params (one "
-          f"array), secagg_threshold={args.threshold}, min_participants="
-          f"{args.min_participants}, secagg_neighbours={args.neighbours or 'all'}; "
-          f"{cores} cores, Python {sys.version.split()[0]}, numpy "
-          f"{np.__version__}, cryptography {cryptography.__version__}; load average {_load()}")
+    print(
+        f"== masked rounds: C={c} participants, P={args.params:,} float32 params (one "
+        f"array), secagg_threshold={args.threshold}, min_participants="
+        f"{args.min_participants}, secagg_neighbours={args.neighbours or 'all'}; "
+        f"{cores} cores, Python {sys.version.split()[0]}, numpy "
+        f"{np.__version__}, cryptography {cryptography.__version__}; load average {_load()}"
+    )
     t_start = time.perf_counter()
     in_ratio = report_inprocess(args, run_inprocess(args))
     sys.stdout.flush()
@@ -766,20 +910,26 @@ def main(argv: list[str] | None = None) -> int:
 
         actors = max(1, int(cores / args.num_cpus))
         shares = "1.0 (all)" if args.flower_num_shares <= 0 else str(args.flower_num_shares)
-        print(f"\n== Flower simulation engine: {c} supernodes, {args.blocks} blocks x "
-              f"({args.warmup} + {args.flower_rounds}) rounds of each, {actors} Ray actors; "
-              f"SecAgg+ num_shares={shares}, reconstruction_threshold="
-              f"{args.flower_threshold or args.threshold}; LensembleStrategy poll "
-              f"{args.poll:g} s; flwr {flwr.__version__}, ray {ray.__version__}; load "
-              f"average {_load()}")
+        print(
+            f"\n== Flower simulation engine: {c} supernodes, {args.blocks} blocks x "
+            f"({args.warmup} + {args.flower_rounds}) rounds of each, {actors} Ray actors; "
+            f"SecAgg+ num_shares={shares}, reconstruction_threshold="
+            f"{args.flower_threshold or args.threshold}; LensembleStrategy poll "
+            f"{args.poll:g} s; flwr {flwr.__version__}, ray {ray.__version__}; load "
+            f"average {_load()}"
+        )
         sys.stdout.flush()
         sim_ratio = report_flower(args, run_flower(args))
-    print(f"\n{'PASS' if in_ratio <= args.target else 'FAIL'}: in process, masked / plaintext "
-          f"seconds per round {in_ratio:.2f} (best of {args.rounds}; target <= "
-          f"{args.target:g})")
+    print(
+        f"\n{'PASS' if in_ratio <= args.target else 'FAIL'}: in process, masked / plaintext "
+        f"seconds per round {in_ratio:.2f} (best of {args.rounds}; target <= "
+        f"{args.target:g})"
+    )
     if sim_ratio is not None:
-        print(f"{'PASS' if sim_ratio < 1.0 else 'FAIL'}: simulation engine, lensemble masked / "
-              f"Flower SecAgg+ seconds per round {sim_ratio:.2f} (mean; target < 1)")
+        print(
+            f"{'PASS' if sim_ratio < 1.0 else 'FAIL'}: simulation engine, lensemble masked / "
+            f"Flower SecAgg+ seconds per round {sim_ratio:.2f} (mean; target < 1)"
+        )
     elif not args.no_flower:
         print("FAIL: simulation engine comparison did not run (see above)")
     print(f"total wall {time.perf_counter() - t_start:.1f} s; load average now {_load()}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lensemble_flwr.config import run_config_table
 from lensemble_flwr.errors import response_table
-from lensemble_flwr.federation.round import transition_diagram
+from lensemble_flwr.protocol.round import transition_diagram
 from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
 DOCS = Path(__file__).resolve().parent

@@ -20,13 +20,13 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LensembleConfig": "lensemble_flwr.config",
-    "Coordinator": "lensemble_flwr.federation",
-    "GlobalState": "lensemble_flwr.federation",
-    "InProcessNetwork": "lensemble_flwr.federation",
-    "Participant": "lensemble_flwr.federation",
-    "PseudoGradient": "lensemble_flwr.federation",
-    "RoundState": "lensemble_flwr.federation",
-    "Transport": "lensemble_flwr.federation",
+    "Coordinator": "lensemble_flwr.coordinator.coordinator",
+    "GlobalState": "lensemble_flwr.protocol.state",
+    "InProcessNetwork": "lensemble_flwr.transports.inprocess",
+    "Participant": "lensemble_flwr.participant.participant",
+    "PseudoGradient": "lensemble_flwr.protocol.state",
+    "RoundState": "lensemble_flwr.protocol.round",
+    "Transport": "lensemble_flwr.transports.base",
 }
 
 __all__ = [
@@ -43,15 +43,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lensemble_flwr.config import LensembleConfig
-    from lensemble_flwr.federation import (
-        Coordinator,
-        GlobalState,
-        InProcessNetwork,
-        Participant,
-        PseudoGradient,
-        RoundState,
-        Transport,
-    )
+    from lensemble_flwr.coordinator.coordinator import Coordinator
+    from lensemble_flwr.participant.participant import Participant
+    from lensemble_flwr.protocol.round import RoundState
+    from lensemble_flwr.protocol.state import GlobalState, PseudoGradient
+    from lensemble_flwr.transports.base import Transport
+    from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 def __getattr__(name: str) -> Any:

@@ -178,9 +178,7 @@ class GaugeConfig(_Section):
     """Gauge alignment: each participant rotates its latent frame onto the global one on a
     pinned public probe before it releases anything (see docs/gauge.md)."""
 
-    align: bool = Field(
-        False, description="Participant-side Procrustes alignment before release."
-    )
+    align: bool = Field(False, description="Participant-side Procrustes alignment before release.")
     sketch_rows: int = Field(
         32, ge=1, le=4096, description="Rows m of the round's probe sketch A (m x probe size)."
     )

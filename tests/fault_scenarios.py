@@ -19,14 +19,16 @@ import numpy as np
 from federation_helpers import federation, signed_federation, small_config
 
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LensembleError
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.identity import IdentityKey
-from lensemble_flwr.federation.messages import from_wire
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import RoundMachine, RoundState
-from lensemble_flwr.federation.transport import COORDINATOR, FaultPlan, InProcessNetwork
+from lensemble_flwr.identity.signing import IdentityKey
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.messages import from_wire
+from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.transports.base import COORDINATOR
+from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 FAULT_ROUND = 1  # round 0 closes cleanly first, so there is something committed to lose
 

@@ -7,17 +7,23 @@ from typing import Any
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.identity import IdentityKey
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.identity.signing import IdentityKey
+from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 def small_config(**federation: Any) -> LensembleConfig:
-    fed = {"min_participants": 3, "open_timeout": 10.0, "collect_timeout": 10.0,
-           "retry_wait": 1.0, "root_seed": 7}
+    fed = {
+        "min_participants": 3,
+        "open_timeout": 10.0,
+        "collect_timeout": 10.0,
+        "retry_wait": 1.0,
+        "root_seed": 7,
+    }
     fed.update(federation)
     return LensembleConfig(
         federation=fed,
@@ -33,9 +39,7 @@ def federation(
     config: LensembleConfig | None = None,
     name: str = "run",
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
-    return build(
-        config or small_config(), tmp / name, participants=participants, faults=faults
-    )
+    return build(config or small_config(), tmp / name, participants=participants, faults=faults)
 
 
 def signed_federation(

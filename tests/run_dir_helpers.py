@@ -18,8 +18,7 @@ from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     ContributionRecord,
@@ -27,6 +26,7 @@ from lensemble_flwr.provenance.ledger import (
     RoundEntry,
     RunManifest,
 )
+from lensemble_flwr.transports.faults import FaultPlan
 
 ROUNDS = 3
 ABORTED_ROUND = 1

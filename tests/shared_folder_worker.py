@@ -21,8 +21,8 @@ import torch
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import StoreError
-from lensemble_flwr.federation.folder_barrier import FolderBarrier
-from lensemble_flwr.federation.shared_folder import SharedFolderParticipant
+from lensemble_flwr.shared_folder.barrier import FolderBarrier
+from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 
 RACE_WINDOW = 0.3

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lensemble_flwr.federation.chunked as chunked
+import lensemble_flwr.aggregation.chunked as chunked
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import NonDeterministicAggregation, ParameterMismatch, RoundError
-from lensemble_flwr.federation.aggregation import AggregateSum, FixedPointAggregator
-from lensemble_flwr.federation.messages import Update
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.messages import Update
 
 SHAPES: dict[str, tuple[int, ...]] = {"enc.w": (3, 4), "enc.b": (5,)}
 
@@ -495,7 +495,7 @@ def test_the_fold_gives_the_float64_fixed_point_integers_whatever_path_it_takes(
 ) -> None:
     """Power-of-two scales take a float32 path in the fold; the integers must be exactly
     rint(float64(x) * w * 2**F), the ones a masked participant computes (to_fixed_point)."""
-    from lensemble_flwr.federation.aggregation import to_fixed_point
+    from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 
     template = {"w": np.zeros(3, np.float32)}
     agg = FixedPointAggregator(template, AggregationConfig(), check_seed=1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from federation_helpers import federation, small_config
 
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import (
@@ -20,10 +21,9 @@ from lensemble_flwr.errors import (
     ResidencyViolation,
     StoreError,
 )
-from lensemble_flwr.federation.aggregation import AggregateSum, FixedPointAggregator
-from lensemble_flwr.federation.round import RoundEvent, RoundState
-from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.protocol.round import RoundEvent, RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.transports.faults import FaultPlan
 
 PROGRESS = [
     RoundState.OPEN,
@@ -280,7 +280,7 @@ class RottingStore(Store):
 
 
 def test_checkpoint_that_fails_its_hash_aborts_and_changes_nothing(tmp_path: Path) -> None:
-    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.coordinator.coordinator import Coordinator
     from lensemble_flwr.simulations.toy import initial_params
 
     _, network, _ = federation(tmp_path, name="scratch")
@@ -322,8 +322,13 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
     def refuse_with(error: str):
         def mutate(payload: dict) -> dict:
             keep = ("run_id", "round", "attempt", "sender", "participant_id")
-            return {**{k: payload[k] for k in keep}, "kind": "refusal", "error": error,
-                    "reason": "refused in the test"}
+            return {
+                **{k: payload[k] for k in keep},
+                "kind": "refusal",
+                "error": error,
+                "reason": "refused in the test",
+            }
+
         return mutate
 
     faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=refuse_with("ProbeError"))
@@ -337,5 +342,6 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
     coordinator, _, _ = federation(tmp_path, faults=faults, name="leak")
     with pytest.raises(ResidencyViolation, match="p01"):
         coordinator.run(1)
-    assert_aborted_unchanged(coordinator, coordinator.global_state().params_hash,
-                             ResidencyViolation)
+    assert_aborted_unchanged(
+        coordinator, coordinator.global_state().params_hash, ResidencyViolation
+    )

@@ -26,10 +26,11 @@ import pytest
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator import durable
+from lensemble_flwr.coordinator.coordinator import INTERRUPTED
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
-from lensemble_flwr.federation import durable
-from lensemble_flwr.federation.coordinator import INTERRUPTED
-from lensemble_flwr.federation.round import RoundMachine
+from lensemble_flwr.identity import registry_store
+from lensemble_flwr.protocol.round import RoundMachine
 from lensemble_flwr.provenance.ledger import RunManifest, verify
 from lensemble_flwr.simulations import crash_drill
 from lensemble_flwr.simulations.kill_points import KILL_POINTS, KILL_POINTS_BY_NAME
@@ -159,7 +160,7 @@ def _run_case(run_drill: Runner, base: Path, case: Case) -> Drill:
         verified: Exception | int = len(verify(store))
     except LedgerError as exc:
         verified = exc
-    commitments, membership = durable.load_registry(store)
+    commitments, membership = registry_store.load_registry(store)
     evidence = {
         "killed": json.loads((base / "kill.json").read_text()),
         "ledger_at_kill": ledger_bytes(store),
@@ -284,7 +285,7 @@ def test_participants_keys_and_a_revealed_key_survive_a_kill_in_a_masked_round(
     assert membership["compromised"] == ["p03"]
 
     store = Store(d.run_dir)
-    now, membership_now = durable.load_registry(store)
+    now, membership_now = registry_store.load_registry(store)
     for pid in ("p00", "p01", "p02"):  # never re-keyed: their keys survived on both sides
         assert now[pid].model_dump() == commitments[pid]
     assert now["p03"].mask_key != commitments["p03"]["mask_key"]  # rotated after the reveal

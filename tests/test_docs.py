@@ -13,7 +13,7 @@ from fault_scenarios import scenario_table
 
 from lensemble_flwr.config import run_config_keys, run_config_table
 from lensemble_flwr.errors import response_table
-from lensemble_flwr.federation.round import transition_diagram
+from lensemble_flwr.protocol.round import transition_diagram
 from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

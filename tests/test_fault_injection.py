@@ -12,14 +12,14 @@ from federation_helpers import federation, small_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import COORDINATOR
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.transports.base import COORDINATOR
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_fault_scenario(scenario: Scenario, tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="lensemble_flwr.federation.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="lensemble_flwr.coordinator.coordinator"):
         observed = play(scenario, tmp_path)
     coordinator, expected = observed.coordinator, scenario.expected
     fault_round = FAULTED_ROUND.get(scenario.name, FAULT_ROUND)

@@ -19,7 +19,6 @@ from lensemble_flwr.errors import (
     ProbeError,
     RoundError,
 )
-from lensemble_flwr.federation.round import GlobalState, l2_norm
 from lensemble_flwr.gauge import (
     GaugeAdapter,
     Probe,
@@ -37,16 +36,9 @@ from lensemble_flwr.gauge import (
     sketch_matrix,
 )
 from lensemble_flwr.params import subtract
-from lensemble_flwr.release import (
-    Release,
-    ReleaseContext,
-    Stage,
-    bind,
-    chain,
-    clip,
-    difference,
-    release_pipeline,
-)
+from lensemble_flwr.participant.release_chain import release_pipeline
+from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.release import Release, ReleaseContext, Stage, bind, chain, clip, difference
 from lensemble_flwr.simulations.world_data import participant_data, public_probe
 from lensemble_flwr.simulations.world_model import (
     WorldModelAdapter,

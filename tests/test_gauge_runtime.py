@@ -16,15 +16,6 @@ import torch
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import DegenerateProcrustes, GaugeError, SketchMismatch
-from lensemble_flwr.federation.alignment import (
-    check_sketch,
-    drift_diagnostics,
-    expected_fingerprint,
-    harness_transform,
-)
-from lensemble_flwr.federation.messages import Update
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan
 from lensemble_flwr.gauge import (
     Probe,
     coordinator_harness,
@@ -33,6 +24,14 @@ from lensemble_flwr.gauge import (
     sketch_matrix,
 )
 from lensemble_flwr.gauge import stage as gauge_stage
+from lensemble_flwr.gauge.runtime import (
+    check_sketch,
+    drift_diagnostics,
+    expected_fingerprint,
+    harness_transform,
+)
+from lensemble_flwr.protocol.messages import Update
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
 from lensemble_flwr.simulations.world_federation import build_world, world_gauge
 from lensemble_flwr.simulations.world_model import (
@@ -40,6 +39,7 @@ from lensemble_flwr.simulations.world_model import (
     initial_params,
     random_orthogonal,
 )
+from lensemble_flwr.transports.faults import FaultPlan
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-COORDINATOR_LOG = "lensemble_flwr.federation.coordinator"
+COORDINATOR_LOG = "lensemble_flwr.coordinator.coordinator"
 
 
 def config(**gauge: object) -> LensembleConfig:
@@ -214,7 +214,7 @@ def test_a_drift_that_cannot_be_computed_does_not_stop_the_run(monkeypatch) -> N
     def degenerate(*_args, **_kwargs):
         raise DegenerateProcrustes("all-zero probe embeddings")
 
-    monkeypatch.setattr("lensemble_flwr.federation.alignment.frame_drift", degenerate)
+    monkeypatch.setattr("lensemble_flwr.gauge.runtime.frame_drift", degenerate)
     params = initial_params(0)
     out = drift_diagnostics(world_gauge(0), fed_config, params, params, round=3)
     assert "frame_drift" not in out and out["frame_drift_failed"] == 1.0

@@ -34,8 +34,8 @@ from lensemble_flwr.clients import app as app_module
 from lensemble_flwr.clients.app import handle_train
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.protocol.messages import (
     Commitment,
     RoundClose,
     RoundOpen,
@@ -43,13 +43,14 @@ from lensemble_flwr.federation.messages import (
     from_wire,
     to_wire,
 )
-from lensemble_flwr.federation.round import RoundState, l2_norm
-from lensemble_flwr.federation.transport import COORDINATOR, ReplyCollector
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import GridTransport
 from lensemble_flwr.strategies.records import participant_id
+from lensemble_flwr.transports.base import COORDINATOR, ReplyCollector
 
 ROOT = "ab" * 32
 HASH = "cd" * 32

@@ -11,9 +11,9 @@ from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import SecureAggregationError
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.transports.faults import FaultPlan
 
 
 def masked_config(**federation):
@@ -117,19 +117,25 @@ def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
     from flwr.app import Context, RecordDict
     from test_grid_transport import NODES, FakeClock, FakeGrid, clientapp_node, make_transport
 
-    from lensemble_flwr.federation.coordinator import Coordinator
+    from lensemble_flwr.coordinator.coordinator import Coordinator
     from lensemble_flwr.simulations.toy import initial_params
 
     config = masked_config()
     clock = FakeClock()
-    contexts = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(),
-                           run_config={}) for n in NODES}
-    grid = FakeGrid(clock, {n: clientapp_node(i, contexts[n], config)
-                            for i, n in enumerate(NODES)})
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(clock, {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)})
     fed = config.federation
     transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
-    coordinator = Coordinator(config, transport=transport, initial_params=initial_params(),
-                              store=Store(tmp_path / "run"), run_id="flwr-1")
+    coordinator = Coordinator(
+        config,
+        transport=transport,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        run_id="flwr-1",
+    )
     coordinator.run(2)
     assert [o.count for o in coordinator.outcomes] == [4, 4]
     verify(Store(tmp_path / "run"))

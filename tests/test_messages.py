@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lensemble_flwr.errors import RoundError
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.protocol.messages import (
     Commitment,
     RoundClose,
     RoundOpen,
@@ -21,8 +21,8 @@ from lensemble_flwr.federation.messages import (
     message_digest,
     to_wire,
 )
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.transports.faults import FaultPlan
 
 ROOT = "ab" * 32
 
@@ -47,12 +47,27 @@ def good_update(**changes: Any) -> dict[str, Any]:
 def test_valid_messages_round_trip_through_the_wire() -> None:
     messages = [
         from_wire(good_update()),
-        Commitment(run_id="r", round=0, sender="p", participant_id="p", dataset_root=ROOT,
-                   num_examples=3),
-        RoundOpen(run_id="r", round=0, sender="coordinator", global_hash=ROOT,
-                  params={"w": np.zeros(2, np.float32)}, sketch_seed=1, h_steps=2),
-        RoundClose(run_id="r", round=0, sender="coordinator", previous_hash=ROOT,
-                   global_hash=ROOT, contributors=("p",), record_hash=ROOT),
+        Commitment(
+            run_id="r", round=0, sender="p", participant_id="p", dataset_root=ROOT, num_examples=3
+        ),
+        RoundOpen(
+            run_id="r",
+            round=0,
+            sender="coordinator",
+            global_hash=ROOT,
+            params={"w": np.zeros(2, np.float32)},
+            sketch_seed=1,
+            h_steps=2,
+        ),
+        RoundClose(
+            run_id="r",
+            round=0,
+            sender="coordinator",
+            previous_hash=ROOT,
+            global_hash=ROOT,
+            contributors=("p",),
+            record_hash=ROOT,
+        ),
     ]
     for message in messages:
         again = from_wire(to_wire(message))
@@ -107,8 +122,9 @@ def test_malformed_update_is_rejected_with_round_error(mutate) -> None:
 
 json_like = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 arrays = st.builds(
@@ -125,9 +141,23 @@ field_values = json_like | arrays | st.dictionaries(st.text(max_size=4), arrays,
 @given(
     base=st.sampled_from(["update", "commitment", "round-open", "garbage"]),
     changes=st.dictionaries(
-        st.sampled_from(["kind", "run_id", "round", "sender", "participant_id", "dataset_root",
-                         "delta", "params", "l2_norm", "num_examples", "attempt", "global_hash",
-                         "extra"]),
+        st.sampled_from(
+            [
+                "kind",
+                "run_id",
+                "round",
+                "sender",
+                "participant_id",
+                "dataset_root",
+                "delta",
+                "params",
+                "l2_norm",
+                "num_examples",
+                "attempt",
+                "global_hash",
+                "extra",
+            ]
+        ),
         field_values,
         max_size=4,
     ),

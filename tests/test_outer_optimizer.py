@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import lensemble_flwr.federation.chunked as chunked
+import lensemble_flwr.aggregation.chunked as chunked
 from lensemble_flwr.config import OuterOptimizerConfig
+from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.errors import ParameterMismatch
-from lensemble_flwr.federation.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.params import NamedArrays
 
 EPS32 = float(np.finfo(np.float32).eps)

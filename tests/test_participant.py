@@ -10,15 +10,16 @@ import pytest
 from federation_helpers import federation, small_config
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import RoundError
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.local_training import PortableState, TorchTraining
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import GlobalState, RoundState
-from lensemble_flwr.federation.transport import InProcessNetwork
+from lensemble_flwr.participant.local_training import PortableState, TorchTraining
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger, verify
 from lensemble_flwr.release import bind, chain, difference
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 def messages_per_round(network: InProcessNetwork, kind: str) -> dict[int, int]:
@@ -50,10 +51,17 @@ def mixed_federation(tmp_path: Path, *, require_binding: bool):
     for i in range(3):
         trainer = UnboundToy(i) if i == 2 else ToyTrainer(i)
         pid = f"p{i:02d}"
-        network.attach(Participant(config, participant_id=pid,
-                                   transport=network.transport_for(pid), trainer=trainer))
-    coordinator = Coordinator(config, transport=network.coordinator,
-                              initial_params=initial_params(), store=Store(tmp_path / "run"))
+        network.attach(
+            Participant(
+                config, participant_id=pid, transport=network.transport_for(pid), trainer=trainer
+            )
+        )
+    coordinator = Coordinator(
+        config,
+        transport=network.coordinator,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+    )
     return coordinator, network
 
 
@@ -80,9 +88,13 @@ def test_require_binding_refuses_unbound_contributions(tmp_path: Path) -> None:
 
 def test_bind_refuses_a_participant_without_a_commitment() -> None:
     config = small_config()
-    participant = Participant(config, participant_id="p", transport=InProcessNetwork()
-                              .transport_for("p"), trainer=UnboundToy(0),
-                              pipeline=chain(difference(), bind()))
+    participant = Participant(
+        config,
+        participant_id="p",
+        transport=InProcessNetwork().transport_for("p"),
+        trainer=UnboundToy(0),
+        pipeline=chain(difference(), bind()),
+    )
     state = GlobalState.create(0, initial_params(), sketch_seed=1, h_steps=1)
     with pytest.raises(RoundError, match="no dataset commitment"):
         participant.local_round(state, 1)
@@ -92,8 +104,9 @@ def test_exported_state_continues_training_exactly(tmp_path: Path) -> None:
     """A participant rebuilt from its exported state releases what the original would."""
     config = small_config()
     network = InProcessNetwork()
-    original = Participant(config, participant_id="p", transport=network.transport_for("p"),
-                           trainer=ToyTrainer(1))
+    original = Participant(
+        config, participant_id="p", transport=network.transport_for("p"), trainer=ToyTrainer(1)
+    )
     state0 = GlobalState.create(0, initial_params(), sketch_seed=11, h_steps=3)
     original.local_round(state0, 11)  # builds AdamW state and trains the local head
     exported = original.export_state()
@@ -101,8 +114,9 @@ def test_exported_state_continues_training_exactly(tmp_path: Path) -> None:
     assert any("action_head" in k for k in exported.arrays)
     assert not any(k.startswith("training/model/encoder") for k in exported.arrays)
 
-    rebuilt = Participant(config, participant_id="p", transport=network.transport_for("q"),
-                          trainer=ToyTrainer(1))
+    rebuilt = Participant(
+        config, participant_id="p", transport=network.transport_for("q"), trainer=ToyTrainer(1)
+    )
     rebuilt.import_state(exported)
     state1 = GlobalState.create(1, initial_params(seed=3), sketch_seed=12, h_steps=3)
     a = original.local_round(state1, 12)
@@ -111,16 +125,21 @@ def test_exported_state_continues_training_exactly(tmp_path: Path) -> None:
     for name in a.delta:
         np.testing.assert_array_equal(a.delta[name], b.delta[name])
 
-    fresh = Participant(config, participant_id="p", transport=network.transport_for("r"),
-                        trainer=ToyTrainer(1))
+    fresh = Participant(
+        config, participant_id="p", transport=network.transport_for("r"), trainer=ToyTrainer(1)
+    )
     c = fresh.local_round(state1, 12)  # no AdamW history, no trained head: differs
     assert any(not np.array_equal(a.delta[n], c.delta[n]) for n in a.delta)
 
 
 def test_empty_state_imports_as_a_fresh_participant() -> None:
     config = small_config()
-    p = Participant(config, participant_id="p", transport=InProcessNetwork().transport_for("p"),
-                    trainer=ToyTrainer(0))
+    p = Participant(
+        config,
+        participant_id="p",
+        transport=InProcessNetwork().transport_for("p"),
+        trainer=ToyTrainer(0),
+    )
     p.import_state(PortableState())
     assert isinstance(p.training, TorchTraining) and p.training.optimizer is None
 
@@ -128,8 +147,9 @@ def test_empty_state_imports_as_a_fresh_participant() -> None:
 def test_a_participant_appearing_while_the_round_is_open_is_invited(tmp_path: Path) -> None:
     config = small_config(min_participants=4, open_timeout=30.0)
     coordinator, network, _nodes = federation(tmp_path, participants=3, config=config)
-    late = Participant(config, participant_id="p09", transport=network.transport_for("p09"),
-                       trainer=ToyTrainer(9))
+    late = Participant(
+        config, participant_id="p09", transport=network.transport_for("p09"), trainer=ToyTrainer(9)
+    )
     # it attaches 5 simulated seconds into round 0's OPEN phase
     network.clock.advance_to(0.0)
     original_recv = network._run_until_coordinator_message

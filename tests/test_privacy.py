@@ -20,9 +20,10 @@ from lensemble_flwr.errors import (
     PrivacyBudgetExceeded,
     RoundError,
 )
-from lensemble_flwr.federation.round import GlobalState, RoundState, l2_norm
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal, secure_uniform
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import GlobalState, l2_norm
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.release import Release, ReleaseContext, chain, clip, gaussian_noise
 from lensemble_flwr.release.privacy import check_clip_bound
@@ -201,10 +202,10 @@ def test_a_budget_that_runs_out_aborts_the_round_before_the_release(tmp_path: Pa
 
 def test_an_update_without_the_required_noise_is_refused(tmp_path: Path) -> None:
     """A participant configured without DP cannot slip into a DP federation."""
-    from lensemble_flwr.federation.coordinator import Coordinator
-    from lensemble_flwr.federation.participant import Participant
-    from lensemble_flwr.federation.transport import InProcessNetwork
+    from lensemble_flwr.coordinator.coordinator import Coordinator
+    from lensemble_flwr.participant.participant import Participant
     from lensemble_flwr.simulations.toy import ToyTrainer
+    from lensemble_flwr.transports.inprocess import InProcessNetwork
 
     strict = dp_config(tmp_path)
     lax = LensembleConfig(
@@ -234,47 +235,65 @@ def test_an_update_without_the_required_noise_is_refused(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     "protection",
-    [{"privacy": {"clip_norm": 1.0}}, {"release": {"quantize": "int8"}},
-     {"federation": {"secagg_threshold": 2}}],
+    [
+        {"privacy": {"clip_norm": 1.0}},
+        {"release": {"quantize": "int8"}},
+        {"federation": {"secagg_threshold": 2}},
+    ],
     ids=["clip", "int8", "masking"],
 )
 def test_a_coordinator_side_update_transform_is_refused_with_protected_releases(
     tmp_path: Path, protection: dict
 ) -> None:
-    from lensemble_flwr.federation.coordinator import Coordinator
-    from lensemble_flwr.federation.transport import InProcessNetwork
+    from lensemble_flwr.coordinator.coordinator import Coordinator
+    from lensemble_flwr.transports.inprocess import InProcessNetwork
 
     config = LensembleConfig(**protection)
     with pytest.raises(ConfigError, match=r"^update_transform"):
-        Coordinator(config, transport=InProcessNetwork().coordinator,
-                    initial_params=initial_params(), store=Store(tmp_path / "run"),
-                    update_transform=lambda update: update)
+        Coordinator(
+            config,
+            transport=InProcessNetwork().coordinator,
+            initial_params=initial_params(),
+            store=Store(tmp_path / "run"),
+            update_transform=lambda update: update,
+        )
 
 
 def test_an_update_transform_applies_to_plaintext_updates(tmp_path: Path) -> None:
     from federation_helpers import small_config
 
-    from lensemble_flwr.federation.coordinator import Coordinator
-    from lensemble_flwr.federation.participant import Participant
-    from lensemble_flwr.federation.transport import InProcessNetwork
+    from lensemble_flwr.coordinator.coordinator import Coordinator
+    from lensemble_flwr.participant.participant import Participant
     from lensemble_flwr.simulations.toy import ToyTrainer
+    from lensemble_flwr.transports.inprocess import InProcessNetwork
 
     config = small_config()
     network = InProcessNetwork()
     for i in range(3):
         pid = f"p{i}"
-        network.attach(Participant(config, participant_id=pid,
-                                   transport=network.transport_for(pid), trainer=ToyTrainer(i)))
+        network.attach(
+            Participant(
+                config,
+                participant_id=pid,
+                transport=network.transport_for(pid),
+                trainer=ToyTrainer(i),
+            )
+        )
     seen: list[str] = []
 
     def zero(update):  # a harness that discards every update's content
         seen.append(update.participant_id)
-        return update.model_copy(update={"delta": {n: np.zeros_like(a)
-                                                   for n, a in update.delta.items()}})
+        return update.model_copy(
+            update={"delta": {n: np.zeros_like(a) for n, a in update.delta.items()}}
+        )
 
-    coordinator = Coordinator(config, transport=network.coordinator,
-                              initial_params=initial_params(), store=Store(tmp_path / "run"),
-                              update_transform=zero)
+    coordinator = Coordinator(
+        config,
+        transport=network.coordinator,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        update_transform=zero,
+    )
     before = coordinator.global_state().params
     coordinator.run(1)
     assert sorted(seen) == ["p0", "p1", "p2"]

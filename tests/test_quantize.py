@@ -14,8 +14,8 @@ from hypothesis.extra.numpy import arrays
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError
-from lensemble_flwr.federation.messages import Update, from_wire, to_wire
-from lensemble_flwr.federation.round import GlobalState
+from lensemble_flwr.protocol.messages import Update, from_wire, to_wire
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.release import Release, ReleaseContext
 from lensemble_flwr.release.quantize import LEVELS, dequantize, int8_quantize, quantize_int8
@@ -25,13 +25,18 @@ STATE = GlobalState.create(0, {"w": np.zeros(4, np.float32)}, sketch_seed=1, h_s
 
 
 def ctx(pid: str = "p", seed: int = 5) -> ReleaseContext:
-    return ReleaseContext(participant_id=pid, global_state=STATE, round_seed=seed,
-                          dataset_root=None, num_examples=1)
+    return ReleaseContext(
+        participant_id=pid, global_state=STATE, round_seed=seed, dataset_root=None, num_examples=1
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(arrays(np.float32, st.integers(1, 300),
-              elements=st.floats(-1e4, 1e4, width=32, allow_nan=False)), st.integers(0, 2**32))
+@given(
+    arrays(
+        np.float32, st.integers(1, 300), elements=st.floats(-1e4, 1e4, width=32, allow_nan=False)
+    ),
+    st.integers(0, 2**32),
+)
 def test_every_coordinate_is_within_one_step(x: np.ndarray, seed: int) -> None:
     q, scale = quantize_int8(x, np.random.default_rng(seed))
     assert q.dtype == np.int8 and np.abs(q.astype(int)).max() <= LEVELS
@@ -73,9 +78,19 @@ def test_bytes_on_the_wire_drop_about_four_times() -> None:
 
 
 def quantized_update(**changes) -> dict:
-    payload = to_wire(Update(run_id="r", round=0, sender="p", participant_id="p",
-                             dataset_root=None, delta={"w": np.array([3, -127], np.int8)},
-                             l2_norm=1.0, num_examples=1, scales={"w": 0.5}))
+    payload = to_wire(
+        Update(
+            run_id="r",
+            round=0,
+            sender="p",
+            participant_id="p",
+            dataset_root=None,
+            delta={"w": np.array([3, -127], np.int8)},
+            l2_norm=1.0,
+            num_examples=1,
+            scales={"w": 0.5},
+        )
+    )
     payload.update(changes)
     return payload
 
@@ -87,10 +102,20 @@ def test_a_quantized_update_validates_and_knows_its_largest_value() -> None:
 
 @pytest.mark.parametrize(
     "changes",
-    [{"scales": None}, {"scales": {"v": 0.5}}, {"scales": {"w": 0.0}},
-     {"scales": {"w": float("inf")}}, {"delta": {"w": np.array([0.5], np.float32)}}],
-    ids=["int8 without scales", "scales for other names", "zero scale", "infinite scale",
-         "float with scales"],
+    [
+        {"scales": None},
+        {"scales": {"v": 0.5}},
+        {"scales": {"w": 0.0}},
+        {"scales": {"w": float("inf")}},
+        {"delta": {"w": np.array([0.5], np.float32)}},
+    ],
+    ids=[
+        "int8 without scales",
+        "scales for other names",
+        "zero scale",
+        "infinite scale",
+        "float with scales",
+    ],
 )
 def test_malformed_quantized_updates_are_rejected(changes: dict) -> None:
     with pytest.raises(RoundError):
@@ -98,13 +123,27 @@ def test_malformed_quantized_updates_are_rejected(changes: dict) -> None:
 
 
 def test_global_params_cannot_be_int8() -> None:
-    from lensemble_flwr.federation.messages import RoundOpen
+    from lensemble_flwr.protocol.messages import RoundOpen
 
     with pytest.raises(RoundError):
-        from_wire(to_wire(RoundOpen.model_construct(
-            run_id="r", round=0, sender="c", attempt=1, global_hash="ab" * 32,
-            params={"w": np.zeros(2, np.int8)}, sketch_seed=1, h_steps=1, probe_hash="",
-            landmark_hashes=(), needs_commitment=True, kind="round-open")))
+        from_wire(
+            to_wire(
+                RoundOpen.model_construct(
+                    run_id="r",
+                    round=0,
+                    sender="c",
+                    attempt=1,
+                    global_hash="ab" * 32,
+                    params={"w": np.zeros(2, np.int8)},
+                    sketch_seed=1,
+                    h_steps=1,
+                    probe_hash="",
+                    landmark_hashes=(),
+                    needs_commitment=True,
+                    kind="round-open",
+                )
+            )
+        )
 
 
 def test_a_federation_of_int8_releases_closes_near_the_float_one(tmp_path: Path) -> None:

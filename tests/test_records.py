@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
     RoundClose,

@@ -11,12 +11,12 @@ from federation_helpers import federation, small_config
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, ResidencyViolation
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import PseudoGradient
-from lensemble_flwr.federation.transport import InProcessNetwork
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 GROUPS = LensembleConfig().groups  # shared: encoder, predictor; local: action_head
 

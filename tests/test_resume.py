@@ -13,6 +13,8 @@ import pytest
 from federation_helpers import federation, small_config
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator import durable
+from lensemble_flwr.coordinator.coordinator import INTERRUPTED, Coordinator
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
@@ -20,11 +22,10 @@ from lensemble_flwr.errors import (
     LedgerError,
     StoreError,
 )
-from lensemble_flwr.federation import durable
-from lensemble_flwr.federation.coordinator import INTERRUPTED, Coordinator
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan
+from lensemble_flwr.identity import registry_store
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.transports.faults import FaultPlan
 
 
 class Crash(BaseException):
@@ -167,9 +168,9 @@ def test_attempt_markers_never_repeat(tmp_path: Path) -> None:
 
 def test_a_malformed_registry_is_refused(tmp_path: Path) -> None:
     store = Store(tmp_path / "s")
-    store.bind(durable.REGISTRY, store.put(b'{"commitments": {"p": {"kind": "x"}}}'))
+    store.bind(registry_store.REGISTRY, store.put(b'{"commitments": {"p": {"kind": "x"}}}'))
     with pytest.raises(LedgerError, match="registry"):
-        durable.load_registry(store)
+        registry_store.load_registry(store)
 
 
 def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> None:
@@ -190,7 +191,7 @@ def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path
     coordinator, network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
     coordinator.run(1)
     # the shares sealed in round 0 are lost (as if they died with a coordinator process)
-    shutil.rmtree(coordinator.store.root / "names" / durable.SHARES)
+    shutil.rmtree(coordinator.store.root / "names" / registry_store.SHARES)
     resumed = restart(coordinator)
     sent: list[dict] = []
     post = network._post

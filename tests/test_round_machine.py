@@ -10,16 +10,16 @@ import pytest
 
 from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.errors import CheckpointIntegrityError, IllegalTransition
-from lensemble_flwr.federation.round import (
+from lensemble_flwr.protocol.round import (
     TERMINAL_STATES,
     TRANSITIONS,
-    GlobalState,
     RoundEvent,
     RoundMachine,
     RoundState,
     next_state,
     transition_diagram,
 )
+from lensemble_flwr.protocol.state import GlobalState
 
 S, E = RoundState, RoundEvent
 

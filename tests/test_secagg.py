@@ -30,25 +30,47 @@ def federation(n: int) -> tuple[dict[str, SecAggKeys], list[Member]]:
     return keys, members
 
 
-def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: int,
-               send: set[str], answer: set[str], degree: int = 0,
-               ) -> tuple[dict[str, np.ndarray], MaskedSum]:
+def secure_sum(
+    values: dict[str, dict[str, np.ndarray]],
+    *,
+    n: int,
+    threshold: int,
+    send: set[str],
+    answer: set[str],
+    degree: int = 0,
+) -> tuple[dict[str, np.ndarray], MaskedSum]:
     """Run both roles: every member masks, only ``send`` deliver, only ``answer`` disclose."""
     keys, members = federation(n)
     template = next(iter(values.values()))
     # mask-key shares were distributed for this member set in an earlier round
-    key_shares = {pid: share_mask_key(keys[pid], me=pid, members=members, threshold=threshold,
-                                      run_id="run") for pid in keys}
-    releases = {pid: mask(values[pid], me=pid, keys=keys[pid], members=members,
-                          threshold=threshold, context=CONTEXT, degree=degree) for pid in keys}
-    aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT,
-                           degree=degree)
+    key_shares = {
+        pid: share_mask_key(keys[pid], me=pid, members=members, threshold=threshold, run_id="run")
+        for pid in keys
+    }
+    releases = {
+        pid: mask(
+            values[pid],
+            me=pid,
+            keys=keys[pid],
+            members=members,
+            threshold=threshold,
+            context=CONTEXT,
+            degree=degree,
+        )
+        for pid in keys
+    }
+    aggregator = MaskedSum(template, members, threshold=threshold, context=CONTEXT, degree=degree)
     for pid in sorted(send):  # the others drop before their masked input arrives
         aggregator.add(pid, releases[pid].masked)
     disclosures = {
         holder: disclose(
-            me=holder, keys=keys[holder], members=members, run_id="run", context=CONTEXT,
-            survivors=aggregator.survivors, dropped=aggregator.dropped,
+            me=holder,
+            keys=keys[holder],
+            members=members,
+            run_id="run",
+            context=CONTEXT,
+            survivors=aggregator.survivors,
+            dropped=aggregator.dropped,
             self_mask_shares={s: releases[s].sealed[holder] for s in aggregator.survivors},
             mask_key_shares={s: key_shares[s][holder] for s in aggregator.dropped},
             degree=degree,
@@ -60,16 +82,22 @@ def secure_sum(values: dict[str, dict[str, np.ndarray]], *, n: int, threshold: i
 
 def random_values(n: int, seed: int) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return {f"p{i}": {"a": rng.integers(-2**62, 2**62, (3, 4), dtype=np.int64),
-                      "b": rng.integers(-2**62, 2**62, 5, dtype=np.int64)} for i in range(n)}
+    return {
+        f"p{i}": {
+            "a": rng.integers(-(2**62), 2**62, (3, 4), dtype=np.int64),
+            "b": rng.integers(-(2**62), 2**62, 5, dtype=np.int64),
+        }
+        for i in range(n)
+    }
 
 
 def plain_sum(values: dict[str, dict[str, np.ndarray]], who: set[str]) -> dict[str, np.ndarray]:
     out = {}
     with np.errstate(over="ignore"):
         for name in ("a", "b"):
-            out[name] = sum((values[p][name] for p in sorted(who)),
-                            np.zeros_like(values["p0"][name]))
+            out[name] = sum(
+                (values[p][name] for p in sorted(who)), np.zeros_like(values["p0"][name])
+            )
     return out
 
 
@@ -93,8 +121,9 @@ def test_the_revealed_sum_is_exact_with_dropouts_up_to_the_threshold(
     values = random_values(n, seed)
     drop = data.draw(st.sets(st.sampled_from(sorted(values)), max_size=n - threshold))
     survivors = set(values) - drop
-    revealed, aggregator = secure_sum(values, n=n, threshold=threshold, send=survivors,
-                                      answer=survivors)
+    revealed, aggregator = secure_sum(
+        values, n=n, threshold=threshold, send=survivors, answer=survivors
+    )
     assert sorted(aggregator.dropped) == sorted(drop)
     expected = plain_sum(values, survivors)
     for name in expected:
@@ -116,9 +145,17 @@ def test_too_few_disclosures_cannot_reveal() -> None:
 def test_a_member_never_discloses_both_shares_of_one_sender() -> None:
     keys, members = federation(3)
     with pytest.raises(SecureAggregationError, match="both shares"):
-        disclose(me="p0", keys=keys["p0"], members=members, run_id="run", context=CONTEXT,
-                 survivors=["p1", "p2"], dropped=["p2"], self_mask_shares={},
-                 mask_key_shares={})
+        disclose(
+            me="p0",
+            keys=keys["p0"],
+            members=members,
+            run_id="run",
+            context=CONTEXT,
+            survivors=["p1", "p2"],
+            dropped=["p2"],
+            self_mask_shares={},
+            mask_key_shares={},
+        )
 
 
 def test_a_masked_input_hides_the_value_and_changes_every_time() -> None:
@@ -155,8 +192,9 @@ def test_prg_is_a_function_of_its_seed_only() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(secret=st.binary(min_size=32, max_size=32), n=st.integers(1, 7), data=st.data())
-def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
-                                                  data: st.DataObject) -> None:
+def test_any_threshold_shares_recover_the_secret(
+    secret: bytes, n: int, data: st.DataObject
+) -> None:
     threshold = data.draw(st.integers(1, n))
     shares = shamir.split(secret, threshold, n)
     subset = data.draw(st.permutations(shares))[:threshold]
@@ -166,15 +204,15 @@ def test_any_threshold_shares_recover_the_secret(secret: bytes, n: int,
             shamir.combine(subset[: threshold - 1], threshold)
 
 
-@pytest.mark.parametrize("size", [3 * (1 << 15) + 17, 5 * (1 << 16) + 123],
-                         ids=["one range", "split between threads"])
+@pytest.mark.parametrize(
+    "size", [3 * (1 << 15) + 17, 5 * (1 << 16) + 123], ids=["one range", "split between threads"]
+)
 def test_add_streams_adds_exactly_the_expanded_words(size: int) -> None:
     seed = bytes(range(32))
     acc = np.arange(size, dtype=np.int64)
     prg.add_streams([(seed, +1)], acc)
     with np.errstate(over="ignore"):
-        np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64)
-                                      + prg.expand(seed, size))
+        np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64) + prg.expand(seed, size))
     prg.add_streams([(seed, -1)], acc)
     np.testing.assert_array_equal(acc, np.arange(size, dtype=np.int64))
     out = np.full(size, 7, np.int64)  # with a base, the accumulator's contents are not read
@@ -238,8 +276,9 @@ def test_a_sparse_graph_reveals_the_exact_sum_with_dropouts(
     _keys, members = federation(n)
     if isolated_survivors(members, sorted(survivors), degree, CONTEXT):
         return  # the refusal has its own test
-    revealed, _ = secure_sum(values, n=n, threshold=threshold, send=survivors,
-                             answer=survivors, degree=degree)
+    revealed, _ = secure_sum(
+        values, n=n, threshold=threshold, send=survivors, answer=survivors, degree=degree
+    )
     expected = plain_sum(values, survivors)
     for name in expected:
         np.testing.assert_array_equal(revealed[name], expected[name])

@@ -15,15 +15,15 @@ from lensemble_flwr.errors import (
     RoundError,
     SecureAggregationError,
 )
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.protocol.messages import (
     RoundOpen,
     UnmaskRequest,
     Update,
     from_wire,
     to_wire,
 )
-from lensemble_flwr.federation.round import PseudoGradient
-from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.secagg import prg, shamir
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.keys import SecAggKeys
@@ -42,37 +42,70 @@ def trio():
 
 
 def masked_update(pid: str, keys, members, **changes) -> Update:
-    release = mask({"w": np.arange(6, dtype=np.int64)}, me=pid, keys=keys[pid],
-                   members=members, threshold=2, context=CONTEXT)
-    fields = dict(run_id="run", round=0, sender=pid, participant_id=pid, dataset_root=None,
-                  delta=release.masked, l2_norm=0.0, num_examples=1, masked=True,
-                  sealed_shares={h: c.hex() for h, c in release.sealed.items()})
+    release = mask(
+        {"w": np.arange(6, dtype=np.int64)},
+        me=pid,
+        keys=keys[pid],
+        members=members,
+        threshold=2,
+        context=CONTEXT,
+    )
+    fields = dict(
+        run_id="run",
+        round=0,
+        sender=pid,
+        participant_id=pid,
+        dataset_root=None,
+        delta=release.masked,
+        l2_norm=0.0,
+        num_examples=1,
+        masked=True,
+        sealed_shares={h: c.hex() for h, c in release.sealed.items()},
+    )
     fields.update(changes)
     return Update(**fields)
 
 
 def aggregator(members, **config) -> SecureAggregator:
-    return SecureAggregator(TEMPLATE, AggregationConfig(**config), members=members,
-                            threshold=2, context=CONTEXT, mask_key_shares={})
+    return SecureAggregator(
+        TEMPLATE,
+        AggregationConfig(**config),
+        members=members,
+        threshold=2,
+        context=CONTEXT,
+        mask_key_shares={},
+    )
 
 
 def test_the_aggregator_admits_only_well_formed_masked_updates_of_members(trio) -> None:
     keys, members = trio
     agg = aggregator(members)
-    plain = Update(run_id="run", round=0, sender="a", participant_id="a", dataset_root=None,
-                   delta={"w": np.zeros(6, np.float32)}, l2_norm=0.0, num_examples=1)
+    plain = Update(
+        run_id="run",
+        round=0,
+        sender="a",
+        participant_id="a",
+        dataset_root=None,
+        delta={"w": np.zeros(6, np.float32)},
+        l2_norm=0.0,
+        num_examples=1,
+    )
     with pytest.raises(RoundError, match="masked updates only"):
         agg.admit(plain, weight=1)
     outsider_keys = {"z": SecAggKeys.generate(), **keys}
-    outsiders = [*members, Member("z", outsider_keys["z"].mask_public,
-                                  outsider_keys["z"].enc_public)]
+    outsiders = [
+        *members,
+        Member("z", outsider_keys["z"].mask_public, outsider_keys["z"].enc_public),
+    ]
     with pytest.raises(RoundError, match="not a member"):
         agg.admit(masked_update("z", outsider_keys, outsiders), weight=1)
     with pytest.raises(RoundError, match="weight"):
         agg.admit(masked_update("a", keys, members), weight=0)
     with pytest.raises(RoundError, match="not hex"):
-        agg.admit(masked_update("a", keys, members, sealed_shares={"a": "zz", "b": "00",
-                                                                   "c": "00"}), weight=1)
+        agg.admit(
+            masked_update("a", keys, members, sealed_shares={"a": "zz", "b": "00", "c": "00"}),
+            weight=1,
+        )
     with pytest.raises(RoundError, match="every member"):
         agg.admit(masked_update("a", keys, members, sealed_shares={"a": "00"}), weight=1)
     agg.admit(masked_update("a", keys, members), weight=1)
@@ -98,11 +131,20 @@ def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
     for holder, request in agg.disclosure_requests().items():
         from lensemble_flwr.secagg.protocol import disclose
 
-        agg.disclose(holder, disclose(me=holder, keys=keys[holder], members=members,
-                                      run_id="run", context=CONTEXT,
-                                      survivors=request.survivors, dropped=request.dropped,
-                                      self_mask_shares=request.self_mask_shares,
-                                      mask_key_shares=request.mask_key_shares))
+        agg.disclose(
+            holder,
+            disclose(
+                me=holder,
+                keys=keys[holder],
+                members=members,
+                run_id="run",
+                context=CONTEXT,
+                survivors=request.survivors,
+                dropped=request.dropped,
+                self_mask_shares=request.self_mask_shares,
+                mask_key_shares=request.mask_key_shares,
+            ),
+        )
     result = agg.reveal()
     np.testing.assert_array_equal(result.sums["w"], 3 * np.arange(6))
     agg.verify(result)
@@ -118,8 +160,14 @@ def test_a_member_set_must_be_well_formed_and_include_the_masker(trio) -> None:
     keys, members = trio
     values = {"w": np.arange(6, dtype=np.int64)}
     with pytest.raises(SecureAggregationError, match="duplicate member ids"):
-        mask(values, me="a", keys=keys["a"], members=[*members, members[0]], threshold=2,
-             context=CONTEXT)
+        mask(
+            values,
+            me="a",
+            keys=keys["a"],
+            members=[*members, members[0]],
+            threshold=2,
+            context=CONTEXT,
+        )
     with pytest.raises(SecureAggregationError, match="not a member"):
         mask(values, me="z", keys=keys["a"], members=members, threshold=2, context=CONTEXT)
 
@@ -129,15 +177,32 @@ def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_disclose
 ) -> None:
     _keys, members = trio
     role = MaskingRole("a")  # never committed keys
-    opened = RoundOpen.model_construct(run_id="run", round=0, attempt=1,
-                                       secagg_members=tuple(encode_member(m) for m in members),
-                                       secagg_threshold=2)
-    release = PseudoGradient(participant_id="a", round=0, delta={"w": np.zeros(6, np.float32)},
-                             l2_norm=0.0, dataset_root=None, num_examples=1)
+    opened = RoundOpen.model_construct(
+        run_id="run",
+        round=0,
+        attempt=1,
+        secagg_members=tuple(encode_member(m) for m in members),
+        secagg_threshold=2,
+    )
+    release = PseudoGradient(
+        participant_id="a",
+        round=0,
+        delta={"w": np.zeros(6, np.float32)},
+        l2_norm=0.0,
+        dataset_root=None,
+        num_examples=1,
+    )
     with pytest.raises(SecureAggregationError, match="no keys"):
         role.mask_release(release, opened, LensembleConfig())
-    request = UnmaskRequest(run_id="run", round=0, sender="coordinator", attempt=1,
-                            survivors=("a",), dropped=(), sealed={})
+    request = UnmaskRequest(
+        run_id="run",
+        round=0,
+        sender="coordinator",
+        attempt=1,
+        survivors=("a",),
+        dropped=(),
+        sealed={},
+    )
     with pytest.raises(SecureAggregationError, match="no masked round"):
         role.disclose(request)
 
@@ -149,8 +214,15 @@ def test_a_member_set_that_could_overflow_the_sum_is_refused(trio) -> None:
 
 
 def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:
-    payload = {"kind": "unmask-response", "run_id": "run", "round": 0, "sender": "a",
-               "participant_id": "a", "b_shares": {"c": "1:2"}, "m_shares": {"c": "1:2"}}
+    payload = {
+        "kind": "unmask-response",
+        "run_id": "run",
+        "round": 0,
+        "sender": "a",
+        "participant_id": "a",
+        "b_shares": {"c": "1:2"},
+        "m_shares": {"c": "1:2"},
+    }
     with pytest.raises(RoundError, match="both shares"):
         from_wire(payload)
 
@@ -162,11 +234,21 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
     role = MaskingRole("a")
     role.keys = keys["a"]
     config = LensembleConfig(aggregation={"max_abs_update": 1.0})
-    opened = RoundOpen.model_construct(run_id="run", round=0, attempt=1,
-                                       secagg_members=tuple(encode_member(m) for m in members),
-                                       secagg_threshold=2)
-    huge = PseudoGradient(participant_id="a", round=0, delta={"w": np.full(6, 5.0, np.float32)},
-                          l2_norm=0.0, dataset_root=None, num_examples=1)
+    opened = RoundOpen.model_construct(
+        run_id="run",
+        round=0,
+        attempt=1,
+        secagg_members=tuple(encode_member(m) for m in members),
+        secagg_threshold=2,
+    )
+    huge = PseudoGradient(
+        participant_id="a",
+        round=0,
+        delta={"w": np.full(6, 5.0, np.float32)},
+        l2_norm=0.0,
+        dataset_root=None,
+        num_examples=1,
+    )
     with pytest.raises(RoundError, match="max-abs-update"):
         role.mask_release(huge, opened, config)
     # a NaN or an infinity is never masked (the plaintext ingress check, participant-side)
@@ -179,8 +261,15 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
         role.mask_release(int8, opened, config)
     fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
     role.mask_release(fine, opened, config)
-    other = UnmaskRequest(run_id="run", round=7, sender="coordinator", attempt=1,
-                          survivors=("a",), dropped=(), sealed={})
+    other = UnmaskRequest(
+        run_id="run",
+        round=7,
+        sender="coordinator",
+        attempt=1,
+        survivors=("a",),
+        dropped=(),
+        sealed={},
+    )
     with pytest.raises(SecureAggregationError, match="another round"):
         role.disclose(other)
 
@@ -205,7 +294,10 @@ def test_budget_prg_and_shamir_refuse_bad_arguments(tmp_path: Path) -> None:
 def test_a_masked_update_carries_int64_and_shares_only(trio) -> None:
     keys, members = trio
     good = to_wire(masked_update("a", keys, members))
-    for changes in ({"sealed_shares": None}, {"delta": {"w": np.zeros(6, np.float32)}},
-                    {"masked": False}):
+    for changes in (
+        {"sealed_shares": None},
+        {"delta": {"w": np.zeros(6, np.float32)}},
+        {"masked": False},
+    ):
         with pytest.raises(RoundError):
             from_wire({**good, **changes})

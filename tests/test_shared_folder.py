@@ -31,6 +31,7 @@ from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.artifacts.tensors import pack
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ClaimantDied,
@@ -42,9 +43,17 @@ from lensemble_flwr.errors import (
     RoundError,
     StoreError,
 )
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.folder_barrier import FolderBarrier, SittingKey, Snapshot
-from lensemble_flwr.federation.folder_records import (
+from lensemble_flwr.protocol.messages import (
+    Commitment,
+    Refusal,
+    Update,
+    from_wire,
+    message_digest,
+    to_wire,
+)
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey, Snapshot
+from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
     Genesis,
@@ -55,20 +64,11 @@ from lensemble_flwr.federation.folder_records import (
     encode,
     encode_record,
 )
-from lensemble_flwr.federation.messages import (
-    Commitment,
-    Refusal,
-    Update,
-    from_wire,
-    message_digest,
-    to_wire,
-)
-from lensemble_flwr.federation.replay import ReplayTransport
-from lensemble_flwr.federation.shared_folder import SharedFolderParticipant, check_sizes
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.shared_folder.runner import SharedFolderParticipant, check_sizes
 from lensemble_flwr.simulations import shared_folder_demo
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.transports.replay import ReplayTransport
 
 FOUR = ["p00", "p01", "p02", "p03"]
 _CTX = multiprocessing.get_context("forkserver")
@@ -79,7 +79,7 @@ _CTX.set_forkserver_preload(
     [
         "torch",
         "torch._dynamo",
-        "lensemble_flwr.federation.shared_folder",
+        "lensemble_flwr.shared_folder.runner",
         "lensemble_flwr.simulations.toy",
     ]
 )

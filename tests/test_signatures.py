@@ -14,14 +14,15 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from federation_helpers import small_config
 
 from lensemble_flwr.errors import ConfigError, ForgedMessage
-from lensemble_flwr.federation.identity import (
+from lensemble_flwr.identity.signing import (
     IdentityKey,
     parse_public_key,
     verify_signature,
 )
-from lensemble_flwr.federation.messages import Commitment, Update, from_wire, to_wire
-from lensemble_flwr.federation.transport import COORDINATOR, FaultPlan
+from lensemble_flwr.protocol.messages import Commitment, Update, from_wire, to_wire
 from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.transports.base import COORDINATOR
+from lensemble_flwr.transports.faults import FaultPlan
 
 PIDS = ("p00", "p01", "p02", "p03")
 KEYS = {pid: IdentityKey.generate() for pid in PIDS}

@@ -39,23 +39,32 @@ BACKEND = {"client_resources": {"num_cpus": 0.5}}  # several actors on 2 cores
 
 def simulate(server: ServerApp, client: ClientApp, nodes: int) -> float:
     started = time.perf_counter()
-    run_simulation(server_app=server, client_app=client, num_supernodes=nodes,
-                   backend_config=BACKEND)
+    run_simulation(
+        server_app=server, client_app=client, num_supernodes=nodes, backend_config=BACKEND
+    )
     return time.perf_counter() - started
 
 
-def lensemble_server(config: LensembleConfig, run_dir: Path, rounds: int, box: dict,
-                     initial: dict[str, np.ndarray], **strategy_args: Any) -> ServerApp:
+def lensemble_server(
+    config: LensembleConfig,
+    run_dir: Path,
+    rounds: int,
+    box: dict,
+    initial: dict[str, np.ndarray],
+    **strategy_args: Any,
+) -> ServerApp:
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = LensembleStrategy(config, run_dir=run_dir, fraction_evaluate=0.0,
-                                     **strategy_args)
+        strategy = LensembleStrategy(
+            config, run_dir=run_dir, fraction_evaluate=0.0, **strategy_args
+        )
         box["strategy"] = strategy
         try:
-            box["result"] = strategy.start(grid=grid, initial_arrays=arrays_to_record(initial),
-                                           num_rounds=rounds)
+            box["result"] = strategy.start(
+                grid=grid, initial_arrays=arrays_to_record(initial), num_rounds=rounds
+            )
         except Exception as exc:  # handed back to the test, which asserts on it
             box["error"] = exc
 
@@ -115,15 +124,20 @@ def test_elastic_completion_with_a_participant_past_the_deadline(tmp_path: Path)
 
 def test_quorum_failure_aborts_and_leaves_the_global_arrays_unchanged(tmp_path: Path) -> None:
     config = LensembleConfig(
-        federation={"min_participants": 3, "open_timeout": 2.0, "collect_timeout": 5.0,
-                    "max_round_attempts": 2, "retry_wait": 0.5},
+        federation={
+            "min_participants": 3,
+            "open_timeout": 2.0,
+            "collect_timeout": 5.0,
+            "max_round_attempts": 2,
+            "retry_wait": 0.5,
+        },
         inner={"steps": 1},
     )
     box: dict = {}
-    server = lensemble_server(config, tmp_path / "run", 2, box, toy_params(),
-                              warmup_timeout=5.0)
-    simulate(server, make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"]))),
-             nodes=2)
+    server = lensemble_server(config, tmp_path / "run", 2, box, toy_params(), warmup_timeout=5.0)
+    simulate(
+        server, make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"]))), nodes=2
+    )
     assert isinstance(box.get("error"), FaultToleranceExceeded)
     coordinator = box["strategy"].coordinator
     assert [o.state.value for o in coordinator.outcomes] == ["aborted", "aborted"]
@@ -147,16 +161,19 @@ def stock_client_app() -> ClientApp:
         pid = int(context.node_config["partition-id"])
         w = msg.content["arrays"]["w"].numpy()
         local = w + np.float32(0.5) * (TARGETS[pid] - w)  # half-way to its own target
-        content = RecordDict({
-            "arrays": ArrayRecord({"w": Array(local)}),
-            "metrics": MetricRecord({"num-examples": 10 * (pid + 1), "train_loss": 0.1}),
-        })
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({"w": Array(local)}),
+                "metrics": MetricRecord({"num-examples": 10 * (pid + 1), "train_loss": 0.1}),
+            }
+        )
         return Message(content=content, reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
-        return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}),
-                       reply_to=msg)
+        return Message(
+            content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg
+        )
 
     return app
 
@@ -167,8 +184,12 @@ def fedavg_server(rounds: int, box: dict, initial: dict[str, np.ndarray]) -> Ser
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=4, min_train_nodes=4)
-        result = strategy.start(grid=grid, initial_arrays=arrays_to_record(initial),
-                                num_rounds=rounds, train_config=ConfigRecord({"lr": 0.1}))
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=arrays_to_record(initial),
+            num_rounds=rounds,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )
         box["arrays"] = record_to_arrays(result.arrays)
 
     return app
@@ -189,15 +210,17 @@ def test_fedavg_equivalence_with_a_stock_clientapp_unchanged(
     simulate(fedavg_server(rounds, fedavg, initial), stock_client_app(), nodes=4)
 
     config = LensembleConfig(
-        federation={"min_participants": 4, "weighting": "num-examples",
-                    "collect_timeout": 30.0},
+        federation={"min_participants": 4, "weighting": "num-examples", "collect_timeout": 30.0},
         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
         groups={"shared": "*", "local": ""},
     )
     box: dict = {}
     with caplog.at_level(logging.WARNING):
-        simulate(lensemble_server(config, tmp_path / "run", rounds, box, initial),
-                 stock_client_app(), nodes=4)
+        simulate(
+            lensemble_server(config, tmp_path / "run", rounds, box, initial),
+            stock_client_app(),
+            nodes=4,
+        )
     assert "error" not in box, box.get("error")
     ours = record_to_arrays(box["result"].arrays)
     np.testing.assert_allclose(ours["w"], fedavg["arrays"]["w"], rtol=1e-6, atol=1e-7)
@@ -243,8 +266,11 @@ def test_numpyclient_drop_in(tmp_path: Path) -> None:
     box: dict = {}
     initial = {"0": np.zeros(3, np.float32)}  # a NumPyClient's list of arrays, by position
     # run_simulation has no run config to share: the clients get the config explicitly
-    simulate(lensemble_server(config, tmp_path / "run", 2, box, initial),
-             wrap_numpy_client(client_fn, config_fn=lambda _: config), nodes=3)
+    simulate(
+        lensemble_server(config, tmp_path / "run", 2, box, initial),
+        wrap_numpy_client(client_fn, config_fn=lambda _: config),
+        nodes=3,
+    )
     assert "error" not in box, box.get("error")
     weights = np.array([10.0, 20.0, 30.0])
     mean_target = sum(w * TARGETS[p] for p, w in enumerate(weights)) / weights.sum()
@@ -263,15 +289,22 @@ def test_private_int8_releases_over_flower(tmp_path: Path) -> None:
     config = LensembleConfig(
         federation={"min_participants": 3, "collect_timeout": 30.0},
         inner={"steps": 2, "batch_size": 8},
-        privacy={"clip_norm": 1.0, "noise_multiplier": 0.5, "dp_epsilon": 1000.0,
-                 "dp_state_dir": str(tmp_path / "budgets")},
+        privacy={
+            "clip_norm": 1.0,
+            "noise_multiplier": 0.5,
+            "dp_epsilon": 1000.0,
+            "dp_state_dir": str(tmp_path / "budgets"),
+        },
         release={"quantize": "int8"},
     )
     box: dict = {}
-    simulate(lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
-             make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"])),
-                             config_fn=lambda _: config),
-             nodes=3)
+    simulate(
+        lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
+        make_client_app(
+            lambda c: ToyTrainer(int(c.node_config["partition-id"])), config_fn=lambda _: config
+        ),
+        nodes=3,
+    )
     assert "error" not in box, box.get("error")
     records = verify(Store(tmp_path / "run"))
     assert [r.count for r in records] == [3, 3]
@@ -291,20 +324,28 @@ def test_masked_rounds_over_flower(tmp_path: Path) -> None:
     a revealed sum is bitwise the plaintext sum is shown in-process, where participant ids,
     and so the inner loops' seeds, are the same in both runs.)"""
     config = LensembleConfig(
-        federation={"min_participants": 3, "secagg_threshold": 3,
-                    "collect_timeout": 30.0, "open_timeout": 30.0},
+        federation={
+            "min_participants": 3,
+            "secagg_threshold": 3,
+            "collect_timeout": 30.0,
+            "open_timeout": 30.0,
+        },
         inner={"steps": 2, "batch_size": 8},
     )
     box: dict = {}
-    simulate(lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
-             make_client_app(lambda c: ToyTrainer(int(c.node_config["partition-id"])),
-                             config_fn=lambda _: config),
-             nodes=3)
+    simulate(
+        lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
+        make_client_app(
+            lambda c: ToyTrainer(int(c.node_config["partition-id"])), config_fn=lambda _: config
+        ),
+        nodes=3,
+    )
     assert "error" not in box, box.get("error")
     result = box["result"]
     assert [o.count for o in result.outcomes] == [3, 3]
     assert result.train_metrics_clientapp[2]["exchanges"] == 2.0
     records = verify(Store(tmp_path / "run"))
     assert [r.count for r in records] == [3, 3]
-    assert not np.array_equal(record_to_arrays(result.arrays)["encoder.weight"],
-                              toy_params()["encoder.weight"])
+    assert not np.array_equal(
+        record_to_arrays(result.arrays)["encoder.weight"], toy_params()["encoder.weight"]
+    )

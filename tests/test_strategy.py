@@ -32,10 +32,12 @@ def stock_loop_federation(tmp_path: Path) -> tuple[LensembleStrategy, FakeGrid]:
         n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
         for n in NODES
     }
-    grid = FakeGrid(FakeClock(), {n: clientapp_node(i, contexts[n], config)
-                                  for i, n in enumerate(NODES)})
-    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="stock-loop",
-                                 fraction_evaluate=0.0)
+    grid = FakeGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    strategy = LensembleStrategy(
+        config, run_dir=tmp_path / "run", run_id="stock-loop", fraction_evaluate=0.0
+    )
     return strategy, grid
 
 
@@ -43,8 +45,13 @@ def test_flowers_stock_loop_drives_the_same_state_machine(tmp_path: Path) -> Non
     """Strategy.start (Flower's own loop) → configure_train, send_and_receive,
     aggregate_train: each aggregate_train is one round attempt of the coordinator."""
     strategy, grid = stock_loop_federation(tmp_path)
-    result = Strategy.start(strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()),
-                            num_rounds=3, train_config=ConfigRecord({"lr": 0.1}))
+    result = Strategy.start(
+        strategy,
+        grid=grid,
+        initial_arrays=arrays_to_record(initial_params()),
+        num_rounds=3,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )
     coordinator = strategy.coordinator
     assert coordinator is not None and coordinator.global_state().round == 3
     final = record_to_arrays(result.arrays)
@@ -96,8 +103,13 @@ def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> 
     ("key", "value"), [("outer-lrr", 1.0), ("outer-lr", -1.0), ("min-participants", "many")]
 )
 def test_the_app_stops_on_a_bad_run_config_key_naming_it(key: str, value: object) -> None:
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                      run_config={"num-server-rounds": 1, key: value})  # type: ignore[dict-item]
+    context = Context(
+        run_id=1,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={"num-server-rounds": 1, key: value},
+    )  # type: ignore[dict-item]
 
     class NoGrid:
         def __getattr__(self, name: str) -> None:
@@ -113,13 +125,19 @@ def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path
     strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     before = [r.record_hash for r in verify(Store(tmp_path / "run"))]
     # a new ServerApp process: a new strategy object on the same run directory
-    again = LensembleStrategy(strategy.config, run_dir=tmp_path / "run", run_id="stock-loop",
-                              fraction_evaluate=0.0, resume=True)
+    again = LensembleStrategy(
+        strategy.config,
+        run_dir=tmp_path / "run",
+        run_id="stock-loop",
+        fraction_evaluate=0.0,
+        resume=True,
+    )
     result = again.start(grid=grid, initial_arrays=initial, num_rounds=3)
     records = verify(Store(tmp_path / "run"))
     assert [r.record_hash for r in records[:2]] == before  # nothing committed was lost
     assert [r.round for r in records] == [0, 1, 2]
     assert list(result.train_metrics_clientapp) == [3]  # one more round, not three
     with pytest.raises(StoreError, match="already holds a run"):
-        LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0
-                          ).start(grid=grid, initial_arrays=initial, num_rounds=1)
+        LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0).start(
+            grid=grid, initial_arrays=initial, num_rounds=1
+        )

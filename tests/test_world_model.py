@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import RoundOutcome
 from lensemble_flwr.errors import ConfigError, ParameterMismatch
-from lensemble_flwr.federation.coordinator import RoundOutcome
-from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.world_data import (
     ACTION_DIMS,

@@ -85,4 +85,3 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
         momentum=momentum,
         params_hash=actual,
     )
-

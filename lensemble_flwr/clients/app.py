@@ -18,13 +18,13 @@ from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.state import load_state, save_state
 from lensemble_flwr.config import LensembleConfig, run_config_keys
-from lensemble_flwr.federation.alignment import GaugeSetup
-from lensemble_flwr.federation.identity import IdentityKey
-from lensemble_flwr.federation.local_training import LocalTraining, Trainer
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.transport import ReplyCollector
+from lensemble_flwr.gauge.runtime import GaugeSetup
+from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.participant.local_training import LocalTraining, Trainer
+from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.strategies import records
+from lensemble_flwr.transports.base import ReplyCollector
 
 log = logging.getLogger(__name__)
 

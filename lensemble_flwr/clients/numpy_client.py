@@ -20,8 +20,8 @@ from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.local_training import PortableState
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.participant.local_training import PortableState
 
 
 def ordered_names(names: Iterable[str]) -> list[str]:

@@ -13,7 +13,7 @@ import json
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from lensemble_flwr.canonical import canonical_json
-from lensemble_flwr.federation.local_training import PortableState
+from lensemble_flwr.participant.local_training import PortableState
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 ARRAYS_KEY = "lensemble.state.arrays"

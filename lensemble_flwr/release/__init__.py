@@ -8,7 +8,7 @@ from lensemble_flwr.release.pipeline import (
     chain,
 )
 from lensemble_flwr.release.privacy import clip, gaussian_noise
-from lensemble_flwr.release.stages import bind, difference, release_pipeline
+from lensemble_flwr.release.stages import bind, difference
 
 __all__ = [
     "Release",
@@ -20,5 +20,4 @@ __all__ = [
     "clip",
     "difference",
     "gaussian_noise",
-    "release_pipeline",
 ]

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lensemble_flwr.errors import ConfigError
-from lensemble_flwr.federation.round import GlobalState
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.state import GlobalState
 
 
 class Stage(enum.IntEnum):

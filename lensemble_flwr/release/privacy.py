@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from lensemble_flwr.errors import DPBoundViolation, RoundError
-from lensemble_flwr.federation.round import l2_norm
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal
+from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.release.pipeline import (
     Release,
     ReleaseContext,

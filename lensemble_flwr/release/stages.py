@@ -7,25 +7,17 @@ an update whose root differs from its sender's commitment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import ConfigError, RoundError
+from lensemble_flwr.errors import RoundError
 from lensemble_flwr.params import subtract
-from lensemble_flwr.privacy.budget import PrivacyBudget, default_state_dir
 from lensemble_flwr.release.pipeline import (
     Release,
     ReleaseContext,
     ReleaseTransform,
     Stage,
-    chain,
     no_state,
 )
-from lensemble_flwr.release.privacy import clip, gaussian_noise
-from lensemble_flwr.release.quantize import int8_quantize
-
-if TYPE_CHECKING:
-    from lensemble_flwr.federation.alignment import GaugeSetup
 
 
 def difference() -> ReleaseTransform:
@@ -53,46 +45,3 @@ def bind() -> ReleaseTransform:
         return release.replace(bound_root=ctx.dataset_root), state
 
     return ReleaseTransform("bind", Stage.BIND, no_state, update)
-
-
-def release_pipeline(
-    config: LensembleConfig,
-    *,
-    participant_id: str,
-    dataset_root: str | None,
-    gauge: GaugeSetup | None = None,
-) -> ReleaseTransform:
-    """The participant's pipeline as its config asks:
-    [align →] difference → [clip → [noise]] → [quantize] → bind.
-
-    Alignment (``gauge-align``) rotates the trained weights into the global latent frame
-    before they are differenced, so every later stage sees the aligned delta.
-
-    The privacy budget belongs to the dataset commitment (or, for a participant that
-    cannot commit, to its id) and lives in the participant's ``dp-state-dir``.
-    """
-    privacy = config.privacy
-    stages: list[ReleaseTransform] = []
-    if config.gauge.align:
-        if gauge is None:
-            raise ConfigError("gauge-align", "needs a GaugeSetup (the model's adapter and probe)")
-        from lensemble_flwr.gauge import align  # the gauge package builds on this one
-
-        stages.append(align(gauge.adapter, gauge.probe, config.gauge))
-    stages.append(difference())
-    if privacy.clip_norm > 0:
-        stages.append(clip(privacy.clip_norm))
-    if privacy.noised:
-        budget = PrivacyBudget(
-            privacy.dp_state_dir or default_state_dir(),
-            dataset_root or f"participant-{participant_id}",
-            epsilon=privacy.dp_epsilon,
-            delta=privacy.dp_delta,
-            accountant=privacy.dp_accountant,
-        )
-        stages.append(gaussian_noise(privacy.noise_multiplier, privacy.clip_norm, budget))
-    if config.release.quantize == "int8":
-        stages.append(int8_quantize())
-    if dataset_root is not None:
-        stages.append(bind())
-    return chain(*stages)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import (
     ConfigError,
@@ -21,8 +22,7 @@ from lensemble_flwr.errors import (
     RoundError,
     SecureAggregationError,
 )
-from lensemble_flwr.federation.aggregation import AggregateSum
-from lensemble_flwr.federation.messages import Update
+from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.secagg.protocol import MaskedSum, Member, Shares
 
 

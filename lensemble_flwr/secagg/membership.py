@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lensemble_flwr.federation.messages import Commitment
+from lensemble_flwr.protocol.messages import Commitment
 from lensemble_flwr.secagg.protocol import Member, members_digest
 
 

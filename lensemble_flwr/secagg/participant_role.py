@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
-from lensemble_flwr.federation.aggregation import to_fixed_point
-from lensemble_flwr.federation.messages import RoundOpen, UnmaskRequest, released_max_abs
-from lensemble_flwr.federation.round import PseudoGradient
+from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
+from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.secagg.keys import SecAggKeys
 from lensemble_flwr.secagg.protocol import (
     Member,

@@ -40,18 +40,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import CheckpointIntegrityError, LensembleError
-from lensemble_flwr.federation.aggregation import FixedPointAggregator
-from lensemble_flwr.federation.coordinator import Coordinator
-from lensemble_flwr.federation.local_training import PortableState
-from lensemble_flwr.federation.messages import WirePayload
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import GlobalState, RoundMachine, RoundState
-from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
+from lensemble_flwr.participant.local_training import PortableState
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.messages import WirePayload
+from lensemble_flwr.protocol.round import RoundMachine, RoundState
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.simulations.kill_points import (
     CHECKPOINT_WRITE,
@@ -59,6 +59,8 @@ from lensemble_flwr.simulations.kill_points import (
     MID_COLLECTING,
 )
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 log = logging.getLogger(__name__)
 

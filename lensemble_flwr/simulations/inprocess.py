@@ -16,12 +16,13 @@ from pathlib import Path
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.coordinator import Coordinator, RoundOutcome
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.round import RoundState
-from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
+from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, global_loss, initial_params
+from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 def build(

@@ -30,8 +30,8 @@ import torch
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
-from lensemble_flwr.federation.folder_records import Outcome
-from lensemble_flwr.federation.shared_folder import SharedFolderParticipant
+from lensemble_flwr.shared_folder.records import Outcome
+from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.simulations.toy import ToyTrainer, global_loss, initial_params
 
 

@@ -26,9 +26,9 @@ from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
-from lensemble_flwr.federation.alignment import GaugeSetup
-from lensemble_flwr.federation.participant import training_state
+from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.params import is_local, is_shared
+from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations import flower_app
 from lensemble_flwr.simulations.world_data import participant_data
 from lensemble_flwr.simulations.world_federation import world_gauge

@@ -1,6 +1,6 @@
 """The world model's federation in one process: participants, coordinator, validation.
 
-:func:`build_world` wires a :class:`~lensemble_flwr.federation.coordinator.Coordinator`
+:func:`build_world` wires a :class:`~lensemble_flwr.coordinator.coordinator.Coordinator`
 and world-model participants on an :class:`InProcessNetwork` (a simulated clock, so a
 round costs only its compute). Alignment follows the config: with ``gauge-align`` every
 participant aligns its trained weights on the public probe before release and the
@@ -19,10 +19,9 @@ import numpy as np
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.alignment import GaugeSetup
-from lensemble_flwr.federation.coordinator import Coordinator, RoundOutcome
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.transport import FaultPlan, InProcessNetwork
+from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.gauge.runtime import GaugeSetup
+from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.simulations.world_data import participant_data, public_probe
 from lensemble_flwr.simulations.world_model import (
     WorldModelAdapter,
@@ -30,6 +29,8 @@ from lensemble_flwr.simulations.world_model import (
     WorldTraining,
     initial_params,
 )
+from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 @dataclasses.dataclass

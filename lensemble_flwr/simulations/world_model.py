@@ -33,8 +33,8 @@ from torch.func import functional_call
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig, ParamGroupsConfig
 from lensemble_flwr.errors import ParameterMismatch
-from lensemble_flwr.federation.local_training import TorchTraining
 from lensemble_flwr.params import NamedArrays, export_shared, load_shared
+from lensemble_flwr.participant.local_training import TorchTraining
 from lensemble_flwr.simulations.world_data import LATENT_DIM, OBS_DIM, ParticipantData
 
 HIDDEN, EMBED_DIM = 64, 8

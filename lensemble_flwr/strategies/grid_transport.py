@@ -32,8 +32,8 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
-from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
-from lensemble_flwr.federation.round import l2_norm
+from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.records import node_id_of, participant_id
 

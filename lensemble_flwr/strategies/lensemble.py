@@ -28,10 +28,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.federation.alignment import GaugeSetup
-from lensemble_flwr.federation.coordinator import Coordinator, RoundOutcome
-from lensemble_flwr.federation.messages import to_wire
-from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.gauge.runtime import GaugeSetup
+from lensemble_flwr.protocol.messages import to_wire
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
@@ -39,7 +39,7 @@ from lensemble_flwr.strategies.grid_transport import (
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.records import participant_id
-from lensemble_flwr.strategies.replay import ReplayTransport
+from lensemble_flwr.transports.replay import ReplayTransport
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from lensemble_flwr.federation.messages import WirePayload
+from lensemble_flwr.protocol.messages import WirePayload
 
 NODE_PREFIX = "node-"
 PREFIX = "lensemble."

@@ -1,6 +1,6 @@
 """A participant's inner loop, behind one small interface.
 
-:class:`LocalTraining` is what a :class:`~lensemble_flwr.federation.participant.Participant`
+:class:`LocalTraining` is what a :class:`~lensemble_flwr.participant.participant.Participant`
 trains with: given the global shared params, run H steps and return the local shared
 params. Two implementations ship: :class:`TorchTraining` (H AdamW steps over a
 :class:`Trainer`, the usual case) and, in ``lensemble_flwr.clients``, one that calls an

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from lensemble_flwr.canonical import digest_record
 from lensemble_flwr.errors import ForgedMessage
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.protocol.messages import (
     ParticipantMessage,
     canonical_fields,
     message_digest,

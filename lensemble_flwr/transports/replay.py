@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from lensemble_flwr.federation.messages import ControlMessage, WirePayload
+from lensemble_flwr.protocol.messages import ControlMessage, WirePayload
 
 
 class ReplayTransport:

@@ -31,7 +31,7 @@ Two deadlines, and two different errors, because they are different failures:
   decide: :class:`~lensemble_flwr.errors.ClaimantDied`, naming it.
 
 The barrier moves bytes; what a record or an outcome means is the caller's business
-(:mod:`lensemble_flwr.federation.shared_folder`).
+(:mod:`lensemble_flwr.shared_folder.runner`).
 """
 
 from __future__ import annotations

@@ -31,10 +31,18 @@ from typing import Literal
 
 import numpy as np
 
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator, FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
+from lensemble_flwr.coordinator.durable import (
+    load_closing,
+    mark_started,
+    save_closing,
+    started_attempts,
+)
+from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ConfigError,
@@ -53,8 +61,7 @@ from lensemble_flwr.errors import (
     reported,
     response_to,
 )
-from lensemble_flwr.federation.aggregation import AggregateSum, Aggregator, FixedPointAggregator
-from lensemble_flwr.federation.alignment import (
+from lensemble_flwr.gauge.runtime import (
     GaugeSetup,
     check_sketch,
     check_warm_start_of,
@@ -63,13 +70,9 @@ from lensemble_flwr.federation.alignment import (
     harness_transform,
     require_setup,
 )
-from lensemble_flwr.federation.durable import (
-    load_closing,
-    mark_started,
-    save_closing,
-    started_attempts,
-)
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.params import NamedArrays, is_shared
+from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
     Refusal,
@@ -83,17 +86,8 @@ from lensemble_flwr.federation.messages import (
     from_wire,
     message_digest,
 )
-from lensemble_flwr.federation.outer_optimizer import outer_step, zero_momentum
-from lensemble_flwr.federation.registry import ParticipantRegistry
-from lensemble_flwr.federation.round import (
-    GlobalState,
-    RoundEvent,
-    RoundMachine,
-    RoundState,
-    l2_norm,
-)
-from lensemble_flwr.federation.transport import COORDINATOR, Transport
-from lensemble_flwr.params import NamedArrays, is_shared
+from lensemble_flwr.protocol.round import RoundEvent, RoundMachine, RoundState
+from lensemble_flwr.protocol.state import GlobalState, l2_norm
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     ContributionRecord,
@@ -106,6 +100,7 @@ from lensemble_flwr.provenance.ledger import (
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.participant_role import encode_member
 from lensemble_flwr.secagg.protocol import Member, context_of
+from lensemble_flwr.transports.base import COORDINATOR, Transport
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +196,7 @@ class Coordinator:
     """Drives rounds, holds the canonical global state, runs the outer optimizer.
 
     Who takes part — bindings, identity keys, masked-round membership — is in
-    :attr:`registry` (:class:`~lensemble_flwr.federation.registry.ParticipantRegistry`).
+    :attr:`registry` (:class:`~lensemble_flwr.identity.registry.ParticipantRegistry`).
 
     Args:
         config: the federation's config.

@@ -31,12 +31,12 @@ from typing import Protocol
 
 import numpy as np
 
+from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.canonical import digest_arrays, digest_record
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import NonDeterministicAggregation, RoundError
-from lensemble_flwr.federation.chunked import CHUNK, run_ranges
-from lensemble_flwr.federation.messages import Update
 from lensemble_flwr.params import NamedArrays, check_same_layout
+from lensemble_flwr.protocol.messages import Update
 
 _MOD = 1 << 64
 _FLOAT_EXACT = 1 << 53

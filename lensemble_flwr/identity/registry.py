@@ -23,9 +23,9 @@ from lensemble_flwr.errors import (
     RoundError,
     UnboundContribution,
 )
-from lensemble_flwr.federation.durable import load_registry, save_registry, save_shares
-from lensemble_flwr.federation.identity import parse_public_key, verify_signature
-from lensemble_flwr.federation.messages import Commitment, ParticipantMessage, Update
+from lensemble_flwr.identity.registry_store import load_registry, save_registry, save_shares
+from lensemble_flwr.identity.signing import parse_public_key, verify_signature
+from lensemble_flwr.protocol.messages import Commitment, ParticipantMessage, Update
 from lensemble_flwr.secagg.membership import Membership
 from lensemble_flwr.secagg.protocol import Member
 

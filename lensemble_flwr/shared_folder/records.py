@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError, RoundError
-from lensemble_flwr.federation.messages import _HEX64, RoundOpen, WirePayload
+from lensemble_flwr.protocol.messages import _HEX64, RoundOpen, WirePayload
 
 RECORD_FORMAT = "lensemble-folder-record/1"
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.config import OuterOptimizerConfig
 from lensemble_flwr.errors import ParameterMismatch
-from lensemble_flwr.federation.chunked import CHUNK, run_ranges
 from lensemble_flwr.params import NamedArrays, check_same_layout
 
 

@@ -18,76 +18,17 @@ import dataclasses
 import heapq
 import itertools
 import logging
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any
 
 from lensemble_flwr.errors import LensembleError
-from lensemble_flwr.federation.messages import ControlMessage, WirePayload, to_wire
-from lensemble_flwr.federation.round import RoundState
+from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.transports.base import COORDINATOR, MessageHandler
+from lensemble_flwr.transports.faults import FaultPlan, _Drop
 
 log = logging.getLogger(__name__)
-
-COORDINATOR = "coordinator"
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Carries control-plane messages between one party and its peers."""
-
-    def send(self, peer_id: str, message: ControlMessage) -> None:
-        """Send ``message`` to ``peer_id`` (fire and forget)."""
-
-    def recv(self, *, timeout_s: float) -> WirePayload | None:
-        """The next payload addressed to this party, or None once ``timeout_s`` passed."""
-
-    def broadcast(self, message: ControlMessage) -> None:
-        """Send ``message`` to every current peer."""
-
-    def peers(self) -> Sequence[str]:
-        """The peers currently reachable, sorted."""
-
-    def now(self) -> float:
-        """Seconds on the clock that ``recv`` timeouts are measured in."""
-
-
-class MessageHandler(Protocol):
-    """A party the in-process network drives (a Participant, or a test double)."""
-
-    participant_id: str
-
-    def handle(self, payload: WirePayload) -> None:
-        """React to one payload addressed to this party."""
-
-
-class ReplyCollector:
-    """The transport of a participant that only answers: what it sends is kept, to go
-    back as one reply (a Flower train reply, a shared-folder record), and it receives
-    nothing (its instructions are handed to :meth:`Participant.handle` directly)."""
-
-    def __init__(self) -> None:
-        self.sent: list[ControlMessage] = []
-
-    def send(self, peer_id: str, message: ControlMessage) -> None:
-        self.sent.append(message)
-
-    def broadcast(self, message: ControlMessage) -> None:
-        self.sent.append(message)
-
-    def recv(self, *, timeout_s: float) -> WirePayload | None:
-        return None
-
-    def peers(self) -> Sequence[str]:
-        return [COORDINATOR]
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def take(self) -> list[WirePayload]:
-        """The wire payloads of what was sent since the last ``take``, in order."""
-        sent, self.sent = self.sent, []
-        return [to_wire(message) for message in sent]
 
 
 @dataclasses.dataclass
@@ -98,66 +39,6 @@ class SimClock:
 
     def advance_to(self, t: float) -> None:
         self.time = max(self.time, t)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Drop:
-    participant_id: str
-    round: int
-    at: RoundState
-
-
-@dataclasses.dataclass(frozen=True)
-class _Corrupt:
-    participant_id: str
-    round: int
-    kind: str
-    mutate: Callable[[dict[str, Any]], Any]
-
-
-@dataclasses.dataclass
-class FaultPlan:
-    """A script of faults, keyed by participant and round index.
-
-    Each fault fires once, at the first attempt of its round that reaches it; a retried
-    attempt of the same round runs without it unless it is scripted again.
-    """
-
-    drops: list[_Drop] = dataclasses.field(default_factory=list)
-    rejoins: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    delays: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
-    corruptions: list[_Corrupt] = dataclasses.field(default_factory=list)
-
-    def drop(self, participant_id: str, *, round: int, at: RoundState) -> FaultPlan:
-        """Take the participant offline in ``round``: at OPEN it never sees RoundOpen; at
-        COLLECTING it commits, then vanishes before its update leaves."""
-        if at not in (RoundState.OPEN, RoundState.COLLECTING):
-            raise ValueError("a participant can only drop while the round is OPEN or COLLECTING")
-        self.drops.append(_Drop(participant_id, round, at))
-        return self
-
-    def rejoin(self, participant_id: str, *, round: int) -> FaultPlan:
-        """Bring the participant back (through ``Participant.join``) when ``round`` opens."""
-        self.rejoins.setdefault(participant_id, []).append(round)
-        return self
-
-    def delay(self, participant_id: str, *, round: int, seconds: float) -> FaultPlan:
-        """Deliver the participant's update for ``round`` ``seconds`` later than usual."""
-        self.delays[(participant_id, round)] = seconds
-        return self
-
-    def corrupt(
-        self,
-        participant_id: str,
-        *,
-        round: int,
-        kind: str,
-        mutate: Callable[[dict[str, Any]], Any],
-    ) -> FaultPlan:
-        """Replace the participant's outgoing ``kind`` payload in ``round`` by
-        ``mutate(payload_copy)``."""
-        self.corruptions.append(_Corrupt(participant_id, round, kind, mutate))
-        return self
 
 
 class InProcessTransport:

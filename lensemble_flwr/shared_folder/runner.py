@@ -46,11 +46,16 @@ from typing import Any
 
 import numpy as np
 
-from lensemble_flwr import errors
+import lensemble_flwr.errors as errors
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import (
+    AggregatorFactory,
+    Coordinator,
+    fixed_point_aggregator,
+)
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ConfigError,
@@ -62,18 +67,20 @@ from lensemble_flwr.errors import (
     RoundIncomplete,
     response_to,
 )
-from lensemble_flwr.federation.coordinator import (
-    AggregatorFactory,
-    Coordinator,
-    fixed_point_aggregator,
-)
-from lensemble_flwr.federation.folder_barrier import (
+from lensemble_flwr.participant.local_training import LocalTraining, Trainer
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.messages import RoundOpen, WirePayload
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.release import ReleaseTransform
+from lensemble_flwr.shared_folder.barrier import (
     Decide,
     FolderBarrier,
     SittingKey,
     Snapshot,
 )
-from lensemble_flwr.federation.folder_records import (
+from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
     Genesis,
@@ -85,14 +92,8 @@ from lensemble_flwr.federation.folder_records import (
     encode,
     encode_record,
 )
-from lensemble_flwr.federation.local_training import LocalTraining, Trainer
-from lensemble_flwr.federation.messages import RoundOpen, WirePayload
-from lensemble_flwr.federation.participant import Participant
-from lensemble_flwr.federation.replay import ReplayTransport
-from lensemble_flwr.federation.round import GlobalState, RoundState
-from lensemble_flwr.federation.transport import ReplyCollector
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest
-from lensemble_flwr.release import ReleaseTransform
+from lensemble_flwr.transports.base import ReplyCollector
+from lensemble_flwr.transports.replay import ReplayTransport
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import numpy as np
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError, LensembleError, SketchMismatch
-from lensemble_flwr.federation.messages import Update
 
 # from the submodules: the package also holds the align stage, which builds on the
 # release pipeline, which builds on this package
@@ -33,6 +32,7 @@ from lensemble_flwr.gauge.probe import Probe, check_pinned
 from lensemble_flwr.gauge.sketch import sketch_fingerprint, sketch_matrix
 from lensemble_flwr.gauge.warm_start import check_warm_start
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.messages import Update
 
 log = logging.getLogger(__name__)
 

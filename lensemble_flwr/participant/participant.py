@@ -20,14 +20,14 @@ from lensemble_flwr.errors import (
     LensembleError,
     RoundError,
 )
-from lensemble_flwr.federation.alignment import (
+from lensemble_flwr.gauge.runtime import (
     GaugeSetup,
     check_round_open,
     check_warm_start_of,
     require_setup,
 )
-from lensemble_flwr.federation.identity import IdentityKey
-from lensemble_flwr.federation.local_training import (
+from lensemble_flwr.identity.signing import IdentityKey
+from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
     Trainer,
@@ -35,7 +35,8 @@ from lensemble_flwr.federation.local_training import (
     deterministic_algorithms,
     run_inner_loop,
 )
-from lensemble_flwr.federation.messages import (
+from lensemble_flwr.participant.release_chain import release_pipeline
+from lensemble_flwr.protocol.messages import (
     Commitment,
     ParticipantMessage,
     Refusal,
@@ -47,18 +48,13 @@ from lensemble_flwr.federation.messages import (
     WirePayload,
     from_wire,
 )
-from lensemble_flwr.federation.round import GlobalState, PseudoGradient, l2_norm
-from lensemble_flwr.federation.transport import Transport
+from lensemble_flwr.protocol.state import GlobalState, PseudoGradient, l2_norm
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.merkle import merkle_root
-from lensemble_flwr.release import (
-    Release,
-    ReleaseContext,
-    ReleaseTransform,
-    release_pipeline,
-)
+from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
 from lensemble_flwr.secagg.participant_role import MaskingRole
+from lensemble_flwr.transports.base import Transport
 
 __all__ = [
     "Participant",
@@ -90,7 +86,7 @@ class Participant:
         participant_id: this node's stable identity.
         transport: its end of the transport; replies go to whoever opened the round.
         trainer: a :class:`Trainer` (trained with AdamW for H steps) or any
-            :class:`~lensemble_flwr.federation.local_training.LocalTraining`.
+            :class:`~lensemble_flwr.participant.local_training.LocalTraining`.
         pipeline: the release pipeline; defaults to what the config asks for (see
             :func:`~lensemble_flwr.release.release_pipeline`): difference → bind, or
             difference alone for a participant that cannot commit to its data.

@@ -1,0 +1,1 @@
+"""Exact, order-independent sums of updates (fixed point) and their chunked kernels."""

@@ -1,0 +1,1 @@
+"""The coordinator: the phase loop, message admission, round modes, commit, recovery."""

@@ -1,0 +1,1 @@
+"""Who takes part: identity keys and signatures, and the coordinator's participant registry."""

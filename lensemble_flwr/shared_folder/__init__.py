@@ -1,0 +1,1 @@
+"""No coordinator process: rounds that meet in a folder every node mounts."""

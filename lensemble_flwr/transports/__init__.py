@@ -1,0 +1,1 @@
+"""Transports: the protocol every party speaks, and the in-process network."""

@@ -1,0 +1,74 @@
+"""The Transport protocol every party speaks, and the transport of a party that only answers.
+
+A transport moves wire payloads (see :mod:`lensemble_flwr.protocol.messages`); receivers
+validate them. It also owns the clock that timeouts are measured in: the wall clock on a
+real network, a simulated clock in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
+
+COORDINATOR = "coordinator"
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Carries control-plane messages between one party and its peers."""
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        """Send ``message`` to ``peer_id`` (fire and forget)."""
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        """The next payload addressed to this party, or None once ``timeout_s`` passed."""
+
+    def broadcast(self, message: ControlMessage) -> None:
+        """Send ``message`` to every current peer."""
+
+    def peers(self) -> Sequence[str]:
+        """The peers currently reachable, sorted."""
+
+    def now(self) -> float:
+        """Seconds on the clock that ``recv`` timeouts are measured in."""
+
+
+class MessageHandler(Protocol):
+    """A party the in-process network drives (a Participant, or a test double)."""
+
+    participant_id: str
+
+    def handle(self, payload: WirePayload) -> None:
+        """React to one payload addressed to this party."""
+
+
+class ReplyCollector:
+    """The transport of a participant that only answers: what it sends is kept, to go
+    back as one reply (a Flower train reply, a shared-folder record), and it receives
+    nothing (its instructions are handed to :meth:`Participant.handle` directly)."""
+
+    def __init__(self) -> None:
+        self.sent: list[ControlMessage] = []
+
+    def send(self, peer_id: str, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def broadcast(self, message: ControlMessage) -> None:
+        self.sent.append(message)
+
+    def recv(self, *, timeout_s: float) -> WirePayload | None:
+        return None
+
+    def peers(self) -> Sequence[str]:
+        return [COORDINATOR]
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def take(self) -> list[WirePayload]:
+        """The wire payloads of what was sent since the last ``take``, in order."""
+        sent, self.sent = self.sent, []
+        return [to_wire(message) for message in sent]

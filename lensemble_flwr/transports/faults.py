@@ -1,0 +1,69 @@
+"""A script of what goes wrong in an in-process federation (drops, delays, corruptions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from lensemble_flwr.protocol.round import RoundState
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drop:
+    participant_id: str
+    round: int
+    at: RoundState
+
+
+@dataclasses.dataclass(frozen=True)
+class _Corrupt:
+    participant_id: str
+    round: int
+    kind: str
+    mutate: Callable[[dict[str, Any]], Any]
+
+
+@dataclasses.dataclass
+class FaultPlan:
+    """A script of faults, keyed by participant and round index.
+
+    Each fault fires once, at the first attempt of its round that reaches it; a retried
+    attempt of the same round runs without it unless it is scripted again.
+    """
+
+    drops: list[_Drop] = dataclasses.field(default_factory=list)
+    rejoins: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    delays: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    corruptions: list[_Corrupt] = dataclasses.field(default_factory=list)
+
+    def drop(self, participant_id: str, *, round: int, at: RoundState) -> FaultPlan:
+        """Take the participant offline in ``round``: at OPEN it never sees RoundOpen; at
+        COLLECTING it commits, then vanishes before its update leaves."""
+        if at not in (RoundState.OPEN, RoundState.COLLECTING):
+            raise ValueError("a participant can only drop while the round is OPEN or COLLECTING")
+        self.drops.append(_Drop(participant_id, round, at))
+        return self
+
+    def rejoin(self, participant_id: str, *, round: int) -> FaultPlan:
+        """Bring the participant back (through ``Participant.join``) when ``round`` opens."""
+        self.rejoins.setdefault(participant_id, []).append(round)
+        return self
+
+    def delay(self, participant_id: str, *, round: int, seconds: float) -> FaultPlan:
+        """Deliver the participant's update for ``round`` ``seconds`` later than usual."""
+        self.delays[(participant_id, round)] = seconds
+        return self
+
+    def corrupt(
+        self,
+        participant_id: str,
+        *,
+        round: int,
+        kind: str,
+        mutate: Callable[[dict[str, Any]], Any],
+    ) -> FaultPlan:
+        """Replace the participant's outgoing ``kind`` payload in ``round`` by
+        ``mutate(payload_copy)``."""
+        self.corruptions.append(_Corrupt(participant_id, round, kind, mutate))
+        return self
