@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lensemble_flwr.config import run_config_table
 from lensemble_flwr.errors import response_table
+from lensemble_flwr.layering import layer_diagram
 from lensemble_flwr.protocol.round import transition_diagram
 from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
@@ -24,6 +25,7 @@ BLOCKS = {
     ("configuration.md", "run-config"): run_config_table,
     ("fault-injection.md", "scenarios"): scenario_table,
     ("recovery.md", "kill-matrix"): kill_matrix_table,
+    ("architecture.md", "layers"): layer_diagram,
 }
 
 

@@ -13,6 +13,7 @@ from fault_scenarios import scenario_table
 
 from lensemble_flwr.config import run_config_keys, run_config_table
 from lensemble_flwr.errors import response_table
+from lensemble_flwr.layering import layer_diagram
 from lensemble_flwr.protocol.round import transition_diagram
 from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
@@ -36,6 +37,7 @@ def generated_block(page: str, name: str) -> str:
         ("configuration.md", "run-config", run_config_table()),
         ("fault-injection.md", "scenarios", scenario_table()),
         ("recovery.md", "kill-matrix", kill_matrix_table()),
+        ("architecture.md", "layers", layer_diagram()),
     ],
 )
 def test_generated_blocks_match_the_code(page: str, name: str, expected: str) -> None:
