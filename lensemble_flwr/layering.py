@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("release", "the release pipeline and its stages: difference, clip, noise, quantize, bind"),),
     (("gauge", "latent-frame alignment: probe, sketch, Procrustes, drift, align stage, checks"),),
     (("identity", "identity keys and message signatures; the participant registry and store"),),
-    (("transports", "the Transport protocol, in-process network on a simulated clock, replay"),),
+    (("transports", "the Transport protocol, in-process network on a simulated clock, faults"),),
     (
         ("participant", "local training, the release chain, the participant's side of a round"),
         ("coordinator", "the phase loop, admission, round modes, commit, resume, outer step"),
