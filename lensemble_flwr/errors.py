@@ -43,6 +43,11 @@ class IllegalTransition(RoundError):
     """An event that the round state machine has no transition for."""
 
 
+class IllegalMessage(RoundError):
+    """A message whose kind the round does not admit in its current state (or that no
+    participant may send at all)."""
+
+
 class UnboundContribution(RoundError):
     """An update without a dataset commitment, while the configuration requires binding."""
 

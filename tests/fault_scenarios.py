@@ -8,10 +8,9 @@ outcomes are the tested ones.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import from_wire
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.testing import FaultPlan
 from lensemble_flwr.transports.base import COORDINATOR
-from lensemble_flwr.transports.faults import FaultPlan
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 FAULT_ROUND = 1  # round 0 closes cleanly first, so there is something committed to lose
@@ -170,22 +169,14 @@ def _replay(tmp: Path) -> Setup:
     setup = _signed(tmp, FaultPlan().corrupt("p01", round=0, kind="update", mutate=keep))
 
     def replay(s: Setup) -> None:  # round 0's admitted update, delivered again in round 1
-        s.network._post("p01", COORDINATOR, seen[0])
+        s.network.inject("p01", COORDINATOR, seen[0])
 
     setup.between_rounds = replay
     return setup
 
 
 def _duplicate(tmp: Path) -> Setup:
-    setup = _signed(tmp)
-    post = setup.network._post
-
-    def twice(source: str, dest: str, payload: dict) -> None:
-        post(source, dest, payload)
-        if (source, payload.get("kind"), payload.get("round")) == ("p03", "update", 1):
-            post(source, dest, dict(payload))
-
-    setup.network._post = twice  # type: ignore[method-assign]
+    setup = _signed(tmp, FaultPlan().duplicate("p03", round=1, kind="update"))
     setup.network.set_compute_time("p03", 0.1)  # both copies arrive before the others
     return setup
 
@@ -334,23 +325,6 @@ SCENARIOS: list[Scenario] = [
 FAULTED_ROUND = {"privacy budget exhausted": 2}
 
 
-@contextlib.contextmanager
-def on_state_entry(hook: Callable[[RoundMachine], None]) -> Iterator[None]:
-    """Call ``hook(machine)`` after every transition of every round machine."""
-    fire = RoundMachine.fire
-
-    def fire_and_hook(self: RoundMachine, *args: Any, **kwargs: Any) -> Any:
-        result = fire(self, *args, **kwargs)
-        hook(self)
-        return result
-
-    RoundMachine.fire = fire_and_hook  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        RoundMachine.fire = fire  # type: ignore[method-assign]
-
-
 @dataclasses.dataclass
 class Observed:
     coordinator: Coordinator
@@ -372,33 +346,24 @@ def play(scenario: Scenario, tmp: Path) -> Observed:
         if machine.round != fault_round:
             return
         if setup.offline_at and machine.state is setup.offline_at[1]:
-            setup.network._offline.add(setup.offline_at[0])
+            setup.network.take_offline(setup.offline_at[0])
         if setup.crash_at is not None and machine.state is setup.crash_at:
             setup.crash_at = None  # the restarted coordinator runs without the fault
             raise CoordinatorCrash
 
-    if setup.crash_at is RoundState.OPEN:  # a machine is born OPEN: die once invites went out
-        invite = coordinator._invite
-
-        def invite_then_die(ctx: Any) -> None:
-            invite(ctx)
-            if ctx.machine.round == fault_round:
-                setup.crash_at = None
-                raise CoordinatorCrash
-
-        coordinator._invite = invite_then_die  # type: ignore[method-assign]
-
+    # the coordinator calls the hook once an attempt's invitations are out (OPEN) and
+    # after every transition
+    coordinator.on_transition = hook
     error: LensembleError | None = None
-    with on_state_entry(hook):
-        try:
-            coordinator.run(1)
-        except CoordinatorCrash:
-            coordinator = Coordinator.resume(
-                coordinator.config, transport=setup.network.coordinator, store=coordinator.store
-            )
-            coordinator.run(fault_round + 1 - coordinator.global_state().round)
-        except LensembleError as exc:
-            error = exc
+    try:
+        coordinator.run(1)
+    except CoordinatorCrash:
+        coordinator = Coordinator.resume(
+            coordinator.config, transport=setup.network.coordinator, store=coordinator.store
+        )
+        coordinator.run(fault_round + 1 - coordinator.global_state().round)
+    except LensembleError as exc:
+        error = exc
     return Observed(coordinator, error, committed)
 
 

@@ -7,7 +7,11 @@ from typing import Any
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.coordinator.coordinator import (
+    AggregatorFactory,
+    Coordinator,
+    fixed_point_aggregator,
+)
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.simulations.inprocess import build
@@ -38,8 +42,15 @@ def federation(
     faults: FaultPlan | None = None,
     config: LensembleConfig | None = None,
     name: str = "run",
+    aggregator_factory: AggregatorFactory = fixed_point_aggregator,
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
-    return build(config or small_config(), tmp / name, participants=participants, faults=faults)
+    return build(
+        config or small_config(),
+        tmp / name,
+        participants=participants,
+        faults=faults,
+        aggregator_factory=aggregator_factory,
+    )
 
 
 def signed_federation(

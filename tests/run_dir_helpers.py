@@ -112,7 +112,7 @@ def synthetic_run(
             RoundEntry(
                 round=t,
                 attempt=1,
-                state="closed",
+                state=RoundState.CLOSED,
                 round_seed=t,
                 prior_global_hash=global_hash,
                 contributors=contributors,

@@ -3,8 +3,9 @@
 The test starts these as real processes (forked from a server that imported torch once,
 so that a process costs milliseconds instead of seconds). Each runs a
 :class:`SharedFolderParticipant` on the toy task and writes a JSON report. ``mutant`` names
-a broken variant patched into the process before it starts; the mutation tests check that
-the invariants of a round catch every one of them.
+a broken variant (or a scripted fault, :class:`BarrierFaults`) applied to the participant
+before it runs; the mutation tests check that the invariants of a round catch every one
+of them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import StoreError
-from lensemble_flwr.shared_folder.barrier import FolderBarrier
 from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.testing import BarrierFaults
 
 RACE_WINDOW = 0.3
 """Seconds between the resolve and the bind of the racy claim: longer than a poll, so
@@ -37,11 +38,12 @@ def folder_config(**federation: Any) -> LensembleConfig:
     return LensembleConfig(federation=fed, inner={"steps": 2, "lr": 0.05, "batch_size": 8})
 
 
-MUTANTS: dict[str, Callable[[], None]] = {}
+Mutant = Callable[[SharedFolderParticipant], None]
+MUTANTS: dict[str, Mutant] = {}
 
 
-def _mutant(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def register(patch: Callable[[], None]) -> Callable[[], None]:
+def _mutant(name: str) -> Callable[[Mutant], Mutant]:
+    def register(patch: Mutant) -> Mutant:
         MUTANTS[name] = patch
         return patch
 
@@ -49,7 +51,7 @@ def _mutant(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
 
 
 @_mutant("claim-as-resolve-then-bind")
-def _resolve_then_bind() -> None:
+def _resolve_then_bind(node: SharedFolderParticipant) -> None:
     def claim(self: Store, name: str, digest: str) -> bool:
         try:
             self.resolve(name)
@@ -63,43 +65,31 @@ def _resolve_then_bind() -> None:
 
 
 @_mutant("no-wait")
-def _no_wait() -> None:
-    original = FolderBarrier.__init__
-
-    def __init__(self: FolderBarrier, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        self.round_timeout = 1e-9  # nobody waits for the others: the deadline is now
-
-    FolderBarrier.__init__ = __init__  # type: ignore[method-assign]
+def _no_wait(node: SharedFolderParticipant) -> None:
+    node.barrier.round_timeout = 1e-9  # nobody waits for the others: the deadline is now
 
 
 @_mutant("no-publish")
-def _no_publish() -> None:
-    original = FolderBarrier._publish
-
-    def _publish(self: FolderBarrier, name: str, data: bytes) -> bytes:
-        if name.endswith("/outcome"):
-            return data  # the decider goes on with it; nobody else ever sees it
-        return original(self, name, data)
-
-    FolderBarrier._publish = _publish  # type: ignore[method-assign]
+def _no_publish(node: SharedFolderParticipant) -> None:
+    # the decider goes on with its outcome; nobody else ever sees it
+    node.barrier.faults = BarrierFaults(lose=lambda name: name.endswith("/outcome"))
 
 
 @_mutant("killed-when-deciding")
-def _killed_when_deciding() -> None:
-    """Not a mutant: whoever wins the decision is killed before it publishes anything."""
+def _killed_when_deciding(node: SharedFolderParticipant) -> None:
+    """Not a mutant: whoever wins the decision is killed before it decides or publishes
+    anything."""
 
-    def _decide(self: SharedFolderParticipant, *args: Any) -> Any:
-        os.kill(os.getpid(), signal.SIGKILL)
+    def die(claim: str) -> None:
+        if claim.endswith("/decision"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    SharedFolderParticipant._decide = _decide  # type: ignore[method-assign]
+    node.barrier.faults = BarrierFaults(on_claim=die)
 
 
 def run(spec: dict[str, Any], report_path: str) -> None:
     """Run one participant as ``spec`` says and write its report to ``report_path``."""
     torch.set_num_threads(1)
-    if spec.get("mutant"):
-        MUTANTS[spec["mutant"]]()
     ids: list[str] = spec["participants"]
     node = SharedFolderParticipant(
         spec["folder"],
@@ -114,6 +104,8 @@ def run(spec: dict[str, Any], report_path: str) -> None:
         publish_timeout=spec["publish_timeout"],
         poll_interval=spec.get("poll_interval", 0.02),
     )
+    if spec.get("mutant"):
+        MUTANTS[spec["mutant"]](node)
     report: dict[str, Any] = {"me": spec["me"], "pid": os.getpid()}
     try:
         state = node.run(spec["rounds"])

@@ -469,10 +469,10 @@ def test_never_holds_more_than_fold_batch_pending_updates(fold_batch: int) -> No
     agg = FixedPointAggregator(_template(), AggregationConfig(fold_batch=fold_batch), check_seed=0)
     for i in range(20):
         agg.admit(_good(f"p{i:02d}", i), weight=1)
-        assert len(agg._pending) <= fold_batch
-        assert len(agg._pending) == (i + 1) % fold_batch
+        assert agg.pending_count <= fold_batch
+        assert agg.pending_count == (i + 1) % fold_batch
     result = agg.reveal()
-    assert agg._pending == []
+    assert agg.pending_count == 0
     assert result.count == 20
     agg.verify(result)
 

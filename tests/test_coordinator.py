@@ -21,6 +21,7 @@ from lensemble_flwr.errors import (
     ResidencyViolation,
     StoreError,
 )
+from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.transports.faults import FaultPlan
@@ -36,8 +37,7 @@ PROGRESS = [
 
 
 def states_of(coordinator) -> list[RoundState]:
-    machine = coordinator._machine
-    return [machine.history[0][0], *(after for _, _, after in machine.history)]
+    return list(coordinator.attempt.path())
 
 
 def test_happy_path_walks_all_six_states_and_commits(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def assert_aborted_unchanged(coordinator, before_hash: str, error: type) -> None
     assert coordinator.global_state().params_hash == before_hash
     last = coordinator.outcomes[-1]
     assert last.state is RoundState.ABORTED and isinstance(last.error, error)
-    assert coordinator._machine.history[-1][1] is RoundEvent.ABORT
+    assert coordinator.attempt.machine.history[-1][1] is RoundEvent.ABORT
 
 
 def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) ->
     assert_aborted_unchanged(coordinator, before, FaultToleranceExceeded)
     assert [o.attempt for o in coordinator.outcomes] == [1, 2]  # retried once, then stopped
     manifest = RunManifest.load(Store(tmp_path / "run"))
-    assert [e.state for e in manifest.rounds] == ["aborted", "aborted"]
+    assert [e.state for e in manifest.rounds] == [RoundState.ABORTED] * 2
     assert Ledger(Store(tmp_path / "run")).head() is None
 
 
@@ -192,7 +192,7 @@ def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
         for rank, index in enumerate(order):
             network.set_compute_time(nodes[index].participant_id, 1.0 + rank)
         coordinator.run(2)
-        arrivals = [d[1] for d in network.delivered if d[3] == "update" and d[4] == 0]
+        arrivals = [d[1] for d in network.delivered if d[3] == MessageKind.UPDATE.value and d[4] == 0]
         assert arrivals == [nodes[i].participant_id for i in order]
         store = Store(tmp_path / name)
         digests.append([(r.aggregate_digest, r.new_global_hash) for r in Ledger(store).records()])
@@ -229,8 +229,8 @@ def corrupting(transient: bool, log: list):
 
 def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> None:
     made: list = []
-    coordinator, _network, _ = federation(tmp_path)
-    coordinator._aggregator_factory = corrupting(transient=False, log=made)
+    factory = corrupting(transient=False, log=made)
+    coordinator, _network, _ = federation(tmp_path, aggregator_factory=factory)
     before = coordinator.global_state().params_hash
     with pytest.raises(NonDeterministicAggregation):
         coordinator.run(1)
@@ -242,8 +242,9 @@ def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> 
 
 def test_transient_determinism_mismatch_recovers_on_the_resum(tmp_path: Path) -> None:
     made: list = []
-    coordinator, _, _ = federation(tmp_path)
-    coordinator._aggregator_factory = corrupting(transient=True, log=made)
+    coordinator, _, _ = federation(
+        tmp_path, aggregator_factory=corrupting(transient=True, log=made)
+    )
     coordinator.run(1)
     assert made[0].reveals == 2 and coordinator.round_state() is RoundState.CLOSED
 
@@ -253,7 +254,7 @@ def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path)
         payload["dataset_root"] = "f" * 64
         return payload
 
-    faults = FaultPlan().corrupt("p02", round=1, kind="update", mutate=forge_root)
+    faults = FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=forge_root)
     coordinator, _, _ = federation(tmp_path, faults=faults)
     coordinator.run(1)
     before = coordinator.global_state().params_hash
@@ -301,7 +302,7 @@ def test_malformed_update_is_rejected_and_the_round_closes_without_it(tmp_path: 
         payload["delta"] = {k: np.full_like(v, np.nan) for k, v in payload["delta"].items()}
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=break_delta)
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=break_delta)
     coordinator, _, _ = federation(tmp_path, faults=faults)
     coordinator.run(1)
     outcome = coordinator.outcomes[0]
@@ -324,20 +325,20 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
             keep = ("run_id", "round", "attempt", "sender", "participant_id")
             return {
                 **{k: payload[k] for k in keep},
-                "kind": "refusal",
+                "kind": MessageKind.REFUSAL.value,
                 "error": error,
                 "reason": "refused in the test",
             }
 
         return mutate
 
-    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=refuse_with("ProbeError"))
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ProbeError"))
     coordinator, _, _ = federation(tmp_path, faults=faults, name="probe")
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
 
     faults = FaultPlan().corrupt(
-        "p01", round=0, kind="update", mutate=refuse_with("ResidencyViolation")
+        "p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ResidencyViolation")
     )
     coordinator, _, _ = federation(tmp_path, faults=faults, name="leak")
     with pytest.raises(ResidencyViolation, match="p01"):

@@ -24,14 +24,16 @@ from typing import Any
 
 import pytest
 
+from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator import durable
 from lensemble_flwr.coordinator.coordinator import INTERRUPTED
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
 from lensemble_flwr.identity import registry_store
-from lensemble_flwr.protocol.round import RoundMachine
+from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.simulations import crash_drill
 from lensemble_flwr.simulations.kill_points import KILL_POINTS, KILL_POINTS_BY_NAME
 
@@ -239,18 +241,18 @@ def test_killed_coordinator_resumes_from_the_last_closed_round(
     assert {name: after[name] for name in d.ledger_at_kill} == d.ledger_at_kill
     assert partial_files(d.run_dir) == []
     manifest = RunManifest.load(store)
-    assert [(e.round, e.attempt) for e in manifest.rounds if e.state == "closed"] == [
+    assert [(e.round, e.attempt) for e in manifest.rounds if e.state is RoundState.CLOSED] == [
         (r.round, r.attempt) for r in records
     ]
     killed_round = [(e.attempt, e.state, e.reason) for e in manifest.rounds if e.round == t]
     if point.committed:  # completed from the ledger record, not run again
-        assert killed_round == [(1, "closed", None)]
+        assert killed_round == [(1, RoundState.CLOSED, None)]
         assert durable.started_attempts(store, t) == [1]
     else:  # recorded as interrupted, retried under the next attempt number
-        assert killed_round == [(1, "aborted", INTERRUPTED), (2, "closed", None)]
+        assert killed_round == [(1, RoundState.ABORTED, INTERRUPTED), (2, RoundState.CLOSED, None)]
         assert durable.started_attempts(store, t) == [1, 2]
     others = [e for e in manifest.rounds if e.round != t]
-    assert all(e.state == "closed" and e.attempt == 1 for e in others)
+    assert all(e.state is RoundState.CLOSED and e.attempt == 1 for e in others)
     assert d.resumed["closed_rounds"] == ROUNDS
     assert d.resumed["global_hash"] == records[-1].new_global_hash
 
@@ -290,7 +292,7 @@ def test_participants_keys_and_a_revealed_key_survive_a_kill_in_a_masked_round(
         assert now[pid].model_dump() == commitments[pid]
     assert now["p03"].mask_key != commitments["p03"]["mask_key"]  # rotated after the reveal
     assert membership_now.compromised == set()
-    closed = [e for e in RunManifest.load(store).rounds if e.state == "closed"]
+    closed = [e for e in RunManifest.load(store).rounds if e.state is RoundState.CLOSED]
     assert all(e.secure_sum for e in closed[1:])
     assert [e.count for e in closed] == [4, 4, 4, 4]  # p03 is back, with its new keys
 
@@ -313,9 +315,9 @@ def test_a_coordinator_killed_twice_in_one_round_resumes_twice(
     assert [
         (e.attempt, e.state, e.reason) for e in RunManifest.load(store).rounds if e.round == 1
     ] == [
-        (1, "aborted", INTERRUPTED),
-        (2, "aborted", INTERRUPTED),
-        (3, "closed", None),
+        (1, RoundState.ABORTED, INTERRUPTED),
+        (2, RoundState.ABORTED, INTERRUPTED),
+        (3, RoundState.CLOSED, None),
     ]
 
 
@@ -361,10 +363,15 @@ def test_the_drill_refuses_malformed_options(argv: list[str], tmp_path: Path) ->
 
 
 def test_an_unknown_kill_point_is_refused_before_anything_is_hooked(tmp_path: Path) -> None:
-    hooked = (RoundMachine.__init__, RoundMachine.fire, Store._publish)
+    def hooks() -> tuple[object, ...]:
+        admits = (FixedPointAggregator.admit, SecureAggregator.admit)
+        return (RoundMachine.__init__, RoundMachine.fire, *admits)
+
+    before = hooks()
     with pytest.raises(ValueError, match="unknown kill point 'nowhere'"):
         crash_drill.install_kill(tmp_path, 0, "nowhere")
-    assert (RoundMachine.__init__, RoundMachine.fire, Store._publish) == hooked
+    assert hooks() == before
+    assert not any(tmp_path.iterdir())  # nor is anything written
 
 
 def test_the_drill_runs_as_python_dash_m(run_drill: Runner, tmp_path: Path) -> None:
@@ -428,6 +435,6 @@ def test_a_member_whose_key_shares_died_with_the_coordinator_may_drop_out_of_the
     assert run("--resume", "--drop", "p01:0:collecting") == 0
     manifest = RunManifest.load(Store(tmp_path / "run"))
     assert [(e.attempt, e.state, e.reason) for e in manifest.rounds if e.round == 0] == [
-        (1, "aborted", INTERRUPTED),
-        (2, "closed", None),
+        (1, RoundState.ABORTED, INTERRUPTED),
+        (2, RoundState.CLOSED, None),
     ]

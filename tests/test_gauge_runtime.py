@@ -30,7 +30,7 @@ from lensemble_flwr.gauge.runtime import (
     expected_fingerprint,
     harness_transform,
 )
-from lensemble_flwr.protocol.messages import Update
+from lensemble_flwr.protocol.messages import MessageKind, Update
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
 from lensemble_flwr.simulations.world_federation import build_world, world_gauge
@@ -146,12 +146,12 @@ def test_an_update_aligned_on_another_sketch_is_rejected(
         payload["sketch_fingerprint"] = "0" * 64
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=other_sketch)
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=other_sketch)
     fed = world(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
         fed.coordinator.run(1)
     entry = fed.coordinator.manifest.rounds[-1]
-    assert entry.state == "closed" and entry.contributors == ("p00", "p02")
+    assert entry.state is RoundState.CLOSED and entry.contributors == ("p00", "p02")
     assert entry.rejected == 1
     (rejected,) = rejections(caplog)
     assert re.search(
@@ -166,7 +166,7 @@ def test_an_unaligned_update_is_rejected_when_alignment_is_on(
         payload["sketch_fingerprint"] = None
         return payload
 
-    faults = FaultPlan().corrupt("p00", round=0, kind="update", mutate=strip)
+    faults = FaultPlan().corrupt("p00", round=0, kind=MessageKind.UPDATE, mutate=strip)
     fed = world(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
         fed.coordinator.run(1)

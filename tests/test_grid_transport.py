@@ -37,10 +37,12 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.protocol.messages import (
     Commitment,
+    MessageKind,
     RoundClose,
     RoundOpen,
     Update,
     from_wire,
+    kind_of,
     to_wire,
 )
 from lensemble_flwr.protocol.round import RoundState
@@ -58,8 +60,8 @@ PARAMS = {
     "b": np.array([0.5, -1.0], dtype=np.float32),
     "w": np.arange(6, dtype=np.float32).reshape(2, 3),
 }
-COMMITMENT = records.PREFIX + "commitment"
-UPDATE = records.PREFIX + "update"
+COMMITMENT = records.PREFIX + MessageKind.COMMITMENT.value
+UPDATE = records.PREFIX + MessageKind.UPDATE.value
 
 NodeFn = Callable[[Message], "Message | None"]
 
@@ -342,7 +344,7 @@ def test_recv_returns_a_reply_as_soon_as_it_is_pullable() -> None:
     transport = make_transport(grid, clock, poll_interval=0.1)
     transport.send("node-11", round_open(needs_commitment=False))
     payload = transport.recv(timeout_s=10.0)
-    assert payload is not None and payload["kind"] == "update"
+    assert payload is not None and isinstance(from_wire(payload), Update)
     assert 1.0 <= clock.t < 1.0 + 0.1 + 1e-9
 
 
@@ -508,7 +510,7 @@ def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_
     transport.send("node-11", round_open())
     payloads = drain(transport, timeout_s=1.0)
     if returned:
-        assert [p["kind"] for p in payloads] == ["commitment", "update"]
+        assert [type(from_wire(p)) for p in payloads] == [Commitment, Update]
         assert {p["sender"] for p in payloads} == {"node-11"}
         assert transport.dropped == []
     else:
@@ -680,7 +682,7 @@ def assert_steady_state(grid: FakeGrid, transport: GridTransport, rnd: int) -> N
     for message in grid.pushed():
         if message.metadata.group_id == str(rnd):
             first = records.decode_instruction(message.content)[0]
-            assert (first["kind"], first["round"]) == ("round-close", rnd - 1)
+            assert (kind_of(first), first["round"]) == (MessageKind.ROUND_CLOSE, rnd - 1)
 
 
 def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:

@@ -10,32 +10,31 @@ from federation_helpers import federation, small_config
 from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
-from lensemble_flwr.transports.faults import FaultPlan
+from lensemble_flwr.simulations.toy import initial_params
+from lensemble_flwr.testing import DeliveryLog, FaultPlan
+from lensemble_flwr.transports.base import COORDINATOR
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
 def masked_config(**federation):
     return small_config(secagg_threshold=3, min_participants=3, **federation)
 
 
-def payloads_to_coordinator(network, kind: str) -> list[dict]:
-    return [p for p in network.seen_by_coordinator if p.get("kind") == kind]
+def payloads_to_coordinator(network, kind: MessageKind) -> list[dict]:
+    return [p for p in SEEN[network].payloads() if kind_of(p) is kind]
+
+
+SEEN: dict[InProcessNetwork, DeliveryLog] = {}  # what each run's coordinator received
 
 
 def run(tmp: Path, name: str, config, rounds: int, faults: FaultPlan | None = None):
     coordinator, network, nodes = federation(tmp, config=config, name=name, faults=faults)
-    seen: list[dict] = []
-    original = network._deliver
-
-    def deliver(source, dest, payload):  # record everything the coordinator receives
-        if dest == "coordinator" and isinstance(payload, dict):
-            seen.append(payload)
-        return original(source, dest, payload)
-
-    network._deliver = deliver  # type: ignore[method-assign]
-    network.seen_by_coordinator = seen  # type: ignore[attr-defined]
+    SEEN[network] = DeliveryLog(network, dest=COORDINATOR)
     coordinator.run(rounds)
     return coordinator, network, nodes
 
@@ -57,7 +56,7 @@ def test_the_revealed_sum_is_bitwise_the_plaintext_sum(tmp_path: Path) -> None:
 
 def test_the_coordinator_never_holds_an_individual_plaintext_update(tmp_path: Path) -> None:
     _, network, _nodes = run(tmp_path, "masked", masked_config(), 2)
-    updates = payloads_to_coordinator(network, "update")
+    updates = payloads_to_coordinator(network, MessageKind.UPDATE)
     assert len(updates) == 8
     for update in updates:
         assert update["masked"] is True
@@ -66,7 +65,7 @@ def test_the_coordinator_never_holds_an_individual_plaintext_update(tmp_path: Pa
         # magnitude here, a uniform word mod 2**64 is with probability 2**-23 per value
         small = sum(int((np.abs(a) < 2**40).sum()) for a in update["delta"].values())
         assert small == 0
-    assert payloads_to_coordinator(network, "unmask-response")
+    assert payloads_to_coordinator(network, MessageKind.UNMASK_RESPONSE)
 
 
 def test_a_steady_state_masked_round_is_two_exchanges(tmp_path: Path) -> None:
@@ -74,7 +73,7 @@ def test_a_steady_state_masked_round_is_two_exchanges(tmp_path: Path) -> None:
     to_nodes = [d for d in network.delivered if d[2] != "coordinator"]
     per_round = {}
     for _, _, dest, kind, rnd in to_nodes:
-        if kind in ("round-open", "unmask-request"):
+        if kind in (MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST):
             per_round.setdefault(rnd, {}).setdefault(dest, 0)
             per_round[rnd][dest] += 1
     # round 0 also sets up keys: RoundOpen, RoundOpen with the members, unmask
@@ -102,7 +101,7 @@ def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Pat
         payload["b_shares"] = {"p00": "not-a-share"}
         return payload
 
-    faults = FaultPlan().corrupt("p00", round=0, kind="unmask-response", mutate=garble)
+    faults = FaultPlan().corrupt("p00", round=0, kind=MessageKind.UNMASK_RESPONSE, mutate=garble)
     config = small_config(secagg_threshold=4, min_participants=4)
     coordinator, _, _ = run(tmp_path, "masked", config, 1, faults=faults)
     first, second = coordinator.outcomes
@@ -163,18 +162,23 @@ def test_a_sparse_neighbour_graph_reveals_bitwise_the_plaintext_sum(tmp_path: Pa
     sparse_config = small_config(secagg_threshold=3, min_participants=3, secagg_neighbours=2)
     sparse, network, _ = run(tmp_path, "sparse", sparse_config, 3)
     assert sparse.global_state().params_hash == plain.global_state().params_hash
-    opens = [p for p in payloads_to_coordinator(network, "update")]
+    opens = [p for p in payloads_to_coordinator(network, MessageKind.UPDATE)]
     assert opens and all(p["masked"] for p in opens)
     assert all(e.secure_sum for e in sparse.manifest.rounds)
 
 
 def test_a_participant_refuses_a_sparser_graph_than_it_agreed_to(tmp_path: Path) -> None:
     config = small_config(secagg_threshold=3, min_participants=3)  # full graph agreed
-    coordinator, _, _ = federation(tmp_path, config=config, name="run")
+    _, network, _ = federation(tmp_path, config=config, name="run")
     sparser = config.model_copy(
         update={"federation": config.federation.model_copy(update={"secagg_neighbours": 2})}
     )
-    coordinator.config = sparser  # the coordinator asks for degree 2
+    coordinator = Coordinator(  # the coordinator asks for degree 2
+        sparser,
+        transport=network.coordinator,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "sparser"),
+    )
     outcome = coordinator.run_attempt()
     assert outcome.state is RoundState.ABORTED
     entry = coordinator.manifest.rounds[-1]

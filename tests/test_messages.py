@@ -1,7 +1,9 @@
-"""Ingress validation of the four control messages (property-based)."""
+"""Ingress validation of the four control messages (property-based); message kinds on the
+wire; the digests messages hash to."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +13,24 @@ from federation_helpers import federation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import RoundError
+from lensemble_flwr.identity.signing import signing_digest
 from lensemble_flwr.protocol.messages import (
+    PARTICIPANT_KINDS,
     Commitment,
+    ControlMessage,
+    MessageKind,
+    ParticipantMessage,
+    Refusal,
     RoundClose,
     RoundOpen,
+    UnmaskRequest,
+    UnmaskResponse,
     Update,
+    canonical_fields,
     from_wire,
+    kind_of,
     message_digest,
     to_wire,
 )
@@ -139,7 +152,7 @@ field_values = json_like | arrays | st.dictionaries(st.text(max_size=4), arrays,
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 @settings(max_examples=300, deadline=None)
 @given(
-    base=st.sampled_from(["update", "commitment", "round-open", "garbage"]),
+    base=st.sampled_from([*(kind.value for kind in MessageKind), "garbage"]),
     changes=st.dictionaries(
         st.sampled_from(
             [
@@ -163,7 +176,7 @@ field_values = json_like | arrays | st.dictionaries(st.text(max_size=4), arrays,
     ),
 )
 def test_ingress_never_raises_anything_but_round_error(base: str, changes: dict) -> None:
-    payload: Any = good_update() if base == "update" else {"kind": base}
+    payload: Any = good_update() if base == MessageKind.UPDATE.value else {"kind": base}
     payload = {**payload, **changes} if isinstance(payload, dict) else payload
     try:
         message = from_wire(payload)
@@ -198,7 +211,7 @@ def test_malformed_messages_never_move_the_round(tmp_path_factory, which: list[i
 
         pid = f"p0{slot}"
         corrupted.append(pid)
-        faults.corrupt(pid, round=0, kind="update", mutate=apply)
+        faults.corrupt(pid, round=0, kind=MessageKind.UPDATE, mutate=apply)
     coordinator, _, _ = federation(tmp, participants=6, faults=faults)
     before = coordinator.global_state().params_hash
     coordinator.run(1)
@@ -207,3 +220,146 @@ def test_malformed_messages_never_move_the_round(tmp_path_factory, which: list[i
     assert outcome.rejected == len(which)
     assert set(outcome.contributors) == {f"p0{i}" for i in range(6)} - set(corrupted)
     assert coordinator.global_state().params_hash != before
+
+
+# -- message kinds ----------------------------------------------------------------------------
+def one_of_each_kind() -> dict[MessageKind, ControlMessage]:
+    """One fixed message of every kind (their digests are pinned below)."""
+    common = {"run_id": "run", "round": 2}
+    mine = {**common, "sender": "p1", "participant_id": "p1"}
+    messages: list[ControlMessage] = [
+        RoundOpen(
+            **common,
+            sender="coordinator",
+            global_hash=ROOT,
+            params={"w": np.arange(3, dtype=np.float32)},
+            sketch_seed=7,
+            h_steps=2,
+        ),
+        Commitment(**mine, dataset_root=ROOT, num_examples=3),
+        Update(
+            **mine,
+            dataset_root=ROOT,
+            delta={"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+            l2_norm=1.0,
+            num_examples=10,
+        ),
+        Refusal(**mine, error="PrivacyBudgetExceeded", reason="spent"),
+        UnmaskRequest(
+            **common,
+            sender="coordinator",
+            survivors=("p1",),
+            dropped=("p2",),
+            sealed={"p1": "00ff"},
+        ),
+        UnmaskResponse(**mine, b_shares={"p1": "1:ab"}, m_shares={"p2": "2:cd"}),
+        RoundClose(
+            **common,
+            sender="coordinator",
+            previous_hash=ROOT,
+            global_hash=ROOT,
+            contributors=("p1",),
+            record_hash=ROOT,
+        ),
+    ]
+    by_kind = {m.kind: m for m in messages}
+    assert list(by_kind) == list(MessageKind)  # one class per kind, none left out
+    return by_kind
+
+
+@pytest.mark.parametrize("kind", list(MessageKind), ids=lambda k: k.value)
+def test_every_kind_round_trips_through_the_wire_to_its_class(kind: MessageKind) -> None:
+    message = one_of_each_kind()[kind]
+    payload = to_wire(message)
+    assert payload["kind"] == kind.value
+    assert type(payload["kind"]) is str  # not the enum: what Flower records and JSON carry
+    again = from_wire(payload)
+    assert type(again) is type(message) and again.kind is kind
+    assert kind_of(payload) is kind and kind_of(message) is kind
+    assert message_digest(again) == message_digest(message)
+    # the wire string alone selects the class; the enum member is accepted as well
+    assert type(from_wire({**payload, "kind": kind})) is type(message)
+    assert str(kind) == f"{kind}" == kind.value  # what error messages and logs print
+
+
+def test_every_serialisation_of_a_message_carries_the_plain_kind_string() -> None:
+    for kind, message in one_of_each_kind().items():
+        dumped = message.model_dump(mode="json", exclude={"params", "delta"})
+        assert type(dumped["kind"]) is str and dumped["kind"] == kind.value
+        assert json.loads(canonical_json(dumped))["kind"] == kind.value
+        fields = canonical_fields(message)
+        assert type(fields["kind"]) is str and fields["kind"] == kind.value
+
+
+def test_participant_kinds_are_the_kinds_of_the_messages_a_participant_signs() -> None:
+    signed = {k for k, m in one_of_each_kind().items() if isinstance(m, ParticipantMessage)}
+    assert signed == PARTICIPANT_KINDS
+    assert signed == {
+        MessageKind.COMMITMENT,
+        MessageKind.UPDATE,
+        MessageKind.REFUSAL,
+        MessageKind.UNMASK_RESPONSE,
+    }
+
+
+@pytest.mark.parametrize(
+    "payload", [None, 3, "update", {}, {"kind": None}, {"kind": 3}, {"kind": "gradient"}]
+)
+def test_kind_of_names_no_kind_for_what_is_not_a_message(payload: Any) -> None:
+    assert kind_of(payload) is None
+
+
+def test_an_unknown_kind_is_refused_naming_the_kinds_as_they_are_spelled_on_the_wire() -> None:
+    with pytest.raises(RoundError) as caught:
+        from_wire(good_update(kind="gradient"))
+    message = str(caught.value)
+    assert message.startswith("malformed gradient: kind: gradient is not one of round-open, ")
+    assert all(kind.value in message for kind in MessageKind)
+    assert "MessageKind" not in message
+
+
+# Computed before message kinds were typed (kind a Literal of strings): typing them must not
+# move any digest a ledger, a manifest or a signature refers to.
+PINNED_DIGESTS = {
+    MessageKind.ROUND_OPEN: (
+        "08f7e9c5afae472d8586b5aa8ddbede18a482284d80d5c5302a5031de4fbc375",
+        None,
+    ),
+    MessageKind.COMMITMENT: (
+        "02d19e0ab137910e22672fcd0b4d7635a43252f621be98dcd3411a654f3c32a6",
+        "3ac54b0593e3233090d1488c98925e97722caf9a5fa66ba5f41c6d8616a523c1",
+    ),
+    MessageKind.UPDATE: (
+        "9b46bc72417bfcfe17598090c273c954c185053e1343c06e1e2046deaf9b2ef4",
+        "94a5b87cff3d690d4f28db9012fb92c6f8714ff1dc4dca462f2330b9be2f6cd7",
+    ),
+    MessageKind.REFUSAL: (
+        "004f00bc01e997d4f29cd1c1954ba7ec016109eb3a2b9efa48e52f9cab5cdf5d",
+        "a58e757d75dcb3a6420a1b432c999c2557e21a4a4d70ff15428df81cdc346e48",
+    ),
+    MessageKind.UNMASK_REQUEST: (
+        "4a1ee5641dd07a432604eef610f9d322e37ecda0070aae0a7a7ee0b09b276d17",
+        None,
+    ),
+    MessageKind.UNMASK_RESPONSE: (
+        "2278833afd3b5e697af81544af6c590a7a5053ec90c549a6ae238e5cdd322db0",
+        "068ebcf81325496517e9384905b3148380dc252f995a34e37033e848f9c8e85b",
+    ),
+    MessageKind.ROUND_CLOSE: (
+        "f02e289dc6d549a0e0ced473d177e9487512cfb05885e255020613d81b79bdef",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(MessageKind), ids=lambda k: k.value)
+def test_message_and_signing_digests_are_pinned(kind: MessageKind) -> None:
+    message = one_of_each_kind()[kind]
+    digest, signed = PINNED_DIGESTS[kind]
+    assert message_digest(message) == digest
+    assert message_digest(from_wire(to_wire(message))) == digest
+    if isinstance(message, ParticipantMessage):
+        assert signing_digest(message, 42) == signed
+        assert signing_digest(message, 42, canonical_fields(message)) == signed
+    else:
+        assert signed is None

@@ -14,6 +14,7 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.participant.local_training import PortableState, TorchTraining
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger, verify
@@ -22,10 +23,10 @@ from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
-def messages_per_round(network: InProcessNetwork, kind: str) -> dict[int, int]:
+def messages_per_round(network: InProcessNetwork, kind: MessageKind) -> dict[int, int]:
     counts: dict[int, int] = {}
-    for _, _, _, k, rnd in network.delivered:
-        if k == kind:
+    for _, _, _, k, rnd in network.delivered:  # the network logs the wire's kind string
+        if k == kind.value:
             counts[rnd] = counts.get(rnd, 0) + 1
     return counts
 
@@ -33,9 +34,9 @@ def messages_per_round(network: InProcessNetwork, kind: str) -> dict[int, int]:
 def test_commitment_is_bound_once_then_a_round_is_one_exchange(tmp_path: Path) -> None:
     coordinator, network, _ = federation(tmp_path, participants=4)
     coordinator.run(3)
-    assert messages_per_round(network, "commitment") == {0: 4}
-    assert messages_per_round(network, "update") == {0: 4, 1: 4, 2: 4}
-    assert messages_per_round(network, "round-open") == {0: 4, 1: 4, 2: 4}
+    assert messages_per_round(network, MessageKind.COMMITMENT) == {0: 4}
+    assert messages_per_round(network, MessageKind.UPDATE) == {0: 4, 1: 4, 2: 4}
+    assert messages_per_round(network, MessageKind.ROUND_OPEN) == {0: 4, 1: 4, 2: 4}
 
 
 class UnboundToy(ToyTrainer):
@@ -151,15 +152,7 @@ def test_a_participant_appearing_while_the_round_is_open_is_invited(tmp_path: Pa
         config, participant_id="p09", transport=network.transport_for("p09"), trainer=ToyTrainer(9)
     )
     # it attaches 5 simulated seconds into round 0's OPEN phase
-    network.clock.advance_to(0.0)
-    original_recv = network._run_until_coordinator_message
-
-    def recv(timeout_s: float):
-        if network.clock.time >= 5.0 and "p09" not in network.online():
-            network.attach(late)
-        return original_recv(timeout_s)
-
-    network._run_until_coordinator_message = recv  # type: ignore[method-assign]
+    network.call_at(5.0, lambda: network.attach(late))
     coordinator.run(1)
     outcome = coordinator.outcomes[0]
     assert outcome.state is RoundState.CLOSED and "p09" in outcome.contributors

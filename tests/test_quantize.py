@@ -123,7 +123,7 @@ def test_malformed_quantized_updates_are_rejected(changes: dict) -> None:
 
 
 def test_global_params_cannot_be_int8() -> None:
-    from lensemble_flwr.protocol.messages import RoundOpen
+    from lensemble_flwr.protocol.messages import MessageKind, RoundOpen
 
     with pytest.raises(RoundError):
         from_wire(
@@ -140,7 +140,7 @@ def test_global_params_cannot_be_int8() -> None:
                     probe_hash="",
                     landmark_hashes=(),
                     needs_commitment=True,
-                    kind="round-open",
+                    kind=MessageKind.ROUND_OPEN,
                 )
             )
         )

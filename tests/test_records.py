@@ -14,10 +14,12 @@ from flwr.supercore.task_identity import TaskIdentity
 from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
+    MessageKind,
     RoundClose,
     RoundOpen,
     Update,
     from_wire,
+    kind_of,
     message_digest,
     to_wire,
 )
@@ -156,7 +158,8 @@ def test_round_open_and_piggybacked_close_round_trip_close_first() -> None:
         to_wire(opened), server_round=4, user_config={"lr": 0.1}, round_close=to_wire(closed)
     )
     payloads = records.decode_instruction(content)
-    assert [p["kind"] for p in payloads] == ["round-close", "round-open"]
+    assert [kind_of(p) for p in payloads] == [MessageKind.ROUND_CLOSE, MessageKind.ROUND_OPEN]
+    assert all(type(p["kind"]) is str for p in payloads)  # what Flower carried: plain strings
     assert_same(from_wire(payloads[0]), closed)
     assert_same(from_wire(payloads[1]), opened)
 
@@ -193,7 +196,8 @@ def test_commitment_and_update_round_trip_in_protocol_order() -> None:
         )
         assert records.is_lensemble_reply(content)
         payloads = records.decode_reply(content)
-        assert [p["kind"] for p in payloads] == ["commitment", "update"]
+        assert [kind_of(p) for p in payloads] == [MessageKind.COMMITMENT, MessageKind.UPDATE]
+        assert all(type(p["kind"]) is str for p in payloads)
         for payload, original in zip(payloads, sent, strict=True):
             assert_same(from_wire(payload), original)
         assert dict(content[records.METRICS]) == {"num-examples": 64, "train-loss": 0.5}
@@ -201,14 +205,14 @@ def test_commitment_and_update_round_trip_in_protocol_order() -> None:
 
 def test_a_steady_state_reply_is_the_update_alone() -> None:
     content = records.encode_reply([to_wire(update())], {"num-examples": 64})
-    assert records.PREFIX + "commitment" not in content.config_records
+    assert records.PREFIX + MessageKind.COMMITMENT.value not in content.config_records
     (payload,) = records.decode_reply(content)
     assert_same(from_wire(payload), update())
 
 
 def test_a_participant_sends_only_commitments_and_updates() -> None:
     for message in (round_open(), round_close()):
-        with pytest.raises(ValueError, match=message.kind):
+        with pytest.raises(ValueError, match=message.kind.value):
             records.encode_reply([to_wire(message)], {})
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from federation_helpers import federation, small_config
 
+from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator import durable
 from lensemble_flwr.coordinator.coordinator import INTERRUPTED, Coordinator
@@ -23,8 +24,10 @@ from lensemble_flwr.errors import (
     StoreError,
 )
 from lensemble_flwr.identity import registry_store
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.testing import DeliveryLog
 from lensemble_flwr.transports.faults import FaultPlan
 
 
@@ -71,19 +74,36 @@ def test_bindings_survive_a_restart(tmp_path: Path) -> None:
     resumed = restart(coordinator)
     assert set(resumed.registry.commitments) == {"p00", "p01", "p02", "p03"}
     assert not resumed.round_open_for("p00").needs_commitment  # still one exchange a round
-    network.faults.corrupt("p01", round=1, kind="update", mutate=forge_root)
+    network.faults.corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=forge_root)
     with pytest.raises(CommitmentMismatch, match="p01"):
         resumed.run(1)
 
 
+class CrashingAggregator(FixedPointAggregator):
+    """The exact aggregator, except that revealing round ``crash_round``'s sum dies."""
+
+    crash_round: int | None = None
+    round: int = 0
+
+    def reveal(self):
+        if self.round == CrashingAggregator.crash_round:
+            raise Crash
+        return super().reveal()
+
+
+def crashing_factory(template, config, seed):
+    aggregator = CrashingAggregator(template, config, check_seed=seed)
+    aggregator.round = crashing_factory.round
+    crashing_factory.round += 1
+    return aggregator
+
+
 def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path) -> None:
-    coordinator, network, _ = federation(tmp_path)
+    crashing_factory.round = 0
+    CrashingAggregator.crash_round = 1
+    coordinator, network, _ = federation(tmp_path, aggregator_factory=crashing_factory)
     coordinator.run(1)
-
-    def die(*_args, **_kwargs):
-        raise Crash
-
-    coordinator._aggregate = die  # the crash comes while the round is being summed
+    # the crash comes while the round is being summed
     with pytest.raises(Crash):
         coordinator.run(1)
     assert coordinator.round_state() is RoundState.AGGREGATING
@@ -92,7 +112,7 @@ def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path
     assert (entry.round, entry.attempt, entry.state, entry.reason) == (
         1,
         1,
-        "aborted",
+        RoundState.ABORTED,
         INTERRUPTED,
     )
     assert resumed.next_attempt() == 2
@@ -108,7 +128,7 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
     real = RunManifest.with_round
 
     def crash_after_ledger(self, store, entry):
-        if entry.state == "closed":
+        if entry.state is RoundState.CLOSED:
             raise Crash  # the ledger record is written, the manifest entry is not
         return real(self, store, entry)
 
@@ -182,7 +202,8 @@ def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> 
     resumed = restart(coordinator)
     assert "p03" in resumed.registry.membership.compromised
     assert resumed.registry.membership.snapshot() == coordinator.registry.membership.snapshot()
-    assert resumed.registry.membership._shares == coordinator.registry.membership._shares
+    shares = coordinator.registry.membership.stored_shares()
+    assert shares and resumed.registry.membership.stored_shares() == shares
 
 
 def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path) -> None:
@@ -193,25 +214,19 @@ def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path
     # the shares sealed in round 0 are lost (as if they died with a coordinator process)
     shutil.rmtree(coordinator.store.root / "names" / registry_store.SHARES)
     resumed = restart(coordinator)
-    sent: list[dict] = []
-    post = network._post
-
-    def record(source: str, dest: str, payload: dict) -> None:
-        if payload.get("kind") in ("round-open", "update"):
-            sent.append(payload)
-        post(source, dest, payload)
-
-    network._post = record
+    seen = DeliveryLog(network)
     resumed.run(2)  # round 1: members resend their shares; round 2: p03 drops, unmasked around
+    kinds = (MessageKind.ROUND_OPEN, MessageKind.UPDATE)
+    sent = [p for p in seen.payloads() if kind_of(p) in kinds]
     opens = [
-        p for p in sent if p["kind"] == "round-open" and p["round"] == 1 and p["secagg_members"]
+        p for p in sent if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 1 and p["secagg_members"]
     ]
     assert opens and all(p["send_key_shares"] for p in opens)
-    resent = [p for p in sent if p["kind"] == "update" and p["round"] == 1]
+    resent = [p for p in sent if kind_of(p) is MessageKind.UPDATE and p["round"] == 1]
     assert len(resent) == 4 and all(p["key_shares"] for p in resent)
     assert [o.count for o in resumed.outcomes] == [4, 3]
     assert not [
-        p for p in sent if p["kind"] == "round-open" and p["round"] == 2 and p["send_key_shares"]
+        p for p in sent if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 2 and p["send_key_shares"]
     ]  # held again: not asked twice
 
 

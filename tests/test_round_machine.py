@@ -1,14 +1,18 @@
-"""Tests of the round state machine and the pinned global state."""
+"""Tests of the round state machine, the type of a round's terminal state (in memory and
+in stored manifests and outcomes), and the pinned global state."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from typing import get_args
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
-from lensemble_flwr.canonical import digest_arrays
+from lensemble_flwr.canonical import canonical_json, digest_arrays
 from lensemble_flwr.errors import CheckpointIntegrityError, IllegalTransition
 from lensemble_flwr.protocol.round import (
     TERMINAL_STATES,
@@ -16,10 +20,19 @@ from lensemble_flwr.protocol.round import (
     RoundEvent,
     RoundMachine,
     RoundState,
+    TerminalState,
     next_state,
     transition_diagram,
 )
 from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.ledger import (
+    RoundEntry,
+    RunManifest,
+    UnreadableDocument,
+    parse_document,
+)
+from lensemble_flwr.provenance.summary import AttemptSummary
+from lensemble_flwr.shared_folder.records import Outcome, decode_outcome, encode
 
 S, E = RoundState, RoundEvent
 
@@ -130,6 +143,144 @@ def test_transition_diagram_mentions_every_transition() -> None:
     for state in TERMINAL_STATES:
         assert f"    {state.name} --> [*]" in lines
     assert len(lines) == 2 + len(TRANSITIONS) + len(TERMINAL_STATES)
+
+
+# -- the terminal state: one type, the same strings on disk ----------------------------------
+H1, H2 = "ab" * 32, "cd" * 32
+# Written before the terminal state was typed (RoundEntry.state was Literal["closed",
+# "aborted"], Outcome.state Literal["closed", "aborted", "incomplete"]).
+OLD_CLOSED_ENTRY = (
+    '{"aggregate_digest":"' + H1 + '","attempt":1,"contributors":["p0","p1"],"count":2,'
+    '"diagnostics":{},"late":[],"new_global_hash":"' + H2 + '","prior_global_hash":"' + H1 + '",'
+    '"reason":null,"refused":{},"rejected":0,"round":0,"round_seed":7,"secure_sum":false,'
+    '"state":"closed","total_weight":5,"update_digests":{"p0":"' + H1 + '","p1":"' + H1 + '"}}'
+).encode()
+OLD_ABORTED_ENTRY = (
+    '{"aggregate_digest":null,"attempt":1,"contributors":[],"count":0,"diagnostics":{},'
+    '"late":[],"new_global_hash":null,"prior_global_hash":"' + H2 + '",'
+    '"reason":"FaultToleranceExceeded: x","refused":{},"rejected":0,"round":1,"round_seed":5,'
+    '"secure_sum":false,"state":"aborted","total_weight":0,"update_digests":{}}'
+).encode()
+OLD_MANIFEST_DIGEST = "790e4cd6901a9260857cb9aef76b4114119b6f42ebca52e3cc31498cea193f15"
+OLD_ABORTED_OUTCOME = (
+    '{"contributors":[],"decided_by":"p0","error":"X","error_field":null,"global_hash":"'
+    + H1
+    + '","missing":[],"next":null,"reason":null,"round":0,"run_id":"run","sitting":1,'
+    '"state":"aborted"}'
+).encode()
+
+
+def _closed_entry(state: object = RoundState.CLOSED) -> RoundEntry:
+    return RoundEntry(
+        round=0,
+        attempt=1,
+        state=state,  # type: ignore[arg-type]
+        round_seed=7,
+        prior_global_hash=H1,
+        contributors=("p0", "p1"),
+        count=2,
+        total_weight=5,
+        update_digests={"p0": H1, "p1": H1},
+        aggregate_digest=H1,
+        new_global_hash=H2,
+    )
+
+
+def _aborted_entry() -> RoundEntry:
+    return RoundEntry(
+        round=1,
+        attempt=1,
+        state=RoundState.ABORTED,
+        reason="FaultToleranceExceeded: x",
+        round_seed=5,
+        prior_global_hash=H2,
+    )
+
+
+def test_the_terminal_states_are_the_round_states_a_machine_ends_in() -> None:
+    assert set(get_args(TerminalState)) == TERMINAL_STATES == {S.CLOSED, S.ABORTED}
+    assert set(TRANSITIONS.values()) - set(NON_TERMINAL) == TERMINAL_STATES
+    assert [str(s) for s in (S.CLOSED, S.ABORTED)] == ["closed", "aborted"]
+    assert f"{S.ABORTED}" == "aborted"  # what the CLI, the audit and logs print
+
+
+def test_a_manifest_entry_written_with_the_type_is_the_old_string_form() -> None:
+    for entry, old in ((_closed_entry(), OLD_CLOSED_ENTRY), (_aborted_entry(), OLD_ABORTED_ENTRY)):
+        assert canonical_json(entry.model_dump(mode="json")) == old
+        assert type(entry.model_dump(mode="json")["state"]) is str
+    manifest = RunManifest(
+        run_id="r",
+        config={},
+        root_seed=0,
+        initial_params_hash=H1,
+        initial_checkpoint=H1,
+        rounds=(_closed_entry(), _aborted_entry()),
+    )
+    assert manifest.digest == OLD_MANIFEST_DIGEST
+
+
+def test_a_manifest_entry_written_before_the_type_loads_as_the_type() -> None:
+    closed = parse_document(RoundEntry, OLD_CLOSED_ENTRY, "entry")
+    aborted = parse_document(RoundEntry, OLD_ABORTED_ENTRY, "entry")
+    assert closed.state is RoundState.CLOSED and aborted.state is RoundState.ABORTED
+    assert closed == _closed_entry() and aborted == _aborted_entry()
+    assert canonical_json(closed.model_dump(mode="json")) == OLD_CLOSED_ENTRY  # byte-identical
+
+
+def test_a_manifest_entry_takes_the_state_as_a_string_and_holds_the_type() -> None:
+    entry = _closed_entry("closed")  # how a caller that spells it still writes it
+    assert entry.state is RoundState.CLOSED and entry == _closed_entry()
+
+
+@pytest.mark.parametrize("state", [*NON_TERMINAL, "open", "done", None])
+def test_a_manifest_entry_holds_a_terminal_state_only(state: object) -> None:
+    with pytest.raises(ValidationError):
+        _closed_entry(state)
+
+
+@pytest.mark.parametrize("state", [b'"open"', b'"CLOSED"', b"null"])
+def test_a_stored_manifest_entry_with_another_state_does_not_parse(state: bytes) -> None:
+    with pytest.raises(UnreadableDocument) as caught:
+        parse_document(RoundEntry, OLD_CLOSED_ENTRY.replace(b'"closed"', state), "entry")
+    assert caught.value.detail.startswith("state: ")
+
+
+def test_a_shared_folder_outcome_uses_the_same_type_and_the_same_strings() -> None:
+    outcome = Outcome(
+        run_id="run",
+        round=0,
+        sitting=1,
+        state=RoundState.ABORTED,
+        decided_by="p0",
+        error="X",
+        global_hash=H1,
+    )
+    assert encode(outcome) == OLD_ABORTED_OUTCOME
+    assert decode_outcome(OLD_ABORTED_OUTCOME).state is RoundState.ABORTED
+    incomplete = outcome.model_copy(update={"state": "incomplete"})
+    assert decode_outcome(encode(incomplete)).state == "incomplete"  # a sitting, not a round
+    with pytest.raises(Exception, match="does not parse"):
+        decode_outcome(OLD_ABORTED_OUTCOME.replace(b'"aborted"', b'"open"'))
+
+
+def test_a_run_summary_prints_the_state_as_its_string() -> None:
+    entry = _aborted_entry()
+    row = AttemptSummary(
+        round=entry.round,
+        attempt=entry.attempt,
+        state=entry.state,
+        count=0,
+        contributors=(),
+        late=(),
+        refused={},
+        reason=entry.reason,
+        secure_sum=False,
+        diagnostics={},
+        epsilon={},
+        new_global_hash=None,
+    )
+    assert json.loads(json.dumps(row.to_json()))["state"] == "aborted"
+    assert json.dumps(row.to_json()["state"]) == '"aborted"'
 
 
 def _params() -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.protocol.messages import (
+    MessageKind,
     RoundOpen,
     UnmaskRequest,
     Update,
@@ -151,9 +152,13 @@ def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
     tampered = {"w": result.sums["w"] + 1}
     with pytest.raises(NonDeterministicAggregation):
         agg.verify(dataclasses.replace(result, sums=tampered))
-    agg._disclosures.clear()  # the transcript is gone: the reveal cannot be repeated
+    # an aggregator holding the same masked inputs but none of the disclosures (the
+    # transcript is gone) cannot repeat the reveal, so it never vouches for the sum
+    bare = aggregator(members)
+    for pid in ("a", "b", "c"):
+        bare.admit(masked_update(pid, keys, members), weight=1)
     with pytest.raises(NonDeterministicAggregation, match="no longer reveals"):
-        agg.verify(result)
+        bare.verify(result)
 
 
 def test_a_member_set_must_be_well_formed_and_include_the_masker(trio) -> None:
@@ -215,7 +220,7 @@ def test_a_member_set_that_could_overflow_the_sum_is_refused(trio) -> None:
 
 def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:
     payload = {
-        "kind": "unmask-response",
+        "kind": MessageKind.UNMASK_RESPONSE.value,
         "run_id": "run",
         "round": 0,
         "sender": "a",

@@ -45,12 +45,14 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.protocol.messages import (
     Commitment,
+    MessageKind,
     Refusal,
     Update,
     from_wire,
     message_digest,
     to_wire,
 )
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey, Snapshot
 from lensemble_flwr.shared_folder.records import (
@@ -68,7 +70,7 @@ from lensemble_flwr.shared_folder.runner import SharedFolderParticipant, check_s
 from lensemble_flwr.simulations import shared_folder_demo
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
-from lensemble_flwr.transports.replay import ReplayTransport
+from lensemble_flwr.testing import ManualClock
 
 FOUR = ["p00", "p01", "p02", "p03"]
 _CTX = multiprocessing.get_context("forkserver")
@@ -238,7 +240,7 @@ def test_a_straggler_is_waited_for_in_the_next_sitting(tmp_path: Path) -> None:
         assert reports[me].data["deposited"] == [[0, 1], [0, 2]]
     manifest = RunManifest.load(Store(tmp_path / "runs" / "run"))
     entries = [(e.round, e.attempt, e.state) for e in manifest.rounds]
-    assert entries == [(0, 1, "closed")]  # nothing ran in the sitting nobody completed
+    assert entries == [(0, 1, RoundState.CLOSED)]  # nothing ran in the sitting nobody completed
 
 
 def test_a_claimant_killed_before_publishing_is_named(tmp_path: Path) -> None:
@@ -376,8 +378,8 @@ def test_the_only_participant_decides_and_publishes_its_own_rounds(tmp_path: Pat
     solo = node(tmp_path, "p00", ["p00"])
     state = solo.run(2)
     assert [(d.key.round, d.state, d.contributors) for d in solo.decisions] == [
-        (0, "closed", ("p00",)),
-        (1, "closed", ("p00",)),
+        (0, RoundState.CLOSED, ("p00",)),
+        (1, RoundState.CLOSED, ("p00",)),
     ]
     outcome = decode_outcome(solo.barrier.outcome(SittingKey(1, 1)) or b"")
     assert outcome.global_hash == state.params_hash and outcome.next is not None
@@ -447,7 +449,7 @@ def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
 
 def test_sizes_all_or_none() -> None:
     def record(pid: str, size: int | None, update_size: int | None = 10) -> FolderRecord:
-        payloads = () if update_size is None else ({"kind": "update", "num_examples": update_size},)
+        payloads = () if update_size is None else ({"kind": MessageKind.UPDATE.value, "num_examples": update_size},)
         return FolderRecord("run", 0, 1, pid, size, payloads)
 
     check_sizes([record("a", 10), record("b", 10)])
@@ -482,7 +484,7 @@ def test_an_aborted_attempt_is_retried_then_stops_by_the_error_table(tmp_path: P
     results = together([n0, n1], 1)
     assert all(isinstance(r, FaultToleranceExceeded) for r in results)
     manifest = RunManifest.load(store_of(tmp_path))
-    assert [(e.attempt, e.state) for e in manifest.rounds] == [(1, "aborted"), (2, "aborted")]
+    assert [(e.attempt, e.state) for e in manifest.rounds] == [(1, RoundState.ABORTED), (2, RoundState.ABORTED)]
     assert n0.deposits == n1.deposits == [SittingKey(0, 1), SittingKey(0, 2)]
 
 
@@ -495,7 +497,7 @@ def test_with_a_quorum_the_round_goes_on_without_the_missing(tmp_path: Path) -> 
     states = together(nodes, 1)
     assert len({s.params_hash for s in states}) == 1
     assert {(o.state, o.contributors, o.missing) for o in seen} == {
-        ("closed", ("p00", "p01", "p02"), ("p03",))
+        (RoundState.CLOSED, ("p00", "p01", "p02"), ("p03",))
     }
 
 
@@ -508,7 +510,7 @@ def test_a_decider_that_fails_publishes_why(tmp_path: Path, monkeypatch: Any) ->
     with pytest.raises(LensembleError, match="RuntimeError: disk on fire"):
         solo.run(1)
     outcome = decode_outcome(solo.barrier.outcome(SittingKey(0, 1)) or b"")
-    assert (outcome.state, outcome.error, outcome.next) == ("aborted", "RuntimeError", None)
+    assert (outcome.state, outcome.error, outcome.next) == (RoundState.ABORTED, "RuntimeError", None)
 
 
 def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
@@ -581,24 +583,13 @@ def test_a_process_that_does_not_match_the_run_is_refused(tmp_path: Path) -> Non
 
 
 # -- the barrier on its own (a simulated clock) -----------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def barrier(store: Store, who: str, clock: FakeClock, **kwargs: Any) -> FolderBarrier:
+def barrier(store: Store, who: str, clock: ManualClock, **kwargs: Any) -> FolderBarrier:
     kwargs = {"round_timeout": 5.0, "publish_timeout": 2.0, **kwargs}
     return FolderBarrier(store, identity=who, clock=clock, sleep=clock.sleep, **kwargs)
 
 
 def test_the_deadline_hands_the_decider_the_missing(tmp_path: Path) -> None:
-    clock, store, key = FakeClock(), Store(tmp_path), SittingKey(0, 1)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(0, 1)
     a = barrier(store, "A", clock)
     a.deposit(key, "a", b"from a")
     seen: list[Snapshot] = []
@@ -614,7 +605,7 @@ def test_the_deadline_hands_the_decider_the_missing(tmp_path: Path) -> None:
 
 
 def test_a_claim_never_published_is_named_after_the_publish_timeout(tmp_path: Path) -> None:
-    clock, store, key = FakeClock(), Store(tmp_path), SittingKey(3, 2)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(3, 2)
     store.claim(f"{key.name}/decision", store.put(b"C (pid 7 on node-4)"))
     b = barrier(store, "B", clock)
     b.deposit(key, "b", b"from b")
@@ -625,22 +616,31 @@ def test_a_claim_never_published_is_named_after_the_publish_timeout(tmp_path: Pa
 
 
 def test_a_start_never_published_is_named_after_the_publish_timeout(tmp_path: Path) -> None:
-    clock, store = FakeClock(), Store(tmp_path)
+    clock, store = ManualClock(), Store(tmp_path)
     store.claim("barrier/start", store.put(b"S (pid 9 on node-1)"))
     with pytest.raises(ClaimantDied, match=r"the run's start: S \(pid 9 on node-1\)"):
         barrier(store, "B", clock).start(lambda: pytest.fail("the start was taken over"))
 
 
 def test_start_publishes_once_and_everyone_reads_it(tmp_path: Path) -> None:
-    clock, store = FakeClock(), Store(tmp_path)
+    clock, store = ManualClock(), Store(tmp_path)
     assert barrier(store, "A", clock).start(lambda: b"genesis") == b"genesis"
     assert barrier(store, "B", clock).start(lambda: pytest.fail("created twice")) == b"genesis"
+    # somebody who never held the start claim publishes a genesis while the claimant
+    # creates the run: the claimant refuses to publish over it, and the first one stands
+    rogue = Store(tmp_path / "rogue")
+
+    def create() -> bytes:
+        rogue.claim("barrier/genesis", rogue.put(b"another"))
+        return b"genesis"
+
     with pytest.raises(StoreError, match="did not hold the claim"):
-        barrier(store, "C", clock)._publish("barrier/genesis", b"another")
+        barrier(rogue, "C", clock).start(create)
+    assert rogue.get(rogue.resolve("barrier/genesis")) == b"another"
 
 
 def test_a_record_is_deposited_once(tmp_path: Path) -> None:
-    b, key = barrier(Store(tmp_path), "B", FakeClock()), SittingKey(0, 1)
+    b, key = barrier(Store(tmp_path), "B", ManualClock()), SittingKey(0, 1)
     assert b.deposit(key, "b", b"first") is True
     assert b.deposit(key, "b", b"first") is False  # a restart writing the same again
     with pytest.raises(RoundError, match="already deposited a different record"):
@@ -652,9 +652,9 @@ def test_a_record_is_deposited_once(tmp_path: Path) -> None:
 
 def test_barrier_arguments_that_cannot_work_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="round_timeout"):
-        barrier(Store(tmp_path), "B", FakeClock(), round_timeout=0)
+        barrier(Store(tmp_path), "B", ManualClock(), round_timeout=0)
     with pytest.raises(ValueError, match="poll_interval"):
-        barrier(Store(tmp_path), "B", FakeClock(), poll_interval=-1)
+        barrier(Store(tmp_path), "B", ManualClock(), poll_interval=-1)
     with pytest.raises(ValueError):
         SittingKey(0, 0)
 
@@ -694,7 +694,7 @@ _HEADER = {
     "sitting": 1,
     "participant": "p1",
     "num_examples": None,
-    "payloads": [{"kind": "refusal"}],
+    "payloads": [{"kind": MessageKind.REFUSAL.value}],
     "arrays": [[]],
 }
 
@@ -713,7 +713,7 @@ def test_bytes_that_are_not_a_record_are_refused(data: bytes, complaint: str) ->
     with pytest.raises(RoundError, match="unreadable shared-folder record") as caught:
         decode_record(data)
     assert complaint in str(caught.value)
-    assert decode_record(pack({}, _HEADER)).payloads == ({"kind": "refusal"},)  # the control
+    assert decode_record(pack({}, _HEADER)).payloads == ({"kind": MessageKind.REFUSAL.value},)  # the control
 
 
 def test_a_stored_outcome_that_does_not_parse_is_refused() -> None:
@@ -729,7 +729,6 @@ def forge_run(folder: Path, change: Callable[[Genesis], Genesis]) -> Store:
     store = store_of(folder)
     coordinator = Coordinator(
         folder_config(min_participants=1),
-        transport=ReplayTransport((), ()),
         initial_params=initial_params(),
         store=store,
         run_id="run",
@@ -772,7 +771,7 @@ def test_a_run_whose_store_moved_on_is_not_aggregated(tmp_path: Path) -> None:
 def test_an_outcome_about_another_sitting_is_refused(tmp_path: Path) -> None:
     store = forge_run(tmp_path, lambda g: g)
     wrong = Outcome(
-        run_id="run", round=4, sitting=1, state="closed", decided_by="X", global_hash="0" * 64
+        run_id="run", round=4, sitting=1, state=RoundState.CLOSED, decided_by="X", global_hash="0" * 64
     )
     store.claim("barrier/00000000.001/decision", store.put(b"X"))
     store.claim("barrier/00000000.001/outcome", store.put(encode(wrong)))

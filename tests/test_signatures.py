@@ -19,10 +19,16 @@ from lensemble_flwr.identity.signing import (
     parse_public_key,
     verify_signature,
 )
-from lensemble_flwr.protocol.messages import Commitment, Update, from_wire, to_wire
+from lensemble_flwr.protocol.messages import (
+    Commitment,
+    MessageKind,
+    Update,
+    from_wire,
+    to_wire,
+)
 from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.testing import FaultPlan
 from lensemble_flwr.transports.base import COORDINATOR
-from lensemble_flwr.transports.faults import FaultPlan
 
 PIDS = ("p00", "p01", "p02", "p03")
 KEYS = {pid: IdentityKey.generate() for pid in PIDS}
@@ -56,7 +62,7 @@ def test_an_update_signed_by_someone_else_is_forged(tmp_path: Path, caplog) -> N
         msg = from_wire(payload)
         return dict(intruder.sign(msg, _seed(msg.round)))
 
-    faults = FaultPlan().corrupt("p02", round=1, kind="update", mutate=resign)
+    faults = FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=resign)
     coordinator, _, _ = signed_federation(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING):
         coordinator.run(2)
@@ -70,7 +76,7 @@ def test_an_update_altered_in_flight_is_forged(tmp_path: Path) -> None:
         payload["delta"] = {k: v * 2 for k, v in payload["delta"].items()}
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=scale)
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=scale)
     coordinator, _, _ = signed_federation(tmp_path, faults=faults)
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
@@ -79,13 +85,13 @@ def test_an_update_altered_in_flight_is_forged(tmp_path: Path) -> None:
 
 def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path, caplog) -> None:
     seen: list[dict] = []
-    faults = FaultPlan().corrupt("p01", round=0, kind="update", mutate=capture(seen))
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=capture(seen))
     coordinator, network, _ = signed_federation(tmp_path, faults=faults)
     coordinator.run(1)
     assert coordinator.outcomes[-1].count == 4
     # the same bytes again during round 1, and a copy relabelled as round 1
-    network._post("p01", COORDINATOR, seen[0])
-    network._post("p01", COORDINATOR, {**seen[0], "round": 1})
+    network.inject("p01", COORDINATOR, seen[0])
+    network.inject("p01", COORDINATOR, {**seen[0], "round": 1})
     with caplog.at_level(logging.WARNING):
         coordinator.run(1)
     assert "(ReplayedMessage)" in caplog.text and "(ForgedMessage)" in caplog.text
@@ -96,15 +102,8 @@ def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path, caplog) -
 
 
 def test_an_update_sent_twice_in_one_round_counts_once(tmp_path: Path, caplog) -> None:
-    coordinator, network, _ = signed_federation(tmp_path)
-    post = network._post
-
-    def post_twice(source: str, dest: str, payload: dict) -> None:
-        post(source, dest, payload)
-        if source == "p03" and payload.get("kind") == "update":
-            post(source, dest, dict(payload))
-
-    network._post = post_twice
+    faults = FaultPlan().duplicate("p03", round=0, kind=MessageKind.UPDATE)
+    coordinator, network, _ = signed_federation(tmp_path, faults=faults)
     network.set_compute_time("p03", 0.1)  # so that both copies come before the others
     with caplog.at_level(logging.WARNING):
         coordinator.run(1)
@@ -146,7 +145,7 @@ def test_a_registered_key_cannot_be_replaced(tmp_path: Path) -> None:
         num_examples=nodes[1].training.num_examples(),
         identity_key=intruder.public_openssh,
     )
-    network._post("p01", COORDINATOR, to_wire(intruder.sign(claim, _seed(1))))
+    network.inject("p01", COORDINATOR, to_wire(intruder.sign(claim, _seed(1))))
     nodes[1].identity = intruder  # and p01's own messages now come signed by that key
     coordinator.run(1)
     assert coordinator.registry.commitments["p01"].identity_key == KEYS["p01"].public_openssh

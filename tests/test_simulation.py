@@ -26,6 +26,7 @@ from lensemble_flwr.clients import make_client_app, wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import FaultToleranceExceeded
 from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.simulations.toy import ToyTrainer
 from lensemble_flwr.simulations.toy import initial_params as toy_params
@@ -108,7 +109,7 @@ def test_elastic_completion_with_a_participant_past_the_deadline(tmp_path: Path)
     simulate(server, sleepy_client_app(tmp_path / "fits", 1, seconds=6.0), nodes=3)
     assert "error" not in box, box.get("error")
     outcomes = box["result"].outcomes
-    assert [o.state.value for o in outcomes] == ["closed"] * 5  # the cold start cost nothing
+    assert [o.state for o in outcomes] == [RoundState.CLOSED] * 5  # the cold start cost nothing
     r1, r2, *later = outcomes
     assert r1.count == 3 and r2.count == 2  # round 2 closed elastically, without the sleeper
     nodes = {f"node-{n}" for n in box["strategy"].transport.grid.get_node_ids()}
@@ -140,7 +141,7 @@ def test_quorum_failure_aborts_and_leaves_the_global_arrays_unchanged(tmp_path: 
     )
     assert isinstance(box.get("error"), FaultToleranceExceeded)
     coordinator = box["strategy"].coordinator
-    assert [o.state.value for o in coordinator.outcomes] == ["aborted", "aborted"]
+    assert [o.state for o in coordinator.outcomes] == [RoundState.ABORTED] * 2
     assert coordinator.global_state().round == 0
     for name, array in toy_params().items():
         np.testing.assert_array_equal(coordinator.global_state().params[name], array)

@@ -18,6 +18,7 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import flower_app, world
 from lensemble_flwr.simulations.world_federation import world_gauge
@@ -97,7 +98,7 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         for _, reply in grid.delivered
         if reply.metadata.message_type == "train"
         for payload in records.decode_reply(reply.content)
-        if payload["kind"] == "update"
+        if kind_of(payload) is MessageKind.UPDATE
     ]
     assert len(updates) == 6
     assert all(tuple(u["transforms"])[:2] == ("align", "difference") for u in updates)

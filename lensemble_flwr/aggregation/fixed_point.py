@@ -185,6 +185,12 @@ class FixedPointAggregator:
     def contributors(self) -> tuple[str, ...]:
         return tuple(sorted(self._contributors))
 
+    @property
+    def pending_count(self) -> int:
+        """Admitted updates not yet folded into the accumulator (the aggregator holds at
+        most ``fold_batch`` updates at a time; none once revealed)."""
+        return len(self._pending)
+
     def admit(self, update: Update, *, weight: int) -> None:
         """Admit ``update`` with integer ``weight``.
 

@@ -11,6 +11,10 @@ Layout under ``root``:
   after which the destination directory is fsynced. Nothing half-written is ever
   visible under ``blobs/`` or ``names/``, and temp files are removed on every path.
 
+A write can be watched, or cut short, from outside: ``Store(root, on_write=hook)`` calls
+``hook(kind, key, data)`` before each write is published (:data:`WriteHook`); the crash
+drill kills its process there, half-way through a checkpoint.
+
 Flower-free; standard library only.
 """
 
@@ -21,7 +25,9 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
 
@@ -29,6 +35,14 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 _COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
 # A name path that collides with another name used as a prefix (or vice versa).
 _CONFLICT = (FileExistsError, IsADirectoryError, NotADirectoryError)
+
+WriteHook = Callable[[Literal["blob", "name"], str, bytes], None]
+"""Called as ``hook(kind, key, data)`` before a write is published: a new blob (``kind``
+``"blob"``, ``key`` its digest, ``data`` its bytes) or a binding (``"name"``, ``key`` the
+name, ``data`` the digest line), by :meth:`Store.put`, :meth:`Store.bind` and
+:meth:`Store.claim` once their arguments are checked. Nothing of the write is visible
+yet: a hook that raises, or ends the process, leaves the store as it was (and a put of a
+blob already stored writes nothing, so calls no hook)."""
 
 
 def _check_digest(digest: str) -> None:
@@ -55,13 +69,15 @@ def _fsync_dir(path: Path) -> None:
 class Store:
     """Content-addressed blobs plus a namespace of names bound to blob digests."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, on_write: WriteHook | None = None) -> None:
         """Open (creating if needed) the store at ``root``.
 
         Args:
             root: Folder holding ``blobs/``, ``names/`` and ``tmp/``.
+            on_write: called before every write is published (tests and drills).
         """
         self.root: Path = Path(root)
+        self.on_write = on_write
         self._blobs = self.root / "blobs"
         self._names = self.root / "names"
         self._tmp = self.root / "tmp"
@@ -73,6 +89,8 @@ class Store:
         digest = hashlib.sha256(data).hexdigest()
         path = self._blob_path(digest)
         if not path.exists():
+            if self.on_write is not None:
+                self.on_write("blob", digest, data)
             self._publish(data, path, exclusive=False)
         return digest
 
@@ -110,8 +128,11 @@ class Store:
                 is malformed or not in the store.
         """
         path = self._writable_name(name, digest)
+        line = digest.encode("ascii") + b"\n"
+        if self.on_write is not None:
+            self.on_write("name", name, line)
         try:
-            self._publish(digest.encode("ascii") + b"\n", path, exclusive=False)
+            self._publish(line, path, exclusive=False)
         except _CONFLICT as exc:
             raise StoreError(f"name {name!r} clashes with an existing name") from exc
 
@@ -126,8 +147,11 @@ class Store:
             StoreError: As for :meth:`bind`.
         """
         path = self._writable_name(name, digest)
+        line = digest.encode("ascii") + b"\n"
+        if self.on_write is not None:
+            self.on_write("name", name, line)
         try:
-            return self._publish(digest.encode("ascii") + b"\n", path, exclusive=True)
+            return self._publish(line, path, exclusive=True)
         except _CONFLICT as exc:
             raise StoreError(f"name {name!r} clashes with an existing name") from exc
 

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lensemble_flwr.cli.output import EXIT_OK, stdout
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.summary import AttemptSummary, RunSummary, summarize_run
 
 NONE = "–"
@@ -75,11 +76,11 @@ def table(summary: RunSummary) -> Table:
     ]:
         grid.add_column(name, justify=justify)  # type: ignore[arg-type]
     for a in summary.attempts:
-        closed = a.state == "closed"
+        closed = a.state is RoundState.CLOSED
         grid.add_row(
             str(a.round),
             str(a.attempt),
-            Text("closed", style="green") if closed else Text("aborted", style="red"),
+            Text(a.state.value, style="green" if closed else "red"),
             str(a.count) if closed else NONE,
             (", ".join(a.contributors)) or NONE,
             _number(a.epsilon_max),

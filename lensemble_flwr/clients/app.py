@@ -23,6 +23,8 @@ from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.messages import kind_of
+from lensemble_flwr.release.pipeline import ReleaseTransform
 from lensemble_flwr.strategies import records
 from lensemble_flwr.transports.base import ReplyCollector
 
@@ -66,10 +68,15 @@ def handle_train(
     *,
     gauge: GaugeSetup | None = None,
     identity: IdentityKey | None = None,
+    pipeline: ReleaseTransform | None = None,
 ) -> Message:
-    """Run one train instruction through a Participant rebuilt from ``context.state``."""
+    """Run one train instruction through a Participant rebuilt from ``context.state``.
+
+    ``pipeline`` is the participant's release pipeline (None: the one the config asks
+    for); its stages' state is restored from and saved to ``context.state`` with the rest
+    of the participant's state."""
     payloads = records.decode_instruction(message.content)
-    if not any(p.get("kind") in ("round-open", "unmask-request") for p in payloads):
+    if not any(kind_of(p) in records.INSTRUCTION_KINDS for p in payloads):
         return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
     collector = ReplyCollector()
     participant = Participant(
@@ -79,6 +86,7 @@ def handle_train(
         trainer=trainer,
         gauge=gauge,
         identity=identity,
+        pipeline=pipeline,
     )
     participant.import_state(load_state(context.state))
     for payload in payloads:
@@ -117,6 +125,7 @@ def make_client_app(
     evaluate_fn: EvaluateFn | None = default_evaluate,
     gauge_fn: Callable[[Context], GaugeSetup | None] | None = None,
     identity_fn: Callable[[Context], IdentityKey | None] = identity_from_node_config,
+    pipeline_fn: Callable[[Context], ReleaseTransform | None] | None = None,
 ) -> ClientApp:
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
@@ -129,6 +138,12 @@ def make_client_app(
             None to refuse evaluate instructions.
         gauge_fn: the model's gauge adapter and pinned probe (for ``gauge-align``).
         identity_fn: this node's signing key (default: the ``identity-key`` node config).
+        pipeline_fn: this node's release pipeline, e.g. ``chain(difference(), my_stage(),
+            bind())`` (default, or when it returns None: the one the config asks for, see
+            :func:`~lensemble_flwr.participant.release_chain.release_pipeline`). Called
+            for every train message, so it must build the same stages every time: the
+            state of every stage is kept in ``context.state`` between messages (see
+            :mod:`lensemble_flwr.release.state_codec` for what a state may hold).
     """
     app = ClientApp()
 
@@ -141,6 +156,7 @@ def make_client_app(
             config_fn(context),
             gauge=gauge_fn(context) if gauge_fn is not None else None,
             identity=identity_fn(context),
+            pipeline=pipeline_fn(context) if pipeline_fn is not None else None,
         )
 
     @app.evaluate()

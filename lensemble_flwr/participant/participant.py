@@ -53,6 +53,7 @@ from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
+from lensemble_flwr.release.state_codec import export_release_state, import_release_state
 from lensemble_flwr.secagg.participant_role import MaskingRole
 from lensemble_flwr.transports.base import Transport
 
@@ -67,6 +68,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TRAINING = "training/"  # where exported state keeps the LocalTraining's arrays
+_RELEASE = "release/"  # ... and the release pipeline's arrays
 
 
 def training_state(state: PortableState) -> PortableState:
@@ -345,19 +347,47 @@ class Participant:
 
     # -- state that must outlive a process ---------------------------------------------
     def export_state(self) -> PortableState:
-        """Everything this participant must remember until its next message."""
+        """Everything this participant must remember until its next message: the last
+        round it answered, its masking keys, its LocalTraining's state (arrays under
+        ``training/``) and the state of every release stage (arrays under ``release/``,
+        described by ``meta["release"]``; see :mod:`lensemble_flwr.release.state_codec`).
+
+        Raises:
+            ConfigError: a release stage keeps state that cannot be exported (the error
+                names the stage); nothing is silently left out.
+        """
+        release_arrays, release_meta = export_release_state(self.pipeline, self._pipeline_state)
         inner = self.training.export_state()
         meta = {
             "last_open": list(self._last_open) if self._last_open else None,
             "training": inner.meta,
             "masking": self.masking.export(),
+            "release": release_meta,
         }
         arrays = {f"{_TRAINING}{k}": v for k, v in inner.arrays.items()}
+        arrays.update({f"{_RELEASE}{k}": v for k, v in release_arrays.items()})
         return PortableState(arrays=arrays, meta=meta)
 
     def import_state(self, state: PortableState) -> None:
-        """Restore what :meth:`export_state` returned (a fresh participant if empty)."""
+        """Restore what :meth:`export_state` returned (a fresh participant if empty; a
+        state saved before release states were exported restores an uninitialised
+        pipeline state).
+
+        Raises:
+            RoundError: the release state is malformed or does not fit this participant's
+                pipeline; the participant is left unchanged.
+        """
+        cut = len(_RELEASE)
+        release_arrays = {k[cut:]: v for k, v in state.arrays.items() if k.startswith(_RELEASE)}
+        release_meta = state.meta.get("release")
+        if release_meta is None:
+            if release_arrays:
+                raise RoundError("release state: arrays without a description")
+            pipeline_state = None
+        else:
+            pipeline_state = import_release_state(self.pipeline, release_arrays, release_meta)
         last_open = state.meta.get("last_open")
         self._last_open = tuple(last_open) if last_open else None  # type: ignore[assignment]
         self.masking.restore(state.meta.get("masking") or {})
         self.training.import_state(training_state(state))
+        self._pipeline_state = pipeline_state

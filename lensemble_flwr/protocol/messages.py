@@ -5,10 +5,14 @@ arrays. The receiver, never the sender's transport, turns a payload into a messa
 with :func:`from_wire`; anything that does not validate raises :class:`RoundError`
 and the round does not move. :func:`message_digest` hashes a message in the
 canonical encoding of :mod:`lensemble_flwr.canonical`.
+
+A message's ``kind`` is a :class:`MessageKind`; on the wire (and in every hash) it is
+the member's plain string value, so the wire format does not depend on the enum.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
@@ -33,6 +37,34 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _MASKED_DTYPE = np.dtype(np.int64)  # a masked release: fixed-point integers mod 2**64
 _WIRE_DTYPES = (*_FLOAT_DTYPES, np.dtype(np.int8), _MASKED_DTYPE)  # int8: quantized
 _HEX64 = r"^[0-9a-f]{64}$"
+
+
+class MessageKind(str, enum.Enum):
+    """What a control message is: the ``kind`` field of its class, whose value is the
+    string the wire carries."""
+
+    ROUND_OPEN = "round-open"
+    COMMITMENT = "commitment"
+    UPDATE = "update"
+    REFUSAL = "refusal"
+    UNMASK_REQUEST = "unmask-request"
+    UNMASK_RESPONSE = "unmask-response"
+    ROUND_CLOSE = "round-close"
+
+    def __str__(self) -> str:  # "update", not "MessageKind.UPDATE", in messages and logs
+        return self.value
+
+
+PARTICIPANT_KINDS = frozenset(
+    {
+        MessageKind.COMMITMENT,
+        MessageKind.UPDATE,
+        MessageKind.REFUSAL,
+        MessageKind.UNMASK_RESPONSE,
+    }
+)
+"""The kinds a participant sends (about itself, and may sign); the coordinator sends the
+others."""
 
 
 def _validate_arrays(value: Any) -> dict[str, np.ndarray]:
@@ -88,7 +120,7 @@ class _Message(BaseModel):
 class RoundOpen(_Message):
     """Coordinator → participants: round ``round`` is open on this pinned global state."""
 
-    kind: Literal["round-open"] = "round-open"
+    kind: Literal[MessageKind.ROUND_OPEN] = MessageKind.ROUND_OPEN
     attempt: int = Field(1, ge=1)
     global_hash: str = Field(pattern=_HEX64)
     params: NamedArraysField
@@ -142,7 +174,7 @@ class _FromParticipant(_Message):
 class Commitment(_FromParticipant):
     """Participant → coordinator: I take part in this round, bound to this dataset root."""
 
-    kind: Literal["commitment"] = "commitment"
+    kind: Literal[MessageKind.COMMITMENT] = MessageKind.COMMITMENT
     dataset_root: str = Field(pattern=_HEX64)
     num_examples: int = Field(ge=1)
     mask_key: str | None = Field(None, pattern=_HEX64, description="X25519, secure sums.")
@@ -162,7 +194,7 @@ class Update(_FromParticipant):
     the configuration does not require binding, and records them as unbound.
     """
 
-    kind: Literal["update"] = "update"
+    kind: Literal[MessageKind.UPDATE] = MessageKind.UPDATE
     dataset_root: str | None = Field(pattern=_HEX64)
     delta: NamedArraysField
     l2_norm: float = Field(ge=0, allow_inf_nan=False)
@@ -225,7 +257,7 @@ class Refusal(_FromParticipant):
     round stops waiting for that participant and the error table can decide.
     """
 
-    kind: Literal["refusal"] = "refusal"
+    kind: Literal[MessageKind.REFUSAL] = MessageKind.REFUSAL
     error: str = Field(min_length=1, max_length=64, description="The error's class name.")
     reason: str = Field("", max_length=2000)
 
@@ -233,7 +265,7 @@ class Refusal(_FromParticipant):
 class UnmaskRequest(_Message):
     """Coordinator → surviving member of a masked round: disclose one share per sender."""
 
-    kind: Literal["unmask-request"] = "unmask-request"
+    kind: Literal[MessageKind.UNMASK_REQUEST] = MessageKind.UNMASK_REQUEST
     attempt: int = Field(1, ge=1)
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
@@ -244,7 +276,7 @@ class UnmaskResponse(_FromParticipant):
     """Member → coordinator: the self-mask share of each survivor, the mask-key share of
     each dropped member; never both for one sender."""
 
-    kind: Literal["unmask-response"] = "unmask-response"
+    kind: Literal[MessageKind.UNMASK_RESPONSE] = MessageKind.UNMASK_RESPONSE
     b_shares: dict[str, str] = Field(description="survivor -> 'x:y_hex'")
     m_shares: dict[str, str] = Field(description="dropped member -> 'x:y_hex'")
 
@@ -258,7 +290,7 @@ class UnmaskResponse(_FromParticipant):
 class RoundClose(_Message):
     """Coordinator → participants: round ``round`` closed on this new global state."""
 
-    kind: Literal["round-close"] = "round-close"
+    kind: Literal[MessageKind.ROUND_CLOSE] = MessageKind.ROUND_CLOSE
     previous_hash: str = Field(pattern=_HEX64)
     global_hash: str = Field(pattern=_HEX64)
     contributors: tuple[str, ...]
@@ -278,9 +310,26 @@ _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
 _ARRAY_FIELDS = ("params", "delta")
 
 
+def kind_of(payload: Any) -> MessageKind | None:
+    """The kind a wire payload (or a message) says it is; None when it names no kind.
+
+    Reads the ``kind`` field only: the payload is not validated (:func:`from_wire` does).
+    """
+    if isinstance(payload, _MESSAGE_TYPES):
+        return payload.kind
+    kind = payload.get("kind") if isinstance(payload, Mapping) else None
+    try:
+        return MessageKind(kind) if isinstance(kind, str) else None
+    except ValueError:
+        return None
+
+
 def to_wire(message: ControlMessage) -> dict[str, Any]:
-    """The wire payload of a message (a shallow mapping; arrays are not copied)."""
-    return {name: getattr(message, name) for name in type(message).model_fields}
+    """The wire payload of a message (a shallow mapping; arrays are not copied). Its
+    ``kind`` is the plain string (``"update"``), not the :class:`MessageKind`."""
+    payload = {name: getattr(message, name) for name in type(message).model_fields}
+    payload["kind"] = MessageKind(message.kind).value  # also for an unvalidated model_construct
+    return payload
 
 
 def from_wire(payload: Any) -> ControlMessage:
@@ -299,8 +348,13 @@ def from_wire(payload: Any) -> ControlMessage:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"
+        what = first["msg"]
+        if first["type"] == "union_tag_invalid":  # pydantic would list the enum members' reprs
+            where = "kind"
+            kinds = ", ".join(kind.value for kind in MessageKind)
+            what = f"{first['ctx']['tag']!s:.32} is not one of {kinds}"
         raise RoundError(
-            f"malformed {payload.get('kind', 'message')!s:.32}: {where}: {first['msg']}"
+            f"malformed {payload.get('kind', 'message')!s:.32}: {where}: {what}"
         ) from None
 
 
@@ -323,4 +377,4 @@ def message_digest(message: ControlMessage, fields: Mapping[str, Any] | None = N
     ``fields``: its :func:`canonical_fields`, when already computed."""
     if fields is None:
         fields = canonical_fields(message)
-    return digest_record(f"message/{message.kind}", dict(fields))
+    return digest_record(f"message/{MessageKind(message.kind).value}", dict(fields))

@@ -4,6 +4,11 @@ Every legal transition lives in :data:`TRANSITIONS`, one literal table (the idea
 h11's ``_state.py``). :meth:`RoundMachine.fire` is the only way a round changes
 state; an event the table has no entry for raises :class:`IllegalTransition` and
 leaves the machine exactly as it was.
+
+How an attempt ended is a :data:`TerminalState`: :class:`RoundState` restricted to
+CLOSED and ABORTED. The run manifest, the shared-folder outcomes and the run summaries
+use it too, so a round's end has one spelling in the code; on disk it is the state's
+value (``"closed"``, ``"aborted"``), as it always was.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Literal, get_args
 
 from lensemble_flwr.errors import IllegalTransition
 
@@ -26,6 +32,15 @@ class RoundState(str, enum.Enum):
     COMMITTING = "committing"
     CLOSED = "closed"
     ABORTED = "aborted"
+
+    def __str__(self) -> str:  # "closed", not "RoundState.CLOSED", in messages and logs
+        return self.value
+
+
+TerminalState = Literal[RoundState.CLOSED, RoundState.ABORTED]
+"""How a round attempt ended: the type of every field that records it (a pydantic field
+of this type reads and writes the plain strings ``"closed"`` and ``"aborted"``)."""
+TERMINAL_STATES: frozenset[RoundState] = frozenset(get_args(TerminalState))
 
 
 class RoundEvent(str, enum.Enum):
@@ -60,7 +75,6 @@ TRANSITIONS: Mapping[tuple[RoundState, RoundEvent], RoundState] = MappingProxyTy
         (_S.COMMITTING, _E.ABORT): _S.ABORTED,
     }
 )
-TERMINAL_STATES = frozenset({RoundState.CLOSED, RoundState.ABORTED})
 
 
 def next_state(state: RoundState, event: RoundEvent) -> RoundState:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import LedgerError, StoreError
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     LEDGER,
@@ -337,7 +338,7 @@ class _Walk:
                         t,
                     )
                 )
-            if entry.state == "closed":
+            if entry.state is RoundState.CLOSED:
                 self.rounds_closed += 1
                 closed = closed or entry
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,6 +24,7 @@ from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json, digest_record
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
+from lensemble_flwr.protocol.round import RoundState, TerminalState
 
 GENESIS = "0" * 64
 LEDGER = "ledger"
@@ -88,7 +89,7 @@ class RoundEntry(_Frozen):
 
     round: int
     attempt: int
-    state: Literal["closed", "aborted"]
+    state: TerminalState
     reason: str | None = None
     round_seed: int
     prior_global_hash: str
@@ -449,7 +450,7 @@ def link_breaks(
             checkpoint=checkpoint,
         )
         prev_record, prev_global = rec.record_hash, rec.new_global_hash
-    closed = {e.round: e for e in manifest.rounds if e.state == "closed"}
+    closed = {e.round: e for e in manifest.rounds if e.state is RoundState.CLOSED}
     rounds = [r.round for r in records]
     if sorted(closed) != rounds:
         yield LinkBreak(

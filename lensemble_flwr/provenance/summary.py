@@ -11,6 +11,7 @@ import dataclasses
 import os
 from typing import Any
 
+from lensemble_flwr.protocol.round import RoundState, TerminalState
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.ledger import FRAME_DRIFT, Ledger, RunManifest
 
@@ -21,7 +22,7 @@ class AttemptSummary:
 
     round: int
     attempt: int
-    state: str  # "closed" or "aborted"
+    state: TerminalState
     count: int  # C_t (0 for an aborted attempt)
     contributors: tuple[str, ...]
     late: tuple[str, ...]
@@ -60,11 +61,11 @@ class RunSummary:
 
     @property
     def closed(self) -> tuple[AttemptSummary, ...]:
-        return tuple(a for a in self.attempts if a.state == "closed")
+        return tuple(a for a in self.attempts if a.state is RoundState.CLOSED)
 
     @property
     def aborted(self) -> tuple[AttemptSummary, ...]:
-        return tuple(a for a in self.attempts if a.state != "closed")
+        return tuple(a for a in self.attempts if a.state is RoundState.ABORTED)
 
     @property
     def final_global_hash(self) -> str:

@@ -5,7 +5,9 @@ A transform is a pair of pure functions: ``init(global_params) -> state`` and
 refuses an order that would weaken a guarantee: every transform has a stage, and stages
 must appear in the order of :class:`Stage` (align before difference before clip before
 noise before quantize before mask before bind). State is a value returned fresh by each
-call, never a hidden attribute; the participant stores it between rounds.
+call, never a hidden attribute; the participant stores it between rounds, and exports it
+with the rest of its state (:mod:`lensemble_flwr.release.state_codec` says what a state
+may hold).
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ def no_state(_params: Mapping[str, np.ndarray]) -> None:
 
 
 class ReleaseTransform(NamedTuple):
-    """A named, staged pair of pure functions."""
+    """A named, staged pair of pure functions.
+
+    ``parts`` is set by :func:`chain` only: the transforms it composes, whose states are
+    the entries of its :class:`ChainState`, in order (so that a saved state can name the
+    stage each entry belongs to; see :mod:`lensemble_flwr.release.state_codec`).
+    """
 
     name: str
     stage: Stage
     init: Callable[[Mapping[str, np.ndarray]], Any]
     update: Callable[[Release, Any, ReleaseContext], tuple[Release, Any]]
+    parts: tuple[ReleaseTransform, ...] = ()
 
 
 class ChainState(NamedTuple):
@@ -112,4 +120,4 @@ def chain(*transforms: ReleaseTransform) -> ReleaseTransform:
         return release, ChainState(tuple(new_states))
 
     name = "chain(" + ",".join(t.name for t in transforms) + ")"
-    return ReleaseTransform(name, max(stages, default=Stage.ALIGN), init, update)
+    return ReleaseTransform(name, max(stages, default=Stage.ALIGN), init, update, transforms)

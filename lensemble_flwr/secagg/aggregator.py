@@ -78,6 +78,20 @@ class SecureAggregator:
         self._revealed: AggregateSum | None = None
 
     def admit(self, update: Update, *, weight: int) -> None:
+        """Fold a member's masked update into the sum, or raise and change nothing."""
+        shares = self.check(update, weight=weight)
+        pid = update.participant_id
+        self._sum.add(pid, update.delta)
+        self._self_shares[pid] = shares
+        self._weights[pid] = weight
+
+    def check(self, update: Update, *, weight: int) -> dict[str, bytes]:
+        """Everything :meth:`admit` checks, without admitting; returns the sealed
+        self-mask shares.
+
+        Raises:
+            RoundError: not a masked update of a member that may still contribute.
+        """
         pid = update.participant_id
         if not update.masked or update.sealed_shares is None:
             raise RoundError(f"{pid}: a masked round admits masked updates only")
@@ -93,9 +107,7 @@ class SecureAggregator:
             raise RoundError(f"{pid}: sealed shares are not hex") from None
         if set(shares) != self._member_ids:
             raise RoundError(f"{pid}: self-mask shares must go to every member")
-        self._sum.add(pid, update.delta)
-        self._self_shares[pid] = shares
-        self._weights[pid] = weight
+        return shares
 
     def disclosure_requests(self) -> dict[str, DisclosureRequest]:
         """What to ask each survivor once the contributing set is frozen."""

@@ -78,6 +78,12 @@ class Membership:
         digest, sealed = self._shares[pid]
         return {"members": digest, "sealed": {h: c.hex() for h, c in sorted(sealed.items())}}
 
+    def stored_shares(self) -> dict[str, dict[str, Any]]:
+        """Every participant's stored mask-key shares, as :meth:`shares_snapshot` gives
+        them (participants with none are left out): two records that keep the same
+        shares compare equal."""
+        return {pid: self.shares_snapshot(pid) for pid in sorted(self._shares)}
+
     @classmethod
     def restore(
         cls, snapshot: Mapping[str, Any], shares: Mapping[str, Mapping[str, Any]] = {}

@@ -31,7 +31,8 @@ Two deadlines, and two different errors, because they are different failures:
   decide: :class:`~lensemble_flwr.errors.ClaimantDied`, naming it.
 
 The barrier moves bytes; what a record or an outcome means is the caller's business
-(:mod:`lensemble_flwr.shared_folder.runner`).
+(:mod:`lensemble_flwr.shared_folder.runner`). What it may be made to suffer on purpose, a
+test's business, is a :class:`BarrierFaults` (also :mod:`lensemble_flwr.testing`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,24 @@ class Snapshot:
 Decide = Callable[[Snapshot], bytes]
 
 
+@dataclasses.dataclass(frozen=True)
+class BarrierFaults:
+    """What a barrier is made to suffer on purpose, in tests and drills (by default,
+    nothing). Set it with ``FolderBarrier(..., faults=...)`` or on ``barrier.faults``.
+
+    Attributes:
+        on_claim: called with the name of every claim this process wins
+            (``barrier/start``, ``barrier/<round>.<sitting>/decision``) before it acts on
+            it; a test ends the process here to leave a claim nobody will publish under.
+        lose: whether this process's publication under a name (``barrier/genesis``,
+            ``barrier/<round>.<sitting>/outcome``) is lost: the process goes on with what
+            it meant to publish, and nobody else ever sees it.
+    """
+
+    on_claim: Callable[[str], None] | None = None
+    lose: Callable[[str], bool] | None = None
+
+
 class FolderBarrier:
     """One participant process's view of the barriers of a run.
 
@@ -96,6 +115,7 @@ class FolderBarrier:
         poll_interval: seconds between looks at the folder.
         clock: monotonic seconds (injectable for tests).
         sleep: how to wait ``poll_interval`` (injectable for tests).
+        faults: what the barrier is made to suffer (tests); kept as ``faults``.
     """
 
     def __init__(
@@ -108,6 +128,7 @@ class FolderBarrier:
         poll_interval: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        faults: BarrierFaults | None = None,
     ) -> None:
         for what, value in (
             ("round_timeout", round_timeout),
@@ -123,6 +144,7 @@ class FolderBarrier:
         self.poll_interval = poll_interval
         self._clock = clock
         self._sleep = sleep
+        self.faults = faults or BarrierFaults()
         self._me = store.put(identity.encode("utf-8"))
         self._claims_seen: dict[str, float] = {}  # claim name -> when this process saw it
 
@@ -140,7 +162,7 @@ class FolderBarrier:
         published = self._published(GENESIS)
         if published is not None:
             return published
-        if self.store.claim(START, self._me):
+        if self._claim(START):
             log.info("%s creates the run", self.identity)
             return self._publish(GENESIS, create())
         while True:
@@ -210,7 +232,7 @@ class FolderBarrier:
                 if not (complete or self._clock() >= deadline):
                     self._sleep(self.poll_interval)
                     continue
-                if self.store.claim(decision_name, self._me):
+                if self._claim(decision_name):
                     return self._decide(key, expected, decide)
             published = self._await_publication(outcome_name, decision_name, str(key))
             if published is not None:
@@ -229,7 +251,17 @@ class FolderBarrier:
         log.info("%s decides %s (missing: %s)", self.identity, key, ", ".join(missing) or "none")
         return self._publish(f"{key.name}/outcome", decide(Snapshot(key, records, missing)))
 
+    def _claim(self, name: str) -> bool:
+        if not self.store.claim(name, self._me):
+            return False
+        if self.faults.on_claim is not None:
+            self.faults.on_claim(name)
+        return True
+
     def _publish(self, name: str, data: bytes) -> bytes:
+        if self.faults.lose is not None and self.faults.lose(name):
+            log.warning("fault: %s loses its publication of %s", self.identity, name)
+            return data
         if not self.store.claim(name, self.store.put(data)):
             # only the claimant publishes, and it publishes once
             raise StoreError(f"{name} was published by somebody who did not hold the claim")

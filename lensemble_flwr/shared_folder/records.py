@@ -32,12 +32,14 @@ from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError, RoundError
 from lensemble_flwr.protocol.messages import _HEX64, RoundOpen, WirePayload
+from lensemble_flwr.protocol.round import TerminalState
 
 RECORD_FORMAT = "lensemble-folder-record/1"
 
-OutcomeState = Literal["closed", "aborted", "incomplete"]
-"""closed: the round committed; aborted: the coordinator's attempt ended without a commit
-(or deciding failed); incomplete: some participants never deposited."""
+OutcomeState = Literal[TerminalState, "incomplete"]
+"""How a sitting ended. RoundState.CLOSED: the round committed; RoundState.ABORTED: the
+coordinator's attempt ended without a commit (or deciding failed); ``"incomplete"``: some
+participants never deposited (no attempt ran, so it is not a round's terminal state)."""
 
 
 class _Frozen(BaseModel):

@@ -7,16 +7,17 @@ On a cluster where every job mounts the same filesystem, each participant proces
                                    initial_params=theta_0, run_id="demo")
     state = node.run(rounds=10)            # the global state after round 10
 
-and that is the whole deployment. Per sitting of a round (see :mod:`.folder_barrier`):
+and that is the whole deployment. Per sitting of a round (see :mod:`.barrier`):
 
 1. every process reads the sitting's announcement (the global checkpoint and the
    RoundOpen the coordinator would send it), lets its :class:`Participant` answer, and
    deposits the answer — Commitment and Update, or a Refusal — with its size;
 2. whoever finds every record there claims the decision. Exactly one wins; it restores
-   the coordinator from the run's store (:meth:`Coordinator.resume`) and runs one attempt
-   of the same round state machine over the records (a :class:`ReplayTransport`, as the
-   Flower strategy's ``aggregate_train`` does): quorum, self-check, outer step,
-   checkpoint, ledger record. It publishes the outcome and the next announcement;
+   the coordinator from the run's store (:meth:`Coordinator.resume`) and feeds the records
+   into the same admission step as every other feeder
+   (:meth:`Coordinator.conclude_collected`, as the Flower strategy's ``aggregate_train``
+   does): quorum, self-check, outer step, checkpoint, ledger record. It publishes the
+   outcome and the next announcement;
 3. everybody else waits for that outcome and goes on from it, so all of them leave a round
    with the same global state, the one in the ledger.
 
@@ -93,7 +94,6 @@ from lensemble_flwr.shared_folder.records import (
     encode_record,
 )
 from lensemble_flwr.transports.base import ReplyCollector
-from lensemble_flwr.transports.replay import ReplayTransport
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,6 @@ class SharedFolderParticipant:
         """Start the run (this process won its start claim) and announce round 0."""
         coordinator = Coordinator(
             self.config,
-            transport=ReplayTransport((), ()),
             initial_params=self._initial_params,
             store=self.store,
             run_id=self.run_id,
@@ -406,7 +405,6 @@ class SharedFolderParticipant:
         check_sizes(records)
         coordinator = Coordinator.resume(
             self.config,
-            transport=ReplayTransport((), ()),
             store=self.store,
             aggregator_factory=self._aggregator_factory,
             check="chain",  # every sitting resumes: reading every checkpoint each time
@@ -423,7 +421,10 @@ class SharedFolderParticipant:
                 f"{coordinator.next_attempt()}, not at what the sitting announced"
             )
         payloads = [payload for record in records for payload in record.payloads]
-        result = coordinator.run_attempt(transport=ReplayTransport(payloads, present))
+        # the sitting's announcement already invited them: the invitations are not sent
+        coordinator.begin_attempt()
+        coordinator.invite(present)
+        result = coordinator.conclude_collected(payloads, present)
         if result.state is RoundState.CLOSED:
             head = Ledger(self.store).head()
             if head is None or head.new_global_hash != result.global_hash:

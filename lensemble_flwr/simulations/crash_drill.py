@@ -11,8 +11,9 @@ no Flower, no Ray)::
 machine of round ROUND *enters* the state POINT (``open`` … ``closed``, ``aborted``); for
 ``mid-collecting``, as the attempt's second update is admitted; for ``checkpoint-write``,
 half-way through writing the round's checkpoint blob (:mod:`.kill_points` lists them all).
-The hooks wrap :class:`RoundMachine`, the aggregators' ``admit`` and
-:meth:`Store._publish` from the outside; the coordinator itself is not modified.
+The hooks wrap :class:`RoundMachine` and the aggregators' ``admit`` from the outside, and
+watch the run store's writes through its ``on_write`` seam; the coordinator itself is
+not modified.
 ``--resume`` rebuilds the coordinator with :meth:`Coordinator.resume` on the same run
 directory and runs until ``--rounds`` rounds are CLOSED in total.
 
@@ -42,7 +43,7 @@ from typing import Any
 
 from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
-from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.artifacts.store import Store, WriteHook
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
@@ -142,16 +143,20 @@ def _die(report: Path | None, round: int, attempt: int, point: str, **detail: An
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None = None) -> None:
+def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None = None) -> WriteHook:
     """Arrange for this process to SIGKILL itself at ``point`` of round ``round`` (the
-    first attempt of that round this process runs that reaches the point)."""
+    first attempt of that round this process runs that reaches the point).
+
+    Returns:
+        The ``on_write`` hook of the run's store (``Store(run_dir, on_write=...)``): it
+        kills at ``checkpoint-write``, and does nothing for the other points.
+    """
     if point not in KILL_POINTS_BY_NAME:
         raise ValueError(f"unknown kill point {point!r}; one of {sorted(KILL_POINTS_BY_NAME)}")
     target = RoundState(point) if point in {s.value for s in RoundState} else None
     machines: list[RoundMachine] = []  # the attempts this process started
     admitted = [0]  # updates admitted in the newest attempt
-    real_init, real_fire, real_publish = RoundMachine.__init__, RoundMachine.fire, Store._publish
-    root = run_dir.resolve()
+    real_init, real_fire = RoundMachine.__init__, RoundMachine.fire
 
     def here() -> bool:
         return bool(machines) and machines[-1].round == round
@@ -169,31 +174,29 @@ def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None =
             _die(report, self.round, self.attempt, point)
         return new
 
-    def publish(self: Store, data: bytes, dest: Path, *, exclusive: bool) -> bool:
+    def on_write(kind: str, key: str, data: bytes) -> None:
         # the checkpoint of round ``round``'s outcome, θ_{round+1}: half of its bytes
         # reach a fsynced temp file, the rest never comes
         if (
             point == CHECKPOINT_WRITE
             and here()
-            and dest.parent.parent == self.root / "blobs"
-            and self.root.resolve() == root
+            and kind == "blob"
             and _checkpoint_round(data) == round + 1
         ):
-            fd, _ = tempfile.mkstemp(dir=self.root / "tmp")
+            fd, _ = tempfile.mkstemp(dir=run_dir / "tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data[: len(data) // 2])
                 f.flush()
                 os.fsync(f.fileno())
-            blob = {"blob": dest.name, "size": len(data), "written": len(data) // 2}
+            blob = {"blob": key, "size": len(data), "written": len(data) // 2}
             _die(report, round, machines[-1].attempt, point, **blob)
-        return real_publish(self, data, dest, exclusive=exclusive)
 
     RoundMachine.__init__ = init  # type: ignore[method-assign]
     RoundMachine.fire = fire  # type: ignore[method-assign]
-    Store._publish = publish  # type: ignore[method-assign]
     if point == MID_COLLECTING:
         for aggregator in (FixedPointAggregator, SecureAggregator):
             aggregator.admit = _dying_admit(aggregator.admit, here, admitted, report, machines)
+    return on_write
 
 
 def _dying_admit(
@@ -259,15 +262,17 @@ def run_drill(
     secagg_threshold: int = 0,
     participants_dir: Path | None = None,
     faults: FaultPlan | None = None,
+    on_write: WriteHook | None = None,
 ) -> Coordinator:
     """Start (or resume) the coordinator on ``run_dir`` and run until ``rounds`` rounds are
-    CLOSED in total. Raises what the coordinator raises."""
+    CLOSED in total; ``on_write`` watches the run store's writes (:func:`install_kill`).
+    Raises what the coordinator raises."""
     config = drill_config(secagg_threshold)
     participants_dir = participants_dir or default_participants_dir(run_dir)
     network, _ = build_network(
         config, run_dir, participants_dir, participants=participants, faults=faults
     )
-    store = Store(run_dir)
+    store = Store(run_dir, on_write=on_write)
     if resume:
         coordinator = Coordinator.resume(config, transport=network.coordinator, store=store)
     else:
@@ -374,8 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults.drop(pid, round=round, at=state)
     for pid, round in args.rejoin:
         faults.rejoin(pid, round=round)
+    on_write = None
     if args.kill_at is not None:
-        install_kill(args.run_dir, *args.kill_at, report=args.report)
+        on_write = install_kill(args.run_dir, *args.kill_at, report=args.report)
     try:
         coordinator = run_drill(
             args.run_dir,
@@ -385,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             secagg_threshold=args.secagg_threshold,
             participants_dir=args.participants_dir,
             faults=faults,
+            on_write=on_write,
         )
     except LensembleError as exc:
         sys.stderr.write(f"crash-drill: {type(exc).__name__}: {exc}\n")

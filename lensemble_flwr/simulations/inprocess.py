@@ -16,7 +16,12 @@ from pathlib import Path
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.coordinator.coordinator import (
+    AggregatorFactory,
+    Coordinator,
+    RoundOutcome,
+    fixed_point_aggregator,
+)
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
@@ -33,6 +38,7 @@ def build(
     faults: FaultPlan | None = None,
     compute_s: float = 1.0,
     on_round: Callable[[RoundOutcome], None] | None = None,
+    aggregator_factory: AggregatorFactory = fixed_point_aggregator,
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
     """Wire a coordinator and ``participants`` toy participants on one in-process network."""
     network = InProcessNetwork(faults=faults, compute_s=compute_s, join_endpoint=str(run_dir))
@@ -50,6 +56,7 @@ def build(
         initial_params=initial_params(),
         store=Store(run_dir),
         on_round=on_round,
+        aggregator_factory=aggregator_factory,
     )
     return coordinator, network, nodes
 

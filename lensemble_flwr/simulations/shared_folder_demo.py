@@ -30,6 +30,7 @@ import torch
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.shared_folder.records import Outcome
 from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.simulations.toy import ToyTrainer, global_loss, initial_params
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(outcome: Outcome) -> None:
         line = f"[{me}] round {outcome.round} sitting {outcome.sitting}: {outcome.state}"
-        if outcome.state == "closed":
+        if outcome.state is RoundState.CLOSED:
             line += f" C_t={len(outcome.contributors)} global={outcome.global_hash[:12]}"
         else:
             line += f" ({outcome.error}: {outcome.reason})"

@@ -32,7 +32,16 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
-from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.protocol.messages import (
+    ControlMessage,
+    MessageKind,
+    RoundClose,
+    RoundOpen,
+    UnmaskRequest,
+    WirePayload,
+    kind_of,
+    to_wire,
+)
 from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.records import node_id_of, participant_id
@@ -45,7 +54,7 @@ class SentInstruction:
     """What the transport remembers about an instruction until its reply is pulled."""
 
     peer: str
-    kind: str
+    kind: MessageKind | str  # the instruction's kind; a Flower message type beyond the protocol
     round: int
     attempt: int
     run_id: str
@@ -110,10 +119,10 @@ class GridTransport:
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
         payload = to_wire(message)
-        if message.kind == "unmask-request":
+        if isinstance(message, UnmaskRequest):
             self._queue_message(peer_id, records.encode_unmask(payload), MessageType.TRAIN, payload)
             return
-        if message.kind != "round-open":
+        if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
         params = payload["params"]
         if self._params_record is None or self._params_record[0] is not params:
@@ -128,7 +137,7 @@ class GridTransport:
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 
     def broadcast(self, message: ControlMessage) -> None:
-        if message.kind != "round-close":
+        if not isinstance(message, RoundClose):
             raise ValueError(f"only RoundClose is broadcast over a Grid, not {message.kind}")
         self._close = to_wire(message)  # rides on the next instruction to each node
 
@@ -219,7 +228,7 @@ class GridTransport:
         self._queued_info.append(
             SentInstruction(
                 peer=peer,
-                kind=str(payload["kind"]) if payload else message_type,
+                kind=kind_of(payload) or message_type,
                 round=rnd,
                 attempt=int(payload["attempt"]) if payload else 0,
                 run_id=str(payload["run_id"]) if payload else "",
@@ -286,7 +295,7 @@ class GridTransport:
             )
             return
         self.bytes_received += _content_bytes(reply.content)
-        if info.kind in ("round-open", "unmask-request"):
+        if info.kind in records.INSTRUCTION_KINDS:
             self._unpack_train_reply(reply.content, info, source)
         else:
             log.debug("dropped a late %s reply from %s", info.kind, info.peer)
@@ -339,7 +348,7 @@ def train_reply_payloads(
         norm = l2_norm(delta)
     return [
         {
-            "kind": "update",
+            "kind": MessageKind.UPDATE.value,
             "run_id": info.run_id,
             "round": info.round,
             "attempt": info.attempt,

@@ -8,8 +8,9 @@ Replace ``FedAvg(...)`` with ``LensembleStrategy(config)`` and call ``start`` as
 ``start`` drives the package's Coordinator over a :class:`GridTransport`: the same
 state machine, quorum, deadlines, elastic completion, exact sum, outer step, checkpoints
 and ledger as in-process. ``configure_train``/``aggregate_train`` also work on their own
-(Flower's stock loop): ``aggregate_train`` runs one round attempt of the same
-coordinator over the replies it is given.
+(Flower's stock loop): ``configure_train`` begins a round attempt of the same
+coordinator and ``aggregate_train`` feeds the replies into its admission step (plaintext
+rounds only: masked rounds need :meth:`LensembleStrategy.start`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.protocol.messages import to_wire
-from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
@@ -39,7 +41,6 @@ from lensemble_flwr.strategies.grid_transport import (
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.records import participant_id
-from lensemble_flwr.transports.replay import ReplayTransport
 
 log = logging.getLogger(__name__)
 
@@ -124,34 +125,57 @@ class LensembleStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """RoundOpen instructions for every node, for the coordinator's current round."""
+        """Begin the coordinator's next round attempt: its RoundOpen for every node.
+
+        Raises:
+            ConfigError: the config asks for masked rounds, which need an unmask exchange
+                within the attempt that ``configure_train``/``aggregate_train`` cannot
+                make; run them with :meth:`start`.
+        """
+        if self.config.federation.secagg_threshold > 0:
+            raise ConfigError(
+                "secagg-threshold",
+                "masked rounds need a second exchange (unmask requests) within each "
+                "attempt, which Flower's configure_train/aggregate_train loop cannot make; "
+                "call LensembleStrategy.start() instead",
+            )
         coordinator = self._ensure_coordinator(grid, arrays)
+        attempt = coordinator.attempt
+        if attempt is None or attempt.phase in TERMINAL_STATES:
+            coordinator.begin_attempt()
+        nodes = {participant_id(node): node for node in grid.get_node_ids()}
         close = coordinator.last_close
         messages = []
-        for node in grid.get_node_ids():
-            payload = to_wire(coordinator.round_open_for(participant_id(node)))
+        for peer, round_open in coordinator.invite(nodes):
             content = records.encode_instruction(
-                payload,
+                to_wire(round_open),
                 server_round=server_round,
                 user_config=dict(config),
                 round_close=to_wire(close) if close else None,
             )
             messages.append(
-                Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+                Message(content=content, dst_node_id=nodes[peer], message_type=MessageType.TRAIN)
             )
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Run one attempt of the current round over the collected ``replies``.
+        """Finish the attempt that :meth:`configure_train` began on the collected ``replies``.
 
-        Returns the new global arrays (None if the attempt aborted) and the round metrics.
+        The replies go through the same admission step as in :meth:`start`; the error
+        table and ``max-round-attempts`` apply: an attempt that may be retried returns no
+        arrays (the next Flower round retries it), one that may not raises its error.
+
+        Raises:
+            LensembleError: the attempt aborted with an error that stops the federation,
+                or the round used up its attempts.
         """
-        if self.coordinator is None:
-            raise RuntimeError("aggregate_train before configure_train")
         coordinator = self.coordinator
-        template = coordinator.round_open_for("")
+        attempt = coordinator.attempt if coordinator is not None else None
+        if coordinator is None or attempt is None or attempt.phase in TERMINAL_STATES:
+            raise RuntimeError("aggregate_train without a round begun by configure_train")
+        template = attempt.round_open
         payloads, peers = [], []
         for reply in replies:
             peer = participant_id(reply.metadata.src_node_id)
@@ -174,11 +198,16 @@ class LensembleStrategy(Strategy):
                 payloads.extend(train_reply_payloads(reply.content, info, peer))
             except ValueError as exc:
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
-        outcome = coordinator.run_attempt(transport=ReplayTransport(payloads, peers))
+        outcome = coordinator.conclude_collected(payloads, peers)
         metrics = MetricRecord(self._metrics(outcome))
-        if outcome.state is not RoundState.CLOSED:
+        if outcome.state is RoundState.CLOSED:
+            return records.arrays_to_record(coordinator.global_state().params), metrics
+        assert outcome.error is not None
+        if coordinator.retry_allowed(outcome):
+            log.info("round %d: retried next Flower round: %s", outcome.round, outcome.reason)
             return None, metrics
-        return records.arrays_to_record(coordinator.global_state().params), metrics
+        log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
+        raise outcome.error
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -283,7 +312,7 @@ class LensembleStrategy(Strategy):
             run_id = self.run_id or f"flwr-{_flower_run_id(grid)}"
             store = Store(self.run_dir)
             common: dict[str, Any] = {
-                "transport": transport or ReplayTransport((), ()),
+                "transport": transport,
                 "store": store,
                 "gauge": self.gauge,
                 "identities": self.identities,

@@ -27,20 +27,23 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from lensemble_flwr.protocol.messages import WirePayload
+from lensemble_flwr.protocol.messages import PARTICIPANT_KINDS, MessageKind, WirePayload, kind_of
 
 NODE_PREFIX = "node-"
 PREFIX = "lensemble."
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
-CLOSE_RECORD = PREFIX + "round-close"
-_ARRAY_FIELD = {"round-open": "params", "update": "delta"}
+CLOSE_RECORD = PREFIX + MessageKind.ROUND_CLOSE.value
+_ARRAY_FIELD = {MessageKind.ROUND_OPEN: "params", MessageKind.UPDATE: "delta"}
 # Flower's ConfigRecord cannot carry None or mappings, and chokes on "" and [] (count_bytes
 # raises, an empty list has no element type); such fields travel specially: the names of
 # None, [] and "" fields as lists, mappings as canonical JSON strings.
 _NULLS, _EMPTY_LISTS, _EMPTY_STRINGS = "__null__", "__empty_list__", "__empty_str__"
 _JSON = "__json__"
-_REPLY_KINDS = ("commitment", "update", "refusal", "unmask-response")
-UNMASK_RECORD = PREFIX + "unmask-request"
+# what a participant sends, in protocol order (MessageKind lists the kinds in that order)
+_REPLY_KINDS = tuple(kind for kind in MessageKind if kind in PARTICIPANT_KINDS)
+UNMASK_RECORD = PREFIX + MessageKind.UNMASK_REQUEST.value
+INSTRUCTION_KINDS = frozenset({MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST})
+"""The kinds a train instruction carries (the ones a participant answers)."""
 
 
 def participant_id(node_id: int) -> str:
@@ -139,7 +142,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     if CLOSE_RECORD in content.config_records:
         payloads.append(_config_to_fields(content.config_records[CLOSE_RECORD]))
     config = content.config_records.get(CONFIG)
-    if config is not None and config.get(PREFIX + "kind") == "round-open":
+    if config is not None and config.get(PREFIX + "kind") == MessageKind.ROUND_OPEN.value:
         fields = _config_to_fields(config, prefix=PREFIX)
         arrays = content.array_records.get(ARRAYS)
         fields["params"] = record_to_arrays(arrays) if arrays is not None else None
@@ -151,33 +154,33 @@ def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> R
     """What a lensemble participant sends back: its messages, in order, and metrics."""
     content = RecordDict()
     for payload in payloads:
-        kind = str(payload["kind"])
-        if kind not in _REPLY_KINDS:
-            raise ValueError(f"a participant does not send {kind}")
+        kind = kind_of(payload)
+        if kind is None or kind not in PARTICIPANT_KINDS:
+            raise ValueError(f"a participant does not send {payload.get('kind')!s:.32}")
         array_field = _ARRAY_FIELD.get(kind)
-        content[PREFIX + kind] = ConfigRecord(_fields_to_config(payload, skip=array_field))
+        content[PREFIX + kind.value] = ConfigRecord(_fields_to_config(payload, skip=array_field))
         if array_field is not None:
-            content[f"{PREFIX}{kind}.{array_field}"] = arrays_to_record(payload[array_field])
+            content[f"{PREFIX}{kind.value}.{array_field}"] = arrays_to_record(payload[array_field])
     content[METRICS] = MetricRecord(dict(metrics))
     return content
 
 
 def is_lensemble_reply(content: RecordDict) -> bool:
     """True if the reply came from a lensemble participant (not a stock ClientApp)."""
-    return any(PREFIX + kind in content.config_records for kind in _REPLY_KINDS)
+    return any(PREFIX + kind.value in content.config_records for kind in _REPLY_KINDS)
 
 
 def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     """A lensemble participant's payloads, in protocol order (commitment, then update)."""
     payloads = []
     for kind in _REPLY_KINDS:
-        record = content.config_records.get(PREFIX + kind)
+        record = content.config_records.get(PREFIX + kind.value)
         if record is None:
             continue
         fields = _config_to_fields(record)
         array_field = _ARRAY_FIELD.get(kind)
         if array_field is not None:
-            arrays = content.array_records.get(f"{PREFIX}{kind}.{array_field}")
+            arrays = content.array_records.get(f"{PREFIX}{kind.value}.{array_field}")
             fields[array_field] = record_to_arrays(arrays) if arrays is not None else None
         payloads.append(fields)
     return payloads

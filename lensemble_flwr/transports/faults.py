@@ -1,4 +1,5 @@
-"""A script of what goes wrong in an in-process federation (drops, delays, corruptions)."""
+"""A script of what goes wrong in an in-process federation (drops, delays, corruptions,
+duplicates, rejoins). Tests and users import it from :mod:`lensemble_flwr.testing`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class _Corrupt:
     mutate: Callable[[dict[str, Any]], Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Duplicate:
+    participant_id: str
+    round: int
+    kind: str
+
+
 @dataclasses.dataclass
 class FaultPlan:
     """A script of faults, keyed by participant and round index.
@@ -36,6 +44,7 @@ class FaultPlan:
     rejoins: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     delays: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     corruptions: list[_Corrupt] = dataclasses.field(default_factory=list)
+    duplicates: list[_Duplicate] = dataclasses.field(default_factory=list)
 
     def drop(self, participant_id: str, *, round: int, at: RoundState) -> FaultPlan:
         """Take the participant offline in ``round``: at OPEN it never sees RoundOpen; at
@@ -66,4 +75,12 @@ class FaultPlan:
         """Replace the participant's outgoing ``kind`` payload in ``round`` by
         ``mutate(payload_copy)``."""
         self.corruptions.append(_Corrupt(participant_id, round, kind, mutate))
+        return self
+
+    def duplicate(self, participant_id: str, *, round: int, kind: str = "update") -> FaultPlan:
+        """Send the participant's outgoing ``kind`` payload in ``round`` twice: the copy
+        leaves right behind the original (the same delay, so it arrives right after it).
+        The copy is the payload as the participant sent it: a corruption scripted for the
+        same payload alters the first copy only."""
+        self.duplicates.append(_Duplicate(participant_id, round, kind))
         return self

@@ -9,7 +9,13 @@ milliseconds and exactly the same way every time.
 the coordinator waits, the network delivers the earliest pending message, advancing the
 simulated clock to its delivery time, and lets the receiving participant react. A
 :class:`FaultPlan` scripts what goes wrong: a participant that drops at a given state,
-an update delayed past the deadline, a corrupted message, a participant coming back.
+an update delayed past the deadline, a corrupted or duplicated message, a participant
+coming back. What a test does by hand goes through public seams too:
+:meth:`InProcessNetwork.inject` (a raw payload, as if a party sent it: junk, replays),
+:meth:`~InProcessNetwork.take_offline` / :meth:`~InProcessNetwork.bring_online`,
+:meth:`~InProcessNetwork.call_at` (act at a simulated time) and
+:meth:`~InProcessNetwork.on_deliver` (watch every delivery).
+:mod:`lensemble_flwr.testing` gathers them for tests and users.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lensemble_flwr.errors import LensembleError
@@ -29,6 +35,9 @@ from lensemble_flwr.transports.base import COORDINATOR, MessageHandler
 from lensemble_flwr.transports.faults import FaultPlan, _Drop
 
 log = logging.getLogger(__name__)
+
+DeliveryObserver = Callable[[str, str, WirePayload], None]
+"""Called as ``observer(source, dest, payload)`` for every payload the network delivers."""
 
 
 @dataclasses.dataclass
@@ -102,6 +111,8 @@ class InProcessNetwork:
         self._compute: dict[str, float] = {}
         self._offline: set[str] = set()
         self._queue: list[tuple[float, int, str, str, WirePayload]] = []
+        self._calls: list[tuple[float, int, Callable[[], None]]] = []
+        self._observers: list[DeliveryObserver] = []
         self._opened: set[tuple[Any, Any]] = set()
         self._seq = itertools.count()
         self.crashes: list[tuple[str, BaseException]] = []
@@ -125,6 +136,43 @@ class InProcessNetwork:
     def online(self) -> list[str]:
         return sorted(p for p in self._handlers if p not in self._offline)
 
+    # -- what a test does by hand --------------------------------------------------------
+    def inject(self, source: str, dest: str, payload: WirePayload) -> None:
+        """Post ``payload`` as if ``source`` had sent it to ``dest``: junk, a replay of a
+        payload seen earlier, a copy relabelled for another round. It travels like any
+        message ``source`` sends (latency, compute time, the scripted faults), and
+        ``dest`` validates it as it validates everything it receives."""
+        self._post(source, dest, payload)
+
+    def take_offline(self, participant_id: str) -> None:
+        """The participant vanishes now, until :meth:`bring_online` or a scripted rejoin:
+        nothing it sends from now on leaves (what it sent before is still delivered),
+        nothing reaches it (messages in flight to it are lost), and the coordinator no
+        longer sees it among its peers."""
+        if participant_id == COORDINATOR:
+            raise ValueError("the coordinator cannot be taken offline; stop calling recv")
+        self._offline.add(participant_id)
+
+    def bring_online(self, participant_id: str) -> None:
+        """Undo :meth:`take_offline`: the participant is reachable again, as it was when
+        it vanished (it is not rejoined: ``join`` is not called)."""
+        self._offline.discard(participant_id)
+
+    def call_at(self, time_s: float, action: Callable[[], None]) -> None:
+        """Run ``action()`` when the simulated clock reaches ``time_s`` (e.g. attach a
+        participant while a round is OPEN). Calls run in time order, interleaved with the
+        deliveries; one due at the same time as a message runs after the messages posted
+        before it was scheduled. A call due after the last message :meth:`flush`
+        delivers does not run there."""
+        heapq.heappush(self._calls, (time_s, next(self._seq), action))
+
+    def on_deliver(self, observer: DeliveryObserver) -> DeliveryObserver:
+        """Call ``observer(source, dest, payload)`` for every payload delivered from now
+        on (to the coordinator or a participant, reachable or not), before its recipient
+        sees it. Returns ``observer``, so it can decorate a function."""
+        self._observers.append(observer)
+        return observer
+
     # -- delivery ----------------------------------------------------------------------
     def _post(self, source: str, dest: str, payload: WirePayload) -> None:
         # the network routes on kind and round; junk there is the recipient's to reject
@@ -145,12 +193,18 @@ class InProcessNetwork:
                 log.info("fault: %s drops in round %s before its update", source, rnd)
                 self._offline.add(source)
                 return
+        sent = payload
         for c in list(self.faults.corruptions):
             if (c.participant_id, c.round, c.kind) == (source, rnd, kind):
                 self.faults.corruptions.remove(c)
                 payload = c.mutate(dict(payload))
         due = self.clock.time + delay
         heapq.heappush(self._queue, (due, next(self._seq), source, dest, payload))
+        for d in list(self.faults.duplicates):
+            if (d.participant_id, d.round, d.kind) == (source, rnd, kind):
+                self.faults.duplicates.remove(d)
+                log.info("fault: %s sends its %s of round %s twice", source, kind, rnd)
+                heapq.heappush(self._queue, (due, next(self._seq), source, dest, dict(sent)))
 
     def _take_drop(self, pid: str, rnd: Any, at: RoundState) -> bool:
         drop = _Drop(pid, rnd, at)
@@ -181,6 +235,8 @@ class InProcessNetwork:
         kind = payload.get("kind") if isinstance(payload, dict) else None
         rnd = payload.get("round") if isinstance(payload, dict) else None
         self.delivered.append((self.clock.time, source, dest, str(kind), rnd))  # type: ignore[arg-type]
+        for observer in self._observers:
+            observer(source, dest, payload)
         if dest == COORDINATOR:
             self.coordinator.inbox.append(payload)
             return
@@ -202,17 +258,29 @@ class InProcessNetwork:
     def flush(self) -> None:
         """Deliver everything still in flight (e.g. the last RoundClose after ``run``)."""
         while self._queue:
-            t, _, source, dest, payload = heapq.heappop(self._queue)
+            self._step(float("inf"))
+
+    def _step(self, deadline: float) -> bool:
+        """Deliver the earliest message, or run the earliest :meth:`call_at` action, due
+        by ``deadline``; False if nothing is due by then."""
+        message = self._queue[0][:2] if self._queue else None
+        call = self._calls[0][:2] if self._calls else None
+        if call is not None and call[0] <= deadline and (message is None or call < message):
+            t, _, action = heapq.heappop(self._calls)
             self.clock.advance_to(t)
-            self._deliver(source, dest, payload)
+            action()
+            return True
+        if message is None or message[0] > deadline:
+            return False
+        t, _, source, dest, payload = heapq.heappop(self._queue)
+        self.clock.advance_to(t)
+        self._deliver(source, dest, payload)
+        return True
 
     def _run_until_coordinator_message(self, timeout_s: float) -> WirePayload | None:
         deadline = self.clock.time + max(0.0, timeout_s)
         while not self.coordinator.inbox:
-            if not self._queue or self._queue[0][0] > deadline:
+            if not self._step(deadline):
                 self.clock.advance_to(deadline)
                 return None
-            t, _, source, dest, payload = heapq.heappop(self._queue)
-            self.clock.advance_to(t)
-            self._deliver(source, dest, payload)
         return self.coordinator.inbox.popleft()

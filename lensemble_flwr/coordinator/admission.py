@@ -1,0 +1,272 @@
+"""Message admission as data: one table from (round state, message type) to a handler.
+
+Every message a participant sends reaches the round through :func:`admit`, whoever
+collected it (the blocking loop over a transport, Flower's stock ``aggregate_train``, the
+shared-folder decider). :func:`admit` checks the envelope first — a kind a participant may
+send, this run, this round attempt (an older attempt's message is filed as late, or
+refused as a replay), a valid signature — and then looks the pair
+(``attempt.phase``, ``type(message)``) up in the table. A pair without an entry raises
+:class:`~lensemble_flwr.errors.IllegalMessage`; so does every handler error, before the
+handler changed anything: each handler validates completely, then applies.
+
+The base table (:data:`ADMISSION`) is the plaintext round's; a round mode adds or replaces
+entries (a masked round admits unmask responses while AGGREGATING, and keeps each
+member's mask-key shares with its update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.errors import (
+    DuplicateMessage,
+    IllegalMessage,
+    ReplayedMessage,
+    Response,
+    RoundError,
+    UnprivatizedContribution,
+    reported,
+    response_to,
+)
+from lensemble_flwr.gauge.runtime import check_sketch
+from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.protocol.messages import (
+    Commitment,
+    ControlMessage,
+    ParticipantMessage,
+    Refusal,
+    UnmaskResponse,
+    Update,
+    canonical_fields,
+    message_digest,
+)
+from lensemble_flwr.protocol.round import RoundState
+
+log = logging.getLogger(__name__)
+
+PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
+    Commitment,
+    Update,
+    Refusal,
+    UnmaskResponse,
+)
+"""The message types a participant may send at all."""
+
+
+class Verdict(str, enum.Enum):
+    """What admitting one message did."""
+
+    BOUND = "bound"  # a Commitment bound (or re-confirmed) its sender
+    ADMITTED = "admitted"  # an Update entered the round's sum
+    REFUSED = "refused"  # the sender releases nothing this attempt
+    DISCLOSED = "disclosed"  # a masked round's unmask response was recorded
+    LATE = "late"  # of another attempt, or an update after collection closed: filed
+
+
+@dataclasses.dataclass(frozen=True)
+class Ingress:
+    """What admission checks a message against, besides the attempt itself.
+
+    Attributes:
+        config: the federation's config.
+        run_id: the run every message must name.
+        registry: bindings and identity keys.
+        admitted_digests: ``(round, attempt)`` → the update digests the manifest records
+            as admitted in that attempt (None for an attempt it does not hold): how a
+            late exact copy of an admitted update is recognised as a replay.
+    """
+
+    config: LensembleConfig
+    run_id: str
+    registry: ParticipantRegistry
+    admitted_digests: Callable[[int, int], Mapping[str, str] | None]
+
+
+Handler = Callable[[Attempt, Any, Ingress, Mapping[str, Any]], Verdict]
+"""``(attempt, message, ingress, canonical fields) -> verdict``; raises, having changed
+nothing, to refuse the message."""
+
+Table = Mapping[tuple[RoundState, type[ParticipantMessage]], Handler]
+
+
+# -- handlers ---------------------------------------------------------------------------
+def bind_commitment(
+    attempt: Attempt, msg: Commitment, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Bind the sender to its dataset root (CommitmentMismatch if bound to another)."""
+    ingress.registry.bind(msg)
+    return Verdict.BOUND
+
+
+def record_refusal(
+    attempt: Attempt, msg: Refusal, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """The sender releases nothing this attempt. An error whose response is to stop the
+    federation (a spent privacy budget, a residency violation) stops it: raised after it
+    is recorded, since it is the participant's word, not a fault of the message."""
+    pid = msg.participant_id
+    attempt.refused[pid] = f"{msg.error}: {msg.reason}"
+    log.warning("round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
+    error = reported(msg.error, f"{pid}: {msg.reason}")
+    if error is not None and response_to(error) is Response.STOP_FEDERATION:
+        raise error
+    return Verdict.REFUSED
+
+
+def check_privacy(config: LensembleConfig, update: Update) -> None:
+    """Refuse an update that did not go through the release stages the config requires
+    (a stock ClientApp, or a participant configured without them). This checks what the
+    participant declares; that the declaration is honest is its signature's job.
+
+    Raises:
+        UnprivatizedContribution: a required stage is missing.
+    """
+    privacy = config.privacy
+    needed = [
+        stage
+        for stage, on in (("clip", privacy.clip_norm > 0), ("gaussian_noise", privacy.noised))
+        if on
+    ]
+    missing = [stage for stage in needed if stage not in update.transforms]
+    if missing:
+        raise UnprivatizedContribution(
+            f"{update.participant_id}: update released without {missing}, which the "
+            "configuration requires; refused"
+        )
+
+
+def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
+    """Everything an update must be before it may be summed; returns what is summed (the
+    update itself, or the research harness's transform of it).
+
+    Raises:
+        DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError,
+        UnprivatizedContribution, SketchMismatch: see the checks.
+    """
+    pid = msg.participant_id
+    if pid in attempt.admitted:
+        raise DuplicateMessage(f"{pid}: a second update in round {msg.round}; refused")
+    ingress.registry.check_binding(msg)
+    check_privacy(ingress.config, msg)
+    if attempt.sketch_fingerprint is not None:
+        check_sketch(msg, attempt.sketch_fingerprint)
+    if attempt.aggregator is None:
+        raise RoundError(f"{pid}: update before the masked round's members were fixed")
+    return attempt.transform(msg) if attempt.transform is not None else msg
+
+
+def fold_update(
+    attempt: Attempt, msg: Update, summed: Update, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Fold a checked update into the round's sum and file it as admitted (the aggregator
+    validates before it folds: it raises having changed nothing)."""
+    assert attempt.aggregator is not None  # check_update
+    pid = msg.participant_id
+    attempt.aggregator.admit(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
+    attempt.admitted.add(pid)
+    attempt.roots[pid] = msg.dataset_root
+    attempt.epsilon[pid] = msg.epsilon
+    attempt.update_digests[pid] = message_digest(msg, fields)  # as received
+    return Verdict.ADMITTED
+
+
+def admit_update(
+    attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Fold one update into the round's sum: once per participant, bound as committed,
+    released through the required stages, aligned with the round's sketch."""
+    return fold_update(attempt, msg, check_update(attempt, msg, ingress), ingress, fields)
+
+
+def file_late_update(
+    attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """An update after the contributing set froze: filed as late, never admitted."""
+    attempt.late.add(msg.participant_id)
+    log.info(
+        "round %d: update from %s after collection closed, dropped",
+        attempt.round,
+        msg.participant_id,
+    )
+    return Verdict.LATE
+
+
+_S = RoundState
+ADMISSION: Table = MappingProxyType(
+    {
+        (_S.OPEN, Commitment): bind_commitment,
+        (_S.OPEN, Update): admit_update,
+        (_S.OPEN, Refusal): record_refusal,
+        (_S.COLLECTING, Commitment): bind_commitment,
+        (_S.COLLECTING, Update): admit_update,
+        (_S.COLLECTING, Refusal): record_refusal,
+        (_S.AGGREGATING, Commitment): bind_commitment,
+        (_S.AGGREGATING, Update): file_late_update,
+        (_S.AGGREGATING, Refusal): record_refusal,
+    }
+)
+"""The plaintext round's admission table. ALIGNING, COMMITTING and the terminal states
+admit nothing: the round no longer listens."""
+
+
+# -- the step ---------------------------------------------------------------------------
+def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table) -> Verdict:
+    """Admit one validated message into ``attempt``, or raise and change nothing.
+
+    Raises:
+        IllegalMessage: a kind no participant may send, or one the round does not admit
+            in its current state.
+        RoundError: another run's message, a bad signature (ForgedMessage), a replay
+            (ReplayedMessage), a duplicate, or whatever the handler refuses.
+        LensembleError: an error whose response is not to reject the message (e.g. a
+            CommitmentMismatch, or a Refusal that stops the federation).
+    """
+    if not isinstance(msg, PARTICIPANT_MESSAGES):
+        raise IllegalMessage(f"a participant may not send {msg.kind} (from {msg.sender})")
+    if msg.run_id != ingress.run_id:
+        raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
+    if (msg.round, msg.attempt) != (attempt.round, attempt.number):
+        _check_replay(msg, ingress)
+        attempt.late.add(msg.sender)
+        log.info(
+            "round %d: late %s from %s (round %d attempt %d) dropped",
+            attempt.round,
+            msg.kind,
+            msg.sender,
+            msg.round,
+            msg.attempt,
+        )
+        return Verdict.LATE
+    fields = canonical_fields(msg)  # hashes an update's arrays: once, here
+    ingress.registry.check_signature(msg, attempt.state.sketch_seed, fields)
+    handler = table.get((attempt.phase, type(msg)))
+    if handler is None:
+        raise IllegalMessage(
+            f"{msg.participant_id}: a {msg.kind} is not admitted while the round is "
+            f"{attempt.phase.value}"
+        )
+    return handler(attempt, msg, ingress, fields)
+
+
+def _check_replay(msg: ParticipantMessage, ingress: Ingress) -> None:
+    """A message of another attempt is late, never admitted; if it is an exact copy of an
+    update the manifest records as admitted in its attempt, it is a replay.
+
+    Raises:
+        ReplayedMessage: the copy of an admitted update.
+    """
+    if not isinstance(msg, Update):
+        return
+    digests = ingress.admitted_digests(msg.round, msg.attempt)
+    if digests is not None and digests.get(msg.participant_id) == message_digest(msg):
+        raise ReplayedMessage(
+            f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
+            "was admitted then; the copy is refused"
+        )

@@ -1,0 +1,89 @@
+"""What one round attempt accumulates while it runs, and how it ended.
+
+An :class:`Attempt` is created when an attempt starts and discarded when it ends; nothing
+in it outlives the attempt except what the commit writes (checkpoint, ledger record,
+manifest entry). :class:`RoundOutcome` is the summary every caller sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from lensemble_flwr.aggregation.fixed_point import Aggregator
+from lensemble_flwr.errors import LensembleError
+from lensemble_flwr.protocol.messages import RoundOpen, Update
+from lensemble_flwr.protocol.round import RoundMachine, RoundState
+from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.secagg.protocol import Member
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOutcome:
+    """How one round attempt ended (also recorded in the run manifest).
+
+    ``state`` is the attempt's terminal state: CLOSED or ABORTED.
+    """
+
+    round: int
+    attempt: int
+    state: RoundState
+    error: LensembleError | None
+    count: int
+    contributors: tuple[str, ...]
+    late: tuple[str, ...]
+    rejected: int
+    global_hash: str
+    diagnostics: Mapping[str, float]
+    elapsed: float
+    path: tuple[RoundState, ...] = ()
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclasses.dataclass
+class Attempt:
+    """Everything one round attempt accumulates.
+
+    The admission step (:mod:`.admission`) is the only writer of the participant sets
+    below; the round mode (:mod:`.modes`) owns ``aggregator`` and the masked fields.
+    """
+
+    machine: RoundMachine
+    state: GlobalState  # the pinned global state the attempt runs on
+    round_open: RoundOpen  # the attempt's RoundOpen, before per-recipient changes
+    started: float  # on the coordinator's clock
+    grace: float = 0.0  # extra seconds on the open and collect deadlines (a cold start)
+    aggregator: Aggregator | None = None  # None until the mode can build it
+    transform: Callable[[Update], Update] | None = None  # the research harness, if any
+    sketch_fingerprint: str | None = None  # gauge alignment: the round's sketch
+    members: list[Member] | None = None  # a masked round's member set, once fixed
+    members_sent: set[str] = dataclasses.field(default_factory=set)
+    key_shares: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
+    invited: set[str] = dataclasses.field(default_factory=set)
+    admitted: set[str] = dataclasses.field(default_factory=set)
+    roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    epsilon: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    late: set[str] = dataclasses.field(default_factory=set)
+    rejected: int = 0
+
+    @property
+    def round(self) -> int:
+        return self.machine.round
+
+    @property
+    def number(self) -> int:
+        """The attempt number (1 for a round's first attempt)."""
+        return self.machine.attempt
+
+    @property
+    def phase(self) -> RoundState:
+        return self.machine.state
+
+    def path(self) -> tuple[RoundState, ...]:
+        """Every state the attempt has been in, in order."""
+        return (RoundState.OPEN, *(after for _, _, after in self.machine.history))

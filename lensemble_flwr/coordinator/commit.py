@@ -1,0 +1,130 @@
+"""What an attempt writes when it ends: the commit of a closed round, the entry of any.
+
+A round commits in this order, and the ledger record is the commit point:
+
+1. the checkpoint of θ_{t+1} and its momentum, stored by content hash and read back;
+2. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
+   right after the commit loses nothing;
+3. the ledger record, chained to the previous one — from here on the round is committed;
+4. the manifest entry (by the caller, once the in-memory state moved).
+
+Only after all of that does the coordinator announce the round (RoundClose). Nothing
+before the record changes anything a reader of the run directory trusts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from lensemble_flwr.aggregation.fixed_point import AggregateSum
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.coordinator.durable import save_closing
+from lensemble_flwr.errors import CheckpointIntegrityError
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.ledger import ContributionRecord, Ledger, RoundEntry
+
+_RECORDED_FROM_ENTRY = {
+    "round",
+    "attempt",
+    "contributors",
+    "count",
+    "total_weight",
+    "update_digests",
+    "aggregate_digest",
+    "new_global_hash",
+    "round_seed",
+}
+"""The ledger record's fields that are the closing manifest entry's, under the same name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """A round that reached its commit point."""
+
+    state: GlobalState  # θ_{t+1}, pinned
+    momentum: NamedArrays
+    entry: RoundEntry  # its closing manifest entry
+    record: ContributionRecord  # as appended to the ledger
+
+
+def entry_of(
+    attempt: Attempt,
+    result: AggregateSum | None,
+    diagnostics: Mapping[str, float],
+    reason: str | None,
+    *,
+    secure_sum: bool,
+    new_global_hash: str | None = None,
+) -> RoundEntry:
+    """The manifest entry of an attempt (closed when ``new_global_hash`` is given)."""
+    closed = new_global_hash is not None
+    return RoundEntry(
+        round=attempt.round,
+        attempt=attempt.number,
+        state="closed" if closed else "aborted",
+        reason=reason,
+        round_seed=attempt.state.sketch_seed,
+        prior_global_hash=attempt.state.params_hash,
+        contributors=result.contributors if result is not None else (),
+        count=result.count if result is not None else 0,
+        total_weight=result.total_weight if result is not None else 0,
+        update_digests=dict(sorted(attempt.update_digests.items())),
+        aggregate_digest=result.digest if result is not None else None,
+        new_global_hash=new_global_hash,
+        late=tuple(sorted(attempt.late)),
+        rejected=attempt.rejected,
+        refused=dict(sorted(attempt.refused.items())),
+        secure_sum=closed and secure_sum,
+        diagnostics=dict(diagnostics),
+    )
+
+
+def write_commit(
+    store: Store,
+    ledger: Ledger,
+    attempt: Attempt,
+    result: AggregateSum,
+    diagnostics: Mapping[str, float],
+    new_state: GlobalState,
+    momentum: NamedArrays,
+    *,
+    head_hash: str,
+    secure_sum: bool,
+) -> Committed:
+    """Steps 1–3 of the module's order; returns once the ledger holds the round.
+
+    Raises:
+        CheckpointIntegrityError: the stored checkpoint does not read back.
+        StoreError, LedgerError: the store refused a write (nothing is committed).
+    """
+    t = attempt.round
+    digest = store.put(
+        encode_checkpoint(t + 1, new_state.params, momentum, params_hash=new_state.params_hash)
+    )
+    if decode_checkpoint(store.get(digest)).params_hash != new_state.params_hash:
+        raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")
+    entry = entry_of(
+        attempt,
+        result,
+        diagnostics,
+        None,
+        secure_sum=secure_sum,
+        new_global_hash=new_state.params_hash,
+    )
+    save_closing(store, entry)
+    record = ledger.append(
+        ContributionRecord(
+            **entry.model_dump(include=_RECORDED_FROM_ENTRY),
+            previous_global_hash=entry.prior_global_hash,
+            frame_drift=entry.diagnostics.get("frame_drift"),
+            dataset_roots={p: attempt.roots[p] for p in entry.contributors},
+            epsilon={p: attempt.epsilon.get(p) for p in entry.contributors},
+            checkpoint=digest,
+            previous_record_hash=head_hash,
+        )
+    )
+    return Committed(state=new_state, momentum=momentum, entry=entry, record=record)

@@ -1,0 +1,305 @@
+"""Round modes: a plaintext round and a masked round behind one interface.
+
+A mode is chosen once per attempt (:func:`mode_for`) and answers every question on which
+the two kinds of round differ, so that the coordinator's phase loop asks them without
+knowing which kind it runs:
+
+===============  ===========================  ========================================
+question         plaintext                    masked (secure aggregation)
+===============  ===========================  ========================================
+``begin``        build the exact aggregator   nothing yet: members are not fixed
+``settle``       nothing                      fix the members once all reachable are
+                                              keyed (or at the open deadline, the keyed
+                                              ones if they are K), build the aggregator
+``ready``        invited and reachable        members that are reachable
+                 (and bound, if required)
+``eligible``     every invited participant    the members
+``invitation``   once per participant         again to members, once they are fixed
+``admission``    :data:`.admission.ADMISSION` + unmask responses while AGGREGATING;
+                                              an update keeps its mask-key shares
+``reveal``       the sum, self-checked        one unmask exchange, then the same
+===============  ===========================  ========================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import numpy as np
+
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator
+from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.config import AggregationConfig, LensembleConfig
+from lensemble_flwr.coordinator.admission import (
+    ADMISSION,
+    Ingress,
+    Table,
+    Verdict,
+    check_update,
+    fold_update,
+)
+from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.errors import NonDeterministicAggregation, RoundError, SecureAggregationError
+from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.participant_role import encode_member
+from lensemble_flwr.secagg.protocol import context_of
+from lensemble_flwr.transports.base import COORDINATOR
+
+log = logging.getLogger(__name__)
+
+AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
+
+Exchange = Callable[[Mapping[str, UnmaskRequest], Callable[[], bool]], None]
+"""``exchange(requests, done)``: send each request to its recipient and admit what comes
+back until ``done()`` or the exchange's deadline. Only a feeder that can wait for a second
+exchange within one attempt has one (the blocking loop); the others pass None."""
+
+
+class RoundMode(Protocol):
+    """What a kind of round decides; see the module's table."""
+
+    name: str
+    secure_sum: bool
+    admission: Table
+
+    def begin(self, attempt: Attempt) -> None: ...
+
+    def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None: ...
+
+    def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]: ...
+
+    def eligible(self, attempt: Attempt) -> set[str]: ...
+
+    def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None: ...
+
+    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum: ...
+
+
+def revealed_and_checked(aggregator: Aggregator) -> AggregateSum:
+    """Reveal the sum and self-check it; a mismatch is re-summed once, a second raises.
+
+    Raises:
+        NonDeterministicAggregation: the re-sum did not reproduce either.
+    """
+    result = aggregator.reveal()
+    try:
+        aggregator.verify(result)
+    except NonDeterministicAggregation as exc:
+        log.warning("self-check mismatch, re-summing once: %s", exc)
+        result = aggregator.reveal()
+        aggregator.verify(result)
+    return result
+
+
+class PlaintextMode:
+    """Each update is summed exactly as it arrives (the coordinator sees it)."""
+
+    name = "plaintext"
+    secure_sum = False
+    admission: Table = ADMISSION
+
+    def __init__(
+        self,
+        config: LensembleConfig,
+        registry: ParticipantRegistry,
+        aggregator_factory: AggregatorFactory,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.aggregator_factory = aggregator_factory
+
+    def begin(self, attempt: Attempt) -> None:
+        seed = derive_seed(
+            self.config.federation.root_seed, "self-check", attempt.round, attempt.number
+        )
+        attempt.aggregator = self.aggregator_factory(
+            attempt.state.params, self.config.aggregation, seed
+        )
+
+    def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
+        return None  # whoever is invited may contribute
+
+    def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        present = attempt.invited & reachable
+        if self.config.federation.require_binding:
+            return {p for p in present if self.registry.is_bound(p)}
+        return present
+
+    def eligible(self, attempt: Attempt) -> set[str]:
+        return attempt.invited
+
+    def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
+        if peer in attempt.invited:
+            return None
+        attempt.invited.add(peer)
+        return attempt.round_open.model_copy(
+            update={"needs_commitment": not self.registry.is_bound(peer)}
+        )
+
+    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
+        assert attempt.aggregator is not None  # built by begin
+        return revealed_and_checked(attempt.aggregator)
+
+
+class MaskedMode:
+    """Pairwise-masked updates; only their sum is ever revealed (secure aggregation)."""
+
+    name = "masked"
+    secure_sum = True
+
+    def __init__(self, config: LensembleConfig, registry: ParticipantRegistry, run_id: str) -> None:
+        self.config = config
+        self.registry = registry
+        self.run_id = run_id
+        self.admission: Table = MappingProxyType(
+            {
+                **ADMISSION,
+                (RoundState.OPEN, Update): self._admit_member_update,
+                (RoundState.COLLECTING, Update): self._admit_member_update,
+                (RoundState.AGGREGATING, UnmaskResponse): self._take_disclosure,
+            }
+        )
+
+    def begin(self, attempt: Attempt) -> None:
+        return None  # the aggregator needs the member set: see settle
+
+    def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
+        if attempt.members is not None:
+            return
+        keyed = sorted(p for p in reachable if self.registry.keyed(p))
+        if len(keyed) < self.config.federation.quorum:
+            return
+        if not final and set(keyed) != reachable:
+            return  # somebody is still committing its keys
+        members = self.registry.members(keyed)
+        attempt.key_shares.update(self.registry.membership.shares_for(members))
+        attempt.members = members
+        fed = self.config.federation
+        attempt.aggregator = SecureAggregator(
+            attempt.state.params,
+            self.config.aggregation,
+            members=members,
+            threshold=fed.secagg_threshold,
+            context=context_of(self.run_id, attempt.round, attempt.number),
+            mask_key_shares=attempt.key_shares,
+            degree=fed.secagg_neighbours,
+        )
+
+    def _member_ids(self, attempt: Attempt) -> set[str]:
+        return {m.pid for m in attempt.members or []}
+
+    def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        return self._member_ids(attempt) & attempt.invited & reachable
+
+    def eligible(self, attempt: Attempt) -> set[str]:
+        return self._member_ids(attempt)
+
+    def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
+        members = self._member_ids(attempt)
+        resend = peer in members and peer not in attempt.members_sent
+        if peer in attempt.invited and not resend:
+            return None
+        attempt.invited.add(peer)
+        fed = self.config.federation
+        changes: dict[str, object] = {
+            "needs_commitment": not self.registry.keyed(peer),
+            "rekey": peer in self.registry.membership.compromised,
+            "secagg_threshold": fed.secagg_threshold,
+            "secagg_neighbours": fed.secagg_neighbours,
+        }
+        if peer in members:
+            changes["secagg_members"] = tuple(encode_member(m) for m in attempt.members or [])
+            changes["send_key_shares"] = peer not in attempt.key_shares
+            attempt.members_sent.add(peer)
+        return attempt.round_open.model_copy(update=changes)
+
+    def _admit_member_update(
+        self, attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
+    ) -> Verdict:
+        """Admit a member's update. Its first update of a member set also carries its
+        sealed mask-key shares: once the update passed every check, they are kept durably
+        *before* it is folded, so that no crash from here on can lose them (a member sends
+        them once per member set, and again only when a RoundOpen says the coordinator
+        lacks them: ``send_key_shares``)."""
+        summed = check_update(attempt, msg, ingress)
+        aggregator = attempt.aggregator
+        assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
+        aggregator.check(summed, weight=self.config.federation.weight_of(msg.num_examples))
+        pid = msg.participant_id
+        if msg.key_shares and pid in self._member_ids(attempt):
+            try:
+                for sealed in msg.key_shares.values():
+                    bytes.fromhex(sealed)
+            except (ValueError, TypeError):
+                raise RoundError(f"{pid}: mask-key shares are not hex") from None
+            assert attempt.members is not None
+            attempt.key_shares[pid] = self.registry.store_shares(
+                pid, attempt.members, msg.key_shares
+            )
+        return fold_update(attempt, msg, summed, ingress, fields)
+
+    def _take_disclosure(
+        self, attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
+    ) -> Verdict:
+        assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
+        attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
+        return Verdict.DISCLOSED
+
+    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
+        """The disclosure exchange — one request to every survivor, their answers until
+        all came or the exchange's deadline — then the checked sum."""
+        aggregator = attempt.aggregator
+        assert isinstance(aggregator, SecureAggregator)
+        if exchange is None:
+            raise SecureAggregationError("a masked round needs an unmask exchange")
+        requests = aggregator.disclosure_requests()
+        # The dropped members' mask keys are about to be reconstructed: record that before
+        # asking, so that no restart can forget it and admit those keys again.
+        self.registry.revealed(aggregator.dropped)
+        messages = {
+            holder: UnmaskRequest(
+                run_id=self.run_id,
+                round=attempt.round,
+                attempt=attempt.number,
+                sender=COORDINATOR,
+                survivors=request.survivors,
+                dropped=request.dropped,
+                sealed={
+                    s: c.hex()
+                    for s, c in {**request.self_mask_shares, **request.mask_key_shares}.items()
+                },
+            )
+            for holder, request in requests.items()
+        }
+        exchange(messages, lambda: set(requests) <= set(aggregator.disclosed))
+        return revealed_and_checked(aggregator)
+
+
+def _parse_shares(response: UnmaskResponse) -> dict[str, dict[str, tuple[int, int]]]:
+    """An UnmaskResponse's 'x:y_hex' shares as (x, y) pairs."""
+    try:
+        return {
+            which: {s: (int(v.split(":")[0]), int(v.split(":")[1], 16)) for s, v in shares.items()}
+            for which, shares in (("b", response.b_shares), ("m", response.m_shares))
+        }
+    except (ValueError, IndexError):
+        raise RoundError(f"{response.participant_id}: malformed shares") from None
+
+
+def mode_for(
+    config: LensembleConfig,
+    registry: ParticipantRegistry,
+    *,
+    run_id: str,
+    aggregator_factory: AggregatorFactory,
+) -> RoundMode:
+    """The mode the config asks for: masked when ``secagg-threshold`` > 0."""
+    if config.federation.secagg_threshold > 0:
+        return MaskedMode(config, registry, run_id)
+    return PlaintextMode(config, registry, aggregator_factory)

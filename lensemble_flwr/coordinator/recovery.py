@@ -1,0 +1,107 @@
+"""Rebuilding a coordinator's committed state from its run directory after a restart.
+
+The newest ledger record names the checkpoint to resume from (θ_t and its momentum); a
+commit that a crash cut short between the ledger record and the manifest entry is
+completed from the closing entry kept before it (:mod:`.durable`); an attempt that
+started but never finished is recorded as aborted, so the round is retried under a new
+attempt number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal
+
+from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.durable import load_closing, started_attempts
+from lensemble_flwr.errors import LedgerError
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.ledger import (
+    GENESIS,
+    Ledger,
+    RoundEntry,
+    RunManifest,
+    verify,
+    verify_chain,
+)
+
+log = logging.getLogger(__name__)
+
+INTERRUPTED = "CoordinatorRestart: the attempt was cut short by a coordinator restart"
+"""The reason recorded for an attempt a crash interrupted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovered:
+    """The committed state a restarted coordinator continues from."""
+
+    manifest: RunManifest
+    round: int
+    params: NamedArrays
+    momentum: NamedArrays
+    head_hash: str
+
+
+def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]) -> Recovered:
+    """Complete a cut-short commit, verify the run, and load the checkpoint to resume from.
+
+    Raises:
+        LedgerError: the ledger, manifest or checkpoint is inconsistent.
+    """
+    records = Ledger(store).records()
+    closed = {e.round for e in manifest.rounds if e.state == "closed"}
+    if records and records[-1].round not in closed:
+        rec = records[-1]  # committed, but the crash came before its manifest entry
+        log.warning("round %d: completing the manifest after a crash", rec.round)
+        kept = load_closing(store)
+        if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
+            rec.round,
+            rec.attempt,
+            rec.new_global_hash,
+        ):
+            raise LedgerError(
+                f"round {rec.round} is in the ledger but not in the manifest, and the "
+                "manifest entry kept before its commit is missing or is another round's"
+            )
+        manifest = manifest.with_round(store, kept)
+    if check == "full":
+        verify(store)
+    else:
+        verify_chain(records, manifest)
+    head = records[-1] if records else None
+    ckpt = decode_checkpoint(store.get(head.checkpoint if head else manifest.initial_checkpoint))
+    expected = head.new_global_hash if head else manifest.initial_params_hash
+    if ckpt.params_hash != expected:
+        raise LedgerError("the checkpoint to resume from does not hold the recorded state")
+    return Recovered(
+        manifest=manifest,
+        round=ckpt.round,
+        params=ckpt.params,
+        momentum=ckpt.momentum,
+        head_hash=head.record_hash if head else GENESIS,
+    )
+
+
+def record_interrupted(store: Store, manifest: RunManifest, state: GlobalState) -> RunManifest:
+    """Record every attempt of ``state.round`` that started but has no manifest entry."""
+    t = state.round
+    finished = {e.attempt for e in manifest.rounds if e.round == t}
+    for attempt in started_attempts(store, t):
+        if attempt in finished:
+            continue
+        log.warning("round %d attempt %d was interrupted by a restart", t, attempt)
+        manifest = manifest.with_round(
+            store,
+            RoundEntry(
+                round=t,
+                attempt=attempt,
+                state="aborted",
+                reason=INTERRUPTED,
+                round_seed=state.sketch_seed,
+                prior_global_hash=state.params_hash,
+            ),
+        )
+    return manifest
