@@ -13,6 +13,7 @@ from federation_helpers import federation, small_config
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import AggregationConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
@@ -192,7 +193,9 @@ def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
         for rank, index in enumerate(order):
             network.set_compute_time(nodes[index].participant_id, 1.0 + rank)
         coordinator.run(2)
-        arrivals = [d[1] for d in network.delivered if d[3] == MessageKind.UPDATE.value and d[4] == 0]
+        arrivals = [
+            d[1] for d in network.delivered if d[3] == MessageKind.UPDATE.value and d[4] == 0
+        ]
         assert arrivals == [nodes[i].participant_id for i in order]
         store = Store(tmp_path / name)
         digests.append([(r.aggregate_digest, r.new_global_hash) for r in Ledger(store).records()])
@@ -332,7 +335,9 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
 
         return mutate
 
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ProbeError"))
+    faults = FaultPlan().corrupt(
+        "p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ProbeError")
+    )
     coordinator, _, _ = federation(tmp_path, faults=faults, name="probe")
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
@@ -346,3 +351,44 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
     assert_aborted_unchanged(
         coordinator, coordinator.global_state().params_hash, ResidencyViolation
     )
+
+
+class BroadcastFails:
+    """The coordinator's transport, except that broadcast raises — after checking that
+    what it would announce is already committed: in the ledger and in the manifest."""
+
+    def __init__(self, inner, store: Store, error: Exception) -> None:
+        self.inner, self.store, self.error = inner, store, error
+        self.seen: list[tuple[int, list[int], list[int]]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def broadcast(self, message) -> None:
+        ledger = [r.round for r in Ledger(self.store).records()]
+        closed = [e.round for e in RunManifest.load(self.store).rounds if e.state == "closed"]
+        self.seen.append((message.round, ledger, closed))
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error", [ConnectionError("the network is down"), StoreError("a typed error, too")]
+)
+def test_a_failure_after_the_commit_point_never_aborts_the_committed_round(
+    tmp_path: Path, error: Exception
+) -> None:
+    coordinator, network, _ = federation(tmp_path)
+    store = Store(tmp_path / "run")
+    failing = BroadcastFails(network.coordinator, store, error)
+    coordinator.transport = failing
+    coordinator.run(2)
+    # RoundClose was announced (and failed) only once checkpoint, ledger record and
+    # manifest entry were written
+    assert failing.seen == [(0, [0], [0]), (1, [0, 1], [0, 1])]
+    assert [o.state for o in coordinator.outcomes] == [RoundState.CLOSED, RoundState.CLOSED]
+    assert [r.round for r in verify(store)] == [0, 1]
+    resumed = Coordinator.resume(coordinator.config, transport=network.coordinator, store=store)
+    assert resumed.global_state().params_hash == coordinator.global_state().params_hash
+    assert resumed.next_attempt() == 1
+    resumed.run(1)
+    assert [r.round for r in verify(store)] == [0, 1, 2]

@@ -18,7 +18,7 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 )
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.errors import ConfigError, StoreError
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, StoreError
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
@@ -141,3 +141,37 @@ def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path
         LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0).start(
             grid=grid, initial_arrays=initial, num_rounds=1
         )
+
+
+def test_the_stock_loop_applies_the_attempt_limit(tmp_path: Path) -> None:
+    """Too few replies twice with max-round-attempts 2: the second aggregate_train raises
+    the round's error (as Coordinator.run would) instead of returning normally."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    strategy.config = small_config(min_participants=3, max_round_attempts=2)
+    arrays = arrays_to_record(initial_params())
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert strategy.aggregate_train(1, grid.send_and_receive(messages[:2]))[0] is None
+    messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid))
+    with pytest.raises(FaultToleranceExceeded, match="quorum 3"):
+        strategy.aggregate_train(2, grid.send_and_receive(messages[:2]))
+    assert strategy.coordinator is not None
+    assert [o.attempt for o in strategy.coordinator.outcomes] == [1, 2]
+
+
+def test_the_stock_loop_refuses_masked_rounds_before_anything(tmp_path: Path) -> None:
+    """Masked rounds need an unmask exchange that configure_train/aggregate_train cannot
+    make: Flower's own Strategy.start fails at once, saying to call start()."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    strategy.config = small_config(min_participants=3, secagg_threshold=3)
+    with pytest.raises(ConfigError, match=r"LensembleStrategy\.start\(\)"):
+        Strategy.start(
+            strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    assert strategy.coordinator is None and not (tmp_path / "run").exists()
+    assert grid.pushes == []
+
+
+def test_aggregate_train_without_configure_train_is_refused(tmp_path: Path) -> None:
+    strategy, _grid = stock_loop_federation(tmp_path)
+    with pytest.raises(RuntimeError, match="configure_train"):
+        strategy.aggregate_train(1, [])

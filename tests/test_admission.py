@@ -1,0 +1,207 @@
+"""The admission table, walked the way the transition table is: every (state, message type).
+
+A pair without an entry is refused with IllegalMessage and changes nothing — neither the
+attempt nor the registry; a pair with an entry reaches its handler.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from federation_helpers import small_config
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.admission import (
+    ADMISSION,
+    PARTICIPANT_MESSAGES,
+    Ingress,
+    Verdict,
+    admit,
+)
+from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.coordinator.modes import MaskedMode, PlaintextMode
+from lensemble_flwr.errors import IllegalMessage
+from lensemble_flwr.protocol.messages import (
+    Commitment,
+    ControlMessage,
+    Refusal,
+    RoundClose,
+    RoundOpen,
+    UnmaskRequest,
+    UnmaskResponse,
+    Update,
+    to_wire,
+)
+from lensemble_flwr.protocol.round import RoundEvent, RoundState
+from lensemble_flwr.simulations.toy import initial_params
+
+ROOT = "a" * 64
+PROGRESS = [
+    (RoundState.OPEN, None),
+    (RoundState.COLLECTING, RoundEvent.QUORUM_REACHED),
+    (RoundState.AGGREGATING, RoundEvent.COLLECTION_CLOSED),
+    (RoundState.ALIGNING, RoundEvent.SUM_REPRODUCED),
+    (RoundState.COMMITTING, RoundEvent.DIAGNOSED),
+    (RoundState.CLOSED, RoundEvent.COMMITTED),
+]
+ALL_STATES = [*(s for s, _ in PROGRESS), RoundState.ABORTED]
+
+
+def coordinator_in(tmp: Path, state: RoundState, **config: Any) -> Coordinator:
+    """A coordinator (no transport) whose current attempt is in ``state``; p00 is bound."""
+    coordinator = Coordinator(
+        small_config(min_participants=1, **config),
+        initial_params=initial_params(),
+        store=Store(tmp / "run"),
+        run_id="run",
+    )
+    attempt = coordinator.begin_attempt()
+    coordinator.invite(["p00"])
+    coordinator.registry.bind(commitment())
+    if state is RoundState.ABORTED:
+        attempt.machine.fire(RoundEvent.ABORT)
+        return coordinator
+    for reached, event in PROGRESS:
+        if event is not None:
+            attempt.machine.fire(event)
+        if reached is state:
+            return coordinator
+    raise AssertionError(state)
+
+
+def common(**changes: Any) -> dict[str, Any]:
+    return {"run_id": "run", "round": 0, "attempt": 1, "sender": "p00", **changes}
+
+
+def commitment() -> Commitment:
+    return Commitment(**common(), participant_id="p00", dataset_root=ROOT, num_examples=8)
+
+
+def messages() -> dict[type, ControlMessage]:
+    """One valid message of every type, from p00, for round 0 attempt 1."""
+    params = {n: np.asarray(a) for n, a in initial_params().items()}
+    delta = {n: np.zeros_like(a, dtype=np.float32) for n, a in params.items()}
+    mine = {**common(), "participant_id": "p00"}
+    return {
+        Commitment: commitment(),
+        Update: Update(**mine, dataset_root=ROOT, delta=delta, l2_norm=0.0, num_examples=8),
+        Refusal: Refusal(**mine, error="ProbeError", reason="probe differs"),
+        UnmaskResponse: UnmaskResponse(**mine, b_shares={}, m_shares={}),
+        RoundOpen: RoundOpen(
+            **common(sender="p00"),
+            global_hash="0" * 64,
+            params=params,
+            sketch_seed=1,
+            h_steps=1,
+        ),
+        UnmaskRequest: UnmaskRequest(**common(), survivors=(), dropped=(), sealed={}),
+        RoundClose: RoundClose(
+            run_id="run",
+            round=0,
+            sender="p00",
+            previous_hash="0" * 64,
+            global_hash="1" * 64,
+            contributors=(),
+            record_hash="2" * 64,
+        ),
+    }
+
+
+def ingress_of(coordinator: Coordinator) -> Ingress:
+    return Ingress(
+        config=coordinator.config,
+        run_id=coordinator.run_id,
+        registry=coordinator.registry,
+        admitted_digests=lambda _round, _attempt: None,
+    )
+
+
+def snapshot(coordinator: Coordinator) -> dict[str, Any]:
+    """Everything admission could change, as plain values."""
+    attempt = coordinator.attempt
+    assert attempt is not None
+    fields = {
+        f.name: copy.deepcopy(getattr(attempt, f.name))
+        for f in dataclasses.fields(Attempt)
+        if f.name not in ("machine", "state", "round_open", "aggregator", "transform")
+    }
+    return {
+        **fields,
+        "state": attempt.phase,
+        "history": list(attempt.machine.history),
+        "commitments": dict(coordinator.registry.commitments),
+        "pending": getattr(attempt.aggregator, "pending_count", None),
+    }
+
+
+@pytest.mark.parametrize("message_type", list(messages()), ids=lambda t: t.__name__)
+@pytest.mark.parametrize("state", ALL_STATES, ids=lambda s: s.value)
+def test_every_state_and_message_type(tmp_path: Path, state: RoundState, message_type) -> None:
+    coordinator = coordinator_in(tmp_path, state)
+    attempt = coordinator.attempt
+    assert attempt is not None and attempt.phase is state
+    message = messages()[message_type]
+    table = coordinator.mode.admission
+    if (state, message_type) not in table:
+        before = snapshot(coordinator)
+        with pytest.raises(IllegalMessage, match=r"not admitted|may not send"):
+            admit(attempt, message, ingress_of(coordinator), table)
+        assert snapshot(coordinator) == before  # nothing changed
+        # through the coordinator's ingress, the same message is counted as rejected
+        coordinator.receive(to_wire(message))
+        after = snapshot(coordinator)
+        assert after.pop("rejected") == before.pop("rejected") + 1
+        assert after == before
+    else:
+        verdict = coordinator.receive(to_wire(message))
+        expected = {
+            Commitment: Verdict.BOUND,
+            Refusal: Verdict.REFUSED,
+            Update: Verdict.LATE if state is RoundState.AGGREGATING else Verdict.ADMITTED,
+        }[message_type]
+        assert verdict is expected
+
+
+def test_the_tables_name_only_participant_messages_and_listening_states() -> None:
+    listening = {RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING}
+    for table in (PlaintextMode.admission, MaskedMode(small_config(), None, "run").admission):  # type: ignore[arg-type]
+        assert {state for state, _ in table} <= listening
+        assert {kind for _, kind in table} <= set(PARTICIPANT_MESSAGES)
+    assert (RoundState.AGGREGATING, UnmaskResponse) not in ADMISSION  # plaintext: no unmask
+
+
+def test_a_masked_round_admits_unmask_responses_only_while_aggregating(tmp_path: Path) -> None:
+    masked = MaskedMode(small_config(secagg_threshold=1), None, "run").admission  # type: ignore[arg-type]
+    assert [s for s, kind in masked if kind is UnmaskResponse] == [RoundState.AGGREGATING]
+    assert set(masked) == set(ADMISSION) | {(RoundState.AGGREGATING, UnmaskResponse)}
+
+
+def test_an_update_a_handler_refuses_changes_nothing(tmp_path: Path) -> None:
+    """The handler validates before it applies: an update bound to another root than its
+    sender's commitment is refused with the attempt and the sum as they were."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING)
+    good = messages()[Update]
+    wrong = good.model_copy(update={"num_examples": 9})  # the commitment says 8
+    before = snapshot(coordinator)
+    assert coordinator.receive(to_wire(wrong)) is None
+    after = snapshot(coordinator)
+    assert after.pop("rejected") == before.pop("rejected") + 1 and after == before
+    assert coordinator.receive(to_wire(good)) is Verdict.ADMITTED
+    assert coordinator.attempt is not None and coordinator.attempt.admitted == {"p00"}
+
+
+def test_a_message_of_another_attempt_is_filed_late_in_any_listening_state(
+    tmp_path: Path,
+) -> None:
+    for i, state in enumerate((RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING)):
+        coordinator = coordinator_in(tmp_path / str(i), state)
+        stale = messages()[Update].model_copy(update={"attempt": 7})
+        assert coordinator.receive(to_wire(stale)) is Verdict.LATE
+        assert coordinator.attempt is not None and coordinator.attempt.late == {"p00"}
+        assert coordinator.attempt.admitted == set()
