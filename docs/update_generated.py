@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from lensemble_flwr.config import run_config_table
+from lensemble_flwr.coordinator.admission import admission_table
+from lensemble_flwr.coordinator.modes import admission_tables
 from lensemble_flwr.errors import response_table
 from lensemble_flwr.layering import layer_diagram
 from lensemble_flwr.protocol.round import transition_diagram
@@ -26,6 +28,7 @@ BLOCKS = {
     ("fault-injection.md", "scenarios"): scenario_table,
     ("recovery.md", "kill-matrix"): kill_matrix_table,
     ("architecture.md", "layers"): layer_diagram,
+    ("runtime.md", "admission"): lambda: admission_table(admission_tables()),
 }
 
 

@@ -25,7 +25,7 @@ from lensemble_flwr.coordinator.admission import (
 )
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.coordinator import Coordinator
-from lensemble_flwr.coordinator.modes import MaskedMode, PlaintextMode
+from lensemble_flwr.coordinator.modes import MaskedMode, admission_tables
 from lensemble_flwr.errors import IllegalMessage
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -170,14 +170,14 @@ def test_every_state_and_message_type(tmp_path: Path, state: RoundState, message
 
 def test_the_tables_name_only_participant_messages_and_listening_states() -> None:
     listening = {RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING}
-    for table in (PlaintextMode.admission, MaskedMode(small_config(), None, "run").admission):  # type: ignore[arg-type]
+    for table in admission_tables().values():
         assert {state for state, _ in table} <= listening
         assert {kind for _, kind in table} <= set(PARTICIPANT_MESSAGES)
     assert (RoundState.AGGREGATING, UnmaskResponse) not in ADMISSION  # plaintext: no unmask
 
 
 def test_a_masked_round_admits_unmask_responses_only_while_aggregating(tmp_path: Path) -> None:
-    masked = MaskedMode(small_config(secagg_threshold=1), None, "run").admission  # type: ignore[arg-type]
+    masked = MaskedMode.admission
     assert [s for s, kind in masked if kind is UnmaskResponse] == [RoundState.AGGREGATING]
     assert set(masked) == set(ADMISSION) | {(RoundState.AGGREGATING, UnmaskResponse)}
 

@@ -12,6 +12,8 @@ import pytest
 from fault_scenarios import scenario_table
 
 from lensemble_flwr.config import run_config_keys, run_config_table
+from lensemble_flwr.coordinator.admission import admission_table
+from lensemble_flwr.coordinator.modes import admission_tables
 from lensemble_flwr.errors import response_table
 from lensemble_flwr.layering import layer_diagram
 from lensemble_flwr.protocol.round import transition_diagram
@@ -38,6 +40,7 @@ def generated_block(page: str, name: str) -> str:
         ("fault-injection.md", "scenarios", scenario_table()),
         ("recovery.md", "kill-matrix", kill_matrix_table()),
         ("architecture.md", "layers", layer_diagram()),
+        ("runtime.md", "admission", admission_table(admission_tables())),
     ],
 )
 def test_generated_blocks_match_the_code(page: str, name: str, expected: str) -> None:

@@ -270,3 +270,21 @@ def _check_replay(msg: ParticipantMessage, ingress: Ingress) -> None:
             f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
             "was admitted then; the copy is refused"
         )
+
+
+def admission_table(tables: Mapping[str, Table]) -> str:
+    """A markdown table of which state admits which message type, and with what handler,
+    for each named table (rendered into docs/runtime.md); states that admit nothing in
+    any table are left out."""
+    kinds = [Commitment, Update, Refusal, UnmaskResponse]
+    states = [s for s in RoundState if any(state is s for t in tables.values() for state, _ in t)]
+    rows = ["| round | state | " + " | ".join(k.__name__ for k in kinds) + " |"]
+    rows.append("| --- | --- | " + " | ".join("---" for _ in kinds) + " |")
+    for name, table in tables.items():
+        for state in states:
+            cells = []
+            for kind in kinds:
+                handler = table.get((state, kind))
+                cells.append(f"`{handler.__name__.lstrip('_')}`" if handler else "refused")
+            rows.append(f"| {name} | {state.name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -147,24 +147,72 @@ class PlaintextMode:
         return revealed_and_checked(attempt.aggregator)
 
 
+def admit_member_update(
+    attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Admit a member's update. Its first update of a member set also carries its
+    sealed mask-key shares: once the update passed every check, they are kept durably
+    *before* it is folded, so that no crash from here on can lose them (a member sends
+    them once per member set, and again only when a RoundOpen says the coordinator
+    lacks them: ``send_key_shares``)."""
+    summed = check_update(attempt, msg, ingress)
+    aggregator = attempt.aggregator
+    assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
+    aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
+    pid = msg.participant_id
+    if msg.key_shares and pid in _member_ids(attempt):
+        try:
+            for sealed in msg.key_shares.values():
+                bytes.fromhex(sealed)
+        except (ValueError, TypeError):
+            raise RoundError(f"{pid}: mask-key shares are not hex") from None
+        assert attempt.members is not None
+        attempt.key_shares[pid] = ingress.registry.store_shares(
+            pid, attempt.members, msg.key_shares
+        )
+    return fold_update(attempt, msg, summed, ingress, fields)
+
+
+def take_disclosure(
+    attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
+    attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
+    return Verdict.DISCLOSED
+
+
+MASKED_ADMISSION: Table = MappingProxyType(
+    {
+        **ADMISSION,
+        (RoundState.OPEN, Update): admit_member_update,
+        (RoundState.COLLECTING, Update): admit_member_update,
+        (RoundState.AGGREGATING, UnmaskResponse): take_disclosure,
+    }
+)
+"""A masked round's admission table: the plaintext one, with member updates that keep
+their mask-key shares and the unmask responses of AGGREGATING."""
+
+
+def _member_ids(attempt: Attempt) -> set[str]:
+    return {m.pid for m in attempt.members or []}
+
+
+def admission_tables() -> dict[str, Table]:
+    """The admission table of each round mode, by name (for the docs)."""
+    return {PlaintextMode.name: PlaintextMode.admission, MaskedMode.name: MASKED_ADMISSION}
+
+
 class MaskedMode:
     """Pairwise-masked updates; only their sum is ever revealed (secure aggregation)."""
 
     name = "masked"
     secure_sum = True
+    admission: Table = MASKED_ADMISSION
 
     def __init__(self, config: LensembleConfig, registry: ParticipantRegistry, run_id: str) -> None:
         self.config = config
         self.registry = registry
         self.run_id = run_id
-        self.admission: Table = MappingProxyType(
-            {
-                **ADMISSION,
-                (RoundState.OPEN, Update): self._admit_member_update,
-                (RoundState.COLLECTING, Update): self._admit_member_update,
-                (RoundState.AGGREGATING, UnmaskResponse): self._take_disclosure,
-            }
-        )
 
     def begin(self, attempt: Attempt) -> None:
         return None  # the aggregator needs the member set: see settle
@@ -191,17 +239,14 @@ class MaskedMode:
             degree=fed.secagg_neighbours,
         )
 
-    def _member_ids(self, attempt: Attempt) -> set[str]:
-        return {m.pid for m in attempt.members or []}
-
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
-        return self._member_ids(attempt) & attempt.invited & reachable
+        return _member_ids(attempt) & attempt.invited & reachable
 
     def eligible(self, attempt: Attempt) -> set[str]:
-        return self._member_ids(attempt)
+        return _member_ids(attempt)
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
-        members = self._member_ids(attempt)
+        members = _member_ids(attempt)
         resend = peer in members and peer not in attempt.members_sent
         if peer in attempt.invited and not resend:
             return None
@@ -218,38 +263,6 @@ class MaskedMode:
             changes["send_key_shares"] = peer not in attempt.key_shares
             attempt.members_sent.add(peer)
         return attempt.round_open.model_copy(update=changes)
-
-    def _admit_member_update(
-        self, attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
-    ) -> Verdict:
-        """Admit a member's update. Its first update of a member set also carries its
-        sealed mask-key shares: once the update passed every check, they are kept durably
-        *before* it is folded, so that no crash from here on can lose them (a member sends
-        them once per member set, and again only when a RoundOpen says the coordinator
-        lacks them: ``send_key_shares``)."""
-        summed = check_update(attempt, msg, ingress)
-        aggregator = attempt.aggregator
-        assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
-        aggregator.check(summed, weight=self.config.federation.weight_of(msg.num_examples))
-        pid = msg.participant_id
-        if msg.key_shares and pid in self._member_ids(attempt):
-            try:
-                for sealed in msg.key_shares.values():
-                    bytes.fromhex(sealed)
-            except (ValueError, TypeError):
-                raise RoundError(f"{pid}: mask-key shares are not hex") from None
-            assert attempt.members is not None
-            attempt.key_shares[pid] = self.registry.store_shares(
-                pid, attempt.members, msg.key_shares
-            )
-        return fold_update(attempt, msg, summed, ingress, fields)
-
-    def _take_disclosure(
-        self, attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
-    ) -> Verdict:
-        assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
-        attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
-        return Verdict.DISCLOSED
 
     def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
         """The disclosure exchange — one request to every survivor, their answers until
