@@ -40,9 +40,10 @@ WriteHook = Callable[[Literal["blob", "name"], str, bytes], None]
 """Called as ``hook(kind, key, data)`` before a write is published: a new blob (``kind``
 ``"blob"``, ``key`` its digest, ``data`` its bytes) or a binding (``"name"``, ``key`` the
 name, ``data`` the digest line), by :meth:`Store.put`, :meth:`Store.bind` and
-:meth:`Store.claim` once their arguments are checked. Nothing of the write is visible
-yet: a hook that raises, or ends the process, leaves the store as it was (and a put of a
-blob already stored writes nothing, so calls no hook)."""
+:meth:`Store.claim` once their arguments are checked (a claim is reported before it is
+tried: it may find the name taken). Nothing of the write is visible yet: a hook that
+raises, or ends the process, leaves the store as it was. A put of a blob already stored
+writes nothing, so calls no hook."""
 
 
 def _check_digest(digest: str) -> None:
