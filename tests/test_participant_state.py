@@ -26,7 +26,14 @@ from lensemble_flwr.clients.state import load_state, save_state
 from lensemble_flwr.errors import ConfigError, RoundError
 from lensemble_flwr.participant.local_training import PortableState
 from lensemble_flwr.participant.participant import Participant, training_state
-from lensemble_flwr.protocol.messages import RoundOpen, Update, from_wire, to_wire
+from lensemble_flwr.protocol.messages import (
+    MessageKind,
+    RoundOpen,
+    Update,
+    from_wire,
+    kind_of,
+    to_wire,
+)
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform, Stage, chain
 from lensemble_flwr.release.pipeline import ChainState, no_state
@@ -382,7 +389,8 @@ def next_process(context: Context) -> Context:
 
 
 def released_update(reply: Message) -> Update:
-    (update,) = [p for p in records.decode_reply(reply.content) if p["kind"] == "update"]
+    payloads = records.decode_reply(reply.content)
+    (update,) = [p for p in payloads if kind_of(p) is MessageKind.UPDATE]
     message = from_wire(update)
     assert isinstance(message, Update)
     return message

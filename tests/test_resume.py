@@ -219,14 +219,18 @@ def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path
     kinds = (MessageKind.ROUND_OPEN, MessageKind.UPDATE)
     sent = [p for p in seen.payloads() if kind_of(p) in kinds]
     opens = [
-        p for p in sent if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 1 and p["secagg_members"]
+        p
+        for p in sent
+        if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 1 and p["secagg_members"]
     ]
     assert opens and all(p["send_key_shares"] for p in opens)
     resent = [p for p in sent if kind_of(p) is MessageKind.UPDATE and p["round"] == 1]
     assert len(resent) == 4 and all(p["key_shares"] for p in resent)
     assert [o.count for o in resumed.outcomes] == [4, 3]
     assert not [
-        p for p in sent if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 2 and p["send_key_shares"]
+        p
+        for p in sent
+        if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 2 and p["send_key_shares"]
     ]  # held again: not asked twice
 
 

@@ -449,7 +449,8 @@ def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
 
 def test_sizes_all_or_none() -> None:
     def record(pid: str, size: int | None, update_size: int | None = 10) -> FolderRecord:
-        payloads = () if update_size is None else ({"kind": MessageKind.UPDATE.value, "num_examples": update_size},)
+        update = {"kind": MessageKind.UPDATE.value, "num_examples": update_size}
+        payloads = () if update_size is None else (update,)
         return FolderRecord("run", 0, 1, pid, size, payloads)
 
     check_sizes([record("a", 10), record("b", 10)])
@@ -484,7 +485,8 @@ def test_an_aborted_attempt_is_retried_then_stops_by_the_error_table(tmp_path: P
     results = together([n0, n1], 1)
     assert all(isinstance(r, FaultToleranceExceeded) for r in results)
     manifest = RunManifest.load(store_of(tmp_path))
-    assert [(e.attempt, e.state) for e in manifest.rounds] == [(1, RoundState.ABORTED), (2, RoundState.ABORTED)]
+    attempts = [(e.attempt, e.state) for e in manifest.rounds]
+    assert attempts == [(1, RoundState.ABORTED), (2, RoundState.ABORTED)]
     assert n0.deposits == n1.deposits == [SittingKey(0, 1), SittingKey(0, 2)]
 
 
@@ -510,7 +512,11 @@ def test_a_decider_that_fails_publishes_why(tmp_path: Path, monkeypatch: Any) ->
     with pytest.raises(LensembleError, match="RuntimeError: disk on fire"):
         solo.run(1)
     outcome = decode_outcome(solo.barrier.outcome(SittingKey(0, 1)) or b"")
-    assert (outcome.state, outcome.error, outcome.next) == (RoundState.ABORTED, "RuntimeError", None)
+    assert (outcome.state, outcome.error, outcome.next) == (
+        RoundState.ABORTED,
+        "RuntimeError",
+        None,
+    )
 
 
 def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
@@ -713,7 +719,8 @@ def test_bytes_that_are_not_a_record_are_refused(data: bytes, complaint: str) ->
     with pytest.raises(RoundError, match="unreadable shared-folder record") as caught:
         decode_record(data)
     assert complaint in str(caught.value)
-    assert decode_record(pack({}, _HEADER)).payloads == ({"kind": MessageKind.REFUSAL.value},)  # the control
+    refusal = {"kind": MessageKind.REFUSAL.value}
+    assert decode_record(pack({}, _HEADER)).payloads == (refusal,)  # the control
 
 
 def test_a_stored_outcome_that_does_not_parse_is_refused() -> None:
@@ -771,7 +778,12 @@ def test_a_run_whose_store_moved_on_is_not_aggregated(tmp_path: Path) -> None:
 def test_an_outcome_about_another_sitting_is_refused(tmp_path: Path) -> None:
     store = forge_run(tmp_path, lambda g: g)
     wrong = Outcome(
-        run_id="run", round=4, sitting=1, state=RoundState.CLOSED, decided_by="X", global_hash="0" * 64
+        run_id="run",
+        round=4,
+        sitting=1,
+        state=RoundState.CLOSED,
+        decided_by="X",
+        global_hash="0" * 64,
     )
     store.claim("barrier/00000000.001/decision", store.put(b"X"))
     store.claim("barrier/00000000.001/outcome", store.put(encode(wrong)))

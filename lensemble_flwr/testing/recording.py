@@ -6,7 +6,7 @@ payload delivered from then on (to one party, if asked), with when, from and to 
 
     seen = DeliveryLog(network, dest=COORDINATOR)
     coordinator.run(2)
-    updates = seen.payloads("update", round=1)
+    updates = seen.payloads(MessageKind.UPDATE, round=1)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from lensemble_flwr.protocol.messages import WirePayload
+from lensemble_flwr.protocol.messages import MessageKind, WirePayload, kind_of
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
@@ -49,11 +49,17 @@ class DeliveryLog:
             self.deliveries.append(Delivery(self._clock.time, source, dest, payload))
 
     def payloads(
-        self, kind: str | None = None, *, round: int | None = None, source: str | None = None
+        self,
+        kind: MessageKind | None = None,
+        *,
+        round: int | None = None,
+        source: str | None = None,
     ) -> list[WirePayload]:
-        """The payloads delivered, in order: of message kind ``kind`` (e.g. ``"update"``)
-        in ``round`` from ``source``, for each filter given. A payload that is not a
-        mapping (junk) passes no filter on kind or round."""
+        """The payloads delivered, in order: of message kind ``kind`` (e.g.
+        ``MessageKind.UPDATE``; its wire string is accepted too, a string that names no
+        kind raises ValueError) in ``round`` from ``source``, for each filter given. A
+        payload that is not a mapping (junk) passes no filter on kind or round."""
+        wanted = None if kind is None else MessageKind(kind)
 
         def keep(d: Delivery) -> bool:
             if source is not None and d.source != source:
@@ -62,7 +68,7 @@ class DeliveryLog:
                 return True
             if not isinstance(d.payload, Mapping):
                 return False
-            return (kind is None or d.payload.get("kind") == kind) and (
+            return (wanted is None or kind_of(d.payload) is wanted) and (
                 round is None or d.payload.get("round") == round
             )
 
