@@ -15,6 +15,7 @@ import pytest
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ClaimantDied
+from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey
 from lensemble_flwr.testing import BarrierFaults, DeliveryLog, FaultPlan, ManualClock
 from lensemble_flwr.transports.base import COORDINATOR
@@ -163,8 +164,12 @@ def test_a_delivery_log_keeps_and_filters_what_is_delivered() -> None:
     drain(network)
     assert len(everything) == 4 and len(to_coordinator) == 3
     assert [d.dest for d in everything] == ["p01", COORDINATOR, COORDINATOR, COORDINATOR]
-    assert to_coordinator.payloads("update") == [update("p01"), update("p02", round=1)]
-    assert to_coordinator.payloads("update", round=1) == [update("p02", round=1)]
+    updates = to_coordinator.payloads(MessageKind.UPDATE)
+    assert updates == [update("p01"), update("p02", round=1)]
+    assert to_coordinator.payloads(MessageKind.UPDATE, round=1) == [update("p02", round=1)]
+    assert to_coordinator.payloads("update") == updates  # the wire string names it too
+    with pytest.raises(ValueError):
+        to_coordinator.payloads("updates")  # a kind that does not exist is an error, not []
     assert to_coordinator.payloads(source="p02") == [{"junk": True}, update("p02", round=1)]
     assert to_coordinator.payloads(round=0, source="p02") == []
     times = [(d.source, d.time) for d in to_coordinator.deliveries]
