@@ -22,7 +22,7 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.participant.participant import Participant
-from lensemble_flwr.protocol.messages import from_wire
+from lensemble_flwr.protocol.messages import MessageKind, from_wire
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.testing import FaultPlan
@@ -166,7 +166,7 @@ def _replay(tmp: Path) -> Setup:
         seen.append(dict(payload))
         return payload
 
-    setup = _signed(tmp, FaultPlan().corrupt("p01", round=0, kind="update", mutate=keep))
+    setup = _signed(tmp, FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=keep))
 
     def replay(s: Setup) -> None:  # round 0's admitted update, delivered again in round 1
         s.network.inject("p01", COORDINATOR, seen[0])
@@ -176,7 +176,7 @@ def _replay(tmp: Path) -> Setup:
 
 
 def _duplicate(tmp: Path) -> Setup:
-    setup = _signed(tmp, FaultPlan().duplicate("p03", round=1, kind="update"))
+    setup = _signed(tmp, FaultPlan().duplicate("p03", round=1, kind=MessageKind.UPDATE))
     setup.network.set_compute_time("p03", 0.1)  # both copies arrive before the others
     return setup
 
@@ -233,7 +233,7 @@ SCENARIOS: list[Scenario] = [
         "p03's delta is all NaN",
         "rejected at ingress (RoundError); round closes without it",
         lambda tmp: _plain(
-            tmp, FaultPlan().corrupt("p03", round=1, kind="update", mutate=_nan_delta)
+            tmp, FaultPlan().corrupt("p03", round=1, kind=MessageKind.UPDATE, mutate=_nan_delta)
         ),
         Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="RoundError"),
     ),
@@ -242,7 +242,7 @@ SCENARIOS: list[Scenario] = [
         "p03's update re-signed with a key that is not its registered one",
         "rejected at ingress (ForgedMessage); round closes without it",
         lambda tmp: _signed(
-            tmp, FaultPlan().corrupt("p03", round=1, kind="update", mutate=_resign)
+            tmp, FaultPlan().corrupt("p03", round=1, kind=MessageKind.UPDATE, mutate=_resign)
         ),
         Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="ForgedMessage"),
     ),
@@ -265,7 +265,7 @@ SCENARIOS: list[Scenario] = [
         "p02's update is bound to another dataset root than it committed",
         "round aborts fail-closed; the federation stops (CommitmentMismatch)",
         lambda tmp: _plain(
-            tmp, FaultPlan().corrupt("p02", round=1, kind="update", mutate=_forge_root)
+            tmp, FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=_forge_root)
         ),
         Expected(("aborted",), error="CommitmentMismatch"),
     ),
@@ -289,7 +289,9 @@ SCENARIOS: list[Scenario] = [
         "attempt aborts (SecureAggregationError); the retry closes",
         lambda tmp: _masked(
             tmp,
-            FaultPlan().corrupt("p00", round=1, kind="unmask-response", mutate=_garble_shares),
+            FaultPlan().corrupt(
+                "p00", round=1, kind=MessageKind.UNMASK_RESPONSE, mutate=_garble_shares
+            ),
             threshold=4,
         ),
         Expected(("aborted", "closed"), contributors=ALL),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from lensemble_flwr.aggregation.fixed_point import Aggregator
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.protocol.messages import RoundOpen, Update
-from lensemble_flwr.protocol.round import RoundMachine, RoundState
+from lensemble_flwr.protocol.round import RoundMachine, RoundState, TerminalState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.secagg.protocol import Member
 
@@ -27,7 +27,7 @@ class RoundOutcome:
 
     round: int
     attempt: int
-    state: RoundState
+    state: TerminalState
     error: LensembleError | None
     count: int
     contributors: tuple[str, ...]

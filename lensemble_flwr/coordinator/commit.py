@@ -24,6 +24,7 @@ from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
 from lensemble_flwr.errors import CheckpointIntegrityError
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import ContributionRecord, Ledger, RoundEntry
 
@@ -65,7 +66,7 @@ def entry_of(
     return RoundEntry(
         round=attempt.round,
         attempt=attempt.number,
-        state="closed" if closed else "aborted",
+        state=RoundState.CLOSED if closed else RoundState.ABORTED,
         reason=reason,
         round_seed=attempt.state.sketch_seed,
         prior_global_hash=attempt.state.params_hash,

@@ -76,6 +76,7 @@ from lensemble_flwr.protocol.messages import (
     Update,
     WirePayload,
     from_wire,
+    kind_of,
 )
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState, l2_norm
@@ -726,4 +727,4 @@ class Coordinator:
         while (remaining := deadline - self._clock()) > 0:
             payload = transport.recv(timeout_s=remaining)
             if payload is not None:
-                log.info("between attempts: dropped a %s", dict(payload).get("kind", "message"))
+                log.info("between attempts: dropped a %s", kind_of(payload) or "message")

@@ -18,6 +18,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.durable import load_closing, started_attempts
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
@@ -52,7 +53,7 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
         LedgerError: the ledger, manifest or checkpoint is inconsistent.
     """
     records = Ledger(store).records()
-    closed = {e.round for e in manifest.rounds if e.state == "closed"}
+    closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
     if records and records[-1].round not in closed:
         rec = records[-1]  # committed, but the crash came before its manifest entry
         log.warning("round %d: completing the manifest after a crash", rec.round)
@@ -98,7 +99,7 @@ def record_interrupted(store: Store, manifest: RunManifest, state: GlobalState) 
             RoundEntry(
                 round=t,
                 attempt=attempt,
-                state="aborted",
+                state=RoundState.ABORTED,
                 reason=INTERRUPTED,
                 round_seed=state.sketch_seed,
                 prior_global_hash=state.params_hash,

@@ -70,7 +70,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
-from lensemble_flwr.protocol.messages import RoundOpen, WirePayload
+from lensemble_flwr.protocol.messages import MessageKind, RoundOpen, WirePayload, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
@@ -136,7 +136,7 @@ def check_sizes(records: Sequence[FolderRecord]) -> None:
 
 def _update_of(payloads: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The Update among a participant's payloads, if it sent one."""
-    return next((p for p in payloads if p.get("kind") == "update"), None)
+    return next((p for p in payloads if kind_of(p) is MessageKind.UPDATE), None)
 
 
 def _rebuild_error(outcome: Outcome) -> LensembleError:
@@ -288,7 +288,7 @@ class SharedFolderParticipant:
             if outcome.next is None:
                 log.error("%s: the run stops: %s: %s", key, outcome.error, outcome.reason)
                 raise _rebuild_error(outcome)
-            if outcome.state != "closed":
+            if outcome.state is not RoundState.CLOSED:
                 log.warning(
                     "%s %s (%s); the round is tried again", key, outcome.state, outcome.reason
                 )
@@ -376,7 +376,7 @@ class SharedFolderParticipant:
                     log.exception("%s: deciding failed", snapshot.key)
                 outcome = self._outcome(
                     snapshot,
-                    "aborted",
+                    RoundState.ABORTED,
                     global_hash=announcement.params_hash,
                     error=exc,
                 )
@@ -434,7 +434,7 @@ class SharedFolderParticipant:
             )
             return self._outcome(
                 snapshot,
-                "closed",
+                RoundState.CLOSED,
                 global_hash=result.global_hash,
                 contributors=result.contributors,
                 next=nxt,
@@ -451,7 +451,11 @@ class SharedFolderParticipant:
             else None
         )
         return self._outcome(
-            snapshot, "aborted", global_hash=result.global_hash, error=result.error, next=nxt
+            snapshot,
+            RoundState.ABORTED,
+            global_hash=result.global_hash,
+            error=result.error,
+            next=nxt,
         )
 
     def _readable(self, snapshot: Snapshot) -> list[FolderRecord]:

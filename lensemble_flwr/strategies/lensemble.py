@@ -32,7 +32,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
-from lensemble_flwr.protocol.messages import to_wire
+from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
@@ -187,7 +187,7 @@ class LensembleStrategy(Strategy):
                 continue
             info = SentInstruction(
                 peer=peer,
-                kind="round-open",
+                kind=MessageKind.ROUND_OPEN,
                 round=template.round,
                 attempt=template.attempt,
                 run_id=template.run_id,

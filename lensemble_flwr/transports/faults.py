@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundState
 
 
@@ -21,7 +22,7 @@ class _Drop:
 class _Corrupt:
     participant_id: str
     round: int
-    kind: str
+    kind: MessageKind | str
     mutate: Callable[[dict[str, Any]], Any]
 
 
@@ -29,7 +30,7 @@ class _Corrupt:
 class _Duplicate:
     participant_id: str
     round: int
-    kind: str
+    kind: MessageKind | str
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ class FaultPlan:
         participant_id: str,
         *,
         round: int,
-        kind: str,
+        kind: MessageKind | str,
         mutate: Callable[[dict[str, Any]], Any],
     ) -> FaultPlan:
         """Replace the participant's outgoing ``kind`` payload in ``round`` by
@@ -77,7 +78,9 @@ class FaultPlan:
         self.corruptions.append(_Corrupt(participant_id, round, kind, mutate))
         return self
 
-    def duplicate(self, participant_id: str, *, round: int, kind: str = "update") -> FaultPlan:
+    def duplicate(
+        self, participant_id: str, *, round: int, kind: MessageKind | str = MessageKind.UPDATE
+    ) -> FaultPlan:
         """Send the participant's outgoing ``kind`` payload in ``round`` twice: the copy
         leaves right behind the original (the same delay, so it arrives right after it).
         The copy is the payload as the participant sent it: a corruption scripted for the

@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lensemble_flwr.errors import LensembleError
-from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
+from lensemble_flwr.protocol.messages import (
+    ControlMessage,
+    MessageKind,
+    WirePayload,
+    kind_of,
+    to_wire,
+)
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.transports.base import COORDINATOR, MessageHandler
 from lensemble_flwr.transports.faults import FaultPlan, _Drop
@@ -176,9 +182,9 @@ class InProcessNetwork:
     # -- delivery ----------------------------------------------------------------------
     def _post(self, source: str, dest: str, payload: WirePayload) -> None:
         # the network routes on kind and round; junk there is the recipient's to reject
-        kind = payload.get("kind") if isinstance(payload.get("kind"), str) else None
+        kind = kind_of(payload)
         rnd = payload.get("round") if isinstance(payload.get("round"), int) else None
-        if source == COORDINATOR and kind == "round-open":
+        if source == COORDINATOR and kind is MessageKind.ROUND_OPEN:
             key = (rnd, payload.get("attempt"))
             if key not in self._opened:  # the first RoundOpen of an attempt
                 self._opened.add(key)
@@ -186,7 +192,7 @@ class InProcessNetwork:
         if source in self._offline or dest in self._offline:
             return
         delay = self.latency_s
-        if source != COORDINATOR and kind == "update":
+        if source != COORDINATOR and kind is MessageKind.UPDATE:
             delay += self._compute.get(source, self.compute_s)
             delay += self.faults.delays.pop((source, rnd), 0.0)  # type: ignore[arg-type]
             if self._take_drop(source, rnd, RoundState.COLLECTING):
@@ -232,7 +238,7 @@ class InProcessNetwork:
                 self._offline.add(pid)
 
     def _deliver(self, source: str, dest: str, payload: WirePayload) -> None:
-        kind = payload.get("kind") if isinstance(payload, dict) else None
+        kind = kind_of(payload) if isinstance(payload, dict) else None
         rnd = payload.get("round") if isinstance(payload, dict) else None
         self.delivered.append((self.clock.time, source, dest, str(kind), rnd))  # type: ignore[arg-type]
         for observer in self._observers:
