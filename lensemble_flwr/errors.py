@@ -176,7 +176,7 @@ RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
         RoundIncomplete: Response.RETRY_ROUND,
         ClaimantDied: Response.STOP_FEDERATION,
         SecureAggregationError: Response.RETRY_ROUND,
-        # Raised only after the single re-sum also failed; see Coordinator._aggregate.
+        # Raised only after the single re-sum also failed (modes.revealed_and_checked).
         NonDeterministicAggregation: Response.STOP_FEDERATION,
         PrivacyBudgetExceeded: Response.STOP_FEDERATION,
         CommitmentMismatch: Response.STOP_FEDERATION,

@@ -184,3 +184,30 @@ def test_a_participant_refuses_a_sparser_graph_than_it_agreed_to(tmp_path: Path)
     entry = coordinator.manifest.rounds[-1]
     assert entry.refused and not entry.contributors  # it aborts once quorum is out of reach
     assert all("neighbour graph of degree 2" in r for r in entry.refused.values())
+
+
+def test_a_member_update_that_is_refused_leaves_no_mask_key_shares_behind(tmp_path: Path) -> None:
+    """p01's first masked update has the wrong layout: it is refused (the attempt aborts,
+    as a masked sum cannot go on without knowing) and the mask-key shares it carried are
+    not kept — the refused message changed nothing. The retry asks p01 for its shares
+    again (send_key_shares) and closes with everyone."""
+
+    def drop_an_array(payload: dict) -> dict:
+        payload["delta"] = dict(list(payload["delta"].items())[1:])
+        return payload
+
+    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=drop_an_array)
+    coordinator, _, _ = federation(tmp_path, config=masked_config(), faults=faults)
+    kept: list[tuple[RoundState, set[str]]] = []
+
+    def watch(machine) -> None:
+        if machine.state in (RoundState.ABORTED, RoundState.AGGREGATING):
+            kept.append((machine.state, set(coordinator.registry.membership.stored_shares())))
+
+    coordinator.on_transition = watch
+    coordinator.run(1)
+    first, second = coordinator.outcomes
+    assert first.state is RoundState.ABORTED and "wrong layout" in (first.reason or "")
+    assert kept[0][0] is RoundState.ABORTED and "p01" not in kept[0][1]
+    assert second.state is RoundState.CLOSED and second.count == 4
+    assert kept[-1] == (RoundState.AGGREGATING, {"p00", "p01", "p02", "p03"})

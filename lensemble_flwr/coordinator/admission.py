@@ -2,12 +2,14 @@
 
 Every message a participant sends reaches the round through :func:`admit`, whoever
 collected it (the blocking loop over a transport, Flower's stock ``aggregate_train``, the
-shared-folder decider). :func:`admit` checks the envelope first — a kind a participant may
-send, this run, this round attempt (an older attempt's message is filed as late, or
-refused as a replay), a valid signature — and then looks the pair
-(``attempt.phase``, ``type(message)``) up in the table. A pair without an entry raises
-:class:`~lensemble_flwr.errors.IllegalMessage`; so does every handler error, before the
-handler changed anything: each handler validates completely, then applies.
+shared-folder decider). :func:`admit` checks the envelope first — a round that still
+listens, a kind a participant may send, this run, this round attempt (an older attempt's
+message is filed as late, or refused as a replay), a valid signature — and then looks the
+pair (``attempt.phase``, ``type(message)``) up in the table. A pair without an entry
+raises :class:`~lensemble_flwr.errors.IllegalMessage`. A handler checks everything before
+it changes anything, so the typed error it raises leaves the attempt as it was — with one
+deliberate exception: a Refusal is recorded before the error it reports is raised (it is
+the participant's word, not a fault of the message).
 
 The base table (:data:`ADMISSION`) is the plaintext round's; a round mode adds or replaces
 entries (a masked round admits unmask responses while AGGREGATING, and keeps each
@@ -221,13 +223,15 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
     """Admit one validated message into ``attempt``, or raise and change nothing.
 
     Raises:
-        IllegalMessage: a kind no participant may send, or one the round does not admit
-            in its current state.
+        IllegalMessage: the round admits nothing in its state, a kind no participant may
+            send, or one the round does not admit in its current state.
         RoundError: another run's message, a bad signature (ForgedMessage), a replay
             (ReplayedMessage), a duplicate, or whatever the handler refuses.
         LensembleError: an error whose response is not to reject the message (e.g. a
             CommitmentMismatch, or a Refusal that stops the federation).
     """
+    if not any(state is attempt.phase for state, _ in table):
+        raise IllegalMessage(f"the round is {attempt.phase.value}: it admits no message")
     if not isinstance(msg, PARTICIPANT_MESSAGES):
         raise IllegalMessage(f"a participant may not send {msg.kind} (from {msg.sender})")
     if msg.run_id != ingress.run_id:

@@ -132,8 +132,9 @@ class Coordinator:
             participant with a registered key must sign every message with it.
         clock: seconds for deadlines and timings (default: the transport's clock, or
             ``time.monotonic`` without a transport).
-        on_transition: called with the attempt's :class:`RoundMachine` once its first
-            invitations went out (the attempt is OPEN) and after every transition — an
+        on_transition: called with the attempt's :class:`RoundMachine` once the blocking
+            loop delivered its first RoundOpens (the attempt is OPEN) and after every
+            transition — an
             observation point for tests and fault drills (also settable later, as the
             attribute of the same name). What it raises propagates: a drill's crash.
     """
@@ -382,6 +383,9 @@ class Coordinator:
         fed = self.config.federation
         attempt = self.begin_attempt()
         try:
+            self._send_all(self.invite(transport.peers()))
+            if self.on_transition is not None:
+                self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
             phases = ((fed.open_timeout, _DISCOVERY_INTERVAL), (fed.collect_timeout, None))
             for timeout, poll in phases:  # OPEN, then COLLECTING
                 deadline = self._clock() + timeout + attempt.grace
@@ -433,16 +437,15 @@ class Coordinator:
         one once; in a masked round, once more to members when the set is fixed). The
         caller delivers them (or already did, e.g. the shared folder's announcement)."""
         attempt = self._current()
-        peers, first = set(reachable), not attempt.invited
-        if attempt.phase in (RoundState.OPEN, RoundState.COLLECTING):
-            self._mode.settle(attempt, peers, final=False)
+        if attempt.phase not in (RoundState.OPEN, RoundState.COLLECTING):
+            raise IllegalTransition(f"the round is {attempt.phase.value}: nobody to invite")
+        peers = set(reachable)
+        self._mode.settle(attempt, peers, final=False)
         invitations = []
         for peer in sorted(peers):
             message = self._mode.invitation(attempt, peer)
             if message is not None:
                 invitations.append((peer, message))
-        if first and invitations and self.on_transition is not None:
-            self.on_transition(attempt.machine)  # entered OPEN: the invitations are out
         return invitations
 
     def receive(self, payload: WirePayload | None) -> Verdict | None:
@@ -504,8 +507,8 @@ class Coordinator:
                 raise FaultToleranceExceeded(
                     f"{len(attempt.admitted)} updates by the collect deadline, quorum {quorum}"
                 )
-            self._fire(attempt, RoundEvent.COLLECTION_CLOSED)
             self.registry.persist()  # the bindings this round's sum rests on
+            self._fire(attempt, RoundEvent.COLLECTION_CLOSED)
             return True
         raise IllegalTransition(f"the round is {attempt.phase.value}: nothing to advance")
 
@@ -513,11 +516,17 @@ class Coordinator:
         """AGGREGATING → ALIGNING → COMMITTING → CLOSED, or ABORTED; then announce.
 
         ``exchange`` carries a masked round's unmask exchange (see :mod:`.modes`).
+
+        Raises:
+            IllegalTransition: the attempt is not AGGREGATING (nothing changes).
+            Exception: a failure to write the manifest entry after the commit point, once
+                the CLOSED outcome is recorded and the round announced (the run's store
+                is failing: stop; resume completes the entry from the kept closing one).
         """
         attempt = self._current()
+        if attempt.phase is not RoundState.AGGREGATING:
+            raise IllegalTransition(f"cannot conclude a round that is {attempt.phase.value}")
         try:
-            if attempt.phase is not RoundState.AGGREGATING:
-                raise IllegalTransition(f"cannot conclude a round that is {attempt.phase.value}")
             result = self._mode.reveal(attempt, exchange)
             self._fire(attempt, RoundEvent.SUM_REPRODUCED)
             mean = result.mean()
@@ -575,12 +584,22 @@ class Coordinator:
         ``aggregate_train``, the shared-folder decider): every payload goes through the
         same admission step; the batch is all there is, so OPEN and COLLECTING end as at
         their deadlines, and the attempt concludes without an unmask exchange.
+
+        Raises:
+            ConfigError: the rounds are masked (nothing changes).
         """
+        if self._mode.secure_sum:
+            raise ConfigError(
+                "secagg-threshold",
+                "a masked round needs an unmask exchange within the attempt, which a batch "
+                "of collected messages does not carry; run it with Coordinator.run",
+            )
         peers = sorted(set(reachable))
+        attempt = self._current()
         try:
             for payload in payloads:
                 self.receive(payload)
-            for _phase in (RoundState.OPEN, RoundState.COLLECTING):
+            while attempt.phase in (RoundState.OPEN, RoundState.COLLECTING):
                 self.advance(peers, deadline_passed=True)
         except LensembleError as exc:
             return self.abort(exc)

@@ -161,11 +161,6 @@ def admit_member_update(
     aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
     pid = msg.participant_id
     if msg.key_shares and pid in _member_ids(attempt):
-        try:
-            for sealed in msg.key_shares.values():
-                bytes.fromhex(sealed)
-        except (ValueError, TypeError):
-            raise RoundError(f"{pid}: mask-key shares are not hex") from None
         assert attempt.members is not None
         attempt.key_shares[pid] = ingress.registry.store_shares(
             pid, attempt.members, msg.key_shares
@@ -269,7 +264,7 @@ class MaskedMode:
         all came or the exchange's deadline — then the checked sum."""
         aggregator = attempt.aggregator
         assert isinstance(aggregator, SecureAggregator)
-        if exchange is None:
+        if exchange is None:  # conclude_collected refuses masked rounds before this
             raise SecureAggregationError("a masked round needs an unmask exchange")
         requests = aggregator.disclosure_requests()
         # The dropped members' mask keys are about to be reconstructed: record that before

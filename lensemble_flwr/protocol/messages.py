@@ -161,7 +161,7 @@ class _FromParticipant(_Message):
     signature: str | None = Field(
         None,
         pattern=r"^[0-9a-f]{16,512}$",
-        description="ECDSA signature by the sender's identity key (federation/identity.py).",
+        description="ECDSA signature by the sender's identity key (identity/signing.py).",
     )
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ class DisclosureRequest:
 
 
 class SecureAggregator:
-    """Aggregator (see ``federation.aggregation.Aggregator``) over masked updates.
+    """Aggregator (see ``lensemble_flwr.aggregation.fixed_point.Aggregator``) over masked updates.
 
     Args:
         template: names and shapes of the global params.
@@ -81,7 +81,7 @@ class SecureAggregator:
         """Fold a member's masked update into the sum, or raise and change nothing."""
         shares = self.check(update, weight=weight)
         pid = update.participant_id
-        self._sum.add(pid, update.delta)
+        self._sum.add(pid, update.delta)  # checks again: cheap, and add stands alone
         self._self_shares[pid] = shares
         self._weights[pid] = weight
 
@@ -107,6 +107,7 @@ class SecureAggregator:
             raise RoundError(f"{pid}: sealed shares are not hex") from None
         if set(shares) != self._member_ids:
             raise RoundError(f"{pid}: self-mask shares must go to every member")
+        self._sum.check(pid, update.delta)
         return shares
 
     def disclosure_requests(self) -> dict[str, DisclosureRequest]:

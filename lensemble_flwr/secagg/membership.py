@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from lensemble_flwr.errors import RoundError
 from lensemble_flwr.protocol.messages import Commitment
 from lensemble_flwr.secagg.protocol import Member, members_digest
 
@@ -51,8 +52,15 @@ class Membership:
     def store_shares(
         self, pid: str, members: list[Member], sealed_hex: Mapping[str, str]
     ) -> dict[str, bytes]:
-        """Keep ``pid``'s mask-key shares for ``members``; returns them as bytes."""
-        shares = {holder: bytes.fromhex(c) for holder, c in sealed_hex.items()}
+        """Keep ``pid``'s mask-key shares for ``members``; returns them as bytes.
+
+        Raises:
+            RoundError: a share is not hex (nothing is kept).
+        """
+        try:
+            shares = {holder: bytes.fromhex(c) for holder, c in sealed_hex.items()}
+        except (ValueError, TypeError):
+            raise RoundError(f"{pid}: mask-key shares are not hex") from None
         self._shares[pid] = (members_digest(members), shares)
         return shares
 

@@ -273,13 +273,17 @@ class MaskedSum:
         self._sum = np.zeros(sum(int(a.size) for a in self._template.values()), np.int64)
         self.survivors: list[str] = []
 
-    def add(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
+    def check(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
+        """Raise SecureAggregationError if :meth:`add` would refuse this input."""
         if pid not in {m.pid for m in self.members} or pid in self.survivors:
             raise SecureAggregationError(f"{pid}: not a member, or a second masked input")
         if set(masked) != set(self._template) or any(
             np.shape(masked[n]) != self._template[n].shape for n in self._template
         ):
             raise SecureAggregationError(f"{pid}: masked input of the wrong layout")
+
+    def add(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
+        self.check(pid, masked)
         offset = 0
         with np.errstate(over="ignore"):
             for name in self._template:  # no concatenated copy: add slice by slice

@@ -424,7 +424,19 @@ class SharedFolderParticipant:
         # the sitting's announcement already invited them: the invitations are not sent
         coordinator.begin_attempt()
         coordinator.invite(present)
-        result = coordinator.conclude_collected(payloads, present)
+        try:
+            result = coordinator.conclude_collected(payloads, present)
+        except Exception:
+            # past the commit point (e.g. the manifest entry could not be written): the
+            # round is in the ledger, so it is published as closed; the next decider's
+            # resume completes the manifest from the entry kept before the commit
+            closed = coordinator.outcomes[-1] if coordinator.outcomes else None
+            if closed is None or (closed.state, closed.round) != (RoundState.CLOSED, state.round):
+                raise
+            log.exception(
+                "%s: round %d committed, its manifest entry not written", key, state.round
+            )
+            result = closed
         if result.state is RoundState.CLOSED:
             head = Ledger(self.store).head()
             if head is None or head.new_global_hash != result.global_hash:

@@ -30,7 +30,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
-from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
@@ -141,8 +141,16 @@ class LensembleStrategy(Strategy):
             )
         coordinator = self._ensure_coordinator(grid, arrays)
         attempt = coordinator.attempt
-        if attempt is None or attempt.phase in TERMINAL_STATES:
-            coordinator.begin_attempt()
+        if attempt is not None and attempt.phase not in TERMINAL_STATES:
+            # the attempt never got its replies (aggregate_train was skipped, or failed
+            # before it could end it): it ends here, and a new attempt asks everyone again
+            coordinator.abort(
+                FaultToleranceExceeded(
+                    f"round {attempt.round} attempt {attempt.number}: configure_train was "
+                    "called again before aggregate_train had the attempt's replies"
+                )
+            )
+        coordinator.begin_attempt()
         nodes = {participant_id(node): node for node in grid.get_node_ids()}
         close = coordinator.last_close
         messages = []

@@ -1,0 +1,128 @@
+"""The steps every feeder drives (begin_attempt, invite, receive, advance, conclude,
+conclude_collected): each refuses to be driven out of order, and refusing changes nothing;
+a failure to write the manifest after the commit point leaves the round committed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from federation_helpers import federation, small_config
+from flwr.app import ConfigRecord
+from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
+from test_strategy import stock_loop_federation
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.errors import (
+    ConfigError,
+    FaultToleranceExceeded,
+    IllegalTransition,
+    RoundError,
+    StoreError,
+)
+from lensemble_flwr.protocol.round import RoundEvent, RoundState
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.secagg.membership import Membership
+from lensemble_flwr.simulations.toy import initial_params
+from lensemble_flwr.strategies.records import arrays_to_record
+
+
+def lone_coordinator(tmp: Path, **config) -> Coordinator:
+    return Coordinator(
+        small_config(min_participants=1, **config),
+        initial_params=initial_params(),
+        store=Store(tmp / "run"),
+        run_id="run",
+    )
+
+
+def test_the_steps_refuse_to_run_out_of_order(tmp_path: Path) -> None:
+    coordinator = lone_coordinator(tmp_path)
+    with pytest.raises(IllegalTransition, match="no round attempt has begun"):
+        coordinator.receive({"kind": "update"})
+    with pytest.raises(ConfigError, match="needs a transport"):
+        coordinator.run(1)  # the blocking loop needs one
+    attempt = coordinator.begin_attempt()
+    with pytest.raises(IllegalTransition, match="has not ended"):
+        coordinator.begin_attempt()
+    with pytest.raises(IllegalTransition, match="cannot conclude a round that is open"):
+        coordinator.conclude()
+    # refused: the attempt is still OPEN and the manifest holds nothing of it
+    assert attempt.phase is RoundState.OPEN and coordinator.manifest.rounds == ()
+    for event in (RoundEvent.QUORUM_REACHED, RoundEvent.COLLECTION_CLOSED):
+        attempt.machine.fire(event)
+    with pytest.raises(IllegalTransition, match="nothing to advance"):
+        coordinator.advance([], deadline_passed=True)
+    with pytest.raises(IllegalTransition, match="nobody to invite"):
+        coordinator.invite(["p00"])
+    assert attempt.phase is RoundState.AGGREGATING and attempt.invited == set()
+
+
+def test_a_batch_feeder_cannot_run_a_masked_round(tmp_path: Path) -> None:
+    coordinator = lone_coordinator(tmp_path, secagg_threshold=1)
+    attempt = coordinator.begin_attempt()
+    with pytest.raises(ConfigError, match="unmask exchange"):
+        coordinator.conclude_collected([], ["p00"])
+    assert attempt.phase is RoundState.OPEN and coordinator.manifest.rounds == ()
+
+
+def test_mask_key_shares_that_are_not_hex_are_refused_and_nothing_is_kept() -> None:
+    membership = Membership()
+    with pytest.raises(RoundError, match="not hex"):
+        membership.store_shares("p00", [], {"p01": "zz"})
+    assert membership.stored_shares() == {}
+
+
+def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(
+    tmp_path: Path,
+) -> None:
+    """The store refuses the closing manifest entry of round 1, after its ledger record:
+    the round stays committed (CLOSED, announced), the federation stops with the store's
+    error, and a resumed coordinator completes the manifest from the kept entry."""
+    coordinator, network, nodes = federation(tmp_path)
+    coordinator.run(1)
+    broken = {"armed": True}
+
+    def refuse_the_entry(kind: str, name: str, _data: bytes) -> None:
+        if broken["armed"] and kind == "name" and name.startswith("manifest/rounds/00000001"):
+            broken["armed"] = False
+            raise StoreError("disk full")
+
+    coordinator.store.on_write = refuse_the_entry
+    with pytest.raises(StoreError, match="disk full"):
+        coordinator.run(1)
+    outcome = coordinator.outcomes[-1]
+    assert (outcome.round, outcome.state) == (1, RoundState.CLOSED)
+    assert coordinator.global_state().round == 2
+    assert [r.round for r in Ledger(coordinator.store).records()] == [0, 1]
+    network.flush()
+    assert {n.last_close.round for n in nodes} == {1}  # announced all the same
+    assert [e.round for e in RunManifest.load(coordinator.store).rounds] == [0]
+    coordinator.store.on_write = None
+    resumed = Coordinator.resume(
+        coordinator.config, transport=network.coordinator, store=coordinator.store
+    )
+    assert [(e.round, e.state) for e in resumed.manifest.rounds] == [
+        (0, RoundState.CLOSED),
+        (1, RoundState.CLOSED),
+    ]
+    resumed.run(1)
+    assert [r.round for r in verify(coordinator.store)] == [0, 1, 2]
+
+
+def test_configure_train_again_ends_the_attempt_that_never_got_its_replies(
+    tmp_path: Path,
+) -> None:
+    strategy, grid = stock_loop_federation(tmp_path)
+    arrays = arrays_to_record(initial_params())
+    first = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    again = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    assert len(first) == len(again) == 4  # everybody is asked again, by a new attempt
+    assert {m.content["config"]["lensemble.attempt"] for m in again} == {2}
+    coordinator = strategy.coordinator
+    assert coordinator is not None
+    (stale,) = coordinator.outcomes
+    assert stale.state is RoundState.ABORTED and isinstance(stale.error, FaultToleranceExceeded)
+    new, metrics = strategy.aggregate_train(1, grid.send_and_receive(again))
+    assert new is not None and metrics is not None and metrics["C_t"] == 4.0
