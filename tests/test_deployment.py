@@ -2,7 +2,7 @@
 
 Slow (about a minute on 2 cores) and process-heavy. Run it alone with
 
-    /work/venv/bin/pytest tests/test_deployment.py -q -m deployment -s
+    .venv/bin/pytest tests/test_deployment.py -q -m deployment -s
 
 or leave it out of a run with ``-m "not deployment"``.
 

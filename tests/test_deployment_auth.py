@@ -18,7 +18,7 @@ keeps it off the participants' network.
 
 Run it alone with
 
-    /work/venv/bin/pytest tests/test_deployment_auth.py -q -m deployment -s
+    .venv/bin/pytest tests/test_deployment_auth.py -q -m deployment -s
 
 Every process starts in its own process group and is stopped by its recorded PID.
 docs/deployment.md ("Locking a deployment down") has the same steps for real hosts.
