@@ -16,7 +16,9 @@ not a test: the exit code is 0 whatever the outcome.
 Three passes over the same federation, after the warm-up rounds:
   1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number);
   2. phases: the same with a timer around a few disjoint phases (inner loop, rest of the
-     participant, coordinator ingress, aggregate, commit, manifest record);
+     participant, coordinator ingress (``Coordinator.receive``), reveal + verify (the
+     round mode's ``reveal``), commit (``outer_step`` + ``write_commit``), manifest
+     record (``RunManifest.with_round``));
   3. profile: the same under cProfile, top functions by own time.
 Finally a synthetic probe of how the per-round manifest save grows with the round index.
 """
@@ -41,7 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-import lensemble_flwr.participant.participant as participant_module
+import lensemble_flwr.coordinator.coordinator as coordinator_module
+import lensemble_flwr.participant.local_training as local_training_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.config import LensembleConfig
@@ -128,7 +131,7 @@ class PhaseTimers:
         return timed
 
 
-SEED = "  inner loop: torch.manual_seed"
+SEED = "  inner loop: torch.manual_seed (0: no longer called)"
 INNER = "  inner loop: rest (zero_grad, loss, backward, AdamW)"
 
 
@@ -137,39 +140,54 @@ def phase_breakdown(
 ) -> tuple[float, dict[str, float]]:
     """Run ``rounds`` rounds with timers on disjoint phases; (wall, seconds by phase).
 
-    The timers are instance attributes, plus the two module globals the inner loop calls
-    (``participant.run_inner_loop``, ``torch.manual_seed``); all are removed afterwards.
-    No package code is changed."""
+    The timers are swapped in for the pass and removed afterwards; no package code is
+    changed. They wrap instance attributes (each participant's ``handle``, the
+    coordinator's ``receive`` and its round mode's ``reveal``), the inner loop
+    (``local_training.run_inner_loop``, which ``TorchTraining.fit`` calls) and
+    ``torch.manual_seed``, the two module globals ``Coordinator.conclude`` commits with
+    (``outer_step``, ``write_commit``), and ``RunManifest.with_round``, the manifest
+    entry every attempt ends with."""
     timers = PhaseTimers()
-    original_inner, original_seed = participant_module.run_inner_loop, torch.manual_seed
-    participant_module.run_inner_loop = timers.wrap(INNER, original_inner)
+    original_inner, original_seed = local_training_module.run_inner_loop, torch.manual_seed
+    local_training_module.run_inner_loop = timers.wrap(INNER, original_inner)
     torch.manual_seed = timers.wrap(SEED, original_seed)
     for node in nodes:
         node.handle = timers.wrap("participant", node.handle)  # type: ignore[method-assign]
-    patched = {
-        "_ingest": "coordinator: ingress (validate, digest, admit)",
-        "_aggregate": "coordinator: reveal + verify",
-        "_commit": "coordinator: commit (outer step, checkpoint, ledger)",
-        "_record": "coordinator: record (manifest)",
-    }
-    for attr, phase in patched.items():
-        setattr(coordinator, attr, timers.wrap(phase, getattr(coordinator, attr)))
+    ingress = "coordinator: ingress (receive: validate, digest, admit)"
+    reveal = "coordinator: reveal + verify (mode.reveal)"
+    commit = "coordinator: commit (outer step, checkpoint, ledger)"
+    record = "coordinator: record (manifest entry)"
+    # (owner, attribute, phase); an instance attribute is deleted afterwards, a module or
+    # class attribute is set back
+    patched: list[tuple[Any, str, str]] = [
+        (coordinator, "receive", ingress),
+        (coordinator.mode, "reveal", reveal),
+        (coordinator_module, "outer_step", commit),
+        (coordinator_module, "write_commit", commit),
+        (RunManifest, "with_round", record),
+    ]
+    originals = [vars(owner).get(attr) for owner, attr, _ in patched]
+    for owner, attr, phase in patched:
+        setattr(owner, attr, timers.wrap(phase, getattr(owner, attr)))
     try:
         wall = run_rounds(coordinator, rounds, len(nodes))
     finally:
-        participant_module.run_inner_loop, torch.manual_seed = original_inner, original_seed
+        local_training_module.run_inner_loop, torch.manual_seed = original_inner, original_seed
         for node in nodes:
             del node.handle
-        for attr in patched:
-            delattr(coordinator, attr)
+        for (owner, attr, _), original in zip(patched, originals, strict=True):
+            if original is None:
+                delattr(owner, attr)  # an instance attribute shadowing the method
+            else:
+                setattr(owner, attr, original)
     t = timers.seconds
     phases = {
         "participant, excl. inner loop": t["participant"] - t[INNER],
         SEED: t[SEED],
         INNER: t[INNER] - t[SEED],  # nested timers: keep the phases disjoint
-        **{phase: t[phase] for phase in patched.values()},
+        **{phase: t[phase] for phase in (ingress, reveal, commit, record)},
     }
-    phases["other (RoundOpen/Close, network, mean, ...)"] = wall - sum(phases.values())
+    phases["other (RoundOpen/Close, network, mean, diagnostics, ...)"] = wall - sum(phases.values())
     return wall, phases
 
 

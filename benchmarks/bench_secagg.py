@@ -26,7 +26,9 @@ fsyncs), all in one process, so every participant's work is serialized on one co
   only, and restored after every round) for a version that draws the same ChaCha20
   keystream with ``update_into`` into one preallocated array, instead of allocating a
   zero input, the keystream bytes and a copy (three fresh 8 MB buffers per 1M
-  parameters). Same keystream, so the same sums bit for bit; information only.
+  parameters). Same keystream, so the same sums bit for bit; information only. Masking
+  and unmasking now call ``prg.add_streams``, not ``expand``: the swap changes nothing
+  (the profile says so when the what-if was never called).
 
 Part 2, Flower's simulation engine (Ray), one ``run_simulation`` with C supernodes,
 ``--blocks`` blocks of each variant alternating (F L, L F, ...), each block
@@ -231,41 +233,45 @@ REPO = str(Path(__file__).resolve().parents[1]) + os.sep
 
 # (label, module path suffix, function name); indentation in the label shows nesting
 BREAKDOWN = [
-    ("participants: handle RoundOpen (all C)", "federation/participant.py", "_on_round_open"),
-    ("  local_round (fit + release pipeline + l2)", "federation/participant.py", "local_round"),
+    ("participants: handle RoundOpen (all C)", "participant/participant.py", "_on_round_open"),
+    ("  local_round (fit + release pipeline + l2)", "participant/participant.py", "local_round"),
     ("    trainer fit (numpy normal draw)", "bench_secagg.py", "fit"),
     ("  mask_release", "secagg/participant_role.py", "mask_release"),
-    ("    to_fixed_point", "federation/aggregation.py", "to_fixed_point"),
+    ("    to_fixed_point", "aggregation/fixed_point.py", "to_fixed_point"),
     ("    protocol.mask", "secagg/protocol.py", "mask"),
-    ("      prg.expand (self + pairwise masks)", "secagg/prg.py", "expand@mask"),
+    ("      prg.add_streams (self + pairwise masks)", "secagg/prg.py", "add_streams@mask"),
     ("      pair_seed (X25519 + HKDF)", "secagg/keys.py", "pair_seed"),
     ("      _seal_shares (Shamir split + seal)", "secagg/protocol.py", "_seal_shares"),
     ("        shamir.split", "secagg/shamir.py", "split"),
     ("        keys.seal (X25519 + HKDF + AEAD)", "secagg/keys.py", "seal"),
     ("    share_mask_key (new member set only)", "secagg/protocol.py", "share_mask_key"),
-    ("participants: handle UnmaskRequest (all C)", "federation/participant.py", "_on_unmask"),
+    ("participants: handle UnmaskRequest (all C)", "participant/participant.py", "_on_unmask"),
     ("  protocol.disclose (open sealed shares)", "secagg/protocol.py", "disclose"),
-    ("coordinator: _ingest (validate, admit, digest)", "federation/coordinator.py", "_ingest"),
-    ("  messages.from_wire (pydantic)", "federation/messages.py", "from_wire"),
+    ("coordinator: receive (validate, admit, digest)", "coordinator/coordinator.py", "receive"),
+    ("  messages.from_wire (pydantic)", "protocol/messages.py", "from_wire"),
+    ("  admission.admit (envelope, signature, table)", "coordinator/admission.py", "admit"),
     ("  aggregator admit", "aggregat", "admit"),
-    ("  message_digest (SHA-256 of the update)", "federation/messages.py", "message_digest"),
+    ("  message_digest (SHA-256 of the update)", "protocol/messages.py", "message_digest"),
     (
-        "coordinator: _aggregate (unmask exchange, reveal, verify)",
-        "federation/coordinator.py",
-        "_aggregate",
+        "coordinator: conclude (reveal, outer step, commit, manifest)",
+        "coordinator/coordinator.py",
+        "conclude",
     ),
-    ("  aggregator reveal", "aggregat", "reveal"),
-    ("  aggregator verify", "aggregat", "verify"),
-    ("  MaskedSum.reveal (reveal + verify)", "secagg/protocol.py", "reveal"),
-    ("    prg.expand (self masks of survivors)", "secagg/prg.py", "expand@reveal"),
-    ("    shamir.combine", "secagg/shamir.py", "combine"),
+    ("  mode.reveal (unmask exchange, reveal, verify)", "coordinator/modes.py", "reveal"),
     (
-        "coordinator: _commit (outer step, checkpoint, ledger)",
-        "federation/coordinator.py",
-        "_commit",
+        "    revealed_and_checked (reveal + self-check)",
+        "coordinator/modes.py",
+        "revealed_and_checked",
     ),
-    ("  Store._publish (fsynced writes)", "artifacts/store.py", "_publish"),
-    ("coordinator: _record (manifest)", "federation/coordinator.py", "_record"),
+    ("      aggregator reveal", "aggregat", "reveal"),
+    ("      aggregator verify", "aggregat", "verify"),
+    ("      MaskedSum.reveal (reveal + verify)", "secagg/protocol.py", "reveal"),
+    ("        prg.add_streams (self masks of survivors)", "secagg/prg.py", "add_streams@reveal"),
+    ("        shamir.combine", "secagg/shamir.py", "combine"),
+    ("  outer_step", "coordinator/outer_optimizer.py", "outer_step"),
+    ("  write_commit (checkpoint, ledger)", "coordinator/commit.py", "write_commit"),
+    ("  RunManifest.with_round (manifest entry)", "provenance/ledger.py", "with_round"),
+    ("all: Store._publish (fsynced writes)", "artifacts/store.py", "_publish"),
     (
         "all: canonical.digest_arrays (hashing arrays)",
         "lensemble_flwr/canonical.py",
@@ -366,7 +372,7 @@ def print_profiles(profiles: dict[str, tuple[float, dict]], rounds: int, top: in
         if not raw:
             return None
         handlers = [
-            breakdown_value(raw, "federation/participant.py", f)
+            breakdown_value(raw, "participant/participant.py", f)
             for f in ("_on_round_open", "_on_unmask")
         ]
         return wall - sum(h[0] for h in handlers if h)
@@ -384,16 +390,23 @@ def print_profiles(profiles: dict[str, tuple[float, dict]], rounds: int, top: in
         share = f"{m / wall_m:>7.1%}" if m is not None else f"{'':>7}"
         print(f"  {label:<56}{cell(p, 10)}{cell(m, 9)}{'':>7}{share}{cell(w, 9)}")
     for name, raw in (("masked", raw_m), ("what-if", raw_w)):
-        calls = breakdown_value(raw, "secagg/prg.py", "expand")
-        n = sum(v[1] for k, v in raw.items() if k[2] == "expand" and "secagg/prg.py" in k[0])
-        if calls is None:  # the what-if expand lives in this file
-            calls = breakdown_value(raw, "bench_secagg.py", "fast_expand")
+        for func, what in (("add_streams", "add_streams calls"), ("expand", "PRG expansions")):
+            calls = breakdown_value(raw, "secagg/prg.py", func)
+            n = sum(v[1] for k, v in raw.items() if k[2] == func and "secagg/prg.py" in k[0])
+            if calls:
+                print(
+                    f"  ({name}: {n / rounds:.0f} {what} per round, "
+                    f"{calls[0] / max(n, 1) * 1e3:.2f} ms each, callees included)"
+                )
+        fast = breakdown_value(raw, "bench_secagg.py", "fast_expand")  # the what-if's
+        if fast:
             n = sum(v[1] for k, v in raw.items() if k[2] == "fast_expand")
-        if calls:
-            print(
-                f"  ({name}: {n / rounds:.0f} PRG expansions per round, "
-                f"{calls[0] / max(n, 1) * 1e3:.2f} ms each, callees included)"
-            )
+            print(f"  ({name}: {n / rounds:.0f} what-if expansions per round)")
+    if raw_w and breakdown_value(raw_w, "bench_secagg.py", "fast_expand") is None:
+        print(
+            "  (the what-if PRG replaces prg.expand, which masking and unmasking no longer "
+            "call (they use prg.add_streams): its federation ran as a second masked one)"
+        )
 
     def table(title: str, rows: list[tuple[tuple[str, int, str], tuple[Any, ...]]]) -> None:
         print(title)
