@@ -392,6 +392,8 @@ class Coordinator:
                 while True:
                     self._send_all(self.invite(transport.peers()))
                     remaining = deadline - self._clock()
+                    # who is reachable once the invitations went out (delivering a
+                    # RoundOpen can take a participant offline, or bring one back)
                     if self.advance(transport.peers(), deadline_passed=remaining <= 0):
                         break
                     wait = remaining if poll is None else min(remaining, poll)
