@@ -203,7 +203,7 @@ def test_an_uninitialised_pipeline_state_exports_none() -> None:
     assert not any(k.startswith("release/") for k in exported.arrays)
     fresh = participant(ef_pipeline())
     fresh.import_state(exported)
-    assert fresh._pipeline_state is None
+    assert fresh.pipeline_state is None
 
 
 def test_training_state_is_still_only_the_training_part() -> None:
@@ -224,7 +224,7 @@ def test_a_state_saved_before_release_states_were_exported_still_imports() -> No
     arrays = {k: v for k, v in old.arrays.items() if not k.startswith("release/")}
     fresh = participant(ef_pipeline())
     fresh.import_state(PortableState(arrays=arrays, meta=meta))
-    assert fresh._pipeline_state is None and fresh._last_open == p._last_open
+    assert fresh.pipeline_state is None and fresh.last_answered == p.last_answered
 
 
 # -- (b) a state that cannot be exported is refused at export, naming the stage ------------
@@ -343,16 +343,16 @@ def test_a_malformed_release_state_is_refused_and_changes_nothing(change: str) -
     assert after.arrays.keys() == before.arrays.keys()
     for name in before.arrays:
         np.testing.assert_array_equal(after.arrays[name], before.arrays[name])
-    assert target._pipeline_state.states[1].rounds == 2
+    assert target.pipeline_state.states[1].rounds == 2
     target.import_state(good)  # the untampered state is accepted
-    assert target._pipeline_state.states[1].rounds == 1
+    assert target.pipeline_state.states[1].rounds == 1
 
 
 def test_a_none_state_fits_any_pipeline() -> None:
     exported = participant(ef_pipeline()).export_state()
     other = participant(chain(difference(), bind()))
     other.import_state(exported)
-    assert other._pipeline_state is None
+    assert other.pipeline_state is None
 
 
 # -- (d) a stateful stage carried across Flower message boundaries -------------------------
@@ -443,4 +443,4 @@ def test_a_stateful_stage_is_carried_across_flower_message_boundaries() -> None:
         )
     kept = participant(ef_pipeline())
     kept.import_state(load_state(context.state))
-    assert kept._pipeline_state.states[1].rounds == 2
+    assert kept.pipeline_state.states[1].rounds == 2

@@ -134,6 +134,18 @@ class Participant:
         """Loss of the last inner step (when the training reports one)."""
         return getattr(self.training, "last_loss", None)
 
+    @property
+    def pipeline_state(self) -> Any:
+        """The release pipeline's state (None until its first release); a value, which
+        :meth:`export_state` carries to the participant's next message."""
+        return self._pipeline_state
+
+    @property
+    def last_answered(self) -> tuple[int, int, int] | None:
+        """(round, attempt, member count) of the last RoundOpen answered: a participant
+        answers each attempt once."""
+        return self._last_open
+
     # -- the protocol ------------------------------------------------------------------
     def handle(self, payload: WirePayload) -> None:
         """React to one payload from the coordinator (invalid ones are logged and dropped)."""
