@@ -1,4 +1,4 @@
-"""The four control-plane messages, validated at ingress.
+"""The control-plane messages, validated at ingress.
 
 A transport carries *wire payloads*: plain mappings of JSON-like values and numpy
 arrays. The receiver, never the sender's transport, turns a payload into a message

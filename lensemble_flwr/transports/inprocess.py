@@ -1,4 +1,4 @@
-"""The Transport protocol, and an in-process network on a simulated clock.
+"""An in-process network on a simulated clock: every party of a federation in one process.
 
 A transport moves wire payloads (see :mod:`messages`); receivers validate them. It also
 owns the clock that timeouts are measured in: the wall clock on a real network, a
