@@ -213,10 +213,20 @@ def _taxonomy(root: type[LensembleError] = LensembleError) -> list[type[Lensembl
 def reported(name: str, message: str) -> LensembleError | None:
     """The error a participant reported by name (in a Refusal), rebuilt so that the
     coordinator can look its response up in :data:`RESPONSES`; None for a name that is
-    not in the taxonomy."""
+    not in the taxonomy. An error whose constructor takes more than a message (e.g. one
+    that carries structured fields) is rebuilt as its nearest ancestor that does not:
+    the response is the same, and a participant cannot make the rebuild fail."""
     for cls in _taxonomy():
-        if cls.__name__ == name:
-            return cls("reported by a participant", message) if cls is ConfigError else cls(message)
+        if cls.__name__ != name:
+            continue
+        if cls is ConfigError:
+            return ConfigError("reported by a participant", message)
+        for ancestor in cls.__mro__:
+            if issubclass(ancestor, LensembleError) and ancestor is not ConfigError:
+                try:
+                    return ancestor(message)
+                except TypeError:
+                    continue
     return None
 
 

@@ -195,12 +195,15 @@ class FixedPointAggregator:
         """Admit ``update`` with integer ``weight``.
 
         Raises:
-            RoundError: after reveal, a second update from the same participant, a weight
-                outside [1, max_weight], a value beyond max_abs_update, or an update that
-                would overflow the accumulator. Nothing is admitted when it raises.
+            RoundError: a masked update; after reveal, a second update from the same
+                participant, a weight outside [1, max_weight], a value beyond
+                max_abs_update, or an update that would overflow the accumulator. Nothing
+                is admitted when it raises.
             ParameterMismatch: the update's names or shapes differ from the template.
         """
         pid = update.participant_id
+        if update.masked:
+            raise RoundError(f"{pid}: a masked update has no place in a plaintext sum")
         if self._revealed is not None:
             raise RoundError(f"{pid}: the contributing set is frozen; update not admitted")
         if pid in self._contributors:

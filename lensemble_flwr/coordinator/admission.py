@@ -25,10 +25,12 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.errors import (
     DuplicateMessage,
+    ForgedMessage,
     IllegalMessage,
     ReplayedMessage,
     Response,
@@ -118,6 +120,10 @@ def record_refusal(
     log.warning("round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
     error = reported(msg.error, f"{pid}: {msg.reason}")
     if error is not None and response_to(error) is Response.STOP_FEDERATION:
+        if not ingress.registry.is_bound(pid):
+            # only a registered participant may stop the federation
+            log.warning("round %d: %s is not registered: stops nothing", attempt.round, pid)
+            return Verdict.REFUSED
         raise error
     return Verdict.REFUSED
 
@@ -182,8 +188,10 @@ def fold_update(
 def admit_update(
     attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
 ) -> Verdict:
-    """Fold one update into the round's sum: once per participant, bound as committed,
-    released through the required stages, aligned with the round's sketch."""
+    """Fold one plaintext update into the round's sum: once per participant, bound as
+    committed, released through the required stages, aligned with the round's sketch."""
+    if msg.masked:  # its values would bypass max-abs-update, and it is no sum's share here
+        raise RoundError(f"{msg.participant_id}: a plaintext round admits no masked update")
     return fold_update(attempt, msg, check_update(attempt, msg, ingress), ingress, fields)
 
 
@@ -225,8 +233,10 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
     Raises:
         IllegalMessage: the round admits nothing in its state, a kind no participant may
             send, or one the round does not admit in its current state.
-        RoundError: another run's message, a bad signature (ForgedMessage), a replay
-            (ReplayedMessage), a duplicate, or whatever the handler refuses.
+        RoundError: another run's message, a sender neither invited nor registered or a
+            bad signature (ForgedMessage; a late message is authenticated too, with its own
+            round's seed), a replay (ReplayedMessage), a duplicate, or whatever the
+            handler refuses.
         LensembleError: an error whose response is not to reject the message (e.g. a
             CommitmentMismatch, or a Refusal that stops the federation).
     """
@@ -236,8 +246,18 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
         raise IllegalMessage(f"a participant may not send {msg.kind} (from {msg.sender})")
     if msg.run_id != ingress.run_id:
         raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
+    pid = msg.participant_id
+    if pid not in attempt.invited and not ingress.registry.is_bound(pid):
+        raise ForgedMessage(f"{pid}: neither invited to this round nor a registered participant")
+    fields = canonical_fields(msg)  # hashes an update's arrays: once, here
+    seed = (
+        attempt.state.sketch_seed
+        if msg.round == attempt.round
+        else derive_seed(ingress.config.federation.root_seed, "round", msg.round)
+    )
+    ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
     if (msg.round, msg.attempt) != (attempt.round, attempt.number):
-        _check_replay(msg, ingress)
+        _check_replay(msg, ingress, fields)
         attempt.late.add(msg.sender)
         log.info(
             "round %d: late %s from %s (round %d attempt %d) dropped",
@@ -248,8 +268,6 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
             msg.attempt,
         )
         return Verdict.LATE
-    fields = canonical_fields(msg)  # hashes an update's arrays: once, here
-    ingress.registry.check_signature(msg, attempt.state.sketch_seed, fields)
     handler = table.get((attempt.phase, type(msg)))
     if handler is None:
         raise IllegalMessage(
@@ -259,7 +277,7 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
     return handler(attempt, msg, ingress, fields)
 
 
-def _check_replay(msg: ParticipantMessage, ingress: Ingress) -> None:
+def _check_replay(msg: ParticipantMessage, ingress: Ingress, fields: Mapping[str, Any]) -> None:
     """A message of another attempt is late, never admitted; if it is an exact copy of an
     update the manifest records as admitted in its attempt, it is a replay.
 
@@ -269,7 +287,7 @@ def _check_replay(msg: ParticipantMessage, ingress: Ingress) -> None:
     if not isinstance(msg, Update):
         return
     digests = ingress.admitted_digests(msg.round, msg.attempt)
-    if digests is not None and digests.get(msg.participant_id) == message_digest(msg):
+    if digests is not None and digests.get(msg.participant_id) == message_digest(msg, fields):
         raise ReplayedMessage(
             f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
             "was admitted then; the copy is refused"

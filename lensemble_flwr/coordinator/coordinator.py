@@ -93,6 +93,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_UNTYPED_INPUT_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    ArithmeticError,
+)
+"""What a malformed message could still raise past validation (see ``receive``)."""
+
 _DISCOVERY_INTERVAL = 1.0
 """Seconds between looks for newly reachable participants while a round is OPEN."""
 
@@ -454,7 +465,9 @@ class Coordinator:
         """Validate one payload and hand it to the admission table.
 
         Errors whose response is to reject the message are logged and counted (None is
-        returned); every other error propagates, and the caller aborts the attempt.
+        returned), and so is any untyped error a malformed message could still raise
+        (logged with its traceback); every other typed error propagates, and the caller
+        aborts the attempt or stops.
         """
         if payload is None:
             return None
@@ -468,6 +481,14 @@ class Coordinator:
             log.warning(
                 "round %d: message rejected (%s): %s", attempt.round, type(exc).__name__, exc
             )
+            return None
+        except _UNTYPED_INPUT_ERRORS:
+            # A message that passed validation and still tripped something below: it is
+            # rejected like any bad message (and logged with its traceback, as a bug),
+            # never a crash of the coordinator. I/O errors are not the message's: they
+            # propagate.
+            attempt.rejected += 1
+            log.exception("round %d: message rejected (untyped error)", attempt.round)
             return None
 
     def advance(self, reachable: Iterable[str], *, deadline_passed: bool) -> bool:

@@ -110,7 +110,11 @@ def released_max_abs(
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    # no NaN or infinity in any float field: canonical JSON (and the hashes and signatures
+    # over it) has none, so such a message could be neither digested nor verified
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False
+    )
 
     run_id: str = Field(min_length=1, max_length=128)
     round: int = Field(ge=0)
