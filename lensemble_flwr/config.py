@@ -18,13 +18,38 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lensemble_flwr.errors import ConfigError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # finite numbers only (an infinite timeout waits forever, an infinite budget is none)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_scalar_types(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number is a number and a flag is a flag: ``True`` is not a participant count
+        and ``"yes"`` is not a boolean (pydantic would convert both)."""
+        kind = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        if kind in (int, float) and (
+            isinstance(value, bool) or not isinstance(value, (int, float))
+        ):
+            raise ValueError(f"expected a number, got {value!r}")
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"expected a whole number, got {value!r}")
+        return value
 
     def __init__(self, **data: Any) -> None:
         try:

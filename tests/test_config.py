@@ -154,3 +154,32 @@ def test_the_neighbour_graph_degree_must_be_even() -> None:
         LensembleConfig.from_run_config({"secagg-neighbours": 3})
     with pytest.raises(ConfigError, match="secagg_neighbours"):
         LensembleConfig(federation={"secagg_neighbours": -2})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "complaint"),
+    [
+        ("open-timeout", float("inf"), "finite"),  # a round that waits forever
+        ("collect-timeout", float("nan"), "finite"),
+        ("retry-wait", float("inf"), "finite"),
+        ("dp-epsilon", float("inf"), "finite"),  # a budget that is none
+        ("min-participants", True, "expected a number"),  # used to become K = 1
+        ("require-signatures", "yes", "expected true or false"),
+        ("require-binding", 1, "expected true or false"),
+        ("inner-steps", 2.5, "whole number"),
+        ("outer-lr", "0.7", "expected a number"),
+    ],
+)
+def test_a_value_that_is_only_half_right_is_refused_naming_its_key(
+    key: str, value: object, complaint: str
+) -> None:
+    with pytest.raises(ConfigError, match=complaint) as refused:
+        LensembleConfig.from_run_config({key: value})
+    assert refused.value.field == key
+
+
+def test_whole_floats_and_ints_for_floats_are_numbers() -> None:
+    config = LensembleConfig.from_run_config(
+        {"min-participants": 3.0, "open-timeout": 30, "require-binding": True}
+    )
+    assert config.federation.min_participants == 3 and config.federation.open_timeout == 30.0
