@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_failed_write_leaves_no_temp_file_and_no_binding(
         raise OSError("disk gone")
 
     monkeypatch.setattr(store_module.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(StoreError, match=r"names/n: cannot write: disk gone"):  # typed
         store.bind("n", digest)
     assert list((tmp_path / "tmp").iterdir()) == []
     monkeypatch.undo()
@@ -217,3 +218,54 @@ def test_eight_processes_race_to_claim_one_name(tmp_path: Path) -> None:
     assert Store(root).resolve("race/winner") == winners[0]["digest"]
     assert winners[0]["digest"] == hashlib.sha256(f"racer-{winners[0]['i']}".encode()).hexdigest()
     assert list((root / "tmp").iterdir()) == []
+
+
+# -- the store stays inside its directory, and says what went wrong (issue 12, part 6) --
+@pytest.mark.parametrize("where", ["blobs", "names", "tmp", "names/coordinator"])
+def test_a_planted_symlink_inside_the_run_directory_is_refused(tmp_path: Path, where: str) -> None:
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    digest = Store(run).put(b"x")
+    target = run / where
+    if target.exists():
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreError, match="symbolic link inside the run directory"):
+        store = Store(run)  # the three folders are checked as the store opens
+        store.bind("coordinator/x", digest)
+        store.put(b"another blob")
+    assert list(outside.iterdir()) == []  # nothing was written outside
+
+
+def test_a_symlinked_name_is_not_followed_when_read(tmp_path: Path) -> None:
+    store = Store(tmp_path / "run")
+    secret = tmp_path / "secret"
+    secret.write_text("a" * 64 + "\n")
+    (tmp_path / "run" / "names" / "stolen").symlink_to(secret)
+    with pytest.raises(StoreError, match="symbolic link"):
+        store.resolve("stolen")
+    with pytest.raises(StoreError, match="symbolic link"):
+        store.bound()
+
+
+def test_a_run_dir_that_is_a_file_is_a_store_error(tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("not a folder")
+    with pytest.raises(StoreError, match=r"run/blobs: cannot open the store"):
+        Store(tmp_path / "run")
+
+
+def test_a_full_disk_is_a_store_error_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path)
+
+    def no_space(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module.os, "fsync", no_space)
+    with pytest.raises(StoreError, match="cannot write: No space left on device"):
+        store.put(b"y" * 100)
+    monkeypatch.undo()
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing half-written
+    assert not store.has(hashlib.sha256(b"y" * 100).hexdigest())

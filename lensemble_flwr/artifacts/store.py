@@ -46,6 +46,11 @@ raises, or ends the process, leaves the store as it was. A put of a blob already
 writes nothing, so calls no hook."""
 
 
+def _cause(exc: BaseException) -> str:
+    """An OS error's cause in words (e.g. 'No space left on device')."""
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
 def _check_digest(digest: str) -> None:
     if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise StoreError(f"malformed digest {digest!r}: expected 64 lower-case hex characters")
@@ -83,7 +88,11 @@ class Store:
         self._names = self.root / "names"
         self._tmp = self.root / "tmp"
         for folder in (self._blobs, self._names, self._tmp):
-            folder.mkdir(parents=True, exist_ok=True)
+            self._check_no_links(folder)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"{folder}: cannot open the store: {_cause(exc)}") from None
 
     def put(self, data: bytes) -> str:
         """Store ``data`` and return its SHA-256 hex digest; an existing blob is not rewritten."""
@@ -103,10 +112,14 @@ class Store:
             CheckpointIntegrityError: The stored bytes do not hash to ``digest``.
         """
         _check_digest(digest)
+        path = self._blob_path(digest)
+        self._check_no_links(path)
         try:
-            data = self._blob_path(digest).read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             raise StoreError(f"unknown digest {digest}") from None
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot read: {_cause(exc)}") from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
             raise CheckpointIntegrityError(f"blob {digest} hashes to {actual}")
@@ -119,7 +132,9 @@ class Store:
             StoreError: ``digest`` is malformed.
         """
         _check_digest(digest)
-        return self._blob_path(digest).is_file()
+        path = self._blob_path(digest)
+        self._check_no_links(path)
+        return path.is_file()
 
     def bind(self, name: str, digest: str) -> None:
         """Bind ``name`` to ``digest``, atomically replacing any existing binding.
@@ -163,10 +178,14 @@ class Store:
             StoreError: The name is invalid or unbound, or its file holds no valid digest.
         """
         _check_name(name)
+        path = self._names / name
+        self._check_no_links(path)
         try:
-            digest = (self._names / name).read_text("ascii").strip()
+            digest = path.read_text("ascii").strip()
         except (FileNotFoundError, *_CONFLICT):
             raise StoreError(f"unbound name {name!r}") from None
+        except (OSError, UnicodeError) as exc:
+            raise StoreError(f"name {name!r} cannot be read: {_cause(exc)}") from None
         _check_digest(digest)
         return digest
 
@@ -183,14 +202,20 @@ class Store:
         if prefix:
             _check_name(prefix)
         root = self._names / prefix if prefix else self._names
+        self._check_no_links(root)
         if root.is_file():
             return [prefix]
         if not root.is_dir():
             return []
         # walk only the prefix's subtree: listing a run's ledger must not cost as much as
         # listing everything the run ever bound
-        files = (p for p in root.rglob("*") if p.is_file())
-        return sorted(p.relative_to(self._names).as_posix() for p in files)
+        names = []
+        for path in root.rglob("*"):
+            if path.is_symlink():
+                raise StoreError(f"{path}: a symbolic link inside the run directory is refused")
+            if path.is_file():
+                names.append(path.relative_to(self._names).as_posix())
+        return sorted(names)
 
     def _blob_path(self, digest: str) -> Path:
         return self._blobs / digest[:2] / digest
@@ -200,6 +225,20 @@ class Store:
         if not self.has(digest):
             raise StoreError(f"cannot bind {name!r} to {digest}: digest not in the store")
         return self._names / name
+
+    def _check_no_links(self, path: Path) -> None:
+        """Refuse ``path`` if it, or any folder between the store's root and it, is a
+        symbolic link: a link planted inside a run directory could make the store read
+        or write outside it. (The root itself may be a link: that is the user's choice.)
+
+        Raises:
+            StoreError: naming the link.
+        """
+        current = self.root
+        for part in path.relative_to(self.root).parts:
+            current = current / part
+            if current.is_symlink():
+                raise StoreError(f"{current}: a symbolic link inside the run directory is refused")
 
     def _ensure_dir(self, folder: Path) -> None:
         missing = []
@@ -216,6 +255,16 @@ class Store:
         Returns:
             False only if ``exclusive`` and ``dest`` already exists; True otherwise.
         """
+        self._check_no_links(dest)
+        self._check_no_links(self._tmp)
+        try:
+            return self._write_then_publish(data, dest, exclusive=exclusive)
+        except _CONFLICT:
+            raise  # a name clash: the caller says which
+        except OSError as exc:  # disk full, read-only, ...: nothing was published
+            raise StoreError(f"{dest}: cannot write: {_cause(exc)}") from None
+
+    def _write_then_publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         self._ensure_dir(dest.parent)
         fd, tmp = tempfile.mkstemp(dir=self._tmp)
         try:
