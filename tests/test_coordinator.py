@@ -18,10 +18,12 @@ from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
     FaultToleranceExceeded,
+    LensembleError,
     NonDeterministicAggregation,
     ResidencyViolation,
     StoreError,
 )
+from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
@@ -392,3 +394,40 @@ def test_a_failure_after_the_commit_point_never_aborts_the_committed_round(
     assert resumed.next_attempt() == 1
     resumed.run(1)
     assert [r.round for r in verify(store)] == [0, 1, 2]
+
+
+def test_rejoin_refuses_a_forged_resealed_head(tmp_path: Path) -> None:
+    """Somebody with write access replaces the head record by one that points at a forged
+    checkpoint, with matching hashes (resealed): the checkpoint agrees with the record,
+    which is all join used to check. The chain (and the close p00 saw) does not."""
+    from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
+    from lensemble_flwr.canonical import digest_arrays
+    from lensemble_flwr.provenance.ledger import ledger_name
+
+    coordinator, network, nodes = federation(tmp_path)
+    coordinator.run(2)
+    network.flush()
+    store = Store(tmp_path / "run")
+    head = Ledger(store).head()
+    real = decode_checkpoint(store.get(head.checkpoint))
+    forged_params = {n: a + 1.0 for n, a in real.params.items()}
+    forged_digest = store.put(encode_checkpoint(real.round, forged_params, real.momentum))
+    forged = head.model_copy(
+        update={
+            "checkpoint": forged_digest,
+            "new_global_hash": digest_arrays(forged_params, "params"),
+            "record_hash": "",
+        }
+    ).sealed()
+    store.bind(ledger_name(head.round), store.put(forged.model_dump_json().encode()))
+    assert decode_checkpoint(store.get(forged.checkpoint)).params_hash == forged.new_global_hash
+    with pytest.raises(LensembleError, match=r"round 1|manifest|ledger"):
+        nodes[0].join(str(store.root))  # it saw round 1 close
+    fresh = Participant(
+        coordinator.config,
+        participant_id="p09",
+        transport=network.transport_for("p09"),
+        trainer=nodes[0].trainer,
+    )
+    with pytest.raises(LensembleError):  # no close seen: the chain to the manifest breaks
+        fresh.join(str(store.root))

@@ -49,7 +49,7 @@ from lensemble_flwr.protocol.messages import (
     from_wire,
 )
 from lensemble_flwr.protocol.state import GlobalState, PseudoGradient, l2_norm
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify_chain
 from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
@@ -326,14 +326,34 @@ class Participant:
         Args:
             coordinator_endpoint: the coordinator's run directory (its artifact store).
 
+        The ledger is checked as a chain, not only its head: every record's hash and its
+        links back to the manifest's θ_0 (a forged, resealed head would otherwise pass
+        with a checkpoint to match), and the newest RoundClose this participant received
+        — the head it trusts — must be in it, with the same record and global hash.
+
         Raises:
             CheckpointIntegrityError: the checkpoint's bytes or params do not match the
-                hash the ledger (or manifest) records for it.
+                hash the ledger (or manifest) records for it, or the ledger does not hold
+                the round this participant saw closed.
+            LedgerError: the ledger's chain is broken.
         """
         store = Store(coordinator_endpoint)
-        head = Ledger(store).head()
+        records = Ledger(store).records()
+        manifest = RunManifest.load(store)
+        verify_chain(records, manifest)
+        trusted = self.last_close
+        if trusted is not None:
+            seen = next((r for r in records if r.round == trusted.round), None)
+            if seen is None or (seen.record_hash, seen.new_global_hash) != (
+                trusted.record_hash,
+                trusted.global_hash,
+            ):
+                raise CheckpointIntegrityError(
+                    f"the run's ledger does not hold round {trusted.round} as it was "
+                    f"announced to {self.participant_id} (record {trusted.record_hash[:12]}…)"
+                )
+        head = records[-1] if records else None
         if head is None:
-            manifest = RunManifest.load(store)
             digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
         else:
             digest, expected = head.checkpoint, head.new_global_hash
