@@ -15,9 +15,11 @@ raises :class:`~lensemble_flwr.errors.ConfigError` naming it.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -44,10 +46,14 @@ class _Section(BaseModel):
         if kind is bool and not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         if kind in (int, float) and (
-            isinstance(value, bool) or not isinstance(value, (int, float))
+            isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
         ):
             raise ValueError(f"expected a number, got {value!r}")
-        if kind is int and isinstance(value, float) and not value.is_integer():
+        if (
+            kind is int
+            and not isinstance(value, numbers.Integral)
+            and not float(value).is_integer()
+        ):
             raise ValueError(f"expected a whole number, got {value!r}")
         return value
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from federation_helpers import federation, signed_federation
+from federation_helpers import federation, signed_federation, small_config
 from flwr.app import ConfigRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,9 +20,11 @@ from test_admission import coordinator_in, messages, snapshot
 from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 from test_strategy import stock_loop_federation
 
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LedgerError, LensembleError, Response, reported, response_to
 from lensemble_flwr.identity.signing import IdentityKey
-from lensemble_flwr.protocol.messages import MessageKind, Update, to_wire
+from lensemble_flwr.protocol.messages import Commitment, MessageKind, Update, to_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import initial_params
@@ -175,7 +177,9 @@ def test_a_late_message_is_filed_only_when_authenticated(tmp_path: Path) -> None
     network.inject("mallory", COORDINATOR, stranger)
     coordinator.run(1)
     entry = coordinator.manifest.rounds[-1]
-    assert entry.state is RoundState.CLOSED and entry.rejected == 2
+    # p01's forgery is rejected; the stranger's is dropped unrecorded (a late message of
+    # an unknown sender is nobody's business, and writes nothing to the manifest)
+    assert entry.state is RoundState.CLOSED and entry.rejected == 1
     assert "p01" not in entry.late and "mallory" not in entry.late
 
 
@@ -237,7 +241,9 @@ def test_every_message_is_admitted_or_rejected_and_nothing_escapes(
     try:
         verdict = coordinator.receive(payload)
     except LensembleError as exc:
-        # only a registered, authenticated participant's word may stop the round
+        # only a registered participant's word may stop the round (authenticated by its
+        # signature where it registered a key; without keys, the transport's sender
+        # identity is what is trusted: docs/threat-model.md)
         assert response_to(exc) is not Response.REJECT_MESSAGE
         assert payload.get("participant_id") == "p00"  # the only registered one
         return
@@ -248,3 +254,29 @@ def test_every_message_is_admitted_or_rejected_and_nothing_escapes(
         assert after == before
     else:
         assert after["rejected"] == before["rejected"]
+
+
+class ValueErrorAggregator:
+    """An aggregator with a bug: admitting anything raises an untyped error."""
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        pass
+
+    def admit(self, update: object, *, weight: int) -> None:
+        raise ValueError("a bug below admission")
+
+
+def test_the_last_resort_guard_rejects_an_untyped_error_and_logs_it(tmp_path: Path, caplog) -> None:
+    coordinator = Coordinator(
+        small_config(min_participants=1),
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        run_id="run",
+        aggregator_factory=lambda *_: ValueErrorAggregator(),  # type: ignore[arg-type,return-value]
+    )
+    coordinator.begin_attempt()
+    coordinator.invite(["p00"])
+    coordinator.registry.bind(messages()[Commitment])  # type: ignore[arg-type]
+    assert coordinator.receive(update_payload()) is None
+    assert coordinator.attempt is not None and coordinator.attempt.rejected == 1
+    assert untyped_rejections(caplog) and "a bug below admission" in caplog.text

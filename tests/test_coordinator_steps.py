@@ -100,6 +100,8 @@ def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(
     assert {n.last_close.round for n in nodes} == {1}  # announced all the same
     assert [e.round for e in RunManifest.load(coordinator.store).rounds] == [0]
     coordinator.store.on_write = None
+    # a participant may rejoin in this window too: round 1 is committed
+    assert nodes[0].join(str(coordinator.store.root)).round == 2
     resumed = Coordinator.resume(
         coordinator.config, transport=network.coordinator, store=coordinator.store
     )

@@ -98,6 +98,7 @@ class Store:
         """Store ``data`` and return its SHA-256 hex digest; an existing blob is not rewritten."""
         digest = hashlib.sha256(data).hexdigest()
         path = self._blob_path(digest)
+        self._check_no_links(path)
         if not path.exists():
             if self.on_write is not None:
                 self.on_write("blob", digest, data)

@@ -247,7 +247,11 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
     if msg.run_id != ingress.run_id:
         raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
     pid = msg.participant_id
+    current = (msg.round, msg.attempt) == (attempt.round, attempt.number)
     if pid not in attempt.invited and not ingress.registry.is_bound(pid):
+        if not current:  # e.g. a stock client that was offline this attempt: dropped,
+            log.info("round %d: late %s from unknown %s dropped", attempt.round, msg.kind, pid)
+            return Verdict.LATE  # and not filed: nobody unknown writes to the manifest
         raise ForgedMessage(f"{pid}: neither invited to this round nor a registered participant")
     fields = canonical_fields(msg)  # hashes an update's arrays: once, here
     seed = (
@@ -256,7 +260,7 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
         else derive_seed(ingress.config.federation.root_seed, "round", msg.round)
     )
     ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
-    if (msg.round, msg.attempt) != (attempt.round, attempt.number):
+    if not current:
         _check_replay(msg, ingress, fields)
         attempt.late.add(msg.sender)
         log.info(

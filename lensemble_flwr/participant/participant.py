@@ -17,6 +17,7 @@ from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
+    LedgerError,
     LensembleError,
     RoundError,
 )
@@ -47,9 +48,17 @@ from lensemble_flwr.protocol.messages import (
     Update,
     WirePayload,
     from_wire,
+    to_wire,
 )
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState, PseudoGradient, l2_norm
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify_chain
+from lensemble_flwr.provenance.ledger import (
+    GENESIS,
+    ContributionRecord,
+    Ledger,
+    RunManifest,
+    verify_chain,
+)
 from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
@@ -78,6 +87,28 @@ def training_state(state: PortableState) -> PortableState:
     cut = len(_TRAINING)
     arrays = {k[cut:]: v for k, v in state.arrays.items() if k.startswith(_TRAINING)}
     return PortableState(arrays=arrays, meta=state.meta.get("training") or {})
+
+
+def _check_last_link(records: list[ContributionRecord], manifest: RunManifest) -> None:
+    """The newest record's own hash and its links to the record and state before it.
+
+    Raises:
+        LedgerError: a broken link.
+    """
+    last = records[-1]
+    before = records[-2] if len(records) > 1 else None
+    links = (
+        (last.record_hash, last.expected_hash(), "its hash"),
+        (last.previous_record_hash, before.record_hash if before else GENESIS, "previous record"),
+        (
+            last.previous_global_hash,
+            before.new_global_hash if before else manifest.initial_params_hash,
+            "previous global state",
+        ),
+    )
+    for found, expected, what in links:
+        if found != expected:
+            raise LedgerError(f"ledger record of round {last.round}: {what} does not link")
 
 
 class Participant:
@@ -159,7 +190,8 @@ class Participant:
         elif isinstance(message, UnmaskRequest):
             self._on_unmask(message)
         elif isinstance(message, RoundClose):
-            self.last_close = message
+            if self.last_close is None or message.round >= self.last_close.round:
+                self.last_close = message  # the newest close: the head join trusts
         else:
             log.warning("%s: ignoring unexpected %s", self.participant_id, message.kind)
 
@@ -340,7 +372,6 @@ class Participant:
         store = Store(coordinator_endpoint)
         records = Ledger(store).records()
         manifest = RunManifest.load(store)
-        verify_chain(records, manifest)
         trusted = self.last_close
         if trusted is not None:
             seen = next((r for r in records if r.round == trusted.round), None)
@@ -352,6 +383,15 @@ class Participant:
                     f"the run's ledger does not hold round {trusted.round} as it was "
                     f"announced to {self.participant_id} (record {trusted.record_hash[:12]}…)"
                 )
+        closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
+        if records and records[-1].round not in closed:
+            # committed, its manifest entry not yet written (a coordinator that crashed
+            # right after its commit point, before resume completes it): the chain is
+            # checked up to the record before, and the last record's own links
+            verify_chain(records[:-1], manifest)
+            _check_last_link(records, manifest)
+        else:
+            verify_chain(records, manifest)
         head = records[-1] if records else None
         if head is None:
             digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
@@ -392,6 +432,7 @@ class Participant:
         inner = self.training.export_state()
         meta = {
             "last_open": list(self._last_open) if self._last_open else None,
+            "last_close": to_wire(self.last_close) if self.last_close else None,
             "training": inner.meta,
             "masking": self.masking.export(),
             "release": release_meta,
@@ -419,7 +460,12 @@ class Participant:
         else:
             pipeline_state = import_release_state(self.pipeline, release_arrays, release_meta)
         last_open = state.meta.get("last_open")
+        close = state.meta.get("last_close")
+        last_close = from_wire(close) if close else None  # RoundError: nothing restored yet
+        if last_close is not None and not isinstance(last_close, RoundClose):
+            raise RoundError("a participant's saved last_close is not a RoundClose")
         self._last_open = tuple(last_open) if last_open else None  # type: ignore[assignment]
+        self.last_close = last_close
         self.masking.restore(state.meta.get("masking") or {})
         self.training.import_state(training_state(state))
         self._pipeline_state = pipeline_state

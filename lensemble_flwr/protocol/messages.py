@@ -154,6 +154,9 @@ class RoundOpen(_Message):
         bad = [n for n, a in self.params.items() if a.dtype not in _FLOAT_DTYPES]
         if bad:
             raise ValueError(f"global params must be floating-point: {bad}")
+        non_finite = [n for n, a in self.params.items() if not np.isfinite(a).all()]
+        if non_finite:
+            raise ValueError(f"global params must be finite: {non_finite}")
         return self
 
 
