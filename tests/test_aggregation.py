@@ -519,3 +519,28 @@ def test_the_fold_gives_the_float64_fixed_point_integers_whatever_path_it_takes(
     result = agg.reveal()
     agg.verify(result)
     np.testing.assert_array_equal(result.sums["w"], expected)
+
+
+def test_the_plaintext_aggregator_refuses_a_masked_update() -> None:
+    """A masked release is a share of a secure sum, not values: summed in plain it would
+    also bypass max-abs-update (its values are not checked). Refused, nothing admitted."""
+    template = _template()
+    agg = FixedPointAggregator(template, AggregationConfig(), check_seed=0)
+    huge = {n: np.full(a.shape, 7 * 10**8, np.int64) for n, a in template.items()}
+    masked = Update(
+        run_id="r",
+        round=0,
+        sender="p",
+        participant_id="p",
+        dataset_root=None,
+        delta=huge,
+        l2_norm=0.0,
+        num_examples=1,
+        masked=True,
+        sealed_shares={"p": "00"},
+    )
+    with pytest.raises(RoundError, match="masked update has no place"):
+        agg.admit(masked, weight=1)
+    assert agg.pending_count == 0
+    agg.admit(_update("q", {n: np.zeros_like(a) for n, a in template.items()}), weight=1)
+    assert agg.reveal().contributors == ("q",)

@@ -128,3 +128,31 @@ def test_configure_train_again_ends_the_attempt_that_never_got_its_replies(
     assert stale.state is RoundState.ABORTED and isinstance(stale.error, FaultToleranceExceeded)
     new, metrics = strategy.aggregate_train(1, grid.send_and_receive(again))
     assert new is not None and metrics is not None and metrics["C_t"] == 4.0
+
+
+def test_a_broken_last_link_is_refused_in_the_commit_window(tmp_path: Path) -> None:
+    """In the window where the newest record has no manifest entry yet, join still checks
+    that record's own links: a resealed one that points at another chain is refused."""
+    from lensemble_flwr.errors import LedgerError
+    from lensemble_flwr.provenance.ledger import ledger_name
+
+    coordinator, _network, nodes = federation(tmp_path)
+    coordinator.run(1)
+
+    def refuse_the_entry(kind: str, name: str, _data: bytes) -> None:
+        if kind == "name" and name.startswith("manifest/rounds/00000001"):
+            raise StoreError("disk full")
+
+    coordinator.store.on_write = refuse_the_entry
+    with pytest.raises(StoreError):
+        coordinator.run(1)
+    coordinator.store.on_write = None
+    store = coordinator.store
+    head = Ledger(store).head()
+    assert head is not None and head.round == 1
+    forged = head.model_copy(update={"previous_record_hash": "f" * 64, "record_hash": ""})
+    store.bind(ledger_name(1), store.put(forged.sealed().model_dump_json().encode()))
+    fresh = nodes[1]
+    fresh.last_close = None  # no close to compare with: only the chain can tell
+    with pytest.raises(LedgerError, match="chain broken"):
+        fresh.join(str(store.root))

@@ -57,6 +57,7 @@ from lensemble_flwr.provenance.ledger import (
     ContributionRecord,
     Ledger,
     RunManifest,
+    record_breaks,
     verify_chain,
 )
 from lensemble_flwr.provenance.merkle import merkle_root
@@ -90,25 +91,21 @@ def training_state(state: PortableState) -> PortableState:
 
 
 def _check_last_link(records: list[ContributionRecord], manifest: RunManifest) -> None:
-    """The newest record's own hash and its links to the record and state before it.
+    """The newest record's own hash and its links to the record and state before it (the
+    ledger's own link rules, :func:`~lensemble_flwr.provenance.ledger.record_breaks`).
 
     Raises:
-        LedgerError: a broken link.
+        LedgerError: the first broken link.
     """
-    last = records[-1]
     before = records[-2] if len(records) > 1 else None
-    links = (
-        (last.record_hash, last.expected_hash(), "its hash"),
-        (last.previous_record_hash, before.record_hash if before else GENESIS, "previous record"),
-        (
-            last.previous_global_hash,
-            before.new_global_hash if before else manifest.initial_params_hash,
-            "previous global state",
-        ),
+    breaks = record_breaks(
+        records[-1],
+        previous_record_hash=before.record_hash if before else GENESIS,
+        previous_global_hash=before.new_global_hash if before else manifest.initial_params_hash,
     )
-    for found, expected, what in links:
-        if found != expected:
-            raise LedgerError(f"ledger record of round {last.round}: {what} does not link")
+    first = next(iter(breaks), None)
+    if first is not None:
+        raise LedgerError(first.message)
 
 
 class Participant:
