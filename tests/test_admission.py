@@ -92,7 +92,7 @@ def messages() -> dict[type, ControlMessage]:
         Commitment: commitment(),
         Update: Update(**mine, dataset_root=ROOT, delta=delta, l2_norm=0.0, num_examples=8),
         Refusal: Refusal(**mine, error="ProbeError", reason="probe differs"),
-        UnmaskResponse: UnmaskResponse(**mine, b_shares={}, m_shares={}),
+        UnmaskResponse: UnmaskResponse(**mine, b_shares={}, pair_seeds={}),
         RoundOpen: RoundOpen(
             **common(sender="p00"),
             global_hash="0" * 64,

@@ -198,8 +198,8 @@ JUNK = st.one_of(
 SENDERS = st.sampled_from(["p00", "p01", "mallory", ""])
 FIELDS = [
     *("round", "attempt", "sender", "participant_id", "dataset_root", "delta", "l2_norm"),
-    *("num_examples", "epsilon", "scales", "masked", "sealed_shares", "key_shares"),
-    *("sketch_fingerprint", "transforms", "error", "reason", "b_shares", "m_shares"),
+    *("num_examples", "epsilon", "scales", "masked", "sealed_shares", "next_mask_key"),
+    *("sketch_fingerprint", "transforms", "error", "reason", "b_shares", "pair_seeds"),
     *("mask_key", "enc_key", "identity_key", "signature", "run_id", "kind", "params"),
     *("global_hash", "contributors"),
 ]

@@ -534,7 +534,6 @@ def test_the_plaintext_aggregator_refuses_a_masked_update() -> None:
         participant_id="p",
         dataset_root=None,
         delta=huge,
-        l2_norm=0.0,
         num_examples=1,
         masked=True,
         sealed_shares={"p": "00"},

@@ -18,7 +18,6 @@ from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
     IllegalTransition,
-    RoundError,
     StoreError,
 )
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
@@ -67,11 +66,11 @@ def test_a_batch_feeder_cannot_run_a_masked_round(tmp_path: Path) -> None:
     assert attempt.phase is RoundState.OPEN and coordinator.manifest.rounds == ()
 
 
-def test_mask_key_shares_that_are_not_hex_are_refused_and_nothing_is_kept() -> None:
-    membership = Membership()
-    with pytest.raises(RoundError, match="not hex"):
-        membership.store_shares("p00", [], {"p01": "zz"})
-    assert membership.stored_shares() == {}
+@pytest.mark.parametrize("key", ["zz" * 32, "00" * 31, 7])
+def test_a_stored_mask_key_that_is_not_32_bytes_of_hex_does_not_restore(key: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        Membership.restore({"mask_keys": {"p00": key}})
+    assert Membership.restore({"mask_keys": {"p00": "ab" * 32}}).mask_keys == {"p00": "ab" * 32}
 
 
 def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(

@@ -271,30 +271,30 @@ def test_a_restart_before_any_update_changes_nothing_the_run_computes(
     assert d.resumed["global_hash"] == straight["report"]["global_hash"]
 
 
-def test_participants_keys_and_a_revealed_key_survive_a_kill_in_a_masked_round(
+def test_participants_keys_and_the_spent_keys_survive_a_kill_in_a_masked_round(
     drill: Callable[[Case], Drill],
 ) -> None:
     """Round 1 of a masked run: p03 drops mid-round, the survivors are unmasked around it
-    (its mask key is revealed), and the coordinator dies at ALIGNING. The restarted
-    coordinator still knows every commitment and key, still treats p03's key as revealed
-    (p03 must rotate it before it is a member again), and the members that kept their
-    keys mask the retried round with the same keys."""
+    (they disclose their round-1 seeds with it), and the coordinator dies at ALIGNING.
+    The restarted coordinator still knows every commitment and the next mask keys the
+    survivors announced with their updates; p03's key was spent when it was listed, so
+    it commits a fresh one before it is a member again; every key masks once."""
     case = next(c for c in CASES if c.secagg_threshold and c.point == "aligning")
     d = drill(case)
     commitments, membership = d.registry_at_kill
     assert sorted(commitments) == ["p00", "p01", "p02", "p03"]
     assert all(c["mask_key"] and c["enc_key"] for c in commitments.values())
-    assert membership["compromised"] == ["p03"]
+    assert sorted(membership["mask_keys"]) == ["p00", "p01", "p02"]  # p03's is spent
 
     store = Store(d.run_dir)
     now, membership_now = registry_store.load_registry(store)
-    for pid in ("p00", "p01", "p02"):  # never re-keyed: their keys survived on both sides
+    for pid in ("p00", "p01", "p02"):  # never committed again: they announced with updates
         assert now[pid].model_dump() == commitments[pid]
-    assert now["p03"].mask_key != commitments["p03"]["mask_key"]  # rotated after the reveal
-    assert membership_now.compromised == set()
+    assert now["p03"].mask_key != commitments["p03"]["mask_key"]  # a fresh commitment
+    assert not set(membership_now.mask_keys.values()) & set(membership["mask_keys"].values())
     closed = [e for e in RunManifest.load(store).rounds if e.state is RoundState.CLOSED]
     assert all(e.secure_sum for e in closed[1:])
-    assert [e.count for e in closed] == [4, 4, 4, 4]  # p03 is back, with its new keys
+    assert [e.count for e in closed] == [4, 4, 4, 4]  # p03 is back, with its new key
 
 
 def test_a_coordinator_killed_twice_in_one_round_resumes_twice(
@@ -418,12 +418,12 @@ def test_a_completed_commit_is_recorded_as_the_uninterrupted_run_records_it(
         assert entry == expected
 
 
-def test_a_member_whose_key_shares_died_with_the_coordinator_may_drop_out_of_the_retry(
+def test_a_member_may_drop_out_of_the_retry_of_an_attempt_the_coordinator_died_in(
     run_drill: Runner, tmp_path: Path
 ) -> None:
-    """Masked round 0: every member masks and seals its mask-key shares for the new member
-    set; the coordinator dies as the second update (p01's) is admitted. In the retried
-    attempt p01 drops out mid-round, which a masked round with threshold 3 of 4 tolerates."""
+    """Masked round 0: every member masks; the coordinator dies as the second update
+    (p01's) is admitted. In the retried attempt (fresh keys: the first attempt's were
+    spent) p01 drops out mid-round, which a masked round with threshold 3 of 4 tolerates."""
 
     def run(*args: str) -> int | None:
         masked = ("--secagg-threshold", "3")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from federation_helpers import federation, small_config
 from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 
@@ -81,19 +82,28 @@ def test_a_steady_state_masked_round_is_two_exchanges(tmp_path: Path) -> None:
     assert all(max(per_round[r].values()) == 2 for r in (1, 2))
 
 
-def test_a_member_dropping_before_its_masked_input_is_unmasked_around(tmp_path: Path) -> None:
-    faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING)
+@pytest.mark.parametrize("dropped_in", [0, 1], ids=["first round", "a later round"])
+def test_a_member_dropping_before_its_masked_input_is_unmasked_around(
+    tmp_path: Path, dropped_in: int
+) -> None:
+    """In the first round of a member set too: nothing the dropped member should have
+    sent is needed, the survivors disclose their pairwise seeds with it (of that round)."""
     plain, _, _ = run(
         tmp_path,
         "plain",
         small_config(min_participants=3),
         2,
-        faults=FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING),
+        faults=FaultPlan().drop("p02", round=dropped_in, at=RoundState.COLLECTING),
     )
-    masked, _, _ = run(tmp_path, "masked", masked_config(), 2, faults=faults)
-    assert [o.count for o in masked.outcomes] == [4, 3]
+    faults = FaultPlan().drop("p02", round=dropped_in, at=RoundState.COLLECTING)
+    masked, network, _ = run(tmp_path, "masked", masked_config(), 2, faults=faults)
+    # p02 never comes back: 3 contributors from the round it dropped in
+    assert [o.count for o in masked.outcomes] == ([3, 3] if dropped_in == 0 else [4, 3])
+    assert all(o.state is RoundState.CLOSED for o in masked.outcomes)
     assert masked.global_state().params_hash == plain.global_state().params_hash
-    assert "p02" in masked.registry.membership.compromised  # its mask key was revealed: rotate
+    responses = payloads_to_coordinator(network, MessageKind.UNMASK_RESPONSE)
+    dropped_round = [p for p in responses if p["round"] == dropped_in]
+    assert dropped_round and all(set(p["pair_seeds"]) == {"p02"} for p in dropped_round)
 
 
 def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Path) -> None:
@@ -142,18 +152,24 @@ def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
     assert grid.stored == {} and transport.dropped == []
 
 
-def test_a_member_whose_key_was_revealed_rotates_it_and_masks_again(tmp_path: Path) -> None:
+def test_every_round_attempt_masks_with_fresh_keys(tmp_path: Path) -> None:
+    """A mask key serves one attempt: each member set lists keys never listed before, and
+    a member whose key was spent without a successor (it dropped) commits a new one."""
     faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING).rejoin("p02", round=2)
-    coordinator, _, _ = run(tmp_path, "masked", masked_config(), 1, faults=faults)
-    first_key = coordinator.registry.commitments["p02"].mask_key
-    coordinator.run(3)
-    # round 1: p02 drops before masking, its key is revealed to unmask around it; round 2:
-    # it comes back after the member set was fixed, so it only commits new keys; round 3:
-    # it masks again, with them
-    assert [o.count for o in coordinator.outcomes] == [4, 3, 3, 4]
-    assert "p02" in coordinator.outcomes[-1].contributors
-    assert coordinator.registry.commitments["p02"].mask_key != first_key  # rotated
-    assert "p02" not in coordinator.registry.membership.compromised
+    coordinator, network, _ = run(tmp_path, "masked", masked_config(), 4, faults=faults)
+    assert all(o.state is RoundState.CLOSED for o in coordinator.outcomes)
+    assert "p02" in coordinator.outcomes[-1].contributors  # it masks again, with a new key
+    keys_per_attempt: dict[tuple[int, int], set[str]] = {}
+    for update in payloads_to_coordinator(network, MessageKind.UPDATE):
+        keys_per_attempt.setdefault((update["round"], update["attempt"]), set()).add(
+            update["next_mask_key"]
+        )
+    announced = [k for keys in keys_per_attempt.values() for k in keys]
+    commitments = [
+        p["mask_key"] for p in payloads_to_coordinator(network, MessageKind.COMMITMENT)
+    ]
+    assert len(set(announced + commitments)) == len(announced) + len(commitments)  # all fresh
+    assert len(commitments) == 5  # four at the start, p02 once more after it dropped
     verify(Store(tmp_path / "masked"))
 
 
@@ -186,11 +202,11 @@ def test_a_participant_refuses_a_sparser_graph_than_it_agreed_to(tmp_path: Path)
     assert all("neighbour graph of degree 2" in r for r in entry.refused.values())
 
 
-def test_a_member_update_that_is_refused_leaves_no_mask_key_shares_behind(tmp_path: Path) -> None:
+def test_a_member_update_that_is_refused_announces_no_mask_key(tmp_path: Path) -> None:
     """p01's first masked update has the wrong layout: it is refused (the attempt aborts,
-    as a masked sum cannot go on without knowing) and the mask-key shares it carried are
-    not kept — the refused message changed nothing. The retry asks p01 for its shares
-    again (send_key_shares) and closes with everyone."""
+    as a masked sum cannot go on without knowing) and the next mask key it carried is not
+    kept — the refused message changed nothing. p01's listed key is spent, so the retry
+    has it commit a fresh one, and closes with everyone."""
 
     def drop_an_array(payload: dict) -> dict:
         payload["delta"] = dict(list(payload["delta"].items())[1:])
@@ -202,7 +218,7 @@ def test_a_member_update_that_is_refused_leaves_no_mask_key_shares_behind(tmp_pa
 
     def watch(machine) -> None:
         if machine.state in (RoundState.ABORTED, RoundState.AGGREGATING):
-            kept.append((machine.state, set(coordinator.registry.membership.stored_shares())))
+            kept.append((machine.state, set(coordinator.registry.membership.mask_keys)))
 
     coordinator.on_transition = watch
     coordinator.run(1)

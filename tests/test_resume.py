@@ -6,7 +6,6 @@ object at a chosen point); tests/test_crash_recovery.py kills real processes.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import RunManifest, verify
 from lensemble_flwr.testing import DeliveryLog
+from lensemble_flwr.transports.base import COORDINATOR
 from lensemble_flwr.transports.faults import FaultPlan
 
 
@@ -193,45 +193,40 @@ def test_a_malformed_registry_is_refused(tmp_path: Path) -> None:
         registry_store.load_registry(store)
 
 
-def test_a_revealed_mask_key_stays_revealed_across_a_restart(tmp_path: Path) -> None:
+def test_unspent_and_spent_mask_keys_survive_a_restart(tmp_path: Path) -> None:
     config = small_config(min_participants=3, secagg_threshold=3)
     faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
     coordinator, _network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
-    coordinator.run(2)  # round 1 unmasks around p03: its mask key is reconstructed
-    assert "p03" in coordinator.registry.membership.compromised
+    coordinator.run(2)  # round 1 spends p03's key; it announces no next one
+    assert sorted(coordinator.registry.membership.mask_keys) == ["p00", "p01", "p02"]
     resumed = restart(coordinator)
-    assert "p03" in resumed.registry.membership.compromised
     assert resumed.registry.membership.snapshot() == coordinator.registry.membership.snapshot()
-    shares = coordinator.registry.membership.stored_shares()
-    assert shares and resumed.registry.membership.stored_shares() == shares
+    resumed.run(1)
+    assert resumed.outcomes[-1].state is RoundState.CLOSED
 
 
-def test_mask_key_shares_the_coordinator_lost_are_asked_for_again(tmp_path: Path) -> None:
+def test_a_participant_that_lost_its_keys_refuses_then_commits_fresh_ones(
+    tmp_path: Path,
+) -> None:
+    """p01 loses its masking state between rounds (a node restored from an old backup):
+    the round lists a key it no longer holds, so it masks nothing and says so; its key is
+    spent all the same, so the next round has it commit a fresh one, and it masks again."""
     config = small_config(min_participants=3, secagg_threshold=3)
-    faults = FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)
-    coordinator, network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
+    coordinator, network, nodes = federation(tmp_path, participants=4, config=config)
     coordinator.run(1)
-    # the shares sealed in round 0 are lost (as if they died with a coordinator process)
-    shutil.rmtree(coordinator.store.root / "names" / registry_store.SHARES)
-    resumed = restart(coordinator)
-    seen = DeliveryLog(network)
-    resumed.run(2)  # round 1: members resend their shares; round 2: p03 drops, unmasked around
-    kinds = (MessageKind.ROUND_OPEN, MessageKind.UPDATE)
-    sent = [p for p in seen.payloads() if kind_of(p) in kinds]
-    opens = [
-        p
-        for p in sent
-        if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 1 and p["secagg_members"]
+    lost = next(n for n in nodes if n.participant_id == "p01")
+    lost.masking.announced.clear()
+    seen = DeliveryLog(network, dest=COORDINATOR)
+    coordinator.run(2)
+    first, second = coordinator.outcomes[1:]
+    assert first.state is RoundState.CLOSED and "p01" not in first.contributors
+    entry = coordinator.manifest.rounds[1]
+    assert "never announced, or already used" in entry.refused["p01"]
+    assert second.count == 4
+    recommitted = [
+        p for p in seen.payloads() if kind_of(p) is MessageKind.COMMITMENT and p["round"] == 2
     ]
-    assert opens and all(p["send_key_shares"] for p in opens)
-    resent = [p for p in sent if kind_of(p) is MessageKind.UPDATE and p["round"] == 1]
-    assert len(resent) == 4 and all(p["key_shares"] for p in resent)
-    assert [o.count for o in resumed.outcomes] == [4, 3]
-    assert not [
-        p
-        for p in sent
-        if kind_of(p) is MessageKind.ROUND_OPEN and p["round"] == 2 and p["send_key_shares"]
-    ]  # held again: not asked twice
+    assert [p["participant_id"] for p in recommitted] == ["p01"]
 
 
 def test_a_chain_check_resume_reads_only_the_checkpoint_it_resumes_from(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from lensemble_flwr.secagg.protocol import (
     isolated_survivors,
     mask,
     neighbours,
-    share_mask_key,
 )
 
 CONTEXT = context_of("run", 3, 1)
@@ -42,11 +41,6 @@ def secure_sum(
     """Run both roles: every member masks, only ``send`` deliver, only ``answer`` disclose."""
     keys, members = federation(n)
     template = next(iter(values.values()))
-    # mask-key shares were distributed for this member set in an earlier round
-    key_shares = {
-        pid: share_mask_key(keys[pid], me=pid, members=members, threshold=threshold, run_id="run")
-        for pid in keys
-    }
     releases = {
         pid: mask(
             values[pid],
@@ -67,12 +61,10 @@ def secure_sum(
             me=holder,
             keys=keys[holder],
             members=members,
-            run_id="run",
             context=CONTEXT,
             survivors=aggregator.survivors,
             dropped=aggregator.dropped,
             self_mask_shares={s: releases[s].sealed[holder] for s in aggregator.survivors},
-            mask_key_shares={s: key_shares[s][holder] for s in aggregator.dropped},
             degree=degree,
         )
         for holder in sorted(answer)
@@ -142,20 +134,42 @@ def test_too_few_disclosures_cannot_reveal() -> None:
         secure_sum(values, n=4, threshold=3, send=set(values), answer={"p0", "p1"})
 
 
-def test_a_member_never_discloses_both_shares_of_one_sender() -> None:
+@pytest.mark.parametrize(
+    ("survivors", "dropped", "match"),
+    [
+        (["p0", "p1", "p2"], ["p2"], "both shares"),
+        (["p0", "p1"], [], "are not the members"),  # p2 is neither: hidden from the check
+        (["p0", "p1", "p2", "x"], [], "are not the members"),  # a stranger
+        (["p0", "p1", "p1"], ["p2"], "are not the members"),  # a survivor twice
+        (["p1", "p2"], ["p0"], "not named a survivor"),  # asked as a dropped member
+    ],
+)
+def test_a_member_discloses_only_for_a_consistent_request(
+    survivors: list[str], dropped: list[str], match: str
+) -> None:
     keys, members = federation(3)
-    with pytest.raises(SecureAggregationError, match="both shares"):
+    with pytest.raises(SecureAggregationError, match=match):
         disclose(
             me="p0",
             keys=keys["p0"],
             members=members,
-            run_id="run",
             context=CONTEXT,
-            survivors=["p1", "p2"],
-            dropped=["p2"],
+            survivors=survivors,
+            dropped=dropped,
             self_mask_shares={},
-            mask_key_shares={},
         )
+
+
+def test_a_survivor_next_to_a_dropped_member_must_answer_or_nothing_is_revealed() -> None:
+    values = random_values(5, 4)
+    survivors = {"p0", "p1", "p2", "p3"}  # p4 dropped; p3 then does not answer
+    with pytest.raises(SecureAggregationError, match="p3 did not disclose its pairwise seed"):
+        secure_sum(values, n=5, threshold=3, send=survivors, answer={"p0", "p1", "p2"})
+    # with nobody dropped, self masks need only the threshold of answers
+    revealed, _ = secure_sum(values, n=5, threshold=3, send=set(values), answer={"p0", "p1", "p2"})
+    expected = plain_sum(values, set(values))
+    for name in expected:
+        np.testing.assert_array_equal(revealed[name], expected[name])
 
 
 def test_a_masked_input_hides_the_value_and_changes_every_time() -> None:

@@ -29,7 +29,7 @@ from lensemble_flwr.secagg import prg, shamir
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.keys import SecAggKeys
 from lensemble_flwr.secagg.participant_role import MaskingRole, encode_member
-from lensemble_flwr.secagg.protocol import Member, context_of, mask
+from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of, mask
 
 CONTEXT = context_of("run", 0, 1)
 TEMPLATE = {"w": np.zeros(6, np.float32)}
@@ -58,7 +58,6 @@ def masked_update(pid: str, keys, members, **changes) -> Update:
         participant_id=pid,
         dataset_root=None,
         delta=release.masked,
-        l2_norm=0.0,
         num_examples=1,
         masked=True,
         sealed_shares={h: c.hex() for h, c in release.sealed.items()},
@@ -74,7 +73,6 @@ def aggregator(members, **config) -> SecureAggregator:
         members=members,
         threshold=2,
         context=CONTEXT,
-        mask_key_shares={},
     )
 
 
@@ -114,14 +112,20 @@ def test_the_aggregator_admits_only_well_formed_masked_updates_of_members(trio) 
         agg.admit(masked_update("a", keys, members), weight=1)
 
 
-def test_disclosures_come_from_survivors_and_never_give_both_shares(trio) -> None:
+def test_disclosures_come_from_survivors_and_give_one_secret_per_sender(trio) -> None:
     keys, members = trio
     agg = aggregator(members)
     agg.admit(masked_update("a", keys, members), weight=1)
+    agg.admit(masked_update("b", keys, members), weight=1)  # c dropped
     with pytest.raises(RoundError, match="only survivors"):
-        agg.disclose("b", {"b": {}, "m": {}})
-    with pytest.raises(RoundError, match="both shares"):
-        agg.disclose("a", {"b": {"c": (1, 2)}, "m": {"c": (1, 2)}})
+        agg.disclose("c", Disclosure(self_mask={}, pair_seeds={}))
+    with pytest.raises(RoundError, match="self mask of a member that dropped"):
+        agg.disclose("a", Disclosure(self_mask={"c": (1, 2)}, pair_seeds={"c": bytes(32)}))
+    with pytest.raises(RoundError, match="pairwise seed with a survivor"):
+        agg.disclose("a", Disclosure(self_mask={"b": (1, 2)}, pair_seeds={"b": bytes(32)}))
+    with pytest.raises(RoundError, match="32 bytes"):
+        agg.disclose("a", Disclosure(self_mask={}, pair_seeds={"c": bytes(31)}))
+    assert agg.disclosed == []  # nothing refused was kept
 
 
 def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
@@ -138,12 +142,10 @@ def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
                 me=holder,
                 keys=keys[holder],
                 members=members,
-                run_id="run",
                 context=CONTEXT,
                 survivors=request.survivors,
                 dropped=request.dropped,
                 self_mask_shares=request.self_mask_shares,
-                mask_key_shares=request.mask_key_shares,
             ),
         )
     result = agg.reveal()
@@ -226,9 +228,9 @@ def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:
         "sender": "a",
         "participant_id": "a",
         "b_shares": {"c": "1:2"},
-        "m_shares": {"c": "1:2"},
+        "pair_seeds": {"c": "00" * 32},
     }
-    with pytest.raises(RoundError, match="both shares"):
+    with pytest.raises(RoundError, match="both secrets"):
         from_wire(payload)
 
 
@@ -237,7 +239,8 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
 ) -> None:
     keys, members = trio
     role = MaskingRole("a")
-    role.keys = keys["a"]
+    role.enc_private = keys["a"].enc_private
+    role.announced = {keys["a"].mask_public.hex(): keys["a"].mask_private}
     config = LensembleConfig(aggregation={"max_abs_update": 1.0})
     opened = RoundOpen.model_construct(
         run_id="run",
@@ -265,7 +268,10 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
     with pytest.raises(RoundError, match="not finite and positive"):
         role.mask_release(int8, opened, config)
     fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
-    role.mask_release(fine, opened, config)
+    fields = role.mask_release(fine, opened, config)
+    assert fields["next_mask_key"] in role.announced  # the next round's, announced
+    with pytest.raises(SecureAggregationError, match="already used"):  # a key masks once
+        role.mask_release(fine, opened, config)
     other = UnmaskRequest(
         run_id="run",
         round=7,
@@ -306,3 +312,50 @@ def test_a_masked_update_carries_int64_and_shares_only(trio) -> None:
     ):
         with pytest.raises(RoundError):
             from_wire({**good, **changes})
+
+
+def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_key(trio) -> None:
+    keys, members = trio
+    role = MaskingRole("a")
+    role.keys_for_commitment()  # announces a key the member list below does not carry
+    opened = RoundOpen.model_construct(
+        run_id="run",
+        round=0,
+        attempt=1,
+        secagg_members=tuple(encode_member(m) for m in members),
+        secagg_threshold=2,
+        secagg_neighbours=0,
+    )
+    release = PseudoGradient(
+        participant_id="a",
+        round=0,
+        delta={"w": np.zeros(6, np.float32)},
+        l2_norm=0.0,
+        dataset_root=None,
+        num_examples=1,
+    )
+    with pytest.raises(SecureAggregationError, match="never announced"):
+        role.mask_release(release, opened, LensembleConfig())
+    role.announced[keys["a"].mask_public.hex()] = keys["a"].mask_private  # the listed key
+    with pytest.raises(SecureAggregationError, match="another sealing key"):
+        role.mask_release(release, opened, LensembleConfig())
+
+
+def test_a_masked_update_carries_no_norm_and_a_plaintext_one_no_mask_key(trio) -> None:
+    keys, members = trio
+    good = to_wire(masked_update("a", keys, members))
+    with pytest.raises(RoundError, match="no norm"):
+        from_wire({**good, "l2_norm": 1.0})
+    plain = to_wire(
+        Update(
+            run_id="run",
+            round=0,
+            sender="a",
+            participant_id="a",
+            dataset_root=None,
+            delta={"w": np.zeros(6, np.float32)},
+            num_examples=1,
+        )
+    )
+    with pytest.raises(RoundError, match="mask keys belong to masked updates"):
+        from_wire({**plain, "next_mask_key": "00" * 32})

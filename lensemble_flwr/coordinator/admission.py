@@ -12,8 +12,8 @@ deliberate exception: a Refusal is recorded before the error it reports is raise
 the participant's word, not a fault of the message).
 
 The base table (:data:`ADMISSION`) is the plaintext round's; a round mode adds or replaces
-entries (a masked round admits unmask responses while AGGREGATING, and keeps each
-member's mask-key shares with its update).
+entries (a masked round admits unmask responses while AGGREGATING, and keeps the next
+mask key each member announces with its update).
 """
 
 from __future__ import annotations

@@ -61,7 +61,6 @@ class Attempt:
     sketch_fingerprint: str | None = None  # gauge alignment: the round's sketch
     members: list[Member] | None = None  # a masked round's member set, once fixed
     members_sent: set[str] = dataclasses.field(default_factory=set)
-    key_shares: dict[str, dict[str, bytes]] = dataclasses.field(default_factory=dict)
     invited: set[str] = dataclasses.field(default_factory=set)
     admitted: set[str] = dataclasses.field(default_factory=set)
     roots: dict[str, str | None] = dataclasses.field(default_factory=dict)

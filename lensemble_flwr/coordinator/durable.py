@@ -6,10 +6,9 @@ configuration and every attempt. Two more things are needed to pick a run up aga
 
 * **the participant registry** (kept by :mod:`lensemble_flwr.identity.registry_store`) —
   every participant's current commitment (dataset root, example count, public keys) and,
-  for masked rounds, which members' mask keys were revealed and which mask-key shares are
-  kept for them. It is written whenever it changed, before anything that depends on it
-  can reach the ledger: before a round's sum is revealed, and before a dropped member's
-  mask key is requested.
+  for masked rounds, each participant's unspent mask key. It is written whenever it
+  changed, before anything that depends on it can reach the ledger: when a masked round's
+  member set is fixed (spending their keys), and before a round's sum is revealed.
 * **the closing entry** — the manifest entry of the round being committed, written just
   before its ledger record. A crash between the record (the commit) and the manifest entry
   then loses nothing: resume writes this entry, not a reconstruction from the record.

@@ -16,7 +16,7 @@ question         plaintext                    masked (secure aggregation)
 ``eligible``     every invited participant    the members
 ``invitation``   once per participant         again to members, once they are fixed
 ``admission``    :data:`.admission.ADMISSION` + unmask responses while AGGREGATING;
-                                              an update keeps its mask-key shares
+                                              an update announces its next mask key
 ``reveal``       the sum, self-checked        one unmask exchange, then the same
 ===============  ===========================  ========================================
 """
@@ -48,7 +48,7 @@ from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskRes
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.participant_role import encode_member
-from lensemble_flwr.secagg.protocol import context_of
+from lensemble_flwr.secagg.protocol import Disclosure, context_of
 from lensemble_flwr.transports.base import COORDINATOR
 
 log = logging.getLogger(__name__)
@@ -150,21 +150,15 @@ class PlaintextMode:
 def admit_member_update(
     attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
 ) -> Verdict:
-    """Admit a member's update. Its first update of a member set also carries its
-    sealed mask-key shares: once the update passed every check, they are kept durably
-    *before* it is folded, so that no crash from here on can lose them (a member sends
-    them once per member set, and again only when a RoundOpen says the coordinator
-    lacks them: ``send_key_shares``)."""
+    """Admit a member's update. Once it passed every check, the mask key it announces
+    for its next round becomes its unspent key (kept with the registry, which is stored
+    before the sum is revealed), then the update is folded."""
     summed = check_update(attempt, msg, ingress)
     aggregator = attempt.aggregator
     assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
     aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
-    pid = msg.participant_id
-    if msg.key_shares and pid in _member_ids(attempt):
-        assert attempt.members is not None
-        attempt.key_shares[pid] = ingress.registry.store_shares(
-            pid, attempt.members, msg.key_shares
-        )
+    if msg.next_mask_key is not None:
+        ingress.registry.announce(msg.participant_id, msg.next_mask_key)
     return fold_update(attempt, msg, summed, ingress, fields)
 
 
@@ -184,8 +178,8 @@ MASKED_ADMISSION: Table = MappingProxyType(
         (RoundState.AGGREGATING, UnmaskResponse): take_disclosure,
     }
 )
-"""A masked round's admission table: the plaintext one, with member updates that keep
-their mask-key shares and the unmask responses of AGGREGATING."""
+"""A masked round's admission table: the plaintext one, with member updates that announce
+their next mask key and the unmask responses of AGGREGATING."""
 
 
 def _member_ids(attempt: Attempt) -> set[str]:
@@ -220,8 +214,8 @@ class MaskedMode:
             return
         if not final and set(keyed) != reachable:
             return  # somebody is still committing its keys
-        members = self.registry.members(keyed)
-        attempt.key_shares.update(self.registry.membership.shares_for(members))
+        members = self.registry.members(keyed)  # spends their mask keys: durably, so
+        self.registry.persist()  # that no restart lists a key a participant deleted
         attempt.members = members
         fed = self.config.federation
         attempt.aggregator = SecureAggregator(
@@ -230,7 +224,6 @@ class MaskedMode:
             members=members,
             threshold=fed.secagg_threshold,
             context=context_of(self.run_id, attempt.round, attempt.number),
-            mask_key_shares=attempt.key_shares,
             degree=fed.secagg_neighbours,
         )
 
@@ -248,14 +241,14 @@ class MaskedMode:
         attempt.invited.add(peer)
         fed = self.config.federation
         changes: dict[str, object] = {
-            "needs_commitment": not self.registry.keyed(peer),
-            "rekey": peer in self.registry.membership.compromised,
+            # a member masks with the key the members list; anyone else needs an unspent
+            # key (and a binding) to be a member of a later attempt
+            "needs_commitment": peer not in members and not self.registry.keyed(peer),
             "secagg_threshold": fed.secagg_threshold,
             "secagg_neighbours": fed.secagg_neighbours,
         }
         if peer in members:
             changes["secagg_members"] = tuple(encode_member(m) for m in attempt.members or [])
-            changes["send_key_shares"] = peer not in attempt.key_shares
             attempt.members_sent.add(peer)
         return attempt.round_open.model_copy(update=changes)
 
@@ -267,9 +260,6 @@ class MaskedMode:
         if exchange is None:  # conclude_collected refuses masked rounds before this
             raise SecureAggregationError("a masked round needs an unmask exchange")
         requests = aggregator.disclosure_requests()
-        # The dropped members' mask keys are about to be reconstructed: record that before
-        # asking, so that no restart can forget it and admit those keys again.
-        self.registry.revealed(aggregator.dropped)
         messages = {
             holder: UnmaskRequest(
                 run_id=self.run_id,
@@ -278,10 +268,7 @@ class MaskedMode:
                 sender=COORDINATOR,
                 survivors=request.survivors,
                 dropped=request.dropped,
-                sealed={
-                    s: c.hex()
-                    for s, c in {**request.self_mask_shares, **request.mask_key_shares}.items()
-                },
+                sealed={s: c.hex() for s, c in request.self_mask_shares.items()},
             )
             for holder, request in requests.items()
         }
@@ -289,15 +276,17 @@ class MaskedMode:
         return revealed_and_checked(aggregator)
 
 
-def _parse_shares(response: UnmaskResponse) -> dict[str, dict[str, tuple[int, int]]]:
-    """An UnmaskResponse's 'x:y_hex' shares as (x, y) pairs."""
+def _parse_shares(response: UnmaskResponse) -> Disclosure:
+    """An UnmaskResponse as a Disclosure ('x:y_hex' shares as (x, y); seeds as bytes)."""
     try:
-        return {
-            which: {s: (int(v.split(":")[0]), int(v.split(":")[1], 16)) for s, v in shares.items()}
-            for which, shares in (("b", response.b_shares), ("m", response.m_shares))
+        self_mask = {
+            s: (int(v.split(":")[0]), int(v.split(":")[1], 16))
+            for s, v in response.b_shares.items()
         }
     except (ValueError, IndexError):
         raise RoundError(f"{response.participant_id}: malformed shares") from None
+    pair_seeds = {d: bytes.fromhex(h) for d, h in response.pair_seeds.items()}  # hex: checked
+    return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
 
 
 def mode_for(

@@ -23,7 +23,7 @@ from lensemble_flwr.errors import (
     RoundError,
     UnboundContribution,
 )
-from lensemble_flwr.identity.registry_store import load_registry, save_registry, save_shares
+from lensemble_flwr.identity.registry_store import load_registry, save_registry
 from lensemble_flwr.identity.signing import parse_public_key, verify_signature
 from lensemble_flwr.protocol.messages import Commitment, ParticipantMessage, Update
 from lensemble_flwr.secagg.membership import Membership
@@ -60,7 +60,7 @@ class ParticipantRegistry:
             except ForgedMessage as exc:
                 raise ConfigError(f"identities[{pid}]", str(exc)) from None
         self.commitments: dict[str, Commitment] = {}
-        self.membership = Membership()  # masked rounds: keys, compromises, key shares
+        self.membership = Membership()  # masked rounds: the unspent mask keys
         self._dirty = False
         self._warned_unbound: set[str] = set()
 
@@ -74,11 +74,14 @@ class ParticipantRegistry:
         return pid in self.commitments
 
     def keyed(self, pid: str) -> bool:
-        """Bound with masking keys that were never revealed: may be a masked-round member."""
+        """Bound with a sealing key and an unspent mask key: may be a masked-round member."""
         return self.membership.keyed(self.commitments.get(pid))
 
     def members(self, pids: Iterable[str]) -> list[Member]:
-        return self.membership.members(pids, self.commitments)
+        """The members ``pids`` with their keys; listing them spends their mask keys."""
+        members = self.membership.members(pids, self.commitments)
+        self._dirty = True
+        return members
 
     def bind(self, commitment: Commitment) -> None:
         """Bind a participant to its dataset root; the binding outlives the round.
@@ -95,30 +98,16 @@ class ParticipantRegistry:
             )
         if prior is None:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
-        self.membership.rebound(prior, commitment)
         if commitment != prior:
+            self.membership.rebound(prior, commitment)
             self.commitments[pid] = commitment
             self._dirty = True
 
     # -- masked rounds ------------------------------------------------------------------
-    def store_shares(
-        self, pid: str, members: list[Member], sealed_hex: Mapping[str, str]
-    ) -> dict[str, bytes]:
-        """Keep ``pid``'s sealed mask-key shares for ``members``, durably at once: a member
-        sends them once per member set, and again only when a RoundOpen asks for them."""
-        shares = self.membership.store_shares(pid, members, sealed_hex)
-        save_shares(self.store, pid, self.membership)
-        return shares
-
-    def revealed(self, pids: Iterable[str]) -> None:
-        """These members' mask keys are (about to be) reconstructed: durably compromised,
-        so that no restart can forget it and admit the same keys again."""
-        new = set(pids) - self.membership.compromised
-        if not new:
-            return  # nothing changed: nothing to write
-        self.membership.revealed(new)
+    def announce(self, pid: str, mask_key: str) -> None:
+        """``pid`` announced its next round's mask key (kept with the next persist)."""
+        self.membership.announce(pid, mask_key)
         self._dirty = True
-        self.persist()
 
     def persist(self) -> None:
         """Store the registry if it changed since it was last stored."""

@@ -234,8 +234,8 @@ class Participant:
             )
             return
         masked_round = self.config.federation.secagg_threshold > 0
-        if (msg.needs_commitment or msg.rekey) and self.dataset_root is not None:
-            keys = self.masking.keys_for_commitment(msg.rekey) if masked_round else {}
+        if msg.needs_commitment and self.dataset_root is not None:
+            keys = self.masking.keys_for_commitment() if masked_round else {}
             self._send(
                 msg.sender,
                 Commitment(
@@ -264,7 +264,7 @@ class Participant:
                     **common,
                     "dataset_root": released.dataset_root,
                     "delta": released.delta,
-                    "l2_norm": released.l2_norm,
+                    "l2_norm": None if masked_round else released.l2_norm,
                     "num_examples": released.num_examples,
                     "transforms": released.transforms,
                     "epsilon": released.epsilon,

@@ -133,7 +133,9 @@ class RoundOpen(_Message):
     probe_hash: str = ""
     landmark_hashes: tuple[str, ...] = ()
     needs_commitment: bool = Field(
-        True, description="The recipient is not bound yet: send a Commitment with the update."
+        True,
+        description="Send a Commitment: the recipient is not bound yet or, in a masked "
+        "round, has no unspent mask key (the Commitment brings a fresh one).",
     )
     secagg_members: tuple[str, ...] = Field(
         (), description="Masked round: 'pid:mask_key:enc_key' of every member (sorted)."
@@ -141,12 +143,6 @@ class RoundOpen(_Message):
     secagg_threshold: int = Field(0, ge=0)
     secagg_neighbours: int = Field(
         0, ge=0, description="Masked: pairwise masks with this many neighbours (0: all)."
-    )
-    rekey: bool = Field(False, description="The recipient's mask key was revealed: rotate.")
-    send_key_shares: bool = Field(
-        False,
-        description="Masked: the coordinator holds none of the recipient's mask-key shares "
-        "for this member set (e.g. after a restart); send them with the update.",
     )
 
     @model_validator(mode="after")
@@ -204,7 +200,12 @@ class Update(_FromParticipant):
     kind: Literal[MessageKind.UPDATE] = MessageKind.UPDATE
     dataset_root: str | None = Field(pattern=_HEX64)
     delta: NamedArraysField
-    l2_norm: float = Field(ge=0, allow_inf_nan=False)
+    l2_norm: float | None = Field(
+        None,
+        ge=0,
+        description="Plaintext only, informational: the norm of delta. A masked update "
+        "never carries it (it would leak what the mask hides).",
+    )
     num_examples: int = Field(ge=1)
     transforms: tuple[str, ...] = ()
     epsilon: float | None = Field(
@@ -217,8 +218,8 @@ class Update(_FromParticipant):
     sealed_shares: dict[str, str] | None = Field(
         None, description="Masked: per member, this round's self-mask share sealed for it."
     )
-    key_shares: dict[str, str] | None = Field(
-        None, description="Masked, once per member set: mask-key shares sealed per member."
+    next_mask_key: str | None = Field(
+        None, pattern=_HEX64, description="Masked: the mask key of the sender's next round."
     )
     sketch_fingerprint: str | None = Field(
         None, pattern=_HEX64, description="Gauge alignment: fingerprint of the sketch A used."
@@ -233,9 +234,11 @@ class Update(_FromParticipant):
         if self.masked:
             if int64 != set(self.delta) or self.scales is not None or not self.sealed_shares:
                 raise ValueError("a masked update carries int64 arrays and sealed shares only")
+            if self.l2_norm is not None:
+                raise ValueError("a masked update carries no norm: it would leak")
             return self
-        if int64 or self.sealed_shares is not None:
-            raise ValueError("int64 arrays and sealed shares belong to masked updates")
+        if int64 or self.sealed_shares is not None or self.next_mask_key is not None:
+            raise ValueError("int64 arrays, sealed shares and mask keys belong to masked updates")
         int8 = {n for n, a in self.delta.items() if a.dtype == np.int8}
         if self.scales is None and int8:
             raise ValueError(f"int8 arrays {sorted(int8)} without scales")
@@ -280,17 +283,20 @@ class UnmaskRequest(_Message):
 
 
 class UnmaskResponse(_FromParticipant):
-    """Member → coordinator: the self-mask share of each survivor, the mask-key share of
-    each dropped member; never both for one sender."""
+    """Surviving member → coordinator: its share of each survivor's self mask, and its
+    pairwise seed (of this round attempt only) with each dropped neighbour; never both
+    for one sender."""
 
     kind: Literal[MessageKind.UNMASK_RESPONSE] = MessageKind.UNMASK_RESPONSE
     b_shares: dict[str, str] = Field(description="survivor -> 'x:y_hex'")
-    m_shares: dict[str, str] = Field(description="dropped member -> 'x:y_hex'")
+    pair_seeds: dict[str, Annotated[str, Field(pattern=_HEX64)]] = Field(
+        description="dropped neighbour -> the pairwise seed with it (hex)"
+    )
 
     @model_validator(mode="after")
-    def _one_share_per_sender(self) -> UnmaskResponse:
-        if set(self.b_shares) & set(self.m_shares):
-            raise ValueError("both shares of one sender disclosed")
+    def _one_secret_per_sender(self) -> UnmaskResponse:
+        if set(self.b_shares) & set(self.pair_seeds):
+            raise ValueError("both secrets of one sender disclosed")
         return self
 
 

@@ -23,17 +23,17 @@ from lensemble_flwr.errors import (
     SecureAggregationError,
 )
 from lensemble_flwr.protocol.messages import Update
-from lensemble_flwr.secagg.protocol import MaskedSum, Member, Shares
+from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member
 
 
 @dataclasses.dataclass(frozen=True)
 class DisclosureRequest:
-    """What one surviving member is asked: its shares of each sender."""
+    """What one surviving member is asked: its share of each survivor's self mask
+    (sealed for it by that survivor) and its pairwise seed with each dropped neighbour."""
 
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     self_mask_shares: dict[str, bytes]
-    mask_key_shares: dict[str, bytes]
 
 
 class SecureAggregator:
@@ -45,7 +45,7 @@ class SecureAggregator:
         members: the round's members and their public keys.
         threshold: shares needed to recover a mask secret.
         context: the round attempt's context (``protocol.context_of``).
-        mask_key_shares: sender -> holder -> its sealed mask-key share, for this member set.
+        degree: the neighbour graph (0: every member masks with every other).
     """
 
     def __init__(
@@ -56,7 +56,6 @@ class SecureAggregator:
         members: Sequence[Member],
         threshold: int,
         context: bytes,
-        mask_key_shares: Mapping[str, Mapping[str, bytes]],
         degree: int = 0,
     ) -> None:
         bound = len(members) * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
@@ -71,10 +70,9 @@ class SecureAggregator:
             template, members, threshold=threshold, context=context, degree=degree
         )
         self._member_ids = {m.pid for m in members}
-        self._key_shares = mask_key_shares
         self._self_shares: dict[str, dict[str, bytes]] = {}
         self._weights: dict[str, int] = {}
-        self._disclosures: dict[str, Shares] = {}
+        self._disclosures: dict[str, Disclosure] = {}
         self._revealed: AggregateSum | None = None
 
     def admit(self, update: Update, *, weight: int) -> None:
@@ -119,23 +117,28 @@ class SecureAggregator:
                 survivors=survivors,
                 dropped=dropped,
                 self_mask_shares={s: self._self_shares[s][holder] for s in survivors},
-                mask_key_shares={
-                    d: self._key_shares[d][holder]
-                    for d in dropped
-                    if holder in self._key_shares.get(d, {})
-                },
             )
             for holder in survivors
         }
 
-    def disclose(self, holder: str, shares: Shares) -> None:
-        """Record one survivor's disclosure (refused if it tries to give both of a sender's
-        shares, or comes from a non-survivor)."""
+    def disclose(self, holder: str, disclosure: Disclosure) -> None:
+        """Record one survivor's disclosure, or raise and record nothing.
+
+        Raises:
+            RoundError: the holder is not a survivor, it names a self mask of anyone but
+                a survivor or a pairwise seed with anyone but a dropped member (which
+                covers disclosing both of one sender), or a seed is not 32 bytes.
+        """
         if holder not in self._weights:
             raise RoundError(f"{holder}: only survivors disclose")
-        if set(shares.get("b", {})) & set(shares.get("m", {})):
-            raise RoundError(f"{holder}: disclosed both shares of one sender")
-        self._disclosures[holder] = shares
+        survivors, dropped = set(self._weights), set(self._sum.dropped)
+        if not set(disclosure.self_mask) <= survivors:
+            raise RoundError(f"{holder}: disclosed the self mask of a member that dropped")
+        if not set(disclosure.pair_seeds) <= dropped:
+            raise RoundError(f"{holder}: disclosed a pairwise seed with a survivor")
+        if any(len(seed) != 32 for seed in disclosure.pair_seeds.values()):
+            raise RoundError(f"{holder}: a pairwise seed is not 32 bytes")
+        self._disclosures[holder] = disclosure
 
     @property
     def dropped(self) -> list[str]:

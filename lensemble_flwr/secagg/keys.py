@@ -1,8 +1,9 @@
 """A participant's secure-aggregation keys and what is derived from them.
 
-Two X25519 key pairs: one whose Diffie-Hellman secrets seed the pairwise masks, one whose
-secrets key the authenticated encryption (ChaCha20-Poly1305) of the shares a participant
-sends to its peers through the aggregator. Derivations are HKDF-SHA256 with a context
+Two X25519 key pairs: a mask key, whose Diffie-Hellman secrets seed the pairwise masks of
+one round attempt (a fresh one every round), and a sealing key, whose secrets key the
+authenticated encryption (ChaCha20-Poly1305) of the shares a participant sends to its
+peers through the aggregator. Derivations are HKDF-SHA256 with a context
 that names the run, the round and the attempt, so no seed is ever used twice.
 """
 
@@ -46,30 +47,38 @@ def _public(raw: bytes) -> X25519PublicKey:
     return X25519PublicKey.from_public_bytes(raw)
 
 
+def new_private_key() -> bytes:
+    """A fresh X25519 private key (raw, 32 bytes)."""
+    return _raw_private(X25519PrivateKey.generate())
+
+
+def public_key(private: bytes) -> bytes:
+    """The raw public half of a raw X25519 private key."""
+    return _raw_public(_private(private))
+
+
 def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
 
 
 @dataclasses.dataclass(frozen=True)
 class SecAggKeys:
-    """A participant's two key pairs, as raw 32-byte strings."""
+    """The private halves of a round's mask key and of the sealing key (raw, 32 bytes)."""
 
     mask_private: bytes
     enc_private: bytes
 
     @classmethod
     def generate(cls) -> SecAggKeys:
-        return cls(
-            _raw_private(X25519PrivateKey.generate()), _raw_private(X25519PrivateKey.generate())
-        )
+        return cls(new_private_key(), new_private_key())
 
     @property
     def mask_public(self) -> bytes:
-        return _raw_public(X25519PrivateKey.from_private_bytes(self.mask_private))
+        return public_key(self.mask_private)
 
     @property
     def enc_public(self) -> bytes:
-        return _raw_public(X25519PrivateKey.from_private_bytes(self.enc_private))
+        return public_key(self.enc_private)
 
 
 def pair_seed(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:

@@ -1,10 +1,11 @@
-"""The coordinator's record of who may take part in masked rounds.
+"""The coordinator's record of who may take part in masked rounds, and with which key.
 
-A participant may be a member once it is bound with both public keys and its mask key
-was never revealed. When a member drops out of a round, its mask key is reconstructed to
-unmask around it: it is *compromised* until it commits new keys. The coordinator also
-keeps, per participant, the mask-key shares it sealed for a member set (they are used
-only if it drops out of a later round with the same set).
+A participant may be a member of a masked round when it is bound with a sealing key and
+has announced a mask key that no round attempt listed yet. Mask keys serve one attempt:
+the first comes with the participant's Commitment, each next one with its masked update.
+Listing a member set *spends* its keys, whether or not the members then contribute; a
+participant whose key was spent and who announced no other one commits a fresh key
+before it can be a member again.
 """
 
 from __future__ import annotations
@@ -12,99 +13,61 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lensemble_flwr.errors import RoundError
 from lensemble_flwr.protocol.messages import Commitment
-from lensemble_flwr.secagg.protocol import Member, members_digest
+from lensemble_flwr.secagg.protocol import Member
 
 
 class Membership:
-    """Keys, compromised members, and stored mask-key shares, across rounds."""
+    """The unspent mask key of each participant, across rounds."""
 
     def __init__(self) -> None:
-        self.compromised: set[str] = set()
-        self._shares: dict[str, tuple[str, dict[str, bytes]]] = {}  # pid -> (set, shares)
+        self.mask_keys: dict[str, str] = {}  # pid -> its announced, unspent mask key (hex)
 
     def keyed(self, commitment: Commitment | None) -> bool:
-        """Bound, with keys that were never revealed: may be a member of a masked round."""
+        """Bound with a sealing key and an unspent mask key: may be a member."""
         return (
             commitment is not None
-            and bool(commitment.mask_key and commitment.enc_key)
-            and commitment.participant_id not in self.compromised
+            and bool(commitment.enc_key)
+            and commitment.participant_id in self.mask_keys
         )
 
-    @staticmethod
-    def members(pids: Iterable[str], commitments: Mapping[str, Commitment]) -> list[Member]:
-        """The Members (ids and public keys) of ``pids``, sorted."""
-        return [
-            Member(
-                p,
-                bytes.fromhex(str(commitments[p].mask_key)),
-                bytes.fromhex(str(commitments[p].enc_key)),
-            )
+    def members(self, pids: Iterable[str], commitments: Mapping[str, Commitment]) -> list[Member]:
+        """The Members (ids, unspent mask keys, sealing keys) of ``pids``, sorted; their
+        mask keys are spent from now on."""
+        members = [
+            Member(p, bytes.fromhex(self.mask_keys[p]), bytes.fromhex(str(commitments[p].enc_key)))
             for p in sorted(pids)
         ]
-
-    def shares_for(self, members: list[Member]) -> dict[str, dict[str, bytes]]:
-        """The stored mask-key shares that were sealed for exactly this member set."""
-        digest = members_digest(members)
-        return {p: shares for p, (d, shares) in self._shares.items() if d == digest}
-
-    def store_shares(
-        self, pid: str, members: list[Member], sealed_hex: Mapping[str, str]
-    ) -> dict[str, bytes]:
-        """Keep ``pid``'s mask-key shares for ``members``; returns them as bytes.
-
-        Raises:
-            RoundError: a share is not hex (nothing is kept).
-        """
-        try:
-            shares = {holder: bytes.fromhex(c) for holder, c in sealed_hex.items()}
-        except (ValueError, TypeError):
-            raise RoundError(f"{pid}: mask-key shares are not hex") from None
-        self._shares[pid] = (members_digest(members), shares)
-        return shares
+        for member in members:
+            del self.mask_keys[member.pid]
+        return members
 
     def rebound(self, prior: Commitment | None, commitment: Commitment) -> None:
-        """A new commitment: new keys end a compromise (and void the old shares)."""
-        if prior is not None and commitment.mask_key and commitment.mask_key != prior.mask_key:
-            self.compromised.discard(commitment.participant_id)
-            self._shares.pop(commitment.participant_id, None)
+        """A commitment that brings a mask key other than the prior one announces it (a
+        copy of the prior commitment announces nothing: its key may be spent)."""
+        fresh = commitment.mask_key and (prior is None or commitment.mask_key != prior.mask_key)
+        if fresh:
+            self.mask_keys[commitment.participant_id] = str(commitment.mask_key)
 
-    def revealed(self, pids: Iterable[str]) -> None:
-        """These members' mask keys were reconstructed: they must rotate them."""
-        self.compromised.update(pids)
+    def announce(self, pid: str, mask_key: str) -> None:
+        """``pid`` announced the mask key of its next round (with a masked update)."""
+        self.mask_keys[pid] = mask_key
 
     def snapshot(self) -> dict[str, Any]:
-        """The compromised members, JSON-compatible (for the coordinator's durable state;
-        the stored shares are kept one participant at a time: :meth:`shares_snapshot`)."""
-        return {"compromised": sorted(self.compromised)}
-
-    def shares_snapshot(self, pid: str) -> dict[str, Any]:
-        """``pid``'s stored mask-key shares, JSON-compatible (none: an empty mapping)."""
-        if pid not in self._shares:
-            return {}
-        digest, sealed = self._shares[pid]
-        return {"members": digest, "sealed": {h: c.hex() for h, c in sorted(sealed.items())}}
-
-    def stored_shares(self) -> dict[str, dict[str, Any]]:
-        """Every participant's stored mask-key shares, as :meth:`shares_snapshot` gives
-        them (participants with none are left out): two records that keep the same
-        shares compare equal."""
-        return {pid: self.shares_snapshot(pid) for pid in sorted(self._shares)}
+        """The unspent mask keys, JSON-compatible (for the coordinator's durable state)."""
+        return {"mask_keys": dict(sorted(self.mask_keys.items()))}
 
     @classmethod
-    def restore(
-        cls, snapshot: Mapping[str, Any], shares: Mapping[str, Mapping[str, Any]] = {}
-    ) -> Membership:
-        """The record :meth:`snapshot` and :meth:`shares_snapshot` were taken of.
+    def restore(cls, snapshot: Mapping[str, Any]) -> Membership:
+        """The record :meth:`snapshot` was taken of (a record without mask keys, e.g. of
+        a run from before keys were per round, restores none: members commit again).
 
         Raises:
-            ValueError, TypeError, KeyError: a snapshot is malformed.
+            ValueError, TypeError, AttributeError: a snapshot is malformed.
         """
         restored = cls()
-        restored.compromised = {str(p) for p in snapshot["compromised"]}
-        for pid, entry in shares.items():
-            if entry:
-                sealed = {str(h): bytes.fromhex(c) for h, c in entry["sealed"].items()}
-                restored._shares[str(pid)] = (str(entry["members"]), sealed)
+        restored.mask_keys = {str(p): str(k) for p, k in snapshot.get("mask_keys", {}).items()}
+        for key in restored.mask_keys.values():
+            if len(bytes.fromhex(key)) != 32:
+                raise ValueError("a mask key is not 32 bytes")
         return restored

@@ -1,10 +1,11 @@
-"""A participant's part in masked rounds: keys, masking its release, disclosing shares.
+"""A participant's part in masked rounds: keys, masking its release, disclosing.
 
 The participant turns its release into the fixed-point integers the plaintext aggregator
-would add (``to_fixed_point``), masks them, and seals a share of its fresh self mask for
-every member; when the member set is new to it, it also seals shares of its mask key.
-Its keys persist with its state; when the coordinator says its mask key was revealed
-(because it dropped out of a round), it rotates them.
+would add (``to_fixed_point``), masks them with a mask key that serves this one round
+attempt, and seals a share of its fresh self mask for every member. With the masked
+update it announces the public half of the key its next round will use; the private
+halves of announced keys stay with the participant and are deleted once used. Its
+sealing key is long-lived: it only ever encrypts shares for one peer.
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.protocol.state import PseudoGradient
-from lensemble_flwr.secagg.keys import SecAggKeys
-from lensemble_flwr.secagg.protocol import (
-    Member,
-    context_of,
-    disclose,
-    mask,
-    members_digest,
-    share_mask_key,
-)
+from lensemble_flwr.secagg.keys import SecAggKeys, new_private_key, public_key
+from lensemble_flwr.secagg.protocol import Member, context_of, disclose, mask
+
+ANNOUNCED_KEYS_KEPT = 4
+"""How many announced, unused mask keys a participant keeps (the coordinator lists only
+the newest one it received; older ones matter only while messages cross)."""
 
 
 def parse_members(encoded: tuple[str, ...]) -> list[Member]:
@@ -45,19 +43,27 @@ class MaskingRole:
 
     def __init__(self, participant_id: str) -> None:
         self.participant_id = participant_id
-        self.keys: SecAggKeys | None = None
-        self.shared_for: str | None = None  # member set its key shares were sealed for
-        self.key_shares: dict[str, str] = {}  # the sealed shares sent for that set (hex)
+        self.enc_private: bytes | None = None  # long-lived: seals shares for one peer
+        self.announced: dict[str, bytes] = {}  # public hex -> private, announced, unused
+        self.round_key: bytes | None = None  # the mask key of the attempt masked last
         self.members: list[Member] = []
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
 
-    def keys_for_commitment(self, rotate: bool) -> dict[str, str]:
-        if self.keys is None or rotate:
-            self.keys = SecAggKeys.generate()
-            self.shared_for = None
-            self.key_shares = {}
-        return {"mask_key": self.keys.mask_public.hex(), "enc_key": self.keys.enc_public.hex()}
+    def _announce(self) -> str:
+        """A fresh mask key: keep its private half, return its public half (hex)."""
+        private = new_private_key()
+        public = public_key(private).hex()
+        self.announced[public] = private
+        while len(self.announced) > ANNOUNCED_KEYS_KEPT:
+            del self.announced[next(iter(self.announced))]  # the oldest
+        return public
+
+    def keys_for_commitment(self) -> dict[str, str]:
+        """The key fields of a Commitment: a fresh mask key, and the sealing key."""
+        if self.enc_private is None:
+            self.enc_private = new_private_key()
+        return {"mask_key": self._announce(), "enc_key": public_key(self.enc_private).hex()}
 
     def is_member(self, msg: RoundOpen) -> bool:
         return any(m.split(":", 1)[0] == self.participant_id for m in msg.secagg_members)
@@ -65,8 +71,16 @@ class MaskingRole:
     def mask_release(
         self, released: PseudoGradient, msg: RoundOpen, config: LensembleConfig
     ) -> dict[str, Any]:
-        """The masked Update's fields for ``released``."""
-        if self.keys is None:
+        """The masked Update's fields for ``released``: it is masked with the key the
+        round lists for this participant, which is then deleted (a key masks once).
+
+        Raises:
+            SecureAggregationError: no sealing key, another neighbour graph than agreed,
+                or the round lists a mask key this participant never announced or has
+                already used.
+            RoundError: the release is not finite or exceeds ``max-abs-update``.
+        """
+        if self.enc_private is None:
             raise SecureAggregationError(f"{self.participant_id}: no keys for a masked round")
         if msg.secagg_neighbours != config.federation.secagg_neighbours:
             raise SecureAggregationError(
@@ -75,6 +89,17 @@ class MaskingRole:
                 f"{config.federation.secagg_neighbours}"
             )
         members = parse_members(msg.secagg_members)
+        mine = [m for m in members if m.pid == self.participant_id]
+        listed = mine[0].mask_public.hex() if len(mine) == 1 else None
+        if listed not in self.announced:
+            raise SecureAggregationError(
+                f"{self.participant_id}: the round lists a mask key this participant does "
+                "not hold (never announced, or already used): nothing is masked"
+            )
+        if len(mine) == 1 and mine[0].enc_public != public_key(self.enc_private):
+            raise SecureAggregationError(
+                f"{self.participant_id}: the round lists another sealing key"
+            )
         agg = config.aggregation
         weight = config.federation.weight_of(released.num_examples)
         scales = released.scales or {}
@@ -88,85 +113,71 @@ class MaskingRole:
         values = to_fixed_point(
             released.delta, {n: unit * scales.get(n, 1.0) for n in released.delta}
         )
+        self.round_key = self.announced.pop(listed)
         self.members = members
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
         masked = mask(
             values,
             me=self.participant_id,
-            keys=self.keys,
+            keys=SecAggKeys(self.round_key, self.enc_private),
             members=members,
             threshold=msg.secagg_threshold,
             context=self.context,
             degree=self.degree,
         )
-        fields: dict[str, Any] = {
+        return {
             "delta": masked.masked,
             "masked": True,
             "scales": None,
             "sealed_shares": {h: c.hex() for h, c in masked.sealed.items()},
+            "next_mask_key": self._announce(),
         }
-        digest = members_digest(members)
-        if digest != self.shared_for:
-            shares = share_mask_key(
-                self.keys,
-                me=self.participant_id,
-                members=members,
-                threshold=msg.secagg_threshold,
-                run_id=msg.run_id,
-            )
-            self.key_shares = {h: c.hex() for h, c in shares.items()}
-            self.shared_for = digest
-            fields["key_shares"] = self.key_shares
-        elif msg.send_key_shares:  # the coordinator lost them (a restart): the same again
-            fields["key_shares"] = self.key_shares
-        return fields
 
     def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
-        """The UnmaskResponse's share fields for ``request``."""
-        if self.keys is None or not self.members:
+        """The UnmaskResponse's fields for ``request``."""
+        if self.enc_private is None or self.round_key is None or not self.members:
             raise SecureAggregationError(f"{self.participant_id}: no masked round to unmask")
         if context_of(request.run_id, request.round, request.attempt) != self.context:
             raise SecureAggregationError(f"{self.participant_id}: unmask request for another round")
-        survivors = set(request.survivors)
-        shares = disclose(
+        try:
+            sealed = {s: bytes.fromhex(c) for s, c in request.sealed.items()}
+        except ValueError:
+            raise SecureAggregationError(
+                f"{self.participant_id}: sealed shares are not hex"
+            ) from None
+        answer = disclose(
             me=self.participant_id,
-            keys=self.keys,
+            keys=SecAggKeys(self.round_key, self.enc_private),
             members=self.members,
-            run_id=request.run_id,
             context=self.context,
             survivors=request.survivors,
             dropped=request.dropped,
-            self_mask_shares={
-                s: bytes.fromhex(c) for s, c in request.sealed.items() if s in survivors
-            },
-            mask_key_shares={
-                s: bytes.fromhex(c) for s, c in request.sealed.items() if s not in survivors
-            },
+            self_mask_shares=sealed,
             degree=self.degree,
         )
         return {
-            "b_shares": {s: f"{x}:{y:x}" for s, (x, y) in shares["b"].items()},
-            "m_shares": {s: f"{x}:{y:x}" for s, (x, y) in shares["m"].items()},
+            "b_shares": {s: f"{x}:{y:x}" for s, (x, y) in answer.self_mask.items()},
+            "pair_seeds": {d: seed.hex() for d, seed in answer.pair_seeds.items()},
         }
 
     def export(self) -> dict[str, Any]:
         return {
-            "keys": None
-            if self.keys is None
-            else [self.keys.mask_private.hex(), self.keys.enc_private.hex()],
-            "shared_for": self.shared_for,
-            "key_shares": self.key_shares,
+            "enc_private": None if self.enc_private is None else self.enc_private.hex(),
+            "announced": {pub: priv.hex() for pub, priv in self.announced.items()},
+            "round_key": None if self.round_key is None else self.round_key.hex(),
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
             "degree": self.degree,
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
-        keys = meta.get("keys")
-        self.keys = SecAggKeys(bytes.fromhex(keys[0]), bytes.fromhex(keys[1])) if keys else None
-        self.shared_for = meta.get("shared_for")
-        self.key_shares = dict(meta.get("key_shares") or {})
+        enc, round_key = meta.get("enc_private"), meta.get("round_key")
+        self.enc_private = bytes.fromhex(enc) if enc else None
+        self.announced = {
+            str(pub): bytes.fromhex(priv) for pub, priv in (meta.get("announced") or {}).items()
+        }
+        self.round_key = bytes.fromhex(round_key) if round_key else None
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))

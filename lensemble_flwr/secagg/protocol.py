@@ -5,14 +5,20 @@ accumulator, so a revealed sum is bitwise the plaintext sum. Participant u sends
 
     y_u = q_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)      (mod 2**64)
 
-where b_u is a fresh self-mask seed and s_uv the pairwise seed agreed by X25519 for this
-round attempt; pairwise masks cancel in the sum of all members. Along with y_u it sends,
-sealed for each member v, a Shamir share of b_u; once per member set it also sends
-shares of its mask key, which the aggregator keeps. To reveal, each responding member
-discloses, for every sender, exactly one of the two: the b-share if the sender's masked
-input was received, the key share if it was not. The aggregator then
-removes the self masks of survivors and the dangling pairwise masks of dropped members.
-A dropped member's mask key is revealed, so it must rotate its keys before it masks again.
+where b_u is a fresh self-mask seed and s_uv = HKDF(X25519(u, v), context) the pairwise
+seed of the round attempt; pairwise masks cancel in the sum of all members. Every mask
+key pair is used for one round attempt only: a member announces the key of its next round
+with this round's update. Along with y_u it sends, sealed for each member v, a Shamir
+share of b_u. To reveal, each surviving member discloses, for every sender, exactly one
+thing: the b-share if the sender's masked input was received; its own pairwise seed with
+the sender, *for this context only*, if it was not. The aggregator then removes the self
+masks of the survivors and the dangling pairwise masks of the dropped members. No private
+key is ever reconstructed, so nothing disclosed in one round says anything about another.
+
+The price of disclosing seeds instead of reconstructing the dropped member's key: every
+survivor with a dropped neighbour must answer the unmask request (its seed with that
+neighbour is known to the two of them only); if one does not, the sum cannot be revealed
+and the attempt is retried. Self masks still need only ``threshold`` answers.
 
 With ``degree`` > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise masks
 only with its ``degree`` neighbours in a ring of the members ordered by a hash of the
@@ -38,7 +44,19 @@ from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.secagg import prg, shamir
 from lensemble_flwr.secagg.keys import SecAggKeys, open_sealed, pair_seed, seal
 
-Shares = dict[str, dict[str, shamir.Share]]  # {"b": {sender: share}, "m": {sender: share}}
+
+@dataclasses.dataclass(frozen=True)
+class Disclosure:
+    """One survivor's answer to the unmask request.
+
+    Attributes:
+        self_mask: survivor -> this holder's Shamir share of its self-mask seed.
+        pair_seeds: dropped neighbour -> this holder's pairwise seed with it (this round
+            attempt's context only).
+    """
+
+    self_mask: dict[str, shamir.Share]
+    pair_seeds: dict[str, bytes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +135,6 @@ def isolated_survivors(
     )
 
 
-def members_digest(members: Sequence[Member]) -> str:
-    """Names a member set (and its keys): mask-key shares are valid for exactly one."""
-    h = hashlib.sha256()
-    for m in _ordered(members):
-        h.update(m.pid.encode() + b"\x00" + m.mask_public + m.enc_public)
-    return h.hexdigest()
-
-
 def _seal_shares(
     secret: bytes,
     keys: SecAggKeys,
@@ -141,21 +151,6 @@ def _seal_shares(
         )
         for holder, (x, y) in zip(ordered, shares, strict=True)
     }
-
-
-def _key_aad(run_id: str, members: Sequence[Member]) -> bytes:
-    return f"{run_id}|mask-key|{members_digest(members)}".encode()
-
-
-def share_mask_key(
-    keys: SecAggKeys, *, me: str, members: Sequence[Member], threshold: int, run_id: str
-) -> dict[str, bytes]:
-    """Shares of this participant's mask key for a member set, sealed per member.
-
-    Sent once per member set (and key): the aggregator keeps them, so that the pairwise
-    masks of a member who drops out of a later round can still be removed.
-    """
-    return _seal_shares(keys.mask_private, keys, me, members, threshold, _key_aad(run_id, members))
 
 
 def mask(
@@ -204,49 +199,53 @@ def disclose(
     me: str,
     keys: SecAggKeys,
     members: Sequence[Member],
-    run_id: str,
     context: bytes,
     survivors: Sequence[str],
     dropped: Sequence[str],
     self_mask_shares: Mapping[str, bytes],
-    mask_key_shares: Mapping[str, bytes],
     degree: int = 0,
-) -> Shares:
-    """A member's answer to the unmask request: for each sender, one share, never two.
+) -> Disclosure:
+    """A member's answer to the unmask request: for each sender one thing, never two.
 
     Args:
+        keys: this round attempt's mask key and the member's sealing key.
         self_mask_shares: survivor -> its self-mask share sealed for me (this round).
-        mask_key_shares: dropped member -> its mask-key share sealed for me (for this
-            member set).
 
     Raises:
-        SecureAggregationError: a sender is named both survivor and dropped (revealing
-            both of its shares would unmask its individual input), a survivor would be
-            left with no surviving neighbour (the same, in a sparse graph), or a sealed
-            share does not authenticate.
+        SecureAggregationError: a sender is named both survivor and dropped (disclosing
+            both would unmask its individual input), the survivors and the dropped are
+            not the members, I am not a survivor, a survivor would be left with no
+            surviving neighbour (in a sparse graph), or a sealed share does not
+            authenticate.
     """
     both = set(survivors) & set(dropped)
     if both:
         raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
+    by_id = {m.pid: m for m in members}
+    named = [*survivors, *dropped]
+    if set(named) != set(by_id) or len(named) != len(by_id):
+        raise SecureAggregationError(
+            "refusing to disclose: the survivors and the dropped are not the members"
+        )
+    if me not in survivors:
+        raise SecureAggregationError(f"refusing to disclose: {me} is not named a survivor")
     alone = isolated_survivors(members, survivors, degree, context)
     if alone:
         raise SecureAggregationError(
             f"refusing to disclose: {alone} would have no surviving neighbour"
         )
-    by_id = {m.pid: m for m in members}
-    out: Shares = {"b": {}, "m": {}}
-    for sender in survivors:
-        if sender in self_mask_shares and sender in by_id:
-            out["b"][sender] = _open_share(
-                keys, by_id[sender], me, self_mask_shares[sender], context
-            )
-    key_aad = _key_aad(run_id, members)
-    for sender in dropped:
-        if sender in mask_key_shares and sender in by_id:
-            out["m"][sender] = _open_share(
-                keys, by_id[sender], me, mask_key_shares[sender], key_aad
-            )
-    return out
+    self_mask = {
+        sender: _open_share(keys, by_id[sender], me, self_mask_shares[sender], context)
+        for sender in survivors
+        if sender in self_mask_shares
+    }
+    near = set(neighbours(me, members, degree, context))
+    pair_seeds = {
+        peer: pair_seed(keys.mask_private, by_id[peer].mask_public, context)
+        for peer in dropped
+        if peer in near
+    }
+    return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
 
 
 class MaskedSum:
@@ -296,12 +295,13 @@ class MaskedSum:
     def dropped(self) -> list[str]:
         return [m.pid for m in self.members if m.pid not in self.survivors]
 
-    def reveal(self, disclosures: Mapping[str, Shares]) -> NamedArrays:
-        """The sum of the survivors' values, from the members' disclosures.
+    def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
+        """The sum of the survivors' values, from the survivors' disclosures.
 
         Raises:
-            SecureAggregationError: fewer survivors, or fewer shares of a secret, than the
-                threshold, or a survivor with no surviving neighbour.
+            SecureAggregationError: fewer survivors, or fewer shares of a self mask, than
+                the threshold; a survivor with no surviving neighbour; or a survivor
+                that did not disclose its pairwise seed with a dropped neighbour.
         """
         if len(self.survivors) < self.threshold:
             raise SecureAggregationError(
@@ -312,23 +312,26 @@ class MaskedSum:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
             )
-        collected: Shares = {"b": {}, "m": {}}
+        self_mask: dict[str, dict[int, shamir.Share]] = {}
         for answer in disclosures.values():
-            for which in ("b", "m"):
-                for sender, share in answer.get(which, {}).items():
-                    collected[which].setdefault(sender, {})[share[0]] = share  # type: ignore[index]
+            for sender, share in answer.self_mask.items():
+                self_mask.setdefault(sender, {})[share[0]] = share
         total = self._sum.copy()
-        by_id = {m.pid: m for m in self.members}
         streams = [
-            (shamir.combine(list(collected["b"].get(pid, {}).values()), self.threshold), -1)
+            (shamir.combine(list(self_mask.get(pid, {}).values()), self.threshold), -1)
             for pid in self.survivors
         ]
+        survivors = set(self.survivors)
         for pid in self.dropped:
-            near = set(neighbours(pid, self.members, self.degree, self.context))
-            key = shamir.combine(list(collected["m"].get(pid, {}).values()), self.threshold)
-            for survivor in (s for s in self.survivors if s in near):
-                seed = pair_seed(key, by_id[survivor].mask_public, self.context)
+            near = survivors.intersection(neighbours(pid, self.members, self.degree, self.context))
+            for survivor in sorted(near):
+                answer = disclosures.get(survivor)
+                if answer is None or pid not in answer.pair_seeds:
+                    raise SecureAggregationError(
+                        f"{survivor} did not disclose its pairwise seed with dropped {pid}: "
+                        "its mask stays in the sum"
+                    )
                 # the survivor added +stream if it sorts before the dropped member
-                streams.append((seed, -1 if survivor < pid else +1))
+                streams.append((answer.pair_seeds[pid], -1 if survivor < pid else +1))
         prg.add_streams(streams, total)
         return _unflatten(total, self._template)

@@ -52,8 +52,8 @@ KILL_POINTS: tuple[KillPoint, ...] = (
     KillPoint("collecting", "quorum reached: RoundOpens sent, no update admitted yet"),
     KillPoint(
         MID_COLLECTING,
-        "as the attempt's second update is admitted: bindings of this attempt are in memory "
-        "only; mask-key shares received so far are stored",
+        "as the attempt's second update is admitted: bindings of this attempt and the next "
+        "mask keys announced so far are in memory only",
     ),
     KillPoint(
         "aggregating", "the contributing set is frozen, the participant registry stored; no sum"

@@ -1,0 +1,314 @@
+"""Attacks on secure aggregation by an honest-but-curious coordinator: from its own
+transcript, it must never recover an individual release (issue 12, §1).
+
+The attack that worked before: mask keys were reused across rounds, so a member whose
+self mask was revealed in round t (it survived) and whose mask key was reconstructed in a
+later round (it dropped, or was late) had its round-t release recovered bit for bit from
+the commitments' public keys, its masked update, the self-mask shares of round t and the
+mask-key shares of the later round. Now every round attempt masks with fresh keys, and no
+private key is ever reconstructed: survivors disclose their seeds with a dropped member
+for that one round attempt only.
+
+The scripted attack below uses everything the coordinator holds; a positive control runs
+the same attack with the key it would have needed and recovers the release, so the test
+fails if the protocol ever hands the coordinator that key again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from federation_helpers import federation, small_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
+
+from lensemble_flwr.aggregation.fixed_point import to_fixed_point
+from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.secagg import prg, shamir
+from lensemble_flwr.secagg.keys import SecAggKeys, pair_seed
+from lensemble_flwr.secagg.participant_role import parse_members
+from lensemble_flwr.secagg.protocol import (
+    MaskedSum,
+    Member,
+    context_of,
+    disclose,
+    isolated_survivors,
+    mask,
+    neighbours,
+)
+from lensemble_flwr.testing import DeliveryLog, FaultPlan
+
+THRESHOLD = 3
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _flat(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(arrays[n], np.int64).reshape(-1) for n in sorted(arrays)])
+
+
+def hex_secrets(value: Any) -> set[bytes]:
+    """Every 32-byte value written as hex anywhere in a payload (keys, seeds, digests)."""
+    found: set[bytes] = set()
+    if isinstance(value, str):
+        for part in value.split(":"):
+            if _HEX64.match(part):
+                found.add(bytes.fromhex(part))
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            found |= hex_secrets(k) | hex_secrets(v)
+    elif isinstance(value, list | tuple | set):
+        for v in value:
+            found |= hex_secrets(v)
+    return found
+
+
+def combined_shares(transcript: Iterable[Mapping[str, Any]]) -> dict[tuple, bytes]:
+    """(round, attempt, sender) -> the secret its disclosed Shamir shares recover, for
+    every sender with enough of them in the transcript."""
+    shares: dict[tuple, dict[int, tuple[int, int]]] = {}
+    for p in transcript:
+        if kind_of(p) is MessageKind.UNMASK_RESPONSE:
+            for sender, share in p["b_shares"].items():
+                x, y = share.split(":")
+                shares.setdefault((p["round"], p["attempt"], sender), {})[int(x)] = (
+                    int(x),
+                    int(y, 16),
+                )
+    out = {}
+    for key, found in shares.items():
+        try:
+            out[key] = shamir.combine(list(found.values()), THRESHOLD)
+        except SecureAggregationError:
+            continue
+    return out
+
+
+def unmask_with(
+    masked: np.ndarray, me: str, self_seed: bytes, seeds: Mapping[str, bytes]
+) -> np.ndarray:
+    """``masked`` minus the self mask and the pairwise masks of ``seeds`` (peer -> seed)."""
+    total = masked.copy()
+    streams = [(self_seed, -1)] + [(s, -1 if me < peer else +1) for peer, s in seeds.items()]
+    prg.add_streams(streams, total)
+    return total
+
+
+def recover(
+    transcript: list[Mapping[str, Any]], target: str, round: int, attempt: int, *extra: bytes
+) -> np.ndarray | None:
+    """The coordinator's attack on ``target``'s masked update of one round attempt, with
+    everything in the transcript (and ``extra`` candidate keys): its self mask from the
+    disclosed shares, then every 32-byte value as the target's mask key, and every
+    combination of disclosed seeds as its pairwise seeds. Returns every candidate plaintext
+    it can build (stacked); the caller compares them with the truth."""
+    (update,) = [
+        p
+        for p in transcript
+        if kind_of(p) is MessageKind.UPDATE
+        and (p["participant_id"], p["round"], p["attempt"]) == (target, round, attempt)
+    ]
+    (opened,) = {
+        tuple(p["secagg_members"])
+        for p in transcript
+        if kind_of(p) is MessageKind.ROUND_OPEN
+        and (p["round"], p["attempt"]) == (round, attempt)
+        and p["secagg_members"]
+    }
+    members = parse_members(opened)
+    peers = [m for m in members if m.pid != target]
+    secrets = combined_shares(transcript)
+    self_seed = secrets.get((round, attempt, target))
+    if self_seed is None:
+        return None  # the self mask was never disclosed: nothing to start from
+    context = context_of(update["run_id"], round, attempt)
+    masked = _flat(update["delta"])
+    candidates = []
+    keys = set().union(*(hex_secrets(p) for p in transcript)) | set(secrets.values()) | set(extra)
+    for key in keys:  # the target's round key, were it anywhere in the transcript
+        seeds = {m.pid: pair_seed(key, m.mask_public, context) for m in peers}
+        candidates.append(unmask_with(masked, target, self_seed, seeds))
+    disclosed = sorted(
+        {
+            bytes.fromhex(h)
+            for p in transcript
+            if kind_of(p) is MessageKind.UNMASK_RESPONSE
+            for h in p["pair_seeds"].values()
+        }
+    )
+    for choice in itertools.product(disclosed, repeat=len(peers)):  # the seeds themselves
+        seeds = dict(zip((m.pid for m in peers), choice, strict=True))
+        candidates.append(unmask_with(masked, target, self_seed, seeds))
+    return np.stack(candidates) if candidates else None
+
+
+def release_integers(update: Mapping[str, Any], config) -> np.ndarray:
+    """The fixed-point integers of a plaintext update: what the masked one hides."""
+    weight = config.federation.weight_of(update["num_examples"])
+    unit = float(weight) * 2.0**config.aggregation.fraction_bits
+    return _flat(to_fixed_point(update["delta"], {n: unit for n in update["delta"]}))
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING).rejoin("p02", round=2),
+        FaultPlan().delay("p02", round=1, seconds=1e4),  # late: declared dropped, arrives
+    ],
+    ids=["drops-later", "late-later"],
+)
+def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
+    tmp_path: Path, later: FaultPlan
+) -> None:
+    config = small_config(secagg_threshold=THRESHOLD, min_participants=THRESHOLD)
+    plain, plain_net, _ = federation(
+        tmp_path, config=small_config(min_participants=THRESHOLD), name="plain"
+    )
+    plain_seen = DeliveryLog(plain_net)
+    plain.run(1)
+    coordinator, network, nodes = federation(tmp_path, config=config, name="masked", faults=later)
+    seen = DeliveryLog(network)  # the coordinator's whole transcript, both directions
+    coordinator.run(1)  # round 0: p02 survives, its self mask is disclosed
+    p02 = next(n for n in nodes if n.participant_id == "p02")
+    round_key = p02.masking.round_key  # ground truth, for the positive control only
+    assert round_key is not None
+    coordinator.run(3)  # round 1: p02 drops or is late; then it comes back
+    assert "p02" not in coordinator.outcomes[1].contributors
+    transcript = seen.payloads()
+    late_update = [
+        p
+        for p in transcript
+        if kind_of(p) is MessageKind.UPDATE and p["participant_id"] == "p02" and p["round"] == 1
+    ]
+    assert bool(late_update) == bool(later.delays)  # late: it did arrive; dropped: never
+
+    (plain_update,) = plain_seen.payloads(MessageKind.UPDATE, round=0, source="p02")
+    truth = release_integers(plain_update, config)
+    candidates = recover(transcript, "p02", 0, 1)
+    assert candidates is not None  # its round-0 self mask is known: the attack can start
+    assert not (candidates == truth).all(axis=1).any()  # ...and gets nowhere
+
+    # positive control: with p02's round-0 mask key the same attack succeeds
+    controlled = recover(transcript, "p02", 0, 1, round_key)
+    assert controlled is not None and (controlled == truth).all(axis=1).any()
+
+    # the round p02 was late in: its masked input reached the coordinator, filed late,
+    # and its self mask of that round was never disclosed
+    if late_update:
+        assert "p02" in coordinator.manifest.rounds[1].late
+        assert recover(transcript, "p02", 1, 1) is None
+
+
+# -- the property, over random drop and late patterns -----------------------------------
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(3, 6),
+    rounds=st.integers(2, 4),
+    sparse=st.booleans(),
+    data=st.data(),
+)
+def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
+    n: int, rounds: int, sparse: bool, data: st.DataObject
+) -> None:
+    """Several rounds, fresh keys each (as the participants make them), random members that
+    drop before sending and random ones that are late (their masked input arrives after
+    the set froze). For every (member, round): the transcript never discloses both its
+    self mask and every pairwise mask of that round, no key in the transcript derives the
+    missing ones, and the revealed sum is bitwise the plaintext sum of the survivors."""
+    threshold = data.draw(st.integers(2, n - 1))
+    degree = 2 if sparse and n >= 5 else 0
+    pids = [f"p{i}" for i in range(n)]
+    transcript: list[dict[str, Any]] = []
+    views = []  # (round, member, masked input, its round key)
+    for rnd in range(rounds):
+        keys = {p: SecAggKeys.generate() for p in pids}  # fresh mask keys every round
+        members = [Member(p, keys[p].mask_public, keys[p].enc_public) for p in pids]
+        context = context_of("run", rnd, 1)
+        missing = data.draw(st.sets(st.sampled_from(pids), max_size=n - threshold))
+        late = data.draw(st.sets(st.sampled_from(sorted(missing)))) if missing else set()
+        survivors = [p for p in pids if p not in missing]
+        if isolated_survivors(members, survivors, degree, context):
+            continue  # refused by both sides: tested in test_secagg
+        rng = np.random.default_rng(rnd)
+        values = {p: {"w": rng.integers(-(2**40), 2**40, 7, dtype=np.int64)} for p in pids}
+        releases = {
+            p: mask(
+                values[p],
+                me=p,
+                keys=keys[p],
+                members=members,
+                threshold=threshold,
+                context=context,
+                degree=degree,
+            )
+            for p in pids
+        }
+        summed = MaskedSum(
+            {"w": np.zeros(7)}, members, threshold=threshold, context=context, degree=degree
+        )
+        for p in survivors:
+            summed.add(p, releases[p].masked)
+        answers = {
+            h: disclose(
+                me=h,
+                keys=keys[h],
+                members=members,
+                context=context,
+                survivors=survivors,
+                dropped=summed.dropped,
+                self_mask_shares={s: releases[s].sealed[h] for s in survivors},
+                degree=degree,
+            )
+            for h in survivors
+        }
+        revealed = summed.reveal(answers)
+        with np.errstate(over="ignore"):
+            expected = sum((values[p]["w"] for p in survivors), np.zeros(7, np.int64))
+        np.testing.assert_array_equal(revealed["w"], expected)
+        for p in [*survivors, *sorted(late)]:  # what reached the coordinator
+            transcript.append(
+                {"kind": "update", "round": rnd, "participant_id": p, "masked": releases[p]}
+            )
+            views.append((rnd, p, members, context, keys[p].mask_private))
+        for h, answer in answers.items():
+            transcript.append(
+                {
+                    "kind": "unmask-response",
+                    "round": rnd,
+                    "attempt": 1,
+                    "participant_id": h,
+                    "b_shares": {s: f"{x}:{y:x}" for s, (x, y) in answer.self_mask.items()},
+                    "pair_seeds": {d: s.hex() for d, s in answer.pair_seeds.items()},
+                }
+            )
+        transcript.append(
+            {"kind": "round-open", "members": [m.mask_public.hex() for m in members]}
+        )
+
+    disclosed_b = combined_shares(transcript)
+    disclosed_seeds = {
+        bytes.fromhex(h)
+        for p in transcript
+        if p["kind"] == "unmask-response"
+        for h in p["pair_seeds"].values()
+    }
+    keys_in_transcript = set().union(*(hex_secrets(p) for p in transcript)) | set(
+        disclosed_b.values()
+    )
+    for rnd, pid, members, context, true_key in views:
+        assert true_key not in keys_in_transcript  # no private key is ever disclosed
+        if (rnd, 1, pid) not in disclosed_b:
+            continue  # its self mask is hidden: its input is
+        near = neighbours(pid, members, degree, context)
+        by_id = {m.pid: m for m in members}
+        pair = {v: pair_seed(true_key, by_id[v].mask_public, context) for v in near}
+        known = {v for v, s in pair.items() if s in disclosed_seeds}
+        assert known != set(near), f"{pid} fully unmasked in round {rnd}"
