@@ -13,6 +13,7 @@ from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 from test_strategy import stock_loop_federation
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator import durable
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import (
     ConfigError,
@@ -155,3 +156,39 @@ def test_a_broken_last_link_is_refused_in_the_commit_window(tmp_path: Path) -> N
     fresh.last_close = None  # no close to compare with: only the chain can tell
     with pytest.raises(LedgerError, match="chain broken"):
         fresh.join(str(store.root))
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"min_participants": 6}, "min-participants"),
+        ({"min_participants": 3, "secagg_threshold": 5}, "secagg-threshold"),
+    ],
+    ids=["min-participants", "secagg-threshold"],
+)
+def test_a_quorum_the_declared_federation_cannot_reach_fails_before_any_attempt(
+    tmp_path: Path, config: dict, key: str
+) -> None:
+    """Four participants, a quorum above four: it used to take every attempt of round 0
+    to find out; now the first step refuses, naming both numbers, and starts nothing."""
+    coordinator, network, _ = federation(tmp_path, config=small_config(**config))
+    network.declared_size = 4  # the federation is these four, and nobody else
+    quorum = coordinator.config.federation.quorum
+    with pytest.raises(ConfigError, match=f"K = {quorum} .* has 4 participants") as refused:
+        coordinator.run(1)
+    assert refused.value.field == key
+    assert coordinator.manifest.rounds == () and coordinator.attempt is None
+    assert durable.started_attempts(coordinator.store, 0) == []
+
+
+def test_a_federation_that_declares_nothing_names_ready_and_reachable_at_the_open_deadline(
+    tmp_path: Path,
+) -> None:
+    """A network that declares no size (participants may attach at any time, as on a
+    deployment): the attempt runs to its open deadline, and the error names both numbers."""
+    coordinator, _network, _ = federation(tmp_path, config=small_config(min_participants=6))
+    outcome = coordinator.run_attempt()
+    assert outcome.state is RoundState.ABORTED
+    assert isinstance(outcome.error, FaultToleranceExceeded)
+    assert "4 of quorum 6 participants ready" in str(outcome.error)
+    assert "of 4 reachable" in str(outcome.error)

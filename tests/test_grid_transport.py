@@ -748,3 +748,21 @@ def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path
     assert [r.contributors for r in ledger] == [everyone, others, everyone]
     assert grid.stored == {} and transport.dropped == []
     assert all(load_state(c.state).meta["last_open"][:2] == [2, 1] for c in contexts.values())
+
+
+def test_only_the_simulation_engine_declares_how_many_nodes_the_federation_has() -> None:
+    """Flower's simulation engine (an InMemoryGrid) has every node from the start, so a
+    quorum above their number is refused before round 1; a deployment's grid may see more
+    nodes later, so it declares nothing and the open timeout decides."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    class SimulationGrid(InMemoryGrid):
+        def __init__(self) -> None:  # no LinkState: only the node count is asked
+            pass
+
+        def get_node_ids(self) -> list[int]:
+            return [11, 12, 13]
+
+    clock = FakeClock()
+    assert make_transport(SimulationGrid(), clock).declared_size() == 3  # type: ignore[arg-type]
+    assert make_transport(FakeGrid(clock, {}), clock).declared_size() is None

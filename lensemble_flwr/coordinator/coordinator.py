@@ -81,7 +81,7 @@ from lensemble_flwr.protocol.messages import (
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState, l2_norm
 from lensemble_flwr.provenance.ledger import GENESIS, Ledger, RunManifest
-from lensemble_flwr.transports.base import COORDINATOR, Transport
+from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport
 
 __all__ = [
     "INTERRUPTED",
@@ -414,6 +414,26 @@ class Coordinator:
         return self.conclude(exchange=self._exchange)
 
     # -- the steps every feeder drives -------------------------------------------------
+    def _check_quorum_reachable(self) -> None:
+        declared = (
+            self.transport.declared_size()
+            if isinstance(self.transport, DeclaresFederation)
+            else None
+        )
+        fed = self.config.federation
+        if declared is not None and declared < fed.quorum:
+            key = (
+                "secagg-threshold"
+                if fed.secagg_threshold > fed.min_participants
+                else ("min-participants")
+            )
+            raise ConfigError(
+                key,
+                f"the quorum is K = {fed.quorum} (min-participants {fed.min_participants}, "
+                f"secagg-threshold {fed.secagg_threshold}) but the federation has "
+                f"{declared} participants: no round could ever close",
+            )
+
     def begin_attempt(self) -> Attempt:
         """Start the next attempt of the current round (OPEN); nothing is sent yet.
 
@@ -421,11 +441,14 @@ class Coordinator:
             IllegalTransition: the previous attempt has not ended.
             LedgerError: the attempt was already started once (attempt numbers never
                 repeat; a coordinator that died mid-attempt is resumed, not reused).
+            ConfigError: the transport declares fewer participants than the quorum:
+                no attempt could ever reach it (nothing is started).
         """
         if self._attempt is not None and self._attempt.phase not in TERMINAL_STATES:
             raise IllegalTransition(
                 f"round {self._attempt.round} attempt {self._attempt.number} has not ended"
             )
+        self._check_quorum_reachable()
         state, number = self._global, self.next_attempt()
         mark_started(self.store, state.round, number)
         fingerprint = None
@@ -511,9 +534,9 @@ class Coordinator:
                 self._fire(attempt, RoundEvent.QUORUM_REACHED)
                 return True
             if deadline_passed:
-                what = "bound" if self.config.federation.require_binding else "reachable"
                 raise FaultToleranceExceeded(
-                    f"{len(ready)} of quorum {quorum} participants {what} by the open timeout"
+                    f"{len(ready)} of quorum {quorum} participants ready by the open timeout "
+                    f"({self._mode.readiness}), of {len(peers)} reachable"
                 )
             return False
         if attempt.phase is RoundState.COLLECTING:

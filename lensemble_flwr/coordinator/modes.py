@@ -67,6 +67,7 @@ class RoundMode(Protocol):
     name: str
     secure_sum: bool
     admission: Table
+    readiness: str  # what "ready" means, for messages
 
     def begin(self, attempt: Attempt) -> None: ...
 
@@ -113,6 +114,7 @@ class PlaintextMode:
         self.config = config
         self.registry = registry
         self.aggregator_factory = aggregator_factory
+        self.readiness = "invited and bound" if config.federation.require_binding else "invited"
 
     def begin(self, attempt: Attempt) -> None:
         seed = derive_seed(
@@ -197,6 +199,7 @@ class MaskedMode:
     name = "masked"
     secure_sum = True
     admission: Table = MASKED_ADMISSION
+    readiness = "members: bound with an unspent mask key when the member set was fixed"
 
     def __init__(self, config: LensembleConfig, registry: ParticipantRegistry, run_id: str) -> None:
         self.config = config

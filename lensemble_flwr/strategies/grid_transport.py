@@ -31,6 +31,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
+from flwr.superlink.grid import InMemoryGrid
 
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -116,6 +117,13 @@ class GridTransport:
             self._peers = sorted(participant_id(n) for n in self.grid.get_node_ids())
             self._peers_at = self.now()
         return list(self._peers)
+
+    def declared_size(self) -> int | None:
+        """On Flower's simulation engine (an ``InMemoryGrid``) every node exists from the
+        start: their number. On a deployment nodes may connect later: None."""
+        if isinstance(self.grid, InMemoryGrid):
+            return len(self.grid.get_node_ids())
+        return None
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
         payload = to_wire(message)

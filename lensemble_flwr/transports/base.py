@@ -36,6 +36,16 @@ class Transport(Protocol):
         """Seconds on the clock that ``recv`` timeouts are measured in."""
 
 
+@runtime_checkable
+class DeclaresFederation(Protocol):
+    """A coordinator's transport that knows how many participants the federation has in
+    all, reachable or not (the in-process network, Flower's simulation engine). A
+    deployment, where nodes may connect at any time, declares nothing."""
+
+    def declared_size(self) -> int | None:
+        """The number of participants the federation is declared with (None: unknown)."""
+
+
 class MessageHandler(Protocol):
     """A party the in-process network drives (a Participant, or a test double)."""
 

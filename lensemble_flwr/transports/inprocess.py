@@ -80,6 +80,10 @@ class InProcessTransport:
     def now(self) -> float:
         return self._network.clock.time
 
+    def declared_size(self) -> int | None:
+        """The coordinator's side: the size the network was declared with, if any."""
+        return self._network.declared_size if self.party == COORDINATOR else None
+
     def recv(self, *, timeout_s: float) -> WirePayload | None:
         if self.party != COORDINATOR:
             return self.inbox.popleft() if self.inbox else None
@@ -96,6 +100,9 @@ class InProcessNetwork:
             :meth:`set_compute_time`.
         faults: the scripted faults.
         join_endpoint: what a rejoining participant's ``join`` is given.
+        declared_size: how many participants the federation has in all, when that is
+            fixed (a coordinator then refuses a quorum above it before any attempt);
+            None (the default) lets participants attach at any time.
     """
 
     def __init__(
@@ -105,8 +112,10 @@ class InProcessNetwork:
         compute_s: float = 1.0,
         faults: FaultPlan | None = None,
         join_endpoint: str = "",
+        declared_size: int | None = None,
     ) -> None:
         self.clock = SimClock()
+        self.declared_size = declared_size
         self.latency_s = latency_s
         self.compute_s = compute_s
         self.faults = faults or FaultPlan()
