@@ -49,7 +49,8 @@ class IllegalMessage(RoundError):
 
 
 class UnboundContribution(RoundError):
-    """An update without a dataset commitment, while the configuration requires binding."""
+    """An update of a sender that never committed, where that is not allowed: unbound
+    while the configuration requires binding, or bound to a root it never committed."""
 
 
 class UnprivatizedContribution(RoundError):

@@ -75,8 +75,10 @@ def test_unbound_contributions_are_admitted_and_recorded_as_unbound(
     assert all(r.count == 3 for r in records)
     assert records[0].dataset_roots["p02"] is None
     assert records[0].dataset_roots["p00"] is not None
-    warnings = [r for r in caplog.records if "UNBOUND" in r.getMessage()]
-    assert len(warnings) == 1  # said once, not every round
+    warnings = [r for r in caplog.records if "contributes UNBOUND" in r.getMessage()]
+    assert len(warnings) == 1  # said once per participant, not every round
+    closes = [r for r in caplog.records if "closed with UNBOUND" in r.getMessage()]
+    assert len(closes) == 2  # and each round that had them is named
 
 
 def test_require_binding_refuses_unbound_contributions(tmp_path: Path) -> None:

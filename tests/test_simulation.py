@@ -235,8 +235,10 @@ def test_fedavg_equivalence_with_a_stock_clientapp_unchanged(
     # the stock contributions are recorded as unbound, and the log says so (once each)
     records = verify(Store(tmp_path / "run"))
     assert all(set(r.dataset_roots.values()) == {None} for r in records)
-    unbound_logs = [r for r in caplog.records if "UNBOUND" in r.getMessage()]
+    unbound_logs = [r for r in caplog.records if "contributes UNBOUND" in r.getMessage()]
     assert len(unbound_logs) == 4
+    closes = [r for r in caplog.records if "closed with UNBOUND" in r.getMessage()]
+    assert len(closes) == rounds
 
 
 # -- an unmodified NumPyClient -----------------------------------------------------------

@@ -55,6 +55,8 @@ def _notes(attempt: AttemptSummary) -> str:
         notes.append("late: " + ", ".join(attempt.late))
     if attempt.refused:
         notes.append("refused: " + ", ".join(attempt.refused))
+    if attempt.unbound:
+        notes.append("UNBOUND: " + ", ".join(attempt.unbound))
     if attempt.secure_sum:
         notes.append("secure sum")
     return "; ".join(notes)

@@ -599,6 +599,12 @@ class Coordinator:
         self._global, self._momentum = committed.state, committed.momentum
         self._head_hash = committed.record.record_hash
         self._fire(attempt, RoundEvent.COMMITTED)
+        if committed.record.unbound:
+            log.warning(
+                "round %d closed with UNBOUND contributions (no dataset commitment) from %s",
+                attempt.round,
+                ", ".join(committed.record.unbound),
+            )
         stored_error: BaseException | None = None
         try:
             self._manifest = self._manifest.with_round(self.store, committed.entry)

@@ -148,17 +148,32 @@ class ParticipantRegistry:
             return
         verify_signature(msg, key, round_seed, fields)
 
+    def registered(self, pid: str) -> bool:
+        """Bound by a Commitment, or named in the identity allow-list."""
+        return pid in self.commitments or (self.identities is not None and pid in self.identities)
+
     def check_binding(self, update: Update) -> None:
         """An update is bound to its sender's committed root and example count (or, where
-        the config allows it, openly unbound).
+        the config allows it, openly unbound). A participant that committed is bound for
+        good: an unbound update from it is a CommitmentMismatch, whatever the config.
 
         Raises:
-            UnboundContribution: unbound while ``require-binding`` is set.
-            CommitmentMismatch: bound to another root than the committed one.
-            RoundError: bound without a commitment, or another example count.
+            CommitmentMismatch: a registered sender's update is unbound after it committed,
+                is bound to a root it never committed, or to another root than the
+                committed one (its response stops the federation: INV-COMMIT-BINDING).
+            UnboundContribution: an unregistered sender's update is unbound while
+                ``require-binding`` is set, or bound to a root it never committed (a
+                rejected message: only a registered participant can stop the federation).
+            RoundError: another example count than the committed one.
         """
         pid = update.participant_id
+        commitment = self.commitments.get(pid)
         if update.dataset_root is None:
+            if commitment is not None:
+                raise CommitmentMismatch(
+                    f"{pid} committed to {commitment.dataset_root[:12]}… and sent an "
+                    "unbound update: a participant that committed stays bound"
+                )
             if self.config.federation.require_binding:
                 raise UnboundContribution(
                     f"{pid}: update without a dataset commitment (a stock ClientApp?) "
@@ -172,9 +187,9 @@ class ParticipantRegistry:
                     pid,
                 )
             return
-        commitment = self.commitments.get(pid)
         if commitment is None:
-            raise RoundError(f"{pid}: update bound to a root it never committed")
+            error = CommitmentMismatch if self.registered(pid) else UnboundContribution
+            raise error(f"{pid}: update bound to {update.dataset_root[:12]}…, never committed")
         if update.dataset_root != commitment.dataset_root:
             raise CommitmentMismatch(
                 f"{pid}: update bound to {update.dataset_root[:12]}…, committed "

@@ -75,6 +75,11 @@ class ContributionRecord(_Frozen):
     previous_record_hash: str
     record_hash: str = ""
 
+    @property
+    def unbound(self) -> tuple[str, ...]:
+        """The contributors whose updates were bound to no dataset commitment."""
+        return tuple(p for p in self.contributors if self.dataset_roots.get(p) is None)
+
     def expected_hash(self) -> str:
         """The hash this record must carry: over every field but ``record_hash``."""
         return digest_record("ledger-record", self.model_dump(mode="json", exclude={"record_hash"}))

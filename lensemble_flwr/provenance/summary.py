@@ -32,6 +32,7 @@ class AttemptSummary:
     diagnostics: dict[str, float]
     epsilon: dict[str, float | None]  # cumulative, after this round's release (closed only)
     new_global_hash: str | None
+    unbound: tuple[str, ...] = ()  # contributors bound to no dataset commitment (closed only)
 
     @property
     def epsilon_max(self) -> float | None:
@@ -114,6 +115,7 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
     records = Ledger(store).records()
     # only a closed attempt has a record, so an aborted one finds no epsilon here
     epsilon = {(r.round, r.attempt): r.epsilon for r in records}
+    unbound = {(r.round, r.attempt): r.unbound for r in records}
     attempts = tuple(
         AttemptSummary(
             round=e.round,
@@ -128,6 +130,7 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
             diagnostics=dict(e.diagnostics),
             epsilon=dict(epsilon.get((e.round, e.attempt), {})),
             new_global_hash=e.new_global_hash,
+            unbound=unbound.get((e.round, e.attempt), ()),
         )
         for e in sorted(manifest.rounds, key=lambda e: (e.round, e.attempt))
     )

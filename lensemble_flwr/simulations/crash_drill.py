@@ -79,6 +79,7 @@ def drill_config(secagg_threshold: int = 0) -> LensembleConfig:
             "collect_timeout": 10.0,
             "retry_wait": 1.0,
             "root_seed": 7,
+            "require_binding": True,
         },
         inner={"steps": 2, "lr": 0.05, "batch_size": 8},
     )

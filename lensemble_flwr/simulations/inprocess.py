@@ -71,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
 
     config = LensembleConfig(
-        federation={"min_participants": 3, "open_timeout": 30, "collect_timeout": 20},
+        federation={
+            "min_participants": 3,
+            "open_timeout": 30,
+            "collect_timeout": 20,
+            "require_binding": True,  # its participants commit to their data
+        },
         inner={"steps": 20, "lr": 0.02, "weight_decay": 0.0},
         outer={"lr": 0.7, "momentum": 0.9},
     )
