@@ -16,7 +16,9 @@ raises :class:`~lensemble_flwr.errors.ConfigError` naming it.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -32,6 +34,18 @@ from pydantic import (
 
 from lensemble_flwr.errors import ConfigError
 
+
+def default_state_dir() -> Path:
+    """A participant's private state directory (privacy budgets, commitment secrets)
+    unless ``dp-state-dir`` says otherwise: ``$LENSEMBLE_PRIVACY_DIR``, else
+    ``$XDG_DATA_HOME/lensemble-flwr/privacy`` (``~/.local/share`` without XDG)."""
+    base = os.environ.get("LENSEMBLE_PRIVACY_DIR")
+    if base:
+        return Path(base)
+    return (
+        Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share"))
+        / "lensemble-flwr/privacy"
+    )
 
 class _Section(BaseModel):
     # finite numbers only (an infinite timeout waits forever, an infinite budget is none)
@@ -180,7 +194,14 @@ class PrivacyConfig(_Section):
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
     dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
     dp_state_dir: str = Field(
-        "", description="Participant-side directory of budgets ('' : the default)."
+        "",
+        description="Participant-side directory of budgets and commitment secrets "
+        "('' : the default).",
+    )
+    dp_release_metrics: bool = Field(
+        False,
+        description="Under DP, also send the un-noised train loss and evaluation metrics "
+        "(data-dependent, outside the budget); off: they never leave a participant.",
     )
 
     @model_validator(mode="after")

@@ -237,12 +237,16 @@ def node_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_prove_then_check_proof(
-    run: Path, tmp_path: Path, node_module: str, capsys: pytest.CaptureFixture[str]
+    run: Path,
+    pristine: Path,
+    tmp_path: Path,
+    node_module: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     proof = tmp_path / "proof.json"
     code, out, _ = cli(
         capsys, "prove", "--records-from", f"{node_module}:records", "--index", 5,
-        "--participant", "p01", "--out", proof,
+        "--participant", "p01", "--out", proof, "--state-dir", pristine.parent / "budgets",
     )  # fmt: skip
     assert code == EXIT_OK and "record 5 of 64" in out
     bundle = json.loads(proof.read_text())
@@ -251,18 +255,35 @@ def test_prove_then_check_proof(
     code, out, _ = cli(capsys, "check-proof", run, proof, "--participant", "p01")
     assert code == EXIT_OK and out.startswith("accepted: record 5 of 64")
     # the same bundle from an object with dataset_records(), printed to stdout
-    code, out, _ = cli(capsys, "prove", "--records-from", f"{node_module}:trainer", "--index", 5)
+    code, out, _ = cli(
+        capsys, "prove", "--records-from", f"{node_module}:trainer", "--index", 5,
+        "--stable-id", "p01", "--state-dir", pristine.parent / "budgets",
+    )  # fmt: skip
     assert code == EXIT_OK and json.loads(out) == bundle | {"participant_id": None}
+    # the salt stays with the participant: without it, no bundle leads to the root
+    code, _, err = cli(
+        capsys, "prove", "--records-from", f"{node_module}:records", "--index", 5,
+        "--stable-id", "p01", "--state-dir", tmp_path / "elsewhere",
+    )  # fmt: skip
+    assert code != EXIT_OK and "no commitment secret for 'p01'" in err
+    unsalted = tmp_path / "unsalted.json"
+    cli(
+        capsys, "prove", "--records-from", f"{node_module}:records", "--index", 5,
+        "--unsalted", "--out", unsalted,
+    )  # fmt: skip
+    code, _, err = cli(capsys, "check-proof", run, unsalted, "--participant", "p01")
+    assert code == EXIT_FAILED and "not the dataset root" in err
 
 
 def test_check_proof_refusals(
-    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run: Path, pristine: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     records = list(ToyTrainer(1).dataset_records())
     records_file = tmp_path / "records.b64"
     records_file.write_text("\n".join(base64.b64encode(r).decode() for r in records) + "\n")
     proof = tmp_path / "proof.json"
     args = ("prove", "--records-file", records_file, "--index", 0, "--out", proof)
+    args = (*args, "--stable-id", "p01", "--state-dir", pristine.parent / "budgets")
     assert cli(capsys, *args)[0] == EXIT_OK
 
     code, _, err = cli(capsys, "check-proof", run, proof, "--participant", "p02")

@@ -195,7 +195,7 @@ def test_a_budget_that_runs_out_aborts_the_round_before_the_release(tmp_path: Pa
     assert len(records) == 2
     assert all(e <= 20.0 for r in records for e in r.epsilon.values() if e is not None)
     # no budget was charged for the refused release: two releases each, no more
-    for budget_file in (tmp_path / "budgets").iterdir():
+    for budget_file in (tmp_path / "budgets").glob("*.json"):
         budget = PrivacyBudget(tmp_path / "budgets", budget_file.stem, epsilon=20.0, delta=1e-5)
         assert sum(n for _, _, n in budget.history) == 2
 

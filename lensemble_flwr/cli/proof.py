@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from lensemble_flwr.cli.output import EXIT_OK, UsageError, status, stdout, write_atomically
+from lensemble_flwr.config import default_state_dir
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.audit import open_run
+from lensemble_flwr.provenance.commitment_secret import read_commitment_secret
 from lensemble_flwr.provenance.inclusion import (
     InclusionProof,
     check_against_ledger,
@@ -41,6 +44,24 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     prove.add_argument("--index", type=int, required=True, help="which record (0-based)")
     prove.add_argument("--participant", metavar="ID", help="your participant id (informative)")
+    salt = prove.add_mutually_exclusive_group()
+    salt.add_argument(
+        "--stable-id",
+        metavar="ID",
+        help="the identity your participant keeps its commitment secret under (default: "
+        "--participant; a Flower node: partition-id-<n>, lensemble-id-<name> or key-<fingerprint>)",
+    )
+    salt.add_argument(
+        "--unsalted",
+        action="store_true",
+        help="the commitment is an unsalted tree (no secret: public data, or a test)",
+    )
+    prove.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="your participant's state directory (its dp-state-dir; default: the default one)",
+    )
     prove.add_argument("--out", type=Path, metavar="PROOF.json", help="write here, not stdout")
     prove.set_defaults(run=run_prove)
 
@@ -109,7 +130,19 @@ def run_prove(args: argparse.Namespace) -> int:
             raise UsageError(f"record {i} is a {type(record).__name__}, not bytes")
     if not 0 <= args.index < len(records):
         raise UsageError(f"--index {args.index}: the dataset has {len(records)} records")
-    bundle = prove_inclusion(records, args.index, participant_id=args.participant)
+    secret = None
+    if not args.unsalted:
+        identity = args.stable_id or args.participant
+        if identity is None:
+            raise UsageError(
+                "name the identity of your commitment secret: --stable-id or --participant "
+                "(or --unsalted)"
+            )
+        try:
+            secret = read_commitment_secret(args.state_dir or default_state_dir(), identity)
+        except ConfigError as exc:
+            raise UsageError(f"{exc.reason}; pass --state-dir, or --unsalted") from None
+    bundle = prove_inclusion(records, args.index, participant_id=args.participant, secret=secret)
     if args.out is None:
         print(bundle.to_json(), end="")
     else:

@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.state import load_state, save_state
 from lensemble_flwr.config import LensembleConfig, run_config_keys
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.params import NamedArrays
@@ -60,6 +61,36 @@ def identity_from_node_config(context: Context) -> IdentityKey | None:
     return IdentityKey.load(str(path)) if path else None
 
 
+STABLE_ID_KEYS = ("lensemble-id", "partition-id")
+"""Node config keys that name a node the same way in every run, in order of preference."""
+
+
+def stable_identity(
+    context: Context, config: LensembleConfig, identity: IdentityKey | None
+) -> str | None:
+    """What this node's privacy budget and commitment secret are kept under: the node
+    config's ``lensemble-id`` or ``partition-id``, else its identity key's fingerprint
+    (None: the Participant's default). Flower's node id changes every run, so it is
+    never used under DP.
+
+    Raises:
+        ConfigError: DP is on and the node has none of these (its budget would restart
+            with every run).
+    """
+    for key in STABLE_ID_KEYS:
+        if key in context.node_config:
+            return f"{key}-{context.node_config[key]}"
+    if identity is not None:
+        return f"key-{identity.fingerprint}"
+    if config.privacy.noised:
+        raise ConfigError(
+            "dp-epsilon",
+            "a privacy budget needs a stable identity, and Flower's node id changes every "
+            f"run: give the node a node config {' or '.join(STABLE_ID_KEYS)}, or an identity key",
+        )
+    return None
+
+
 def handle_train(
     message: Message,
     context: Context,
@@ -79,6 +110,10 @@ def handle_train(
     if not any(kind_of(p) in records.INSTRUCTION_KINDS for p in payloads):
         return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
     collector = ReplyCollector()
+    try:
+        stable_id = stable_identity(context, config, identity)
+    except ConfigError as exc:
+        return Message(Error(code=REFUSED, reason=str(exc)), reply_to=message)
     participant = Participant(
         config,
         participant_id=records.participant_id(context.node_id),
@@ -87,6 +122,7 @@ def handle_train(
         gauge=gauge,
         identity=identity,
         pipeline=pipeline,
+        stable_id=stable_id,
     )
     participant.import_state(load_state(context.state))
     for payload in payloads:
@@ -98,16 +134,36 @@ def handle_train(
             reply_to=message,
         )
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
-    if participant.last_loss is not None:
+    if participant.last_loss is not None and releases_metrics(config):
         metrics["train-loss"] = float(participant.last_loss)
     content = records.encode_reply(collector.take(), metrics)
     return Message(content=content, reply_to=message)
 
 
+def releases_metrics(config: LensembleConfig) -> bool:
+    """Whether un-noised, data-dependent metrics (train loss, evaluation) may leave this
+    participant: always without DP; under DP only with ``dp-release-metrics``."""
+    return not config.privacy.noised or config.privacy.dp_release_metrics
+
+
 def handle_evaluate(
-    message: Message, context: Context, trainer: Any, evaluate_fn: EvaluateFn
+    message: Message,
+    context: Context,
+    trainer: Any,
+    evaluate_fn: EvaluateFn,
+    config: LensembleConfig | None = None,
 ) -> Message:
-    """Evaluate the instruction's global arrays on the participant's local data."""
+    """Evaluate the instruction's global arrays on the participant's local data (refused
+    under DP unless ``dp-release-metrics`` opts in: the metrics are not noised)."""
+    if config is not None and not releases_metrics(config):
+        return Message(
+            Error(
+                code=REFUSED,
+                reason="under DP, evaluation metrics are not released (dp-release-metrics "
+                "is off: they are data-dependent and not noised)",
+            ),
+            reply_to=message,
+        )
     arrays = message.content.array_records.get(records.ARRAYS)
     if arrays is None:
         return Message(Error(code=REFUSED, reason="evaluate without arrays"), reply_to=message)
@@ -163,7 +219,9 @@ def make_client_app(
     def evaluate(message: Message, context: Context) -> Message:
         if evaluate_fn is None:
             return Message(Error(code=REFUSED, reason="no evaluate_fn"), reply_to=message)
-        return handle_evaluate(message, context, trainer_fn(context), evaluate_fn)
+        return handle_evaluate(
+            message, context, trainer_fn(context), evaluate_fn, config_fn(context)
+        )
 
     @app.query()
     def query(message: Message, context: Context) -> Message:

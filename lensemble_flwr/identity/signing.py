@@ -21,6 +21,7 @@ purposes is discussed in docs/deployment.md.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -93,6 +94,11 @@ class IdentityKey:
             serialization.PrivateFormat.OpenSSH,
             serialization.NoEncryption(),
         )
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable name of this key: the first 16 hex digits of SHA-256 of its public half."""
+        return hashlib.sha256(self.public_openssh.strip().encode()).hexdigest()[:16]
 
     @property
     def public_openssh(self) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import LensembleConfig, default_state_dir
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     LedgerError,
@@ -52,6 +52,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState, PseudoGradient, l2_norm
+from lensemble_flwr.provenance.commitment_secret import commitment_secret
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
     ContributionRecord,
@@ -124,6 +125,9 @@ class Participant:
             aligns latent frames (``gauge-align``).
         identity: the participant's signing key; every message it sends is signed, and
             its Commitment registers the public key with the coordinator.
+        stable_id: the identity its privacy budget and its commitment secret are kept
+            under, which must not change between runs (default: its identity key's
+            fingerprint when it has one, else ``participant_id``).
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class Participant:
         pipeline: ReleaseTransform | None = None,
         gauge: GaugeSetup | None = None,
         identity: IdentityKey | None = None,
+        stable_id: str | None = None,
     ) -> None:
         require_setup(config, gauge)
         self.config = config
@@ -145,11 +150,22 @@ class Participant:
         self.transport = transport
         self.trainer = trainer
         self.training = as_local_training(trainer, config)
+        self.stable_id = stable_id or (
+            f"key-{identity.fingerprint}" if identity is not None else participant_id
+        )
         records = self.training.dataset_records()
-        self.dataset_root: str | None = None if records is None else merkle_root(records)
+        self.dataset_root: str | None = None
+        if records is not None:  # a hiding commitment: salted under a secret kept locally
+            state_dir = config.privacy.dp_state_dir or default_state_dir()
+            secret = commitment_secret(state_dir, self.stable_id)
+            self.dataset_root = merkle_root(records, secret)
         if pipeline is None:
             pipeline = release_pipeline(
-                config, participant_id=participant_id, dataset_root=self.dataset_root, gauge=gauge
+                config,
+                participant_id=participant_id,
+                dataset_root=self.dataset_root,
+                gauge=gauge,
+                budget_key=self.stable_id,
             )
         self.pipeline = pipeline
         self._pipeline_state: Any = None

@@ -6,11 +6,11 @@ alignment stage of :mod:`lensemble_flwr.gauge`); this module only composes them.
 
 from __future__ import annotations
 
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import LensembleConfig, default_state_dir
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.gauge.stage import align
-from lensemble_flwr.privacy.budget import PrivacyBudget, default_state_dir
+from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.release.pipeline import ReleaseTransform, chain
 from lensemble_flwr.release.privacy import clip, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
@@ -23,6 +23,7 @@ def release_pipeline(
     participant_id: str,
     dataset_root: str | None,
     gauge: GaugeSetup | None = None,
+    budget_key: str | None = None,
 ) -> ReleaseTransform:
     """The participant's pipeline as its config asks:
     [align →] difference → [clip → [noise]] → [quantize] → bind.
@@ -30,8 +31,9 @@ def release_pipeline(
     Alignment (``gauge-align``) rotates the trained weights into the global latent frame
     before they are differenced, so every later stage sees the aligned delta.
 
-    The privacy budget belongs to the dataset commitment (or, for a participant that
-    cannot commit, to its id) and lives in the participant's ``dp-state-dir``.
+    The privacy budget belongs to the participant's stable identity (``budget_key``;
+    default: its id), never to its data: new or changed data does not reset it. It lives
+    in the participant's ``dp-state-dir``.
     """
     privacy = config.privacy
     stages: list[ReleaseTransform] = []
@@ -45,7 +47,7 @@ def release_pipeline(
     if privacy.noised:
         budget = PrivacyBudget(
             privacy.dp_state_dir or default_state_dir(),
-            dataset_root or f"participant-{participant_id}",
+            f"participant-{budget_key or participant_id}",
             epsilon=privacy.dp_epsilon,
             delta=privacy.dp_delta,
             accountant=privacy.dp_accountant,

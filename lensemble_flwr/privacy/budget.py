@@ -37,17 +37,6 @@ SENSITIVITY_FACTOR = 2.0
 """Sensitivity in units of the clip norm (substitution of the participant's dataset)."""
 
 
-def default_state_dir() -> Path:
-    """Where budgets live unless ``dp-state-dir`` says otherwise."""
-    base = os.environ.get("LENSEMBLE_PRIVACY_DIR")
-    if base:
-        return Path(base)
-    return (
-        Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share"))
-        / "lensemble-flwr/privacy"
-    )
-
-
 class PrivacyBudget:
     """The (epsilon, delta) budget of one participant's dataset.
 

@@ -7,7 +7,9 @@ each contributor. To show that a given record was part of the committed dataset,
 participant builds an :class:`InclusionProof` from its records and an index
 (:func:`prove_inclusion`); the auditor checks it against the root the ledger recorded for
 that participant (:func:`check_against_ledger`). The bundle reveals the one record and
-``ceil(log2 N)`` sibling hashes, nothing else about the dataset.
+``ceil(log2 N)`` sibling hashes, nothing else about the dataset. A hiding commitment's
+bundle also carries that one leaf's salt (never the participant's secret), without which
+the leaf could not be recomputed.
 
 What a bundle proves: the record is a leaf of the committed tree. The index is exact only
 relative to the tree's size, which the ledger does not record (the same record hash can
@@ -31,6 +33,7 @@ from lensemble_flwr.provenance.ledger import first_error, verify
 from lensemble_flwr.provenance.merkle import (
     inclusion_proof_and_root,
     leaf_hash,
+    leaf_salt,
     verify_inclusion,
 )
 
@@ -46,6 +49,9 @@ class InclusionProof(BaseModel):
     format: Literal["lensemble-inclusion-proof/1"] = FORMAT
     participant_id: str | None = Field(None, description="Who claims the record (informative).")
     record: str = Field(description="The record's bytes, base64.")
+    salt: str | None = Field(
+        None, pattern=_HEX64, description="The leaf's salt (a hiding commitment), hex."
+    )
     leaf_hash: str = Field(pattern=_HEX64, description="The record's Merkle leaf hash.")
     index: int = Field(ge=0)
     size: int = Field(ge=1, description="Records in the committed dataset.")
@@ -88,16 +94,21 @@ class InclusionProof(BaseModel):
             CommitmentMismatch: either does not hold.
         """
         record = self.record_bytes()
-        if leaf_hash(record) != self.leaf_hash:
+        salt = None if self.salt is None else bytes.fromhex(self.salt)
+        if leaf_hash(record, salt) != self.leaf_hash:
             raise CommitmentMismatch(
-                f"the bundle's record hashes to leaf {leaf_hash(record)}, "
+                f"the bundle's record hashes to leaf {leaf_hash(record, salt)}, "
                 f"not to its stated leaf {self.leaf_hash}"
             )
-        verify_inclusion(record, self.index, self.size, self.siblings, self.root)
+        verify_inclusion(record, self.index, self.size, self.siblings, self.root, salt)
 
 
 def prove_inclusion(
-    records: Iterable[bytes], index: int, *, participant_id: str | None = None
+    records: Iterable[bytes],
+    index: int,
+    *,
+    participant_id: str | None = None,
+    secret: bytes | None = None,
 ) -> InclusionProof:
     """The participant's side: a bundle proving ``records[index]`` is in their commitment.
 
@@ -106,6 +117,9 @@ def prove_inclusion(
             ``dataset_records()`` (the order fixes the root).
         index: which record to prove.
         participant_id: recorded in the bundle for the auditor's convenience.
+        secret: the participant's commitment secret (a hiding commitment, as every
+            Participant makes: :func:`lensemble_flwr.participant.private_state.commitment_secret`);
+            None for an unsalted tree. Only the one leaf's salt goes into the bundle.
 
     Raises:
         ValueError: ``records`` is empty.
@@ -114,11 +128,13 @@ def prove_inclusion(
     rows = list(records)
     if not rows:
         raise ValueError("cannot prove anything about an empty dataset")
-    siblings, root = inclusion_proof_and_root(rows, index)
+    siblings, root = inclusion_proof_and_root(rows, index, secret)
+    salt = None if secret is None else leaf_salt(secret, index)
     return InclusionProof(
         participant_id=participant_id,
         record=base64.b64encode(rows[index]).decode("ascii"),
-        leaf_hash=leaf_hash(rows[index]),
+        salt=None if salt is None else salt.hex(),
+        leaf_hash=leaf_hash(rows[index], salt),
         index=index,
         size=len(rows),
         siblings=tuple(siblings),

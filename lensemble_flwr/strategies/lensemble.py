@@ -101,6 +101,7 @@ class LensembleStrategy(Strategy):
         self.on_round = on_round
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
+        self._said_no_evaluation = False
 
     # -- Strategy's abstract surface ---------------------------------------------------
     def summary(self) -> None:
@@ -223,6 +224,15 @@ class LensembleStrategy(Strategy):
         """Evaluate instructions (global arrays + config) for a share of the nodes."""
         nodes = sorted(grid.get_node_ids())
         if self.fraction_evaluate <= 0 or not nodes:
+            return []
+        privacy = self.config.privacy
+        if privacy.noised and not privacy.dp_release_metrics:
+            if not self._said_no_evaluation:
+                self._said_no_evaluation = True
+                log.info(
+                    "no federated evaluation: under DP the participants release no un-noised "
+                    "metrics (set dp-release-metrics = true to opt in)"
+                )
             return []
         count = max(1, int(len(nodes) * self.fraction_evaluate))
         return [
