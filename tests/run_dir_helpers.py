@@ -25,6 +25,8 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RoundEntry,
     RunManifest,
+    entries_digest,
+    header_digest,
 )
 from lensemble_flwr.transports.faults import FaultPlan
 
@@ -86,6 +88,23 @@ def synthetic_run(
         contributors = tuple(sorted(roots))
         digests = {p: hashlib.sha256(f"{p}/{t}".encode()).hexdigest() for p in contributors}
         aggregate = hashlib.sha256(f"sum/{t}".encode()).hexdigest()
+        diagnostics = {"mean_delta_l2": 1.0 / (t + 1)}
+        if drift is not None:
+            diagnostics["frame_drift"] = drift
+        entry = RoundEntry(
+            round=t,
+            attempt=1,
+            state=RoundState.CLOSED,
+            round_seed=t,
+            prior_global_hash=global_hash,
+            contributors=contributors,
+            count=len(contributors),
+            total_weight=len(contributors),
+            update_digests=digests,
+            aggregate_digest=aggregate,
+            new_global_hash=new_hash,
+            diagnostics=diagnostics,
+        )
         record = ledger.append(
             ContributionRecord(
                 round=t,
@@ -101,29 +120,13 @@ def synthetic_run(
                 checkpoint=store.put(encode_checkpoint(t + 1, params, zeros)),
                 round_seed=t,
                 frame_drift=drift,
+                header_digest=header_digest(manifest),
+                entries_digest=entries_digest([entry]),
+                registry_digest=None,
                 previous_record_hash=previous,
             )
         )
-        diagnostics = {"mean_delta_l2": 1.0 / (t + 1)}
-        if drift is not None:
-            diagnostics["frame_drift"] = drift
-        manifest = manifest.with_round(
-            store,
-            RoundEntry(
-                round=t,
-                attempt=1,
-                state=RoundState.CLOSED,
-                round_seed=t,
-                prior_global_hash=global_hash,
-                contributors=contributors,
-                count=len(contributors),
-                total_weight=len(contributors),
-                update_digests=digests,
-                aggregate_digest=aggregate,
-                new_global_hash=new_hash,
-                diagnostics=diagnostics,
-            ),
-        )
+        manifest = manifest.with_round(store, entry)
         global_hash, previous = new_hash, record.record_hash
     return root
 

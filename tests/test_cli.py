@@ -81,7 +81,11 @@ def test_verify_json_and_all(run: Path, capsys: pytest.CaptureFixture[str]) -> N
         "found": "none",
         "round": 1,
     }
-    assert [f["field"] for f in doc["findings"][1:]] == ["manifest.count", "manifest.total_weight"]
+    assert [f["field"] for f in doc["findings"][1:]] == [
+        "manifest.count",
+        "manifest.total_weight",
+        "ledger.entries_digest",
+    ]
     _, out, _ = cli(capsys, "verify", run)
     assert "more finding" in out and "also:" not in out
     _, out, _ = cli(capsys, "verify", run, "--all")

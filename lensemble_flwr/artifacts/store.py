@@ -75,12 +75,20 @@ def _fsync_dir(path: Path) -> None:
 class Store:
     """Content-addressed blobs plus a namespace of names bound to blob digests."""
 
-    def __init__(self, root: str | os.PathLike[str], *, on_write: WriteHook | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        on_write: WriteHook | None = None,
+        create: bool = True,
+    ) -> None:
         """Open (creating if needed) the store at ``root``.
 
         Args:
             root: Folder holding ``blobs/``, ``names/`` and ``tmp/``.
             on_write: called before every write is published (tests and drills).
+            create: False opens an existing store to read it, creating nothing (an
+                audit of a read-only copy); a write then fails with StoreError.
         """
         self.root: Path = Path(root)
         self.on_write = on_write
@@ -89,6 +97,8 @@ class Store:
         self._tmp = self.root / "tmp"
         for folder in (self._blobs, self._names, self._tmp):
             self._check_no_links(folder)
+            if not create:
+                continue
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:

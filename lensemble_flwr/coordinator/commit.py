@@ -26,7 +26,15 @@ from lensemble_flwr.errors import CheckpointIntegrityError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import ContributionRecord, Ledger, RoundEntry
+from lensemble_flwr.provenance.ledger import (
+    REGISTRY,
+    ContributionRecord,
+    Ledger,
+    RoundEntry,
+    RunManifest,
+    entries_digest,
+    header_digest,
+)
 
 _RECORDED_FROM_ENTRY = {
     "round",
@@ -95,6 +103,7 @@ def write_commit(
     *,
     head_hash: str,
     secure_sum: bool,
+    manifest: RunManifest,
 ) -> Committed:
     """Steps 1–3 of the module's order; returns once the ledger holds the round.
 
@@ -125,6 +134,11 @@ def write_commit(
             dataset_roots={p: attempt.roots[p] for p in entry.contributors},
             epsilon={p: attempt.epsilon.get(p) for p in entry.contributors},
             checkpoint=digest,
+            header_digest=header_digest(manifest),
+            entries_digest=entries_digest(
+                [*(e for e in manifest.rounds if e.round == t), entry]
+            ),
+            registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
             previous_record_hash=head_hash,
         )
     )

@@ -591,6 +591,7 @@ class Coordinator:
                 momentum,
                 head_hash=self._head_hash,
                 secure_sum=self._mode.secure_sum,
+                manifest=self._manifest,
             )
         except LensembleError as exc:
             return self.abort(exc)

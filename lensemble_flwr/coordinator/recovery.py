@@ -27,6 +27,7 @@ from lensemble_flwr.provenance.ledger import (
     RunManifest,
     verify,
     verify_chain,
+    verify_registry,
 )
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,10 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
             )
         manifest = manifest.with_round(store, kept)
     if check == "full":
-        verify(store)
+        verify(store)  # the registry too
     else:
         verify_chain(records, manifest)
+        verify_registry(store, records)
     head = records[-1] if records else None
     ckpt = decode_checkpoint(store.get(head.checkpoint if head else manifest.initial_checkpoint))
     expected = head.new_global_hash if head else manifest.initial_params_hash

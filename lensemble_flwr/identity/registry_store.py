@@ -17,9 +17,8 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.protocol.messages import Commitment
+from lensemble_flwr.provenance.ledger import REGISTRY
 from lensemble_flwr.secagg.membership import Membership
-
-REGISTRY = "coordinator/participants"
 
 
 class _Registry(BaseModel):

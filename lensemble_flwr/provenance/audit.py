@@ -40,11 +40,14 @@ from lensemble_flwr.provenance.ledger import (
     UnreadableDocument,
     agreement_breaks,
     checkpoint_breaks,
+    evidence_breaks,
     fetch_blob,
+    header_digest,
     ledger_name,
     manifest_entry_name,
     parse_document,
     record_breaks,
+    registry_breaks,
 )
 
 _Doc = TypeVar("_Doc")
@@ -140,7 +143,7 @@ def open_run(run_dir: str | os.PathLike[str]) -> Store:
     root = Path(run_dir)
     if not (root / "names" / MANIFEST_HEADER).is_file() or not (root / "blobs").is_dir():
         raise NotARunDirectory(f"{root} is not a run directory (no {MANIFEST_HEADER} in names/)")
-    return Store(root)
+    return Store(root, create=False)  # an audit writes nothing, not even tmp/
 
 
 def audit_run(
@@ -198,6 +201,7 @@ class _Walk:
         self.attempts_aborted = 0
         self.checkpoints = 0
         self.global_hash: str | None = None
+        self._entries_of: dict[int, list[RoundEntry]] = {}
 
     def _breaks(self, where: str, breaks: Iterable[LinkBreak]) -> None:
         self.findings += [Finding.of(where, b) for b in breaks]
@@ -235,6 +239,7 @@ class _Walk:
         by_round: dict[int, list[RoundEntry]] = {}
         for entry in entries:
             by_round.setdefault(entry.round, []).append(entry)
+        self._entries_of = by_round
         records = {r.round: r for r in self.records}
         rounds = sorted(set(by_round) | set(records))
         prev_record: str | None = GENESIS
@@ -274,6 +279,7 @@ class _Walk:
             self._check_record(record, prev_record, closed)
             prev_record = record.record_hash
             self.global_hash = record.new_global_hash
+        self._breaks("participant registry", registry_breaks(self.store, self.records))
         if expected_head is not None:
             head = self.records[-1].record_hash if self.records else None
             if head != expected_head:
@@ -382,6 +388,11 @@ class _Walk:
         )
         if closed is not None:
             self._breaks(where, agreement_breaks(rec, closed))
+        if self.header is not None:
+            entries = self.header.model_copy(
+                update={"rounds": tuple(self._entries_of.get(rec.round, []))}
+            )
+            self._breaks(where, evidence_breaks(rec, entries, header_digest(self.header)))
 
     def _checkpoint_breaks(
         self, digest: str, *, params_hash: str, round: int | None

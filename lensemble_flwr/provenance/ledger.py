@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +30,8 @@ GENESIS = "0" * 64
 LEDGER = "ledger"
 MANIFEST_HEADER = "manifest/header"
 MANIFEST_ROUNDS = "manifest/rounds"
+REGISTRY = "coordinator/participants"
+"""The store name of the coordinator's participant registry (identity.registry_store)."""
 FRAME_DRIFT = "frame_drift"
 """The manifest diagnostic holding the latent frame's drift over the round, when recorded."""
 
@@ -71,6 +73,16 @@ class ContributionRecord(_Frozen):
     round_seed: int
     frame_drift: float | None = Field(
         None, description="Gauge diagnostic of the round (None: no gauge adapter)."
+    )
+    header_digest: str = Field(
+        description="Digest of the manifest header (run id, config, root seed, θ_0)."
+    )
+    entries_digest: str = Field(
+        description="Digest of this round's manifest entries: every attempt, the closing "
+        "one included (reasons, late, rejected, refused, secure_sum, diagnostics)."
+    )
+    registry_digest: str | None = Field(
+        description="Store digest of the participant registry the round used (None: none)."
     )
     previous_record_hash: str
     record_hash: str = ""
@@ -117,6 +129,17 @@ class _Header(_Frozen):
     root_seed: int
     initial_params_hash: str
     initial_checkpoint: str
+
+
+def header_digest(manifest: RunManifest) -> str:
+    """What a ledger record commits to of the manifest header."""
+    return digest_record("manifest-header", manifest.model_dump(mode="json", exclude={"rounds"}))
+
+
+def entries_digest(entries: Iterable[RoundEntry]) -> str:
+    """What a ledger record commits to of its round's manifest entries (by attempt)."""
+    ordered = sorted(entries, key=lambda e: e.attempt)
+    return digest_record("manifest-entries", [e.model_dump(mode="json") for e in ordered])
 
 
 class RunManifest(_Frozen):
@@ -283,6 +306,7 @@ def verify(store: Store) -> list[ContributionRecord]:
             ),
         )
     )
+    verify_registry(store, records)
     return records
 
 
@@ -295,6 +319,17 @@ def verify_chain(records: list[ContributionRecord], manifest: RunManifest) -> No
         LedgerError: naming the first broken link.
     """
     _raise_first(link_breaks(records, manifest))
+
+
+def verify_registry(store: Store, records: list[ContributionRecord]) -> None:
+    """The registry checks of :func:`verify` (see :func:`registry_breaks`): a restarted
+    coordinator runs them before it trusts its stored registry, so a swapped identity key
+    is refused instead of admitting an impostor.
+
+    Raises:
+        LedgerError: naming the first broken link.
+    """
+    _raise_first(registry_breaks(store, records))
 
 
 # -- the link rules: one definition, walked by verify() and by the run audit --------------------
@@ -466,5 +501,116 @@ def link_breaks(
             f"manifest closed rounds {sorted(closed)} differ from ledger rounds {rounds}",
         )
         return
+    header = header_digest(manifest)
     for rec in records:
         yield from agreement_breaks(rec, closed[rec.round])
+        yield from evidence_breaks(rec, manifest, header)
+
+
+def evidence_breaks(
+    rec: ContributionRecord, manifest: RunManifest, header: str | None = None
+) -> Iterator[LinkBreak]:
+    """What a record commits to of the manifest: the header, and every entry of its round
+    up to the closing attempt (so a changed config, run id or seed, a reason, a late,
+    rejected or refused list, ``secure_sum`` or a diagnostic is a broken link)."""
+    header = header_digest(manifest) if header is None else header
+    if rec.header_digest != header:
+        yield LinkBreak(
+            rec.round,
+            "ledger.header_digest",
+            header,
+            rec.header_digest,
+            f"round {rec.round}: the manifest header is not the one the ledger committed to "
+            "(run id, config, root seed or θ_0 changed)",
+        )
+    entries = [e for e in manifest.rounds if e.round == rec.round and e.attempt <= rec.attempt]
+    found = entries_digest(entries)
+    if rec.entries_digest != found:
+        yield LinkBreak(
+            rec.round,
+            "ledger.entries_digest",
+            rec.entries_digest,
+            found,
+            f"round {rec.round}: its manifest entries are not the ones the ledger committed "
+            "to (an attempt's reason, late/rejected/refused, secure_sum or diagnostics "
+            "changed, or an attempt was added or removed)",
+        )
+
+
+def _registry_commitments(store: Store, digest: str, what: str) -> Mapping[str, Any] | LinkBreak:
+    data = fetch_blob(store, digest, field="registry", round=None, message=f"{what}: ")
+    if isinstance(data, LinkBreak):
+        return data
+    try:
+        commitments = json.loads(data)["commitments"]
+        if not isinstance(commitments, dict):
+            raise TypeError("commitments is not a mapping")
+        return commitments
+    except (ValueError, KeyError, TypeError) as exc:
+        return LinkBreak(None, "registry", "a participant registry", str(exc), f"{what}: {exc}")
+
+
+def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator[LinkBreak]:
+    """The registries the records committed to, and the current one.
+
+    Each record's registry must be stored intact and bind every bound contributor to the
+    dataset root the record names. A participant's identity key and dataset root never
+    change once registered: not from one record's registry to the next, and not in the
+    current registry (which may have gained participants since the newest record: a
+    later round that has not closed yet).
+    """
+    known: dict[str, tuple[Any, Any]] = {}  # pid -> (identity key, dataset root)
+    read: dict[str, Mapping[str, Any] | LinkBreak] = {}  # each registry blob read once
+    for rec in records:
+        if rec.registry_digest is None:
+            continue
+        if rec.registry_digest not in read:
+            read[rec.registry_digest] = _registry_commitments(
+                store, rec.registry_digest, f"round {rec.round}: participant registry"
+            )
+        commitments = read[rec.registry_digest]
+        if isinstance(commitments, LinkBreak):
+            yield dataclasses.replace(commitments, round=rec.round)
+            continue
+        for pid, root in rec.dataset_roots.items():
+            bound = commitments.get(pid, {}).get("dataset_root")
+            if root is not None and bound != root:
+                yield LinkBreak(
+                    rec.round,
+                    "registry.dataset_root",
+                    root,
+                    bound,
+                    f"round {rec.round}: the registry it used binds {pid} to another root",
+                )
+        yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
+    if not known or not store.bound(REGISTRY):
+        return
+    digest = store.resolve(REGISTRY)
+    current = read.get(digest) or _registry_commitments(store, digest, "participant registry")
+    if isinstance(current, LinkBreak):
+        yield current
+        return
+    yield from _unchanged(known, current, "participant registry")
+
+
+def _unchanged(
+    known: dict[str, tuple[Any, Any]], commitments: Mapping[str, Any], what: str
+) -> Iterator[LinkBreak]:
+    for pid, commitment in sorted(commitments.items()):
+        now = (commitment.get("identity_key"), commitment.get("dataset_root"))
+        before = known.setdefault(pid, now)
+        if before != now:  # an identity key appearing later counts too: fail closed
+            yield LinkBreak(
+                None,
+                f"registry.{pid}",
+                before,
+                now,
+                f"{what}: {pid}'s identity key or dataset root changed after the ledger "
+                "recorded it",
+            )
+    missing = sorted(set(known) - set(commitments))
+    if missing:
+        yield LinkBreak(
+            None, "registry", sorted(known), sorted(commitments),
+            f"{what}: registered participants {missing} are gone",
+        )  # fmt: skip
