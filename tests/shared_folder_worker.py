@@ -10,6 +10,7 @@ of them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -18,10 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import StoreError
+from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.testing import BarrierFaults
@@ -29,6 +32,17 @@ from lensemble_flwr.testing import BarrierFaults
 RACE_WINDOW = 0.3
 """Seconds between the resolve and the bind of the racy claim: longer than a poll, so
 every waiter looks while the first claimant is between the two."""
+
+
+def identity_of(pid: str) -> IdentityKey:
+    """A deterministic identity key per participant id (a test key: every process of a
+    test derives the same one without sharing files)."""
+    secret = int.from_bytes(hashlib.sha256(b"test-identity|" + pid.encode()).digest(), "big")
+    return IdentityKey(ec.derive_private_key(secret % (2**255) + 1, ec.SECP256R1()))
+
+
+def identities_of(ids: list[str] | tuple[str, ...]) -> dict[str, str]:
+    return {pid: identity_of(pid).public_openssh for pid in ids}
 
 
 def folder_config(**federation: Any) -> LensembleConfig:
@@ -103,6 +117,8 @@ def run(spec: dict[str, Any], report_path: str) -> None:
         round_timeout=spec["round_timeout"],
         publish_timeout=spec["publish_timeout"],
         poll_interval=spec.get("poll_interval", 0.02),
+        identity=identity_of(spec["me"]),
+        identities=identities_of(ids),
     )
     if spec.get("mutant"):
         MUTANTS[spec["mutant"]](node)

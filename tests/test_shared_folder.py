@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import shared_folder_worker
-from shared_folder_worker import folder_config
+from shared_folder_worker import folder_config, identities_of, identity_of
 
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
@@ -67,6 +67,7 @@ from lensemble_flwr.shared_folder.records import (
     encode_record,
 )
 from lensemble_flwr.shared_folder.runner import SharedFolderParticipant, check_sizes
+from lensemble_flwr.shared_folder.signed import document_body, sign_document
 from lensemble_flwr.simulations import shared_folder_demo
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
@@ -320,7 +321,14 @@ def node(
     **kwargs: Any,
 ) -> SharedFolderParticipant:
     ids = list(participants)
-    kwargs = {"run_id": "run", "round_timeout": 10.0, "publish_timeout": 10.0, **kwargs}
+    kwargs = {
+        "run_id": "run",
+        "round_timeout": 10.0,
+        "publish_timeout": 10.0,
+        "identity": identity_of(me),
+        "identities": identities_of(ids),
+        **kwargs,
+    }
     return SharedFolderParticipant(
         folder,
         config=config or folder_config(min_participants=1),
@@ -381,7 +389,7 @@ def test_the_only_participant_decides_and_publishes_its_own_rounds(tmp_path: Pat
         (0, RoundState.CLOSED, ("p00",)),
         (1, RoundState.CLOSED, ("p00",)),
     ]
-    outcome = decode_outcome(solo.barrier.outcome(SittingKey(1, 1)) or b"")
+    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(1, 1)) or b""))
     assert outcome.global_hash == state.params_hash and outcome.next is not None
     assert outcome.decided_by == solo.identity
     assert [r.new_global_hash for r in verify(solo.store)][-1] == state.params_hash
@@ -397,17 +405,23 @@ def test_two_runs_sharing_a_folder_are_two_runs(tmp_path: Path) -> None:
     assert len(roots[0]) == len(roots[1]) == 1 and roots[0] != roots[1]
 
 
-def test_a_record_of_another_round_is_not_admitted(tmp_path: Path) -> None:
+def test_a_record_replayed_into_another_sitting_is_refused_loudly(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """p01's genuine round-0 record copied into its round-1 slot: it is signed for round
+    0's slot, so the decider refuses it (it used to be admitted, filed as late), and p01
+    itself, finding a record it did not write in its slot, stops and says so."""
     n0, n1 = node(tmp_path, "p00"), node(tmp_path, "p01")
     together([n0, n1], 1)
     store = store_of(tmp_path)
     old = store.get(store.resolve("barrier/00000000.001/record/p01"))
     n1.barrier.deposit(SittingKey(1, 1), "p01", old)  # round 0's record filed under round 1
     state = n0.run(2)
-    assert n1.run(2).params_hash == state.params_hash
-    assert n1.deposits == [SittingKey(0, 1)]  # it found its slot taken and did not write twice
+    assert "REFUSED the record in the slot of p01" in caplog.text
+    assert "signed for run/barrier/00000000.001/record/p01" in caplog.text
+    assert n1.run(2).params_hash == state.params_hash  # round 1 was decided: it walks on
     assert [r.contributors for r in verify(store)] == [("p00", "p01"), ("p00",)]
-    assert RunManifest.load(store).rounds[-1].late == ("p01",)
+    assert RunManifest.load(store).rounds[-1].late == ()  # not admitted, not even as late
 
 
 def test_a_record_filed_under_another_participant_is_left_out(tmp_path: Path) -> None:
@@ -439,9 +453,10 @@ def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(n0.run, 1)
         when(lambda: bool(store.bound("barrier/genesis")))
-        genesis = decode_genesis(store.get(store.resolve("barrier/genesis")))
+        genesis = decode_genesis(document_body(store.get(store.resolve("barrier/genesis"))))
         record = dataclasses.replace(n1.answer(genesis.first), **change)
-        n1.barrier.deposit(SittingKey(0, 1), "p01", encode_record(record))
+        # p01 signs it for the slot it deposits it in: the header is what is wrong
+        n1.barrier.deposit(SittingKey(0, 1), "p01", n1.seal_record(record, SittingKey(0, 1)))
         running.result()
     assert [r.contributors for r in verify(store)] == [contributors]
     assert ("record filed under p01 says" in caplog.text) == bool(change)
@@ -469,9 +484,9 @@ def test_records_that_disagree_about_sizes_stop_everyone(tmp_path: Path) -> None
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(n0.run, 1)
         when(lambda: bool(store.bound("barrier/genesis")))
-        genesis = decode_genesis(store.get(store.resolve("barrier/genesis")))
+        genesis = decode_genesis(document_body(store.get(store.resolve("barrier/genesis"))))
         sizeless = dataclasses.replace(n1.answer(genesis.first), num_examples=None)
-        n1.barrier.deposit(SittingKey(0, 1), "p01", encode_record(sizeless))
+        n1.barrier.deposit(SittingKey(0, 1), "p01", n1.seal_record(sizeless))
         with pytest.raises(InconsistentSizes, match="p00 state their size and p01 do not"):
             running.result()
     with pytest.raises(InconsistentSizes):  # the late one reads the same verdict
@@ -511,7 +526,7 @@ def test_a_decider_that_fails_publishes_why(tmp_path: Path, monkeypatch: Any) ->
     solo = node(tmp_path, "p00", ["p00"])
     with pytest.raises(LensembleError, match="RuntimeError: disk on fire"):
         solo.run(1)
-    outcome = decode_outcome(solo.barrier.outcome(SittingKey(0, 1)) or b"")
+    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(0, 1)) or b""))
     assert (outcome.state, outcome.error, outcome.next) == (
         RoundState.ABORTED,
         "RuntimeError",
@@ -530,7 +545,7 @@ def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
         patch.setattr(Coordinator, "resume", refuses)
         with pytest.raises(ConfigError) as decider:
             first.run(1)
-    outcome = decode_outcome(first.barrier.outcome(SittingKey(0, 1)) or b"")
+    outcome = decode_outcome(document_body(first.barrier.outcome(SittingKey(0, 1)) or b""))
     assert (outcome.error, outcome.error_field, outcome.reason) == ("ConfigError", "x", "y")
     # a process arriving later reads the published outcome: the same error, rebuilt
     with pytest.raises(ConfigError) as late:
@@ -747,7 +762,8 @@ def forge_run(folder: Path, change: Callable[[Genesis], Genesis]) -> Store:
     )
     genesis = change(Genesis(run_id="run", participants=("p00",), created_by="X", first=first))
     store.claim("barrier/start", store.put(b"X"))
-    store.claim("barrier/genesis", store.put(encode(genesis)))
+    signed = sign_document(identity_of("p00"), "p00", "run/genesis", encode(genesis))
+    store.claim("barrier/genesis", store.put(signed))  # a participant published it
     return store
 
 
@@ -786,7 +802,10 @@ def test_an_outcome_about_another_sitting_is_refused(tmp_path: Path) -> None:
         global_hash="0" * 64,
     )
     store.claim("barrier/00000000.001/decision", store.put(b"X"))
-    store.claim("barrier/00000000.001/outcome", store.put(encode(wrong)))
+    signed = sign_document(
+        identity_of("p00"), "p00", "run/barrier/00000000.001/outcome", encode(wrong)
+    )
+    store.claim("barrier/00000000.001/outcome", store.put(signed))  # a participant's mistake
     with pytest.raises(LedgerError, match="about another sitting"):
         node(tmp_path, "p00", ["p00"]).run(1)
 
@@ -802,8 +821,11 @@ def test_the_demo_script_as_documented(tmp_path: Path) -> None:
     """docs/shared-folder.md's command, as two OS processes: one told its index by flags,
     one by Slurm's environment (as ``srun`` would)."""
     command = [sys.executable, "-m", "lensemble_flwr.simulations.shared_folder_demo"]
-    common = ["--folder", str(tmp_path), "--rounds", "2", "--inner-steps", "2"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    keys = tmp_path / "keys"  # outside the shared folder
+    subprocess.run([*command, "--make-keys", keys, "--participants", "2"], check=True, env=env)
+    folder = tmp_path / "fed"
+    common = ["--folder", str(folder), "--keys", str(keys), "--rounds", "2", "--inner-steps", "2"]
     processes = [
         subprocess.Popen(
             [*command, *common, "--participant-index", "0", "--participants", "2"],
@@ -848,4 +870,15 @@ def test_the_demo_refuses_an_index_it_cannot_use(
     with pytest.raises(SystemExit):
         shared_folder_demo.main(["--folder", str(tmp_path), *argv])
     assert complaint in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_demo_refuses_to_run_unauthenticated_unless_told(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(SystemExit):
+        argv = ["--folder", str(tmp_path), "--participants", "1", "--participant-index", "0"]
+        shared_folder_demo.main(argv)
+    assert "pass --keys DIR (see --make-keys), or --unauthenticated" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

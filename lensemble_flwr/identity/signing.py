@@ -110,9 +110,12 @@ class IdentityKey:
 
     def sign(self, message: ParticipantMessage, round_seed: int) -> ParticipantMessage:
         """A copy of ``message`` carrying this key's signature."""
-        digest = bytes.fromhex(signing_digest(message, round_seed))
-        signature = self._key.sign(digest, ec.ECDSA(_HASH[self._curve]()))
-        return message.model_copy(update={"signature": signature.hex()})
+        signature = self.sign_digest(bytes.fromhex(signing_digest(message, round_seed)))
+        return message.model_copy(update={"signature": signature})
+
+    def sign_digest(self, digest: bytes) -> str:
+        """This key's ECDSA signature (hex) of a domain-separated digest."""
+        return self._key.sign(digest, ec.ECDSA(_HASH[self._curve]())).hex()
 
 
 def parse_public_key(openssh: str) -> ec.EllipticCurvePublicKey:
@@ -145,13 +148,23 @@ def verify_signature(
     """
     if not message.signature:
         raise ForgedMessage(f"{message.participant_id}: unsigned {message.kind}")
-    key = parse_public_key(public_key)
     digest = bytes.fromhex(signing_digest(message, round_seed, fields))
-    try:
-        signature = bytes.fromhex(message.signature)
-        key.verify(signature, digest, ec.ECDSA(_HASH[_curve_of(key)]()))
-    except (InvalidSignature, ValueError):
+    if not digest_signed_by(public_key, digest, message.signature):
         raise ForgedMessage(
             f"{message.participant_id}: {message.kind} for round {message.round} "
             f"attempt {message.attempt} is not signed by its registered identity key"
-        ) from None
+        )
+
+
+def digest_signed_by(public_key: str, digest: bytes, signature: str) -> bool:
+    """Whether ``signature`` (hex) is ``public_key``'s signature of ``digest``.
+
+    Raises:
+        ForgedMessage: ``public_key`` is not an OpenSSH NIST P-256/P-384 public key.
+    """
+    key = parse_public_key(public_key)
+    try:
+        key.verify(bytes.fromhex(signature), digest, ec.ECDSA(_HASH[_curve_of(key)]()))
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True

@@ -183,7 +183,7 @@ class FolderBarrier:
             RoundError: ``participant`` already deposited something else: a record is
                 never replaced, whoever wrote first stands.
         """
-        name = self._record_name(key, participant)
+        name = self.record_name(key, participant)
         digest = self.store.put(data)
         if self.store.claim(name, digest):
             return True
@@ -202,7 +202,7 @@ class FolderBarrier:
     def has_deposited(self, key: SittingKey, participant: str) -> bool:
         """Whether ``participant`` deposited a record for sitting ``key`` (one name is
         looked up; the sitting's other records are not listed)."""
-        return bool(self.store.bound(self._record_name(key, participant)))
+        return bool(self.store.bound(self.record_name(key, participant)))
 
     def outcome(self, key: SittingKey) -> bytes | None:
         """The published outcome of sitting ``key``, or None if there is none yet."""
@@ -244,7 +244,7 @@ class FolderBarrier:
         # the snapshot is taken after the claim: a record that lands later is not in it,
         # exactly as an update after the collect deadline is not in a coordinator's sum
         records = {
-            participant: self.store.get(self.store.resolve(self._record_name(key, participant)))
+            participant: self.store.get(self.store.resolve(self.record_name(key, participant)))
             for participant in self.deposited(key)
         }
         missing = tuple(sorted(set(expected) - set(records)))
@@ -294,5 +294,6 @@ class FolderBarrier:
         )
 
     @staticmethod
-    def _record_name(key: SittingKey, participant: str) -> str:
+    def record_name(key: SittingKey, participant: str) -> str:
+        """The store name of ``participant``'s record for sitting ``key``."""
         return f"{key.name}/record/{participant}"

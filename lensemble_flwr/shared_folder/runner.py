@@ -60,6 +60,7 @@ from lensemble_flwr.coordinator.coordinator import (
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ConfigError,
+    ForgedMessage,
     InconsistentSizes,
     LedgerError,
     LensembleError,
@@ -68,12 +69,19 @@ from lensemble_flwr.errors import (
     RoundIncomplete,
     response_to,
 )
+from lensemble_flwr.identity.signing import IdentityKey, parse_public_key
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import MessageKind, RoundOpen, WirePayload, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.ledger import (
+    ContributionRecord,
+    Ledger,
+    RunManifest,
+    ledger_name,
+    parse_document,
+)
 from lensemble_flwr.release import ReleaseTransform
 from lensemble_flwr.shared_folder.barrier import (
     Decide,
@@ -93,6 +101,7 @@ from lensemble_flwr.shared_folder.records import (
     encode,
     encode_record,
 )
+from lensemble_flwr.shared_folder.signed import open_document, sign_document
 from lensemble_flwr.transports.base import ReplyCollector
 
 log = logging.getLogger(__name__)
@@ -201,6 +210,9 @@ class SharedFolderParticipant:
         poll_interval: float = 0.05,
         aggregator_factory: AggregatorFactory = fixed_point_aggregator,
         on_outcome: Callable[[Outcome], None] | None = None,
+        identity: IdentityKey | None = None,
+        identities: Mapping[str, str] | None = None,
+        unauthenticated: bool = False,
     ) -> None:
         everyone = tuple(participants)
         if not everyone or len(set(everyone)) != len(everyone):
@@ -219,6 +231,10 @@ class SharedFolderParticipant:
             )
         if quorum is not None and not 1 <= quorum <= len(everyone):
             raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
+        self.identities = _check_identities(
+            identity, identities, participant_id, everyone, unauthenticated=unauthenticated
+        )
+        self._identity = identity
         fed = config.federation
         self.config = config
         self.participant_id = participant_id
@@ -243,6 +259,7 @@ class SharedFolderParticipant:
             transport=self._outbox,
             trainer=trainer,
             pipeline=pipeline,
+            identity=identity,  # its messages are signed: the decider's coordinator checks
         )
         self._initial_params = initial_params
         self._aggregator_factory = aggregator_factory
@@ -276,13 +293,14 @@ class SharedFolderParticipant:
             if published is None:  # the sitting is still open: answer it, then wait
                 self._deposit(key, announcement)
                 published = self.barrier.gather(key, self.participants, self._decider(announcement))
-            outcome = decode_outcome(published)
+            outcome = decode_outcome(self._open(published, f"{key.name}/outcome"))
             if (outcome.run_id, outcome.round, outcome.sitting) != (
                 self.run_id,
                 key.round,
                 key.sitting,
             ):
                 raise LedgerError(f"{key}: the published outcome is about another sitting")
+            self._check_outcome(key, outcome)
             if self._on_outcome is not None:
                 self._on_outcome(outcome)
             if outcome.next is None:
@@ -297,7 +315,7 @@ class SharedFolderParticipant:
 
     # -- joining -------------------------------------------------------------------------
     def _join(self) -> Announcement:
-        genesis = decode_genesis(self.barrier.start(self._create))
+        genesis = decode_genesis(self._open(self.barrier.start(self._create), "genesis"))
         if genesis.run_id != self.run_id:
             raise ConfigError("run_id", f"the folder's run is {genesis.run_id!r}")
         if genesis.participants != self.participants:
@@ -317,6 +335,7 @@ class SharedFolderParticipant:
             store=self.store,
             run_id=self.run_id,
             aggregator_factory=self._aggregator_factory,
+            identities=self.identities,
         )
         first = Announcement.of(
             self._round_opens(coordinator),
@@ -329,7 +348,7 @@ class SharedFolderParticipant:
             created_by=self.identity,
             first=first,
         )
-        return encode(genesis)
+        return self._sign(encode(genesis), "genesis")
 
     def _round_opens(self, coordinator: Coordinator) -> dict[str, RoundOpen]:
         return {pid: coordinator.round_open_for(pid) for pid in self.participants}
@@ -360,11 +379,76 @@ class SharedFolderParticipant:
         )
 
     def _deposit(self, key: SittingKey, announcement: Announcement) -> None:
+        slot = f"{key.name}/record/{self.participant_id}"
         if self.barrier.has_deposited(key, self.participant_id):
-            log.info("%s: %s already deposited (a restart?)", key, self.participant_id)
+            # a restart finds its own record; anything else in its slot is somebody
+            # acting for it, and it says so loudly instead of being left out quietly
+            name = self.barrier.record_name(key, self.participant_id)
+            existing = self.store.get(self.store.resolve(name))
+            try:
+                decode_record(self._open(existing, slot, author=self.participant_id))
+            except (ForgedMessage, RoundError) as exc:
+                raise ForgedMessage(
+                    f"{key}: the slot of {self.participant_id} holds a record it did not "
+                    f"write: {exc}"
+                ) from None
+            log.info("%s: %s already deposited (a restart)", key, self.participant_id)
             return
-        self.barrier.deposit(key, self.participant_id, encode_record(self.answer(announcement)))
+        self.barrier.deposit(key, self.participant_id, self.seal_record(self.answer(announcement)))
         self.deposits.append(key)
+
+    def seal_record(self, record: FolderRecord, sitting: SittingKey | None = None) -> bytes:
+        """The bytes this participant deposits for ``record``: encoded, and signed for its
+        slot of ``sitting`` (default: the record's own; unless the run is unauthenticated)."""
+        key = sitting or SittingKey(record.round, record.sitting)
+        return self._sign(encode_record(record), f"{key.name}/record/{self.participant_id}")
+
+    # -- authentication ------------------------------------------------------------------
+    def _place(self, where: str) -> str:
+        return f"{self.run_id}/{where}"
+
+    def _sign(self, body: bytes, where: str) -> bytes:
+        if self.identities is None or self._identity is None:
+            return body  # unauthenticated, as asked
+        return sign_document(self._identity, self.participant_id, self._place(where), body)
+
+    def _open(self, data: bytes, where: str, *, author: str | None = None) -> bytes:
+        """The bytes of a document found at ``where``, its signature checked.
+
+        Raises:
+            ForgedMessage: it is not signed by a participant (``author``, for a slot).
+        """
+        if self.identities is None:
+            return data
+        _, body = open_document(
+            data, place=self._place(where), identities=self.identities, author=author
+        )
+        return body
+
+    def _check_outcome(self, key: SittingKey, outcome: Outcome) -> None:
+        """A closed outcome must be what the ledger holds: its global state and the next
+        announcement's checkpoint are the ledger record's.
+
+        Raises:
+            LedgerError: they are not (an outcome that leads everybody off the ledger).
+        """
+        if outcome.state is not RoundState.CLOSED:
+            return
+        name = ledger_name(key.round)
+        record = (
+            parse_document(ContributionRecord, self.store.get(self.store.resolve(name)), name)
+            if self.store.bound(name)
+            else None
+        )
+        if (
+            record is None
+            or record.new_global_hash != outcome.global_hash
+            or (outcome.next is not None and outcome.next.checkpoint != record.checkpoint)
+        ):
+            raise LedgerError(
+                f"{key}: the published outcome says the round closed on "
+                f"{outcome.global_hash[:12]}…, which is not what the ledger records"
+            )
 
     # -- the decider's half --------------------------------------------------------------
     def _decider(self, announcement: Announcement) -> Decide:
@@ -381,7 +465,7 @@ class SharedFolderParticipant:
                     error=exc,
                 )
             self.decisions.append(Decision(snapshot.key, outcome.state, outcome.contributors))
-            return encode(outcome)
+            return self._sign(encode(outcome), f"{snapshot.key.name}/outcome")
 
         return decide
 
@@ -407,6 +491,7 @@ class SharedFolderParticipant:
             self.config,
             store=self.store,
             aggregator_factory=self._aggregator_factory,
+            identities=self.identities,
             check="chain",  # every sitting resumes: reading every checkpoint each time
         )  # would make a run quadratic (the head checkpoint is still verified)
         state = coordinator.global_state()
@@ -452,6 +537,9 @@ class SharedFolderParticipant:
                 next=nxt,
             )
         assert result.error is not None
+        # the next sitting's decider resumes from the store: the commitments this attempt
+        # admitted must be there, since its RoundOpens no longer ask for them
+        coordinator.registry.persist()
         retry = response_to(result.error) is Response.RETRY_ROUND and retry_allowed
         nxt = (
             Announcement.of(
@@ -481,9 +569,12 @@ class SharedFolderParticipant:
         key, readable = snapshot.key, []
         for pid, data in sorted(snapshot.records.items()):
             try:
-                record = decode_record(data)
+                record = decode_record(self._open(data, f"{key.name}/record/{pid}", author=pid))
+            except ForgedMessage as exc:
+                log.error("%s: REFUSED the record in the slot of %s: %s", key, pid, exc)
+                continue
             except RoundError as exc:
-                log.warning("%s: record of %s left out: %s", key, pid, exc)
+                log.error("%s: record of %s left out, unreadable: %s", key, pid, exc)
                 continue
             speakers = {p.get("participant_id") for p in record.payloads}
             if record.participant != pid or not speakers <= {pid}:
@@ -554,3 +645,47 @@ class SharedFolderParticipant:
             sketch_seed=derive_seed(self.config.federation.root_seed, "round", announcement.round),
             h_steps=self.config.inner.steps,
         )
+
+
+def _check_identities(
+    identity: IdentityKey | None,
+    identities: Mapping[str, str] | None,
+    me: str,
+    everyone: Sequence[str],
+    *,
+    unauthenticated: bool,
+) -> dict[str, str] | None:
+    """The federation's allow-list of identity keys, checked (None: unauthenticated).
+
+    Raises:
+        ConfigError: no allow-list and no explicit ``unauthenticated``; an allow-list that
+            does not name exactly the participants, holds a key that does not parse, or
+            does not hold this participant's own key.
+    """
+    if identities is None:
+        if not unauthenticated:
+            raise ConfigError(
+                "identities",
+                "a shared folder authenticates nothing by itself (every participant can "
+                "write it): give every participant's public identity key (identities=) and "
+                "this one's key (identity=), or unauthenticated=True to accept that anyone "
+                "who can write the folder can act for anyone",
+            )
+        log.warning(
+            "shared folder %s UNAUTHENTICATED: anyone who can write the folder can act for "
+            "any participant",
+            me,
+        )
+        return None
+    if set(identities) != set(everyone):
+        raise ConfigError("identities", f"must name exactly the participants {sorted(everyone)}")
+    for pid, key in identities.items():
+        try:
+            parse_public_key(key)
+        except ForgedMessage as exc:
+            raise ConfigError(f"identities[{pid}]", str(exc)) from None
+    if identity is None or identity.public_openssh.strip() != identities[me].strip():
+        raise ConfigError(
+            "identity", f"must be {me}'s private key, whose public half is in identities"
+        )
+    return dict(identities)

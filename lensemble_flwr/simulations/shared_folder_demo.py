@@ -1,17 +1,19 @@
 """The same script on every node: a toy federation whose rounds meet in a shared folder.
 
-Four processes on one machine::
+Four processes on one machine: make their identity keys once (outside the shared folder:
+the folder authenticates nothing), then run one process per participant::
 
+    python -m lensemble_flwr.simulations.shared_folder_demo --make-keys keys --participants 4
     for i in 0 1 2 3; do
       python -m lensemble_flwr.simulations.shared_folder_demo --folder /tmp/fed \\
-          --participant-index $i --participants 4 --rounds 5 &
+          --keys keys --participant-index $i --participants 4 --rounds 5 &
     done; wait
 
 On a Slurm cluster, one task per participant (the index and the count come from
 ``SLURM_PROCID`` and ``SLURM_NTASKS``)::
 
     srun --ntasks=4 python -m lensemble_flwr.simulations.shared_folder_demo \\
-        --folder $SCRATCH/fed --rounds 5
+        --folder $SCRATCH/fed --keys $HOME/fed-keys --rounds 5
 
 Each process prints one line per round and, at the end, one JSON line: the global state
 it left with, and the rounds it decided (exactly one process decides each).
@@ -24,12 +26,14 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
+from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.shared_folder.records import Outcome
 from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
@@ -41,6 +45,25 @@ def participant_ids(count: int) -> list[str]:
     return [f"p{i:02d}" for i in range(count)]
 
 
+def make_keys(folder: Path, ids: list[str]) -> None:
+    """A P-256 identity key pair per participant: ``<id>.key`` (owner-only) and ``<id>.pub``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for pid in ids:
+        key = IdentityKey.generate()
+        private = folder / f"{pid}.key"
+        private.write_bytes(key.private_openssh())
+        private.chmod(0o600)
+        (folder / f"{pid}.pub").write_text(key.public_openssh + "\n")
+
+
+def keys_of(folder: Path, me: str, ids: list[str]) -> dict[str, Any]:
+    """This participant's identity key and everyone's public keys, from ``folder``."""
+    return {
+        "identity": IdentityKey.load(folder / f"{me}.key"),
+        "identities": {pid: (folder / f"{pid}.pub").read_text().strip() for pid in ids},
+    }
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value is not None and value.isdigit() else None
@@ -48,7 +71,20 @@ def _env_int(name: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--folder", required=True, help="the folder every process mounts")
+    parser.add_argument("--folder", help="the folder every process mounts")
+    parser.add_argument(
+        "--keys", metavar="DIR",
+        help="identity keys, outside the shared folder: this participant's private key "
+        "<id>.key and every participant's public key <id>.pub",
+    )  # fmt: skip
+    parser.add_argument(
+        "--make-keys", metavar="DIR",
+        help="write a key pair for each of --participants into DIR, and exit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--unauthenticated", action="store_true",
+        help="run without keys: anyone who can write the folder can act for anyone",
+    )  # fmt: skip
     parser.add_argument(
         "--participant-index", type=int, default=_env_int("SLURM_PROCID"),
         help="this process's participant (default: $SLURM_PROCID)",
@@ -69,10 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.make_keys is not None:
+        if args.participants is None:
+            parser.error("--make-keys needs --participants")
+        make_keys(Path(args.make_keys), participant_ids(args.participants))
+        return 0
+    if args.folder is None:
+        parser.error("--folder is required")
     if args.participants is None or args.participant_index is None:
         parser.error("--participants and --participant-index are required outside Slurm")
     if not 0 <= args.participant_index < args.participants:
         parser.error(f"--participant-index must be in [0, {args.participants})")
+    if (args.keys is None) == (not args.unauthenticated):
+        parser.error("pass --keys DIR (see --make-keys), or --unauthenticated")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     torch.set_num_threads(1)  # one participant per process; N of them share the machine
 
@@ -106,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         publish_timeout=args.publish_timeout,
         poll_interval=args.poll_interval,
         on_outcome=report,
+        **keys_of(Path(args.keys), me, ids) if args.keys else {"unauthenticated": True},
     )
     summary: dict[str, Any] = {"participant": me, "pid": os.getpid()}
     try:
