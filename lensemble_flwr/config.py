@@ -200,8 +200,8 @@ class PrivacyConfig(_Section):
     )
     dp_release_metrics: bool = Field(
         False,
-        description="Under DP, also send the un-noised train loss and evaluation metrics "
-        "(data-dependent, outside the budget); off: they never leave a participant.",
+        description="Under DP or secure aggregation, also send each node's train loss and "
+        "evaluation metrics (un-noised, per node); off: they never leave a participant.",
     )
 
     @model_validator(mode="after")
@@ -435,3 +435,11 @@ def run_config_table() -> str:
         shown = ",".join(value) if isinstance(value, tuple) else value
         rows.append(f"| `{key}` | `{section}.{field}` | `{shown!r}` | {info.description} |")
     return "\n".join(rows)
+
+
+def metrics_released(config: LensembleConfig) -> bool:
+    """Whether a participant sends per-node metrics (train loss, evaluation): always,
+    except under DP (they are not noised) or secure aggregation (only the sum is to be
+    learnt), where ``dp-release-metrics`` must opt in."""
+    private = config.privacy.noised or config.federation.secagg_threshold > 0
+    return not private or config.privacy.dp_release_metrics

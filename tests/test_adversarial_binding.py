@@ -143,3 +143,32 @@ def test_the_projects_own_apps_require_binding() -> None:
     assert app["require-binding"] is True
     assert drill_config().federation.require_binding
     assert not LensembleConfig().federation.require_binding
+
+
+def test_an_identity_key_is_fixed_at_the_first_commitment(tmp_path: Path) -> None:
+    """A later commitment that omits the key used to wipe it (unsigned messages were then
+    accepted), and one that added a key to a keyless binding made the run fail verify."""
+    from lensemble_flwr.errors import ForgedMessage
+    from lensemble_flwr.protocol.messages import Commitment
+
+    reg = ParticipantRegistry(small_config(), Store(tmp_path / "registry"))
+    key = IdentityKey.generate()
+    common = {"run_id": "run", "round": 0, "sender": "p09", "participant_id": "p09"}
+    first = key.sign(
+        Commitment(**common, dataset_root=ROOT, num_examples=3, identity_key=key.public_openssh),
+        7,
+    )
+    reg.check_signature(first, 7)
+    reg.bind(first)
+    later = key.sign(Commitment(**{**common, "round": 1}, dataset_root=ROOT, num_examples=3), 8)
+    reg.check_signature(later, 8)
+    reg.bind(later)
+    assert reg.commitments["p09"].identity_key == key.public_openssh.strip()  # kept
+    keyless = ParticipantRegistry(small_config(), Store(tmp_path / "other"))
+    plain = Commitment(
+        **{**common, "sender": "p08", "participant_id": "p08"}, dataset_root=ROOT, num_examples=3
+    )
+    keyless.bind(plain)
+    added = key.sign(plain.model_copy(update={"round": 1, "identity_key": key.public_openssh}), 8)
+    with pytest.raises(ForgedMessage, match="bound without an identity key"):
+        keyless.check_signature(added, 8)

@@ -189,3 +189,34 @@ def test_under_dp_a_node_refuses_to_evaluate_and_the_strategy_does_not_ask(tmp_p
     assert list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid)) == []
     strategy = LensembleStrategy(opted, run_dir=tmp_path / "run2")
     assert len(list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))) == len(NODES)
+
+
+def test_in_masked_rounds_no_per_node_metric_leaves_a_node_unless_opted_in() -> None:
+    """The coordinator of a masked round is to learn only the sum; each node's train loss
+    used to travel with its masked update."""
+    from lensemble_flwr.config import metrics_released
+
+    masked = LensembleConfig(federation={"secagg_threshold": 3, "min_participants": 3})
+    assert not metrics_released(masked)
+    opted = masked.model_copy(
+        update={"privacy": masked.privacy.model_copy(update={"dp_release_metrics": True})}
+    )
+    assert metrics_released(opted) and metrics_released(small_config())
+
+
+def test_a_budget_file_name_never_comes_raw_from_free_text(tmp_path: Path) -> None:
+    from lensemble_flwr.participant.release_chain import budget_name
+    from lensemble_flwr.provenance.commitment_secret import commitment_secret, secret_path
+
+    assert budget_name("p01") == "participant-p01"
+    for odd in ("../../etc/x", "a/b", "..", "lensemble-id-hospital a"):
+        name = budget_name(odd)
+        assert "/" not in name and name != "participant-.." and name.startswith("participant-")
+    path = secret_path(tmp_path, "p01")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="not a 32-byte secret"):
+        commitment_secret(tmp_path, "p01")
+    (tmp_path / "a-file").write_text("")  # a state dir that cannot be made
+    with pytest.raises(ConfigError, match="cannot keep the commitment secret"):
+        commitment_secret(tmp_path / "a-file" / "sub", "p02")

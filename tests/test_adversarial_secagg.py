@@ -176,10 +176,19 @@ def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
     plain.run(1)
     coordinator, network, nodes = federation(tmp_path, config=config, name="masked", faults=later)
     seen = DeliveryLog(network)  # the coordinator's whole transcript, both directions
-    coordinator.run(1)  # round 0: p02 survives, its self mask is disclosed
     p02 = next(n for n in nodes if n.participant_id == "p02")
-    round_key = p02.masking.round_key  # ground truth, for the positive control only
-    assert round_key is not None
+    used: list[bytes | None] = []  # ground truth, for the positive control only
+    mask_release = p02.masking.mask_release
+
+    def spy(*args, **kwargs):
+        fields = mask_release(*args, **kwargs)
+        used.append(p02.masking.round_key)  # deleted once it answers the unmask request
+        return fields
+
+    p02.masking.mask_release = spy  # type: ignore[method-assign]
+    coordinator.run(1)  # round 0: p02 survives, its self mask is disclosed
+    (round_key,) = used
+    assert round_key is not None and p02.masking.round_key is None
     coordinator.run(3)  # round 1: p02 drops or is late; then it comes back
     assert "p02" not in coordinator.outcomes[1].contributors
     transcript = seen.payloads()
@@ -312,3 +321,129 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
         pair = {v: pair_seed(true_key, by_id[v].mask_public, context) for v in near}
         known = {v for v, s in pair.items() if s in disclosed_seeds}
         assert known != set(near), f"{pid} fully unmasked in round {rnd}"
+
+
+# -- a coordinator that asks twice, lowers the threshold, or a member with bad keys -------
+def _role_with_a_round(threshold: int = 2, n: int = 3):
+    """A MaskingRole that masked for a round of ``n`` members (p0 is the role)."""
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.protocol.messages import RoundOpen
+    from lensemble_flwr.protocol.state import PseudoGradient
+    from lensemble_flwr.secagg.participant_role import MaskingRole, encode_member
+
+    role = MaskingRole("p0")
+    role.keys_for_commitment()
+    mine = next(iter(role.announced))
+    others = {f"p{i}": SecAggKeys.generate() for i in range(1, n)}
+    members = [Member("p0", bytes.fromhex(mine), public_of(role.enc_private))] + [
+        Member(p, k.mask_public, k.enc_public) for p, k in others.items()
+    ]
+    config = LensembleConfig(federation={"secagg_threshold": threshold, "min_participants": 2})
+    opened = RoundOpen.model_construct(
+        run_id="run",
+        round=0,
+        attempt=1,
+        secagg_members=tuple(encode_member(m) for m in members),
+        secagg_threshold=threshold,
+        secagg_neighbours=0,
+    )
+    release = PseudoGradient(
+        participant_id="p0",
+        round=0,
+        delta={"w": np.zeros(3, np.float32)},
+        l2_norm=0.0,
+        dataset_root=None,
+        num_examples=1,
+    )
+    fields = role.mask_release(release, opened, config)
+    return role, members, fields, config, opened
+
+
+def public_of(private: bytes | None) -> bytes:
+    from lensemble_flwr.secagg.keys import public_key
+
+    assert private is not None
+    return public_key(private)
+
+
+def test_a_member_answers_one_partition_per_attempt_and_then_deletes_its_key() -> None:
+    """A coordinator that asked once with 'p2 survived' and again with 'p2 dropped' would
+    get p2's self mask from some holders and its pairwise seeds from the others. The
+    same request again gets the same answer; another partition is refused."""
+    from lensemble_flwr.protocol.messages import UnmaskRequest
+
+    role, _members, fields, *_ = _role_with_a_round()
+    common = {"run_id": "run", "round": 0, "attempt": 1, "sender": "coordinator"}
+    first = UnmaskRequest(
+        **common,
+        survivors=("p0", "p1", "p2"),
+        dropped=(),
+        sealed={"p0": fields["sealed_shares"]["p0"]},
+    )
+    answer = role.disclose(first)
+    assert role.round_key is None  # answered: the round's mask key is gone
+    assert role.disclose(first) == answer  # a resent request: the same answer
+    second = first.model_copy(update={"survivors": ("p0", "p1"), "dropped": ("p2",)})
+    with pytest.raises(SecureAggregationError, match="another partition"):
+        role.disclose(second)
+    restored = type(role)("p0")
+    restored.restore(role.export())  # the answer survives a restart of the participant
+    with pytest.raises(SecureAggregationError, match="another partition"):
+        restored.disclose(second)
+
+
+def test_a_member_refuses_a_round_with_another_threshold_before_it_trains(tmp_path) -> None:
+    """A coordinator that lowers the threshold to 1 could unmask a member from its own
+    share; a threshold of 0 used to crash the member (an untyped ValueError)."""
+    role, _members, _fields, config, opened = _role_with_a_round()
+    role.keys_for_commitment()
+    for threshold in (0, 1, 3):
+        with pytest.raises(SecureAggregationError, match="threshold"):
+            role.check_round(opened.model_copy(update={"secagg_threshold": threshold}), config)
+
+
+def test_a_low_order_mask_key_is_rejected_at_ingress_and_crashes_nobody() -> None:
+    """An all-zero X25519 key used to make every member's exchange with it raise an
+    untyped ValueError (the member crashed, after its budget was charged)."""
+    from lensemble_flwr.coordinator.admission import check_usable_key
+    from lensemble_flwr.errors import RoundError
+    from lensemble_flwr.secagg.keys import check_public_key
+
+    with pytest.raises(SecureAggregationError, match="not a usable X25519"):
+        pair_seed(SecAggKeys.generate().mask_private, bytes(32), b"ctx")
+    with pytest.raises(SecureAggregationError):
+        check_public_key(bytes(32))
+    with pytest.raises(RoundError, match="p9: mask_key"):
+        check_usable_key("p9", "mask_key", "00" * 32)
+    check_usable_key("p9", "mask_key", SecAggKeys.generate().mask_public.hex())
+
+
+def test_bad_sealed_shares_and_shares_at_another_holders_point_are_refused() -> None:
+    from lensemble_flwr.errors import RoundError
+    from lensemble_flwr.secagg.aggregator import SecureAggregator
+    from lensemble_flwr.secagg.keys import open_sealed, seal
+    from lensemble_flwr.secagg.protocol import Disclosure
+
+    alice, bob = SecAggKeys.generate(), SecAggKeys.generate()
+    with pytest.raises(SecureAggregationError, match="sealed share is 5 bytes"):
+        open_sealed(bob.enc_private, alice.enc_public, b"short", b"ctx")
+    from lensemble_flwr.secagg.protocol import _aad, _open_share
+
+    sealed = seal(alice.enc_private, bob.enc_public, b"not a share", _aad(b"ctx", "a", "b"))
+    with pytest.raises(SecureAggregationError, match="not a share"):
+        _open_share(bob, Member("a", alice.mask_public, alice.enc_public), "b", sealed, b"ctx")
+    with pytest.raises(SecureAggregationError, match="not a point"):
+        shamir.combine([(0, 5), (1, 6)], 2)
+    keys = {p: SecAggKeys.generate() for p in ("a", "b", "c")}
+    members = [Member(p, k.mask_public, k.enc_public) for p, k in keys.items()]
+    from lensemble_flwr.config import AggregationConfig
+
+    agg = SecureAggregator(
+        {"w": np.zeros(2, np.float32)}, AggregationConfig(), members=members, threshold=2,
+        context=b"ctx",
+    )  # fmt: skip
+    agg._weights.update({"a": 1, "b": 1, "c": 1})  # three survivors (no sum needed here)
+    agg._sum.survivors.extend(["a", "b", "c"])
+    with pytest.raises(RoundError, match="not the one dealt to it"):
+        agg.disclose("b", Disclosure(self_mask={"a": (1, 7)}, pair_seeds={}))  # a's point
+    agg.disclose("b", Disclosure(self_mask={"a": (2, 7)}, pair_seeds={}))  # b's own point

@@ -159,3 +159,11 @@ def test_no_false_positives_on_untouched_runs(tmp_path: Path) -> None:
         fresh = federated_run(tmp_path / f"run{i}")
         assert audit_run(fresh).ok
         verify(Store(fresh))
+
+
+def test_a_registry_of_the_wrong_shape_is_a_finding_not_a_traceback(run: Path) -> None:
+    rewrite_json(run, REGISTRY, commitments={"p01": "not a commitment"})
+    report = audit_run(run)
+    assert [f.where for f in report.findings] == ["participant registry"]
+    with pytest.raises(LedgerError, match="participant registry"):
+        verify(Store(run))

@@ -339,3 +339,10 @@ def test_python_dash_m_runs_the_same_cli(run: Path) -> None:
     )
     assert done.returncode == EXIT_OK, done.stderr
     assert "verified" in done.stdout
+
+
+def test_prove_needs_the_identity_of_the_secret(
+    tmp_path: Path, node_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = cli(capsys, "prove", "--records-from", f"{node_module}:records", "--index", 1)
+    assert code != EXIT_OK and "--stable-id or --participant" in err

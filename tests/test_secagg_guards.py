@@ -32,6 +32,7 @@ from lensemble_flwr.secagg.participant_role import MaskingRole, encode_member
 from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of, mask
 
 CONTEXT = context_of("run", 0, 1)
+MASKED = LensembleConfig(federation={"secagg_threshold": 2, "min_participants": 2})
 TEMPLATE = {"w": np.zeros(6, np.float32)}
 
 
@@ -241,7 +242,10 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
     role = MaskingRole("a")
     role.enc_private = keys["a"].enc_private
     role.announced = {keys["a"].mask_public.hex(): keys["a"].mask_private}
-    config = LensembleConfig(aggregation={"max_abs_update": 1.0})
+    config = LensembleConfig(
+        aggregation={"max_abs_update": 1.0},
+        federation={"secagg_threshold": 2, "min_participants": 2},
+    )
     opened = RoundOpen.model_construct(
         run_id="run",
         round=0,
@@ -335,10 +339,10 @@ def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_ke
         num_examples=1,
     )
     with pytest.raises(SecureAggregationError, match="never announced"):
-        role.mask_release(release, opened, LensembleConfig())
+        role.mask_release(release, opened, MASKED)
     role.announced[keys["a"].mask_public.hex()] = keys["a"].mask_private  # the listed key
     with pytest.raises(SecureAggregationError, match="another sealing key"):
-        role.mask_release(release, opened, LensembleConfig())
+        role.mask_release(release, opened, MASKED)
 
 
 def test_a_masked_update_carries_no_norm_and_a_plaintext_one_no_mask_key(trio) -> None:

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.state import load_state, save_state
-from lensemble_flwr.config import LensembleConfig, run_config_keys
+from lensemble_flwr.config import LensembleConfig, metrics_released, run_config_keys
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.identity.signing import IdentityKey
@@ -111,19 +111,18 @@ def handle_train(
         return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
     collector = ReplyCollector()
     try:
-        stable_id = stable_identity(context, config, identity)
-    except ConfigError as exc:
+        participant = Participant(
+            config,
+            participant_id=records.participant_id(context.node_id),
+            transport=collector,
+            trainer=trainer,
+            gauge=gauge,
+            identity=identity,
+            pipeline=pipeline,
+            stable_id=stable_identity(context, config, identity),
+        )
+    except ConfigError as exc:  # no stable identity under DP, an unusable state dir
         return Message(Error(code=REFUSED, reason=str(exc)), reply_to=message)
-    participant = Participant(
-        config,
-        participant_id=records.participant_id(context.node_id),
-        transport=collector,
-        trainer=trainer,
-        gauge=gauge,
-        identity=identity,
-        pipeline=pipeline,
-        stable_id=stable_id,
-    )
     participant.import_state(load_state(context.state))
     for payload in payloads:
         participant.handle(payload)
@@ -141,9 +140,10 @@ def handle_train(
 
 
 def releases_metrics(config: LensembleConfig) -> bool:
-    """Whether un-noised, data-dependent metrics (train loss, evaluation) may leave this
-    participant: always without DP; under DP only with ``dp-release-metrics``."""
-    return not config.privacy.noised or config.privacy.dp_release_metrics
+    """Whether per-node, data-dependent metrics (train loss, evaluation) may leave this
+    participant: not under DP (they are not noised) and not in masked rounds (the
+    coordinator is to learn only the sum), unless ``dp-release-metrics`` opts in."""
+    return metrics_released(config)
 
 
 def handle_evaluate(
@@ -159,8 +159,8 @@ def handle_evaluate(
         return Message(
             Error(
                 code=REFUSED,
-                reason="under DP, evaluation metrics are not released (dp-release-metrics "
-                "is off: they are data-dependent and not noised)",
+                reason="under DP or secure aggregation, evaluation metrics are not released "
+                "(dp-release-metrics is off: they are per node and not noised)",
             ),
             reply_to=message,
         )

@@ -35,6 +35,7 @@ from lensemble_flwr.errors import (
     ReplayedMessage,
     Response,
     RoundError,
+    SecureAggregationError,
     UnprivatizedContribution,
     reported,
     response_to,
@@ -52,6 +53,7 @@ from lensemble_flwr.protocol.messages import (
     message_digest,
 )
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.secagg.keys import check_public_key
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +106,30 @@ Table = Mapping[tuple[RoundState, type[ParticipantMessage]], Handler]
 def bind_commitment(
     attempt: Attempt, msg: Commitment, ingress: Ingress, fields: Mapping[str, Any]
 ) -> Verdict:
-    """Bind the sender to its dataset root (CommitmentMismatch if bound to another)."""
+    """Bind the sender to its dataset root (CommitmentMismatch if bound to another).
+
+    Raises:
+        RoundError: a masking key is not a usable X25519 public key (it would make every
+            member's exchange with it fail): the message is rejected, nothing is bound.
+    """
+    for name in ("mask_key", "enc_key"):
+        check_usable_key(msg.participant_id, name, getattr(msg, name))
     ingress.registry.bind(msg)
     return Verdict.BOUND
+
+
+def check_usable_key(pid: str, name: str, key_hex: str | None) -> None:
+    """Refuse a masking key that no X25519 exchange can use (a low-order point).
+
+    Raises:
+        RoundError: it is not one.
+    """
+    if key_hex is None:
+        return
+    try:
+        check_public_key(bytes.fromhex(key_hex))
+    except SecureAggregationError as exc:
+        raise RoundError(f"{pid}: {name}: {exc}") from None
 
 
 def record_refusal(

@@ -39,6 +39,7 @@ from lensemble_flwr.coordinator.admission import (
     Table,
     Verdict,
     check_update,
+    check_usable_key,
     fold_update,
 )
 from lensemble_flwr.coordinator.attempt import Attempt
@@ -159,6 +160,7 @@ def admit_member_update(
     aggregator = attempt.aggregator
     assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
     aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
+    check_usable_key(msg.participant_id, "next_mask_key", msg.next_mask_key)
     if msg.next_mask_key is not None:
         ingress.registry.announce(msg.participant_id, msg.next_mask_key)
     return fold_update(attempt, msg, summed, ingress, fields)

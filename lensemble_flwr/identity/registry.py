@@ -98,6 +98,12 @@ class ParticipantRegistry:
             )
         if prior is None:
             log.info("%s bound to dataset root %s…", pid, commitment.dataset_root[:12])
+        # the identity key is fixed at the first commitment (check_signature refuses any
+        # other): a later commitment that omits it keeps it, and it is stored normalized
+        key = prior.identity_key if prior is not None else commitment.identity_key
+        commitment = commitment.model_copy(
+            update={"identity_key": None if key is None else key.strip()}
+        )
         if commitment != prior:
             self.membership.rebound(prior, commitment)
             self.commitments[pid] = commitment
@@ -141,6 +147,10 @@ class ParticipantRegistry:
         if isinstance(msg, Commitment) and msg.identity_key is not None:
             if key is not None and msg.identity_key.strip() != key.strip():
                 raise ForgedMessage(f"{pid}: commitment claims another identity key")
+            if key is None and bound is not None:
+                # bound without a key: the key is fixed at the first commitment, as the
+                # ledger's registries record it (verify refuses a key appearing later)
+                raise ForgedMessage(f"{pid}: bound without an identity key; cannot add one")
             key = msg.identity_key
         if key is None:
             if self.config.federation.require_signatures:

@@ -1,9 +1,10 @@
 """The participant registry in the run's store: commitments and unspent mask keys.
 
 It is written whenever it changed, before anything that depends on it can reach the
-ledger: before a round's sum is revealed, and before a dropped member's mask key is
-listed. Every write goes through :class:`~lensemble_flwr.artifacts.store.Store`, so a
-crash leaves either the previous version or the new one.
+ledger: when a masked round's member set is fixed (its mask keys are spent), and before
+a round's sum is revealed. Every write goes through
+:class:`~lensemble_flwr.artifacts.store.Store`, so a crash leaves either the previous
+version or the new one.
 """
 
 from __future__ import annotations

@@ -265,6 +265,8 @@ class Participant:
         if masked_round and not self.masking.is_member(msg):
             return  # not (yet) a member of this masked round: committing was the answer
         try:
+            if masked_round:  # before training: a round it will refuse spends no budget
+                self.masking.check_round(msg, self.config)
             released = self.local_round(state, msg.sketch_seed)
             masked = self.masking.mask_release(released, msg, self.config) if masked_round else {}
         except LensembleError as exc:

@@ -6,6 +6,9 @@ alignment stage of :mod:`lensemble_flwr.gauge`); this module only composes them.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 from lensemble_flwr.config import LensembleConfig, default_state_dir
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -15,6 +18,14 @@ from lensemble_flwr.release.pipeline import ReleaseTransform, chain
 from lensemble_flwr.release.privacy import clip, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
 from lensemble_flwr.release.stages import bind, difference
+
+
+def budget_name(identity: str) -> str:
+    """The name a participant's budget file is kept under: its identity when that is a
+    plain name, else a hash of it (identities are free text; file names are not)."""
+    if re.fullmatch(r"[A-Za-z0-9._-]{1,100}", identity) and identity not in (".", ".."):
+        return f"participant-{identity}"
+    return f"participant-{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
 
 
 def release_pipeline(
@@ -47,7 +58,7 @@ def release_pipeline(
     if privacy.noised:
         budget = PrivacyBudget(
             privacy.dp_state_dir or default_state_dir(),
-            f"participant-{budget_key or participant_id}",
+            budget_name(budget_key or participant_id),
             epsilon=privacy.dp_epsilon,
             delta=privacy.dp_delta,
             accountant=privacy.dp_accountant,

@@ -6,8 +6,8 @@ the release, whether it would take the spent epsilon past the budget; if so the 
 does not happen. What was spent is written to disk (atomically) *before* the noised update
 leaves, so a crash between the two can only over-count, never under-count.
 
-The record is keyed by the participant's dataset commitment (its Merkle root), not by the
-run: a new run over the same data continues the same budget. It lives in a directory of
+The record is keyed by the participant's stable identity, not by its data or the run: new
+data, a new run and a restart all continue the same budget. It lives in a directory of
 the participant's own (``dp-state-dir``), never in the coordinator's run directory.
 
 The accounting, in the terms of docs/privacy.md: the release is clip(Δ) + N(0, σ²C²I);
@@ -42,7 +42,8 @@ class PrivacyBudget:
 
     Args:
         state_dir: the participant's own directory for budgets.
-        key: what the budget belongs to (the dataset's Merkle root).
+        key: what the budget belongs to (the participant's stable identity, as
+            ``release_chain.budget_name`` names it).
         epsilon, delta: the budget.
         accountant: "rdp" (default) or "prv".
     """

@@ -118,8 +118,9 @@ def prove_inclusion(
         index: which record to prove.
         participant_id: recorded in the bundle for the auditor's convenience.
         secret: the participant's commitment secret (a hiding commitment, as every
-            Participant makes: :func:`lensemble_flwr.participant.private_state.commitment_secret`);
-            None for an unsalted tree. Only the one leaf's salt goes into the bundle.
+            Participant makes; read it with ``read_commitment_secret`` of
+            :mod:`lensemble_flwr.provenance.commitment_secret`); None for an unsalted tree.
+            Only the one leaf's salt goes into the bundle.
 
     Raises:
         ValueError: ``records`` is empty.

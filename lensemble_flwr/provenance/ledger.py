@@ -543,8 +543,10 @@ def _registry_commitments(store: Store, digest: str, what: str) -> Mapping[str, 
         return data
     try:
         commitments = json.loads(data)["commitments"]
-        if not isinstance(commitments, dict):
-            raise TypeError("commitments is not a mapping")
+        if not isinstance(commitments, dict) or not all(
+            isinstance(c, dict) for c in commitments.values()
+        ):
+            raise TypeError("commitments is not a mapping of commitments")
         return commitments
     except (ValueError, KeyError, TypeError) as exc:
         return LinkBreak(None, "registry", "a participant registry", str(exc), f"{what}: {exc}")
@@ -585,7 +587,11 @@ def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator
         yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
     if not known or not store.bound(REGISTRY):
         return
-    digest = store.resolve(REGISTRY)
+    try:
+        digest = store.resolve(REGISTRY)
+    except StoreError as exc:
+        yield LinkBreak(None, "registry", "a bound name", str(exc), f"participant registry: {exc}")
+        return
     current = read.get(digest) or _registry_commitments(store, digest, "participant registry")
     if isinstance(current, LinkBreak):
         yield current

@@ -23,6 +23,7 @@ from lensemble_flwr.errors import (
     SecureAggregationError,
 )
 from lensemble_flwr.protocol.messages import Update
+from lensemble_flwr.secagg import shamir
 from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member
 
 
@@ -70,6 +71,7 @@ class SecureAggregator:
             template, members, threshold=threshold, context=context, degree=degree
         )
         self._member_ids = {m.pid for m in members}
+        self._holder_x = {pid: i + 1 for i, pid in enumerate(sorted(self._member_ids))}
         self._self_shares: dict[str, dict[str, bytes]] = {}
         self._weights: dict[str, int] = {}
         self._disclosures: dict[str, Disclosure] = {}
@@ -138,6 +140,13 @@ class SecureAggregator:
             raise RoundError(f"{holder}: disclosed a pairwise seed with a survivor")
         if any(len(seed) != 32 for seed in disclosure.pair_seeds.values()):
             raise RoundError(f"{holder}: a pairwise seed is not 32 bytes")
+        position = self._holder_x[holder]  # shares were dealt to the members in id order
+        for sender, (x, y) in disclosure.self_mask.items():
+            if x != position or not 0 <= y < shamir.PRIME:
+                raise RoundError(
+                    f"{holder}: its share of {sender}'s self mask is not the one dealt to it "
+                    f"(x = {x}, its own is {position})"
+                )
         self._disclosures[holder] = disclosure
 
     @property

@@ -57,6 +57,9 @@ def public_key(private: bytes) -> bytes:
     return _raw_public(_private(private))
 
 
+_PROBE = bytes(range(1, 33))  # a fixed private key, only to test a peer's public key
+
+
 def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
 
@@ -81,15 +84,45 @@ class SecAggKeys:
         return public_key(self.enc_private)
 
 
+def _exchange(private: bytes, peer_public: bytes) -> bytes:
+    """X25519, refusing a peer key that is not one (a low-order point gives no secret).
+
+    Raises:
+        SecureAggregationError: the peer's public key is malformed or of low order.
+    """
+    try:
+        return _private(private).exchange(_public(peer_public))
+    except ValueError as exc:
+        raise SecureAggregationError(f"not a usable X25519 public key: {exc}") from None
+
+
+def check_public_key(public: bytes) -> None:
+    """Refuse a public key no exchange can use (wrong length, low order).
+
+    Raises:
+        SecureAggregationError: it is not a usable X25519 public key.
+    """
+    if len(public) != 32:
+        raise SecureAggregationError("an X25519 public key is 32 bytes")
+    _exchange(_PROBE, public)
+
+
 def pair_seed(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:
-    """The pairwise mask seed of two participants for one round attempt (symmetric)."""
-    secret = _private(mask_private).exchange(_public(peer_mask_public))
-    return hkdf(secret, b"lensemble-secagg/pair|" + context)
+    """The pairwise mask seed of two participants for one round attempt (symmetric).
+
+    Raises:
+        SecureAggregationError: the peer's key is not a usable X25519 public key.
+    """
+    return hkdf(_exchange(mask_private, peer_mask_public), b"lensemble-secagg/pair|" + context)
 
 
 def _box_key(enc_private: bytes, peer_enc_public: bytes) -> bytes:
-    secret = _private(enc_private).exchange(_public(peer_enc_public))
-    return hkdf(secret, b"lensemble-secagg/share-box")
+    return hkdf(_exchange(enc_private, peer_enc_public), b"lensemble-secagg/share-box")
+
+
+SEALED_MIN, SEALED_MAX = 12 + 16, 12 + 16 + 512
+"""A sealed share: a 12-byte nonce, the ciphertext (a share is 'x:y' in hex, at most a few
+hundred bytes) and a 16-byte tag."""
 
 
 def seal(enc_private: bytes, peer_enc_public: bytes, plaintext: bytes, aad: bytes) -> bytes:
@@ -105,6 +138,10 @@ def open_sealed(enc_private: bytes, peer_enc_public: bytes, sealed: bytes, aad: 
     Raises:
         SecureAggregationError: the ciphertext or its associated data was altered.
     """
+    if not SEALED_MIN <= len(sealed) <= SEALED_MAX:
+        raise SecureAggregationError(
+            f"a sealed share is {len(sealed)} bytes, not {SEALED_MIN}..{SEALED_MAX}"
+        )
     box = ChaCha20Poly1305(_box_key(enc_private, peer_enc_public))
     try:
         return box.decrypt(sealed[:12], sealed[12:], aad)

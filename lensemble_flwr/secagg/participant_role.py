@@ -4,7 +4,8 @@ The participant turns its release into the fixed-point integers the plaintext ag
 would add (``to_fixed_point``), masks them with a mask key that serves this one round
 attempt, and seals a share of its fresh self mask for every member. With the masked
 update it announces the public half of the key its next round will use; the private
-halves of announced keys stay with the participant and are deleted once used. Its
+halves of announced keys stay with the participant; a key is deleted once its round's
+unmask request is answered (one answer per attempt). Its
 sealing key is long-lived: it only ever encrypts shares for one peer.
 """
 
@@ -46,6 +47,7 @@ class MaskingRole:
         self.enc_private: bytes | None = None  # long-lived: seals shares for one peer
         self.announced: dict[str, bytes] = {}  # public hex -> private, announced, unused
         self.round_key: bytes | None = None  # the mask key of the attempt masked last
+        self.answered: dict[str, Any] | None = None  # that attempt's unmask answer
         self.members: list[Member] = []
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
@@ -68,6 +70,51 @@ class MaskingRole:
     def is_member(self, msg: RoundOpen) -> bool:
         return any(m.split(":", 1)[0] == self.participant_id for m in msg.secagg_members)
 
+    def check_round(self, msg: RoundOpen, config: LensembleConfig) -> list[Member]:
+        """Everything that must hold before this participant masks for ``msg`` (checked
+        before it trains, so that a round it will refuse spends no privacy budget);
+        returns the members.
+
+        Raises:
+            SecureAggregationError: no sealing key; another threshold or neighbour graph
+                than agreed, or fewer members than the threshold; a member list that does
+                not parse or names this participant with a mask key it never announced or
+                already used, or with another sealing key.
+        """
+        me, fed = self.participant_id, config.federation
+        if self.enc_private is None:
+            raise SecureAggregationError(f"{me}: no keys for a masked round")
+        if msg.secagg_neighbours != fed.secagg_neighbours:
+            raise SecureAggregationError(
+                f"{me}: the round asks for a neighbour graph of degree "
+                f"{msg.secagg_neighbours}, this participant agreed to {fed.secagg_neighbours}"
+            )
+        if msg.secagg_threshold != fed.secagg_threshold:
+            raise SecureAggregationError(
+                f"{me}: the round asks for threshold {msg.secagg_threshold}, this "
+                f"participant agreed to {fed.secagg_threshold}"
+            )
+        try:
+            members = parse_members(msg.secagg_members)
+        except ValueError as exc:
+            raise SecureAggregationError(
+                f"{me}: a member list that does not parse: {exc}"
+            ) from None
+        if len(members) < fed.secagg_threshold:
+            raise SecureAggregationError(
+                f"{me}: {len(members)} members, fewer than the threshold {fed.secagg_threshold}"
+            )
+        mine = [m for m in members if m.pid == me]
+        listed = mine[0].mask_public.hex() if len(mine) == 1 else None
+        if listed not in self.announced:
+            raise SecureAggregationError(
+                f"{me}: the round lists a mask key this participant does not hold (never "
+                "announced, or already used): nothing is masked"
+            )
+        if mine[0].enc_public != public_key(self.enc_private):
+            raise SecureAggregationError(f"{me}: the round lists another sealing key")
+        return members
+
     def mask_release(
         self, released: PseudoGradient, msg: RoundOpen, config: LensembleConfig
     ) -> dict[str, Any]:
@@ -75,31 +122,12 @@ class MaskingRole:
         round lists for this participant, which is then deleted (a key masks once).
 
         Raises:
-            SecureAggregationError: no sealing key, another neighbour graph than agreed,
-                or the round lists a mask key this participant never announced or has
-                already used.
+            SecureAggregationError: see :meth:`check_round`.
             RoundError: the release is not finite or exceeds ``max-abs-update``.
         """
-        if self.enc_private is None:
-            raise SecureAggregationError(f"{self.participant_id}: no keys for a masked round")
-        if msg.secagg_neighbours != config.federation.secagg_neighbours:
-            raise SecureAggregationError(
-                f"{self.participant_id}: the round asks for a neighbour graph of degree "
-                f"{msg.secagg_neighbours}, this participant agreed to "
-                f"{config.federation.secagg_neighbours}"
-            )
-        members = parse_members(msg.secagg_members)
-        mine = [m for m in members if m.pid == self.participant_id]
-        listed = mine[0].mask_public.hex() if len(mine) == 1 else None
-        if listed not in self.announced:
-            raise SecureAggregationError(
-                f"{self.participant_id}: the round lists a mask key this participant does "
-                "not hold (never announced, or already used): nothing is masked"
-            )
-        if len(mine) == 1 and mine[0].enc_public != public_key(self.enc_private):
-            raise SecureAggregationError(
-                f"{self.participant_id}: the round lists another sealing key"
-            )
+        members = self.check_round(msg, config)
+        assert self.enc_private is not None  # check_round
+        listed = next(m for m in members if m.pid == self.participant_id).mask_public.hex()
         agg = config.aggregation
         weight = config.federation.weight_of(released.num_examples)
         scales = released.scales or {}
@@ -115,6 +143,7 @@ class MaskingRole:
         )
         self.round_key = self.announced.pop(listed)
         self.members = members
+        self.answered = None
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
         masked = mask(
@@ -135,19 +164,38 @@ class MaskingRole:
         }
 
     def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
-        """The UnmaskResponse's fields for ``request``."""
-        if self.enc_private is None or self.round_key is None or not self.members:
-            raise SecureAggregationError(f"{self.participant_id}: no masked round to unmask")
+        """The UnmaskResponse's fields for ``request``. A participant answers one
+        partition of the members per attempt: the same request again gets the same
+        answer; any other is refused (two partitions would let a coordinator collect a
+        member's self mask from some holders and its pairwise seeds from the others). The
+        round's mask key is deleted once the answer is made.
+
+        Raises:
+            SecureAggregationError: no masked round to unmask, another round, another
+                partition than the one answered, or what :func:`~.protocol.disclose`
+                refuses.
+        """
+        me = self.participant_id
+        if not self.members:
+            raise SecureAggregationError(f"{me}: no masked round to unmask")
         if context_of(request.run_id, request.round, request.attempt) != self.context:
-            raise SecureAggregationError(f"{self.participant_id}: unmask request for another round")
+            raise SecureAggregationError(f"{me}: unmask request for another round")
+        partition = [list(request.survivors), list(request.dropped)]
+        if self.answered is not None:
+            if self.answered["partition"] != partition:
+                raise SecureAggregationError(
+                    f"{me}: this attempt's unmask request was answered for another "
+                    "partition of the members; refusing a second one"
+                )
+            return dict(self.answered["reply"])
+        if self.enc_private is None or self.round_key is None:
+            raise SecureAggregationError(f"{me}: no masked round to unmask")
         try:
             sealed = {s: bytes.fromhex(c) for s, c in request.sealed.items()}
         except ValueError:
-            raise SecureAggregationError(
-                f"{self.participant_id}: sealed shares are not hex"
-            ) from None
+            raise SecureAggregationError(f"{me}: sealed shares are not hex") from None
         answer = disclose(
-            me=self.participant_id,
+            me=me,
             keys=SecAggKeys(self.round_key, self.enc_private),
             members=self.members,
             context=self.context,
@@ -156,16 +204,20 @@ class MaskingRole:
             self_mask_shares=sealed,
             degree=self.degree,
         )
-        return {
+        reply = {
             "b_shares": {s: f"{x}:{y:x}" for s, (x, y) in answer.self_mask.items()},
             "pair_seeds": {d: seed.hex() for d, seed in answer.pair_seeds.items()},
         }
+        self.answered = {"partition": partition, "reply": reply}
+        self.round_key = None  # answered: the round's mask key is of no further use
+        return dict(reply)
 
     def export(self) -> dict[str, Any]:
         return {
             "enc_private": None if self.enc_private is None else self.enc_private.hex(),
             "announced": {pub: priv.hex() for pub, priv in self.announced.items()},
             "round_key": None if self.round_key is None else self.round_key.hex(),
+            "answered": self.answered,
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
             "degree": self.degree,
@@ -178,6 +230,8 @@ class MaskingRole:
             str(pub): bytes.fromhex(priv) for pub, priv in (meta.get("announced") or {}).items()
         }
         self.round_key = bytes.fromhex(round_key) if round_key else None
+        answered = meta.get("answered")
+        self.answered = dict(answered) if isinstance(answered, dict) else None
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))

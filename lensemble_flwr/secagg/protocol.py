@@ -190,8 +190,11 @@ def _open_share(
     keys: SecAggKeys, sender: Member, me: str, sealed: bytes, aad: bytes
 ) -> shamir.Share:
     plain = open_sealed(keys.enc_private, sender.enc_public, sealed, _aad(aad, sender.pid, me))
-    x, y = plain.decode("ascii").split(":")
-    return (int(x), int(y, 16))
+    try:
+        x, y = plain.decode("ascii").split(":")
+        return (int(x), int(y, 16))
+    except (ValueError, UnicodeDecodeError):
+        raise SecureAggregationError(f"{sender.pid}'s sealed share is not a share") from None
 
 
 def disclose(

@@ -40,7 +40,9 @@ def combine(shares: Sequence[Share], threshold: int) -> bytes:
     Raises:
         SecureAggregationError: fewer than ``threshold`` distinct shares.
     """
-    distinct = dict(shares)
+    distinct = {x % PRIME: y for x, y in shares}
+    if 0 in distinct or any(not 0 <= y < PRIME for y in distinct.values()):
+        raise SecureAggregationError("a share is not a point of the field (x = 0, or y too big)")
     if len(distinct) < threshold:
         raise SecureAggregationError(
             f"{len(distinct)} shares, {threshold} needed to recover a mask secret"

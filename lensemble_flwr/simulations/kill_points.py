@@ -59,7 +59,7 @@ KILL_POINTS: tuple[KillPoint, ...] = (
         "aggregating", "the contributing set is frozen, the participant registry stored; no sum"
     ),
     KillPoint(
-        "aligning", "the sum is revealed and self-checked (masked: revealed keys are stored)"
+        "aligning", "the sum is revealed and self-checked (masked: the next mask keys are stored)"
     ),
     KillPoint("committing", "the diagnostics are computed; no checkpoint, no ledger record"),
     KillPoint(

@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -225,13 +225,12 @@ class LensembleStrategy(Strategy):
         nodes = sorted(grid.get_node_ids())
         if self.fraction_evaluate <= 0 or not nodes:
             return []
-        privacy = self.config.privacy
-        if privacy.noised and not privacy.dp_release_metrics:
+        if not metrics_released(self.config):
             if not self._said_no_evaluation:
                 self._said_no_evaluation = True
                 log.info(
-                    "no federated evaluation: under DP the participants release no un-noised "
-                    "metrics (set dp-release-metrics = true to opt in)"
+                    "no federated evaluation: under DP or secure aggregation the participants "
+                    "release no per-node metrics (set dp-release-metrics = true to opt in)"
                 )
             return []
         count = max(1, int(len(nodes) * self.fraction_evaluate))
