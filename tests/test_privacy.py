@@ -299,3 +299,19 @@ def test_an_update_transform_applies_to_plaintext_updates(tmp_path: Path) -> Non
     assert sorted(seen) == ["p0", "p1", "p2"]
     for name, value in coordinator.global_state().params.items():
         np.testing.assert_array_equal(value, before[name])  # zero mean update: unchanged
+
+
+def test_importing_the_package_leaves_the_users_logging_alone() -> None:
+    """opacus calls logging.basicConfig when it is imported: that gave the root logger a
+    handler, and every Flower log line printed twice (issue 13, item 9, in part)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import logging\n"
+        "import lensemble_flwr.strategies, lensemble_flwr.clients, lensemble_flwr.privacy.budget\n"
+        "from opacus.accountants import RDPAccountant\n"  # already imported: no new handler
+        "root = logging.getLogger()\n"
+        "assert root.handlers == [] and root.level == logging.WARNING, root.handlers\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

@@ -22,14 +22,31 @@ per release.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Literal
 
-from opacus.accountants import PRVAccountant, RDPAccountant
-
 from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
+
+
+def _import_accountants_quietly() -> tuple[type, type]:
+    """Opacus's accountants, imported without the side effect of its import: one of its
+    modules calls ``logging.basicConfig`` at import time, which gives the root logger a
+    handler (every Flower log line then prints twice). Importing this package must not
+    change the user's logging, so the root logger is put back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        from opacus.accountants import PRVAccountant, RDPAccountant
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return RDPAccountant, PRVAccountant
+
+
+RDPAccountant, PRVAccountant = _import_accountants_quietly()
 
 Mechanism = Literal["rdp", "prv"]
 _ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
