@@ -5,6 +5,9 @@
     lensemble-flwr report RUN_DIR          per-round curves (PNG) and a markdown summary
     lensemble-flwr prove ...               participant: an inclusion proof for one record
     lensemble-flwr check-proof RUN_DIR PROOF.json --participant ID
+    lensemble-flwr --version
+
+``python -m lensemble_flwr`` is the same command.
 
 Exit codes: 0 success, 1 a check failed or the run could not be read as evidence,
 2 bad usage (arguments, a path that is not a run directory or not readable).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from importlib import metadata
 
 from lensemble_flwr.cli import proof, report, show, verify
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, UsageError, stderr
@@ -29,12 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lensemble-flwr",
         description="Audit and inspect lensemble-flwr run directories (see docs/cli.md).",
     )
+    parser.add_argument("--version", action="version", version=f"lensemble-flwr {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     verify.add_parser(commands)
     show.add_parser(commands)
     report.add_parser(commands)
     proof.add_parsers(commands)
     return parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("lensemble-flwr")
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
