@@ -298,9 +298,7 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
                     "pair_seeds": {d: s.hex() for d, s in answer.pair_seeds.items()},
                 }
             )
-        transcript.append(
-            {"kind": "round-open", "members": [m.mask_public.hex() for m in members]}
-        )
+        transcript.append({"kind": "round-open", "members": [m.mask_public.hex() for m in members]})
 
     disclosed_b = combined_shares(transcript)
     disclosed_seeds = {
@@ -400,6 +398,12 @@ def test_a_member_refuses_a_round_with_another_threshold_before_it_trains(tmp_pa
     for threshold in (0, 1, 3):
         with pytest.raises(SecureAggregationError, match="threshold"):
             role.check_round(opened.model_copy(update={"secagg_threshold": threshold}), config)
+    with pytest.raises(SecureAggregationError, match="fewer than the threshold"):
+        role.check_round(
+            opened.model_copy(update={"secagg_members": opened.secagg_members[:1]}), config
+        )
+    with pytest.raises(SecureAggregationError, match="member list that does not parse"):
+        role.check_round(opened.model_copy(update={"secagg_members": ("no-colons",) * 3}), config)
 
 
 def test_a_low_order_mask_key_is_rejected_at_ingress_and_crashes_nobody() -> None:

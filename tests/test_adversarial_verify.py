@@ -14,7 +14,6 @@ import pytest
 from federation_helpers import signed_federation
 from run_dir_helpers import (
     ABORTED_ROUND,
-    copy_run,
     federated_run,
     read_json,
     rewrite_json,
@@ -31,16 +30,6 @@ from lensemble_flwr.provenance.ledger import (
     manifest_entry_name,
     verify,
 )
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return federated_run(tmp_path_factory.mktemp("federation"))
-
-
-@pytest.fixture
-def run(pristine: Path, tmp_path: Path) -> Path:
-    return copy_run(pristine, tmp_path / "run")
 
 
 def header(**changes):

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from run_dir_helpers import (
     blob_path,
-    copy_run,
     digest_of,
-    federated_run,
     flip_byte,
     read_json,
     rebind,
@@ -31,16 +29,6 @@ from lensemble_flwr.provenance.audit import (
     open_run,
 )
 from lensemble_flwr.provenance.ledger import REGISTRY, Ledger, verify
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return federated_run(tmp_path_factory.mktemp("federation"))
-
-
-@pytest.fixture
-def run(pristine: Path, tmp_path: Path) -> Path:
-    return copy_run(pristine, tmp_path / "run")
 
 
 def test_an_untouched_run_passes_with_its_counts(run: Path) -> None:

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from run_dir_helpers import (
     blob_path,
-    copy_run,
-    federated_run,
     flip_byte,
     read_json,
     rewrite_json,
@@ -27,16 +25,6 @@ from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_at
 from lensemble_flwr.simulations.toy import ToyTrainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return federated_run(tmp_path_factory.mktemp("federation"))
-
-
-@pytest.fixture
-def run(pristine: Path, tmp_path: Path) -> Path:
-    return copy_run(pristine, tmp_path / "run")
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
