@@ -20,6 +20,23 @@ from lensemble_flwr.transports.faults import FaultPlan
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 
+def dp_config(state_dir: Path, **privacy: Any) -> LensembleConfig:
+    """:func:`small_config` with clipped, noised releases whose budgets live in
+    ``state_dir`` (epsilon 200 unless ``privacy`` says otherwise)."""
+    base = small_config()
+    return LensembleConfig(
+        federation=base.federation.model_dump(),
+        inner=base.inner.model_dump(),
+        privacy={
+            "clip_norm": 0.5,
+            "noise_multiplier": 1.0,
+            "dp_epsilon": 200.0,
+            "dp_state_dir": str(state_dir),
+            **privacy,
+        },
+    )
+
+
 def small_config(**federation: Any) -> LensembleConfig:
     fed = {
         "min_participants": 3,

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from federation_helpers import federation, small_config
+from federation_helpers import dp_config, federation
 
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import digest_arrays
-from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
@@ -37,17 +36,7 @@ ABORTED_ROUND = 1
 def federated_run(root: Path) -> Path:
     """Three closed rounds of four DP participants, round 1 aborted once (two of them drop
     below the quorum of three) and closed on its second attempt. Returns the run dir."""
-    base = small_config()
-    config = LensembleConfig(
-        federation=base.federation.model_dump(),
-        inner=base.inner.model_dump(),
-        privacy={
-            "clip_norm": 0.5,
-            "noise_multiplier": 1.0,
-            "dp_epsilon": 50.0,
-            "dp_state_dir": str(root / "budgets"),
-        },
-    )
+    config = dp_config(root / "budgets", dp_epsilon=50.0)
     faults = (
         FaultPlan()
         .drop("p01", round=ABORTED_ROUND, at=RoundState.COLLECTING)

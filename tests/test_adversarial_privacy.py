@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from federation_helpers import federation, small_config
+from federation_helpers import dp_config, federation, small_config
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from test_grid_transport import (  # noqa: F401  (_serverapp_identity: autouse)
     NODES,
@@ -32,21 +32,6 @@ from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.lensemble import LensembleStrategy
-
-
-def dp_config(state_dir: Path, **privacy) -> LensembleConfig:
-    base = small_config()
-    return LensembleConfig(
-        federation=base.federation.model_dump(),
-        inner=base.inner.model_dump(),
-        privacy={
-            "clip_norm": 0.5,
-            "noise_multiplier": 1.0,
-            "dp_epsilon": 200.0,
-            "dp_state_dir": str(state_dir),
-            **privacy,
-        },
-    )
 
 
 # -- the dataset commitment ------------------------------------------------------------
