@@ -268,7 +268,7 @@ def manifest_probe(
     )
     base = RunManifest(
         run_id="probe",
-        config=config.to_run_config(),
+        config=config.to_flat(),
         root_seed=0,
         initial_params_hash=digest,
         initial_checkpoint=digest,

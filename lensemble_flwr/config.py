@@ -4,20 +4,23 @@ Python::
 
     cfg = LensembleConfig(federation={"min_participants": 3}, outer={"lr": 0.5})
 
-Flower (``[tool.flwr.app.config]`` in ``pyproject.toml``, flat kebab-case keys)::
+Flower (a ``[tool.flwr.app.config.lensemble]`` table in ``pyproject.toml``, which Flower
+flattens to ``lensemble.<key>`` run_config keys; the app's other keys are left alone)::
 
-    cfg = LensembleConfig.from_run_config(context.run_config, extra_keys={"num-server-rounds"})
+    cfg = LensembleConfig.from_run_config(context.run_config)
 
-Every flat key is ``<section prefix><field name with '-' for '_'>``; the full list is
-:func:`run_config_keys` and ``docs/configuration.md``. A bad value or an unknown key
-raises :class:`~lensemble_flwr.errors.ConfigError` naming it.
+Every key is ``<section prefix><field name with '-' for '_'>``; the full list is
+:func:`run_config_keys` and ``docs/configuration.md``. A bad value or an unknown key in
+the ``lensemble.`` namespace raises :class:`~lensemble_flwr.errors.ConfigError` naming it.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +36,12 @@ from pydantic import (
 )
 
 from lensemble_flwr.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "lensemble."
+"""The prefix of lensemble's keys in a Flower run_config: the ``[tool.flwr.app.config.
+lensemble]`` table of an app's ``pyproject.toml`` flattens to ``lensemble.<key>``."""
 
 
 def default_state_dir() -> Path:
@@ -341,7 +350,7 @@ class LensembleConfig(_Section):
         Raises:
             ConfigError: naming the run_config keys that differ.
         """
-        given = self.to_run_config()
+        given = self.to_flat()
         if dict(recorded) != given:
             differ = sorted(
                 k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
@@ -383,29 +392,55 @@ class LensembleConfig(_Section):
         return self
 
     @classmethod
-    def from_run_config(
-        cls, run_config: Mapping[str, Any], *, extra_keys: Iterable[str] = ()
-    ) -> LensembleConfig:
-        """Build a config from a flat Flower ``run_config`` (kebab-case keys).
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> LensembleConfig:
+        """Build a config from a Flower ``run_config`` (e.g. ``context.run_config``).
 
-        Args:
-            run_config: e.g. ``context.run_config``; values are str, int, float or bool.
-                Group lists are comma-separated strings (``"encoder,predictor"``).
-            extra_keys: keys that belong to the app, not to lensemble (e.g.
-                ``num-server-rounds``); they are ignored instead of refused.
+        lensemble's keys are the ones under the ``lensemble.`` namespace (an app's
+        ``[tool.flwr.app.config.lensemble]`` table); every other key belongs to the app
+        and is left alone. Keys missing from the namespace keep their defaults. An
+        un-namespaced key that is also a lensemble key (``outer-lr`` instead of
+        ``lensemble.outer-lr``) is not read: a warning says so.
 
         Raises:
-            ConfigError: a key that is neither known nor in ``extra_keys``, or a bad value;
-                the message names the run_config key.
+            ConfigError: an unknown key in the namespace (the message suggests the
+                closest known one), or a bad value; the message names the run_config key.
+        """
+        flat: dict[str, Any] = {}
+        for key, value in run_config.items():
+            if key.startswith(NAMESPACE):
+                flat[key[len(NAMESPACE) :]] = value
+        strays = sorted(k for k in run_config if k in run_config_keys())
+        if strays:
+            log.warning(
+                "run_config keys %s are lensemble keys outside its namespace and are not "
+                "read; set them as %s (a [tool.flwr.app.config.lensemble] table)",
+                strays,
+                [NAMESPACE + k for k in strays],
+            )
+        try:
+            return cls.from_flat(flat)
+        except ConfigError as exc:
+            if exc.field in run_config_keys() or exc.field in flat:
+                reason = exc.reason.replace("did you mean '", f"did you mean '{NAMESPACE}")
+                raise ConfigError(NAMESPACE + exc.field, reason) from None
+            raise
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> LensembleConfig:
+        """Build a config from un-namespaced kebab-case keys (what :meth:`to_flat` gives,
+        and what the run manifest records). Every key must be a lensemble key.
+
+        Raises:
+            ConfigError: an unknown key (with the closest known one) or a bad value; the
+                message names the key.
         """
         keys = run_config_keys()
-        extra = set(extra_keys)
         nested: dict[str, dict[str, Any]] = {}
-        for key, value in run_config.items():
-            if key in extra:
-                continue
+        for key, value in flat.items():
             if key not in keys:
-                raise ConfigError(key, "unknown lensemble run_config key")
+                close = difflib.get_close_matches(key, list(keys), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(key, f"unknown lensemble run_config key{hint}")
             section, field = keys[key]
             nested.setdefault(section, {})[field] = value
         try:
@@ -416,13 +451,19 @@ class LensembleConfig(_Section):
                 raise ConfigError(names[exc.field], exc.reason) from None
             raise
 
-    def to_run_config(self) -> dict[str, Any]:
-        """The flat kebab-case mapping that :meth:`from_run_config` reads back to ``self``."""
+    def to_flat(self) -> dict[str, Any]:
+        """Every key with its value, un-namespaced (what the run manifest records and
+        :meth:`from_flat` reads back to ``self``)."""
         flat: dict[str, Any] = {}
         for key, (section, field) in run_config_keys().items():
             value = getattr(getattr(self, section), field)
             flat[key] = ",".join(value) if isinstance(value, tuple) else value
         return flat
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The namespaced run_config (``lensemble.<key>``) that :meth:`from_run_config`
+        reads back to ``self``."""
+        return {NAMESPACE + key: value for key, value in self.to_flat().items()}
 
 
 def run_config_table() -> str:

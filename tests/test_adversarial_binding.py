@@ -140,7 +140,7 @@ def test_the_projects_own_apps_require_binding() -> None:
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     app = pyproject["tool"]["flwr"]["app"]["config"]
-    assert app["require-binding"] is True
+    assert app["lensemble"]["require-binding"] is True
     assert drill_config().federation.require_binding
     assert not LensembleConfig().federation.require_binding
 

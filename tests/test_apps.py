@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from flwr.common.config import validate_config
+from flwr.common.config import flatten_dict, validate_config
 
-from lensemble_flwr.config import LensembleConfig, run_config_keys
+from lensemble_flwr.config import NAMESPACE, LensembleConfig, run_config_keys
 from lensemble_flwr.simulations import digits, world
 
 if sys.version_info >= (3, 11):
@@ -30,10 +30,10 @@ def test_the_app_is_valid_and_its_run_config_loads(app_dir: Path, module) -> Non
     assert ok, errors
     components = config["tool"]["flwr"]["app"]["components"]
     assert components["serverapp"] == f"{module.__name__}:server_app"
-    run_config = config["tool"]["flwr"]["app"]["config"]
+    run_config = flatten_dict(config["tool"]["flwr"]["app"]["config"])
     # Flower refuses a --run-config override of a key the app does not declare
-    assert set(run_config_keys()) <= set(run_config)
-    loaded = LensembleConfig.from_run_config(run_config, extra_keys=module.APP_KEYS)
+    assert {NAMESPACE + key for key in run_config_keys()} <= set(run_config)
+    loaded = LensembleConfig.from_run_config(run_config)
     if module is world:
         world.check_groups(loaded)  # the action heads stay local
         assert loaded.gauge.align

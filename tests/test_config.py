@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from lensemble_flwr.config import (
+    NAMESPACE,
     AggregationConfig,
     FederationConfig,
     LensembleConfig,
@@ -66,30 +67,61 @@ def test_unknown_field_from_python_is_refused() -> None:
 
 def test_bad_value_from_run_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^outer-lr: ") as info:
-        LensembleConfig.from_run_config({"outer-lr": -1})
+        LensembleConfig.from_flat({"outer-lr": -1})
     assert info.value.field == "outer-lr"
     with pytest.raises(ConfigError, match=r"^min-participants: "):
-        LensembleConfig.from_run_config({"min-participants": 0})
+        LensembleConfig.from_flat({"min-participants": 0})
 
 
 def test_unknown_run_config_key_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"^outer-lrr: unknown") as info:
-        LensembleConfig.from_run_config({"outer-lr": 0.5, "outer-lrr": 0.5})
+        LensembleConfig.from_flat({"outer-lr": 0.5, "outer-lrr": 0.5})
     assert info.value.field == "outer-lrr"
 
 
-def test_extra_keys_are_ignored() -> None:
+def test_the_apps_own_keys_are_left_alone_and_lensemble_reads_its_namespace() -> None:
     cfg = LensembleConfig.from_run_config(
-        {"num-server-rounds": 3, "outer-lr": 0.5}, extra_keys={"num-server-rounds"}
+        {"num-server-rounds": 3, "fraction-train": 0.5, "lr": 0.1, "lensemble.outer-lr": 0.5}
     )
-    assert cfg.outer.lr == 0.5
     assert cfg == LensembleConfig(outer={"lr": 0.5})
-    with pytest.raises(ConfigError, match="num-server-rounds"):
-        LensembleConfig.from_run_config({"num-server-rounds": 3})
+    assert LensembleConfig.from_run_config({"num-server-rounds": 3}) == LensembleConfig()
+
+
+def test_an_unknown_key_in_the_namespace_is_refused_with_a_suggestion() -> None:
+    suggestion = r"^lensemble\.outer-lrr: .*did you mean 'lensemble\.outer-lr'"
+    with pytest.raises(ConfigError, match=suggestion):
+        LensembleConfig.from_run_config({"lensemble.outer-lrr": 0.5})
+    with pytest.raises(ConfigError, match=r"^lensemble\.outer-lr: ") as info:
+        LensembleConfig.from_run_config({"lensemble.outer-lr": -1})
+    assert info.value.field == "lensemble.outer-lr"
+
+
+def test_a_lensemble_key_outside_the_namespace_is_not_read_and_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="lensemble_flwr.config"):
+        cfg = LensembleConfig.from_run_config({"outer-lr": 0.5})
+    assert cfg == LensembleConfig()
+    assert "lensemble.outer-lr" in caplog.text
+
+
+def test_the_namespaced_run_config_round_trips() -> None:
+    config = LensembleConfig(outer={"lr": 0.5}, federation={"min_participants": 4})
+    run_config = config.to_run_config()
+    assert all(key.startswith(NAMESPACE) for key in run_config)
+    assert LensembleConfig.from_run_config({**run_config, "num-server-rounds": 2}) == config
+
+
+def test_a_nested_pyproject_table_flattens_into_the_namespace() -> None:
+    from flwr.common.config import flatten_dict
+
+    table = {"num-server-rounds": 2, "lensemble": {"min-participants": 5, "outer-lr": 1.0}}
+    config = LensembleConfig.from_run_config(flatten_dict(table))
+    assert config.federation.min_participants == 5 and config.outer.lr == 1.0
 
 
 def test_group_lists_are_comma_separated() -> None:
-    cfg = LensembleConfig.from_run_config(
+    cfg = LensembleConfig.from_flat(
         {"shared-groups": "encoder, predictor,,projector ", "local-groups": "action_head"}
     )
     assert cfg.groups.shared == ("encoder", "predictor", "projector")
@@ -111,21 +143,21 @@ def test_run_config_round_trip_equals_original() -> None:
         outer={"lr": 0.5, "momentum": 0.8, "nesterov": False},
         groups={"shared": ("encoder", "head.proj"), "local": ()},
     )
-    flat = original.to_run_config()
+    flat = original.to_flat()
     assert set(flat) == set(run_config_keys())
     assert flat["shared-groups"] == "encoder,head.proj"
     assert all(isinstance(v, str | int | float | bool) for v in flat.values())
-    restored = LensembleConfig.from_run_config(flat)
+    restored = LensembleConfig.from_flat(flat)
     assert restored == original
     assert restored != LensembleConfig()
-    assert LensembleConfig.from_run_config(LensembleConfig().to_run_config()) == LensembleConfig()
+    assert LensembleConfig.from_flat(LensembleConfig().to_flat()) == LensembleConfig()
 
 
 def test_shared_and_local_overlap_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"both shared and local: \['b'\]"):
         ParamGroupsConfig(shared=("a", "b"), local=("b",))
     with pytest.raises(ConfigError, match="both shared and local"):
-        LensembleConfig.from_run_config({"shared-groups": "a", "local-groups": "a"})
+        LensembleConfig.from_flat({"shared-groups": "a", "local-groups": "a"})
 
 
 def test_star_is_refused_in_local_and_shared_must_be_non_empty() -> None:
@@ -140,7 +172,7 @@ def test_fixed_point_capacity_check_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^AggregationConfig: .*below 2\*\*62"):
         AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=4)
     with pytest.raises(ConfigError, match=r"below 2\*\*62"):
-        LensembleConfig.from_run_config(
+        LensembleConfig.from_flat(
             {"fraction-bits": 40, "max-abs-update": 2.0**20, "max-weight": 4}
         )
     # One step below the limit is accepted.
@@ -151,7 +183,7 @@ def test_fixed_point_capacity_check_is_refused() -> None:
 def test_the_neighbour_graph_degree_must_be_even() -> None:
     assert LensembleConfig(federation={"secagg_neighbours": 4}).federation.secagg_neighbours == 4
     with pytest.raises(ConfigError, match="secagg-neighbours"):
-        LensembleConfig.from_run_config({"secagg-neighbours": 3})
+        LensembleConfig.from_flat({"secagg-neighbours": 3})
     with pytest.raises(ConfigError, match="secagg_neighbours"):
         LensembleConfig(federation={"secagg_neighbours": -2})
 
@@ -174,12 +206,12 @@ def test_a_value_that_is_only_half_right_is_refused_naming_its_key(
     key: str, value: object, complaint: str
 ) -> None:
     with pytest.raises(ConfigError, match=complaint) as refused:
-        LensembleConfig.from_run_config({key: value})
+        LensembleConfig.from_flat({key: value})
     assert refused.value.field == key
 
 
 def test_whole_floats_and_ints_for_floats_are_numbers() -> None:
-    config = LensembleConfig.from_run_config(
+    config = LensembleConfig.from_flat(
         {"min-participants": 3.0, "open-timeout": 30, "require-binding": True}
     )
     assert config.federation.min_participants == 3 and config.federation.open_timeout == 30.0

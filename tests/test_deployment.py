@@ -161,9 +161,9 @@ def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg
     dep, registry = deployment, deployment.registry
     runs_dir = dep.tmp / "runs"
     run_config = (
-        f"num-server-rounds={NUM_ROUNDS} min-participants={NUM_NODES} "
-        f"num-partitions={NUM_NODES} run-dir='{runs_dir}' secagg-threshold={secagg} "
-        "warmup-timeout=60.0 collect-timeout=60.0 open-timeout=60.0"
+        f"num-server-rounds={NUM_ROUNDS} lensemble.min-participants={NUM_NODES} "
+        f"num-partitions={NUM_NODES} run-dir='{runs_dir}' lensemble.secagg-threshold={secagg} "
+        "warmup-timeout=60.0 lensemble.collect-timeout=60.0 lensemble.open-timeout=60.0"
     )
     try:
         with SocketSampler(registry) as sampler:

@@ -213,9 +213,9 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
         # -- the run: both registered organisations, nobody else ----------------------------
         runs_dir = tmp_path / "runs"
         run_config = (
-            f"num-server-rounds={NUM_ROUNDS} min-participants=2 num-partitions=2 "
-            f"run-dir='{runs_dir}' warmup-timeout=40.0 collect-timeout=40.0 "
-            "open-timeout=40.0 fraction-evaluate=0.0"
+            f"num-server-rounds={NUM_ROUNDS} lensemble.min-participants=2 num-partitions=2 "
+            f"run-dir='{runs_dir}' warmup-timeout=40.0 lensemble.collect-timeout=40.0 "
+            "lensemble.open-timeout=40.0 fraction-evaluate=0.0"
         )
         cli = registry.start(
             "flwr run",

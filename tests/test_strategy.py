@@ -100,7 +100,12 @@ def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> 
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("outer-lrr", 1.0), ("outer-lr", -1.0), ("min-participants", "many")]
+    ("key", "value"),
+    [
+        ("lensemble.outer-lrr", 1.0),
+        ("lensemble.outer-lr", -1.0),
+        ("lensemble.min-participants", "many"),
+    ],
 )
 def test_the_app_stops_on_a_bad_run_config_key_naming_it(key: str, value: object) -> None:
     context = Context(

@@ -32,15 +32,15 @@ RUN_CONFIG: dict[str, Any] = {
     "fraction-evaluate": 1.0,
     "warmup-timeout": 10.0,
     "rotate-start": True,
-    "min-participants": 3,
-    "open-timeout": 30.0,
-    "collect-timeout": 30.0,
-    "inner-steps": 5,
-    "inner-lr": 0.003,
-    "inner-weight-decay": 0.0,
-    "shared-groups": "encoder,predictor",
-    "local-groups": "action_head",
-    "gauge-align": True,
+    "lensemble.min-participants": 3,
+    "lensemble.open-timeout": 30.0,
+    "lensemble.collect-timeout": 30.0,
+    "lensemble.inner-steps": 5,
+    "lensemble.inner-lr": 0.003,
+    "lensemble.inner-weight-decay": 0.0,
+    "lensemble.shared-groups": "encoder,predictor",
+    "lensemble.local-groups": "action_head",
+    "lensemble.gauge-align": True,
 }
 
 
@@ -131,7 +131,7 @@ def test_the_world_app_refuses_groups_that_would_share_action_heads(
     groups: dict[str, str], key: str
 ) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
-        world.check_groups(LensembleConfig.from_run_config(groups))
+        world.check_groups(LensembleConfig.from_flat(groups))
 
 
 def test_probe_moment_gap_by_hand() -> None:

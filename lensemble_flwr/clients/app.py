@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from lensemble_flwr.clients.state import load_state, save_state
-from lensemble_flwr.config import LensembleConfig, metrics_released, run_config_keys
+from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.identity.signing import IdentityKey
@@ -38,11 +38,9 @@ REFUSED = 3201
 
 
 def config_from_context(context: Context) -> LensembleConfig:
-    """The lensemble part of the run config; the app's own keys are ignored here (the
-    server validates the run config strictly)."""
-    run_config = dict(context.run_config)
-    extra = set(run_config) - set(run_config_keys())
-    return LensembleConfig.from_run_config(run_config, extra_keys=extra)
+    """The lensemble part of the run config (its ``lensemble.`` namespace, validated as
+    strictly as on the server); the app's own keys are left alone."""
+    return LensembleConfig.from_run_config(context.run_config)
 
 
 def default_evaluate(

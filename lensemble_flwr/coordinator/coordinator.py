@@ -187,7 +187,7 @@ class Coordinator:
         initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
         self._manifest = RunManifest(
             run_id=run_id,
-            config=config.to_run_config(),
+            config=config.to_flat(),
             root_seed=config.federation.root_seed,
             initial_params_hash=self._global.params_hash,
             initial_checkpoint=initial,

@@ -19,7 +19,6 @@ from lensemble_flwr.simulations.digits_data import (
     load_partition,
 )
 from lensemble_flwr.simulations.flower_app import (
-    APP_KEYS,
     partition_of,
     start_and_report,
     strategy_from_context,
@@ -43,7 +42,7 @@ server_app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation and print one line per round."""
     run_config = dict(context.run_config)
-    config, strategy = strategy_from_context(context, APP_KEYS)
+    config, strategy = strategy_from_context(context)
     seed = int(run_config.get("data-seed", 0))
     count = int(run_config.get("num-partitions", 10))
 

@@ -5,7 +5,7 @@ LensembleStrategy built from the run config, and the run's start and final repor
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +15,6 @@ from flwr.serverapp.strategy import Result
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
-
-APP_KEYS = frozenset(
-    {
-        "num-server-rounds",
-        "num-partitions",
-        "run-dir",
-        "warmup-timeout",
-        "fraction-evaluate",
-        "data-seed",
-    }
-)
-"""The run_config keys every example app reads itself (the rest are lensemble keys)."""
 
 
 def partition_of(context: Context, default_count: int) -> tuple[int, int]:
@@ -38,13 +26,13 @@ def partition_of(context: Context, default_count: int) -> tuple[int, int]:
 
 
 def strategy_from_context(
-    context: Context, app_keys: Iterable[str], **strategy_args: Any
+    context: Context, **strategy_args: Any
 ) -> tuple[LensembleConfig, LensembleStrategy]:
-    """The federation config (app keys ignored, anything else strict) and a strategy that
+    """The federation config (the run config's ``lensemble.`` keys) and a strategy that
     writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` and prints one
     line per round."""
     run_config = dict(context.run_config)
-    config = LensembleConfig.from_run_config(run_config, extra_keys=app_keys)
+    config = LensembleConfig.from_run_config(run_config)
     run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
     strategy = LensembleStrategy(
         config,

@@ -7,10 +7,11 @@ groups ``encoder`` and ``predictor`` are federated; the ``action_head`` stays on
 With ``gauge-align`` (on in this app's defaults) each node aligns its trained weights to
 the global latent frame on the pinned public probe before releasing them.
 
-Run config: the lensemble keys (``docs/configuration.md``; this app needs
-``shared-groups = "encoder,predictor"`` and ``local-groups = "action_head"``) and the app
-keys in :data:`APP_KEYS`. ``rotate-start = true`` makes every node train in its own
-randomly rotated latent frame (the experiment of ``docs/gauge.md``).
+Run config: the lensemble keys under ``lensemble.`` (``docs/configuration.md``; this app
+needs ``lensemble.shared-groups = "encoder,predictor"`` and ``lensemble.local-groups =
+"action_head"``) and the app's own keys (``num-server-rounds``, ``init-seed``, ...).
+``rotate-start = true`` makes every node train in its own randomly rotated latent frame
+(the experiment of ``docs/gauge.md``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ from lensemble_flwr.simulations.world_model import (
     initial_params,
 )
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
-
-APP_KEYS = flower_app.APP_KEYS | {"init-seed", "rotate-start"}
-"""The app's own run_config keys (everything else must be a lensemble key)."""
 
 
 def check_groups(config: LensembleConfig) -> None:
@@ -114,7 +112,7 @@ def main(grid: Grid, context: Context) -> None:
     """Run the federation and print one line per round."""
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
-    config, strategy = flower_app.strategy_from_context(context, APP_KEYS, gauge=gauge)
+    config, strategy = flower_app.strategy_from_context(context, gauge=gauge)
     check_groups(config)
 
     def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:

@@ -2,7 +2,7 @@
 
 Replace ``FedAvg(...)`` with ``LensembleStrategy(config)`` and call ``start`` as before::
 
-    strategy = LensembleStrategy(LensembleConfig.from_run_config(context.run_config, ...))
+    strategy = LensembleStrategy(LensembleConfig.from_run_config(context.run_config))
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(...), num_rounds=10)
 
 ``start`` drives the package's Coordinator over a :class:`GridTransport`: the same
