@@ -3,6 +3,7 @@
 #   ./dev.sh main        the main job: `flwr run .` on Flower's local simulation engine
 #   ./dev.sh inprocess   the same runtime in one process, on a simulated clock
 #   ./dev.sh test        the test suite
+#   ./dev.sh api [OUT]   the API reference, from the docstrings, into OUT (docs/api/)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${LENSEMBLE_VENV:-.venv}"
@@ -70,8 +71,13 @@ case "${1:-}" in
     shift
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
+  api)
+    setup
+    shift
+    exec "$VENV/bin/python" docs/build_api.py "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh main|inprocess|test [args...]" >&2
+    echo "usage: ./dev.sh main|inprocess|test|api [args...]" >&2
     exit 2
     ;;
 esac

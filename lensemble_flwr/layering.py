@@ -104,6 +104,7 @@ def part_of(module: str) -> str | None:
 
 
 def is_flwr(module: str) -> bool:
+    """Whether the dotted name ``module`` is Flower's package or one of its modules."""
     return module.split(".")[0] == "flwr"
 
 

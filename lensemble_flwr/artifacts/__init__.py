@@ -1,0 +1,1 @@
+"""Artifacts: the content-addressed store, and checkpoints and named arrays as safetensors."""

@@ -10,7 +10,8 @@
 ``python -m lensemble_flwr`` is the same command.
 
 Exit codes: 0 success, 1 a check failed or the run could not be read as evidence,
-2 bad usage (arguments, a path that is not a run directory or not readable).
+2 bad usage (arguments, a path that is not a run directory or not readable) or a missing
+optional dependency (``report`` needs ``pip install 'lensemble-flwr[report]'``).
 See docs/cli.md.
 """
 
@@ -29,6 +30,7 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lensemble-flwr`` argument parser, with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="lensemble-flwr",
         description="Audit and inspect lensemble-flwr run directories (see docs/cli.md).",
@@ -56,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except (UsageError, NotARunDirectory) as exc:
+        err.print(f"lensemble-flwr {args.command}: {exc}", style="red")
+        return EXIT_USAGE
+    except ImportError as exc:  # an optional dependency; the message names its extra
         err.print(f"lensemble-flwr {args.command}: {exc}", style="red")
         return EXIT_USAGE
     except LensembleError as exc:

@@ -26,6 +26,7 @@ from lensemble_flwr.provenance.inclusion import (
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``prove`` and ``check-proof`` subcommands."""
     prove = commands.add_parser(
         "prove",
         help="participant side: a proof bundle that one of your records is in your commitment",
@@ -107,6 +108,7 @@ def load_records_from(spec: str) -> Iterable[bytes]:
 
 
 def load_records_file(path: Path) -> list[bytes]:
+    """The records of ``--records-file``: one base64 record per line."""
     try:
         lines = path.read_text("ascii").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -121,6 +123,8 @@ def load_records_file(path: Path) -> list[bytes]:
 
 
 def run_prove(args: argparse.Namespace) -> int:
+    """``prove``: the inclusion proof bundle of record ``--index``, salted with the
+    participant's commitment secret unless ``--unsalted``, to stdout or ``--out``."""
     if args.records_from is not None:
         records = list(load_records_from(args.records_from))
     else:
@@ -154,6 +158,8 @@ def run_prove(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    """``check-proof``: accept the bundle against the root the run's ledger records for
+    ``--participant`` (a refusal raises, and ``main`` exits 1)."""
     store = open_run(args.run_dir)
     proof = InclusionProof.from_json(args.proof.read_bytes())  # OSError: main exits 2
     with status("verifying the ledger"):

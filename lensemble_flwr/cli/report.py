@@ -18,6 +18,7 @@ _FIRST_DIAGNOSTICS = ("mean_delta_l2", FRAME_DRIFT)  # shown first, in this orde
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``report`` subcommand."""
     parser = commands.add_parser(
         "report",
         help="write per-round curves (PNG) and a markdown summary of a run",
@@ -34,11 +35,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 @dataclasses.dataclass(frozen=True)
 class ReportFiles:
+    """The two files a report writes."""
+
     png: Path
     markdown: Path
 
 
 def run(args: argparse.Namespace) -> int:
+    """``report``: write both files (to ``--out``, else ``RUN_DIR/report``); a run that
+    does not verify is still reported, with a warning."""
     out_dir = args.out if args.out is not None else Path(args.run_dir) / "report"
     with status(f"reading and auditing {args.run_dir}"):
         files, audit = write_report(args.run_dir, out_dir)
@@ -86,7 +91,13 @@ def _series(summary: RunSummary) -> list[tuple[str, list[int], list[float]]]:
 
 def render_png(summary: RunSummary) -> bytes:
     """One panel per series against the round index; aborted attempts marked on C_t."""
-    from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
+    try:
+        from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
+    except ImportError as exc:
+        raise ImportError(
+            "lensemble-flwr report draws its PNG with matplotlib, an optional dependency: "
+            "pip install 'lensemble-flwr[report]'"
+        ) from exc
 
     panels = _series(summary)
     fig = Figure(figsize=(7.0, 1.9 * len(panels) + 0.6), layout="constrained")

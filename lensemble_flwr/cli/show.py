@@ -16,6 +16,7 @@ NONE = "–"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``show`` subcommand."""
     parser = commands.add_parser(
         "show",
         help="list every round attempt: state, C_t, participants, epsilon, frame drift",
@@ -28,6 +29,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    """``show``: the run's attempts as a table (or ``--json``)."""
     summary = summarize_run(args.run_dir)
     if args.json:
         print(json.dumps(summary.to_json(), indent=2))

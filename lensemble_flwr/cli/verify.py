@@ -17,6 +17,7 @@ def _record_hash(value: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``verify`` subcommand."""
     parser = commands.add_parser(
         "verify",
         help="check a run directory's ledger, checkpoints and manifest against each other",
@@ -41,6 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    """``verify``: audit the run; ``EXIT_OK`` when every link holds, else ``EXIT_FAILED``."""
     with status(f"auditing {args.run_dir}"):
         report = audit_run(args.run_dir, expected_head=args.expect_head)
     if args.json:

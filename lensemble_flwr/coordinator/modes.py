@@ -70,17 +70,23 @@ class RoundMode(Protocol):
     admission: Table
     readiness: str  # what "ready" means, for messages
 
-    def begin(self, attempt: Attempt) -> None: ...
+    def begin(self, attempt: Attempt) -> None:
+        """Prepare a new attempt (its aggregator, where the mode can build it already)."""
 
-    def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None: ...
+    def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
+        """Decide what waits on who is reachable; ``final`` at the open deadline."""
 
-    def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]: ...
+    def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        """The participants counted towards the quorum now."""
 
-    def eligible(self, attempt: Attempt) -> set[str]: ...
+    def eligible(self, attempt: Attempt) -> set[str]:
+        """The participants whose updates this attempt may sum."""
 
-    def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None: ...
+    def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
+        """The RoundOpen to send ``peer`` now, or None when it needs none."""
 
-    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum: ...
+    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
+        """The attempt's sum, self-checked (:func:`revealed_and_checked`)."""
 
 
 def revealed_and_checked(aggregator: Aggregator) -> AggregateSum:
@@ -118,6 +124,8 @@ class PlaintextMode:
         self.readiness = "invited and bound" if config.federation.require_binding else "invited"
 
     def begin(self, attempt: Attempt) -> None:
+        """Build the attempt's exact aggregator (its self-check seed derives from the root
+        seed, the round and the attempt)."""
         seed = derive_seed(
             self.config.federation.root_seed, "self-check", attempt.round, attempt.number
         )
@@ -126,18 +134,24 @@ class PlaintextMode:
         )
 
     def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
-        return None  # whoever is invited may contribute
+        """Nothing to settle: whoever is invited may contribute."""
+        return None
 
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        """The invited participants that are reachable (and bound, when the federation
+        requires binding)."""
         present = attempt.invited & reachable
         if self.config.federation.require_binding:
             return {p for p in present if self.registry.is_bound(p)}
         return present
 
     def eligible(self, attempt: Attempt) -> set[str]:
+        """Every invited participant."""
         return attempt.invited
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
+        """The attempt's RoundOpen, once per participant (asking an unbound one for its
+        dataset commitment); None once ``peer`` was invited."""
         if peer in attempt.invited:
             return None
         attempt.invited.add(peer)
@@ -146,6 +160,7 @@ class PlaintextMode:
         )
 
     def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
+        """The exact sum, self-checked; ``exchange`` is not used."""
         assert attempt.aggregator is not None  # built by begin
         return revealed_and_checked(attempt.aggregator)
 
@@ -169,6 +184,8 @@ def admit_member_update(
 def take_disclosure(
     attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
 ) -> Verdict:
+    """Admit a survivor's unmask response: hand its disclosed shares and seeds to the
+    secure aggregator."""
     assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
     attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
     return Verdict.DISCLOSED
@@ -209,9 +226,13 @@ class MaskedMode:
         self.run_id = run_id
 
     def begin(self, attempt: Attempt) -> None:
-        return None  # the aggregator needs the member set: see settle
+        """Nothing yet: the aggregator needs the member set (:meth:`settle`)."""
+        return None
 
     def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
+        """Fix the members, once: when every reachable participant is keyed, or at the open
+        deadline (``final``) the keyed ones, provided they reach the quorum. Spends their
+        mask keys (persisting the registry) and builds the secure aggregator."""
         if attempt.members is not None:
             return
         keyed = sorted(p for p in reachable if self.registry.keyed(p))
@@ -233,12 +254,16 @@ class MaskedMode:
         )
 
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        """The members that are invited and reachable (none before the members are fixed)."""
         return _member_ids(attempt) & attempt.invited & reachable
 
     def eligible(self, attempt: Attempt) -> set[str]:
+        """The members."""
         return _member_ids(attempt)
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
+        """The RoundOpen with the masking parameters: once per participant, and again to
+        each member, with the member list, once the members are fixed."""
         members = _member_ids(attempt)
         resend = peer in members and peer not in attempt.members_sent
         if peer in attempt.invited and not resend:

@@ -71,6 +71,7 @@ class ParticipantRegistry:
 
     # -- who is bound -------------------------------------------------------------------
     def is_bound(self, pid: str) -> bool:
+        """Whether ``pid`` has committed to its dataset (the registry holds its binding)."""
         return pid in self.commitments
 
     def keyed(self, pid: str) -> bool:

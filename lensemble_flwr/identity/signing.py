@@ -73,6 +73,7 @@ class IdentityKey:
 
     @classmethod
     def generate(cls, curve: type = ec.SECP256R1) -> IdentityKey:
+        """A fresh key on ``curve`` (NIST P-256 by default)."""
         return cls(ec.generate_private_key(curve()))
 
     @classmethod
@@ -89,6 +90,7 @@ class IdentityKey:
         return cls(key)  # type: ignore[arg-type]
 
     def private_openssh(self) -> bytes:
+        """The private key in OpenSSH format, unencrypted (what :meth:`load` reads)."""
         return self._key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.OpenSSH,

@@ -131,9 +131,11 @@ class TorchTraining:
         self.last_loss: float | None = None
 
     def num_examples(self) -> int:
+        """The trainer's number of private examples."""
         return int(self.trainer.num_examples())
 
     def dataset_records(self) -> Iterable[bytes] | None:
+        """The trainer's records, the leaves of its dataset commitment."""
         return self.trainer.dataset_records()
 
     def _ensure_optimizer(self) -> torch.optim.Optimizer:
@@ -149,6 +151,9 @@ class TorchTraining:
         return self.optimizer
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
+        """Load ``global_params`` into the model, run ``steps`` AdamW steps seeded by
+        ``seed`` (keeping the optimizer from earlier rounds), and return the params it
+        federates. The last step's loss is kept in ``last_loss``."""
         groups = self.config.groups
         load_shared(self.trainer.model, global_params, groups)
         optimizer = self._ensure_optimizer()
@@ -163,9 +168,13 @@ class TorchTraining:
         return export_shared(self.trainer.model, groups)
 
     def forget(self) -> None:
+        """Drop the AdamW state; the next :meth:`fit` starts a fresh optimizer."""
         self.optimizer = None
 
     def export_state(self) -> PortableState:
+        """The model's state less the params it federates (local groups, integer buffers)
+        as ``model/...`` arrays, and the AdamW state, if any, as ``optimizer/...`` arrays
+        with its parameter groups in ``meta``."""
         arrays: NamedArrays = {
             f"model/{name}": tensor.detach().cpu().numpy().copy()
             for name, tensor in self.trainer.model.state_dict().items()
@@ -186,6 +195,8 @@ class TorchTraining:
         return PortableState(arrays=arrays, meta=meta)
 
     def import_state(self, state: PortableState) -> None:
+        """Restore what :meth:`export_state` returned (without optimizer state, the next
+        :meth:`fit` starts a fresh optimizer)."""
         model_state = {
             name[len("model/") :]: torch.from_numpy(np.array(value))
             for name, value in state.arrays.items()

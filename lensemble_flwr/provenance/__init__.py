@@ -1,0 +1,2 @@
+"""Provenance: dataset commitments and inclusion proofs, the ledger and run manifest, and
+the audit of a run directory."""

@@ -123,6 +123,7 @@ class AuditReport:
             raise AuditFailure(self.findings[0], len(self.findings) - 1)
 
     def to_json(self) -> dict[str, Any]:
+        """Every field as JSON-able values, plus ``ok`` (what ``verify --json`` prints)."""
         out = dataclasses.asdict(self)
         out["run_dir"] = str(self.run_dir)
         out["ok"] = self.ok

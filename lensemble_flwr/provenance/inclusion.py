@@ -73,6 +73,7 @@ class InclusionProof(BaseModel):
             ) from None
 
     def to_json(self) -> str:
+        """The bundle as indented JSON text (what :meth:`from_json` parses)."""
         return self.model_dump_json(indent=2) + "\n"
 
     def record_bytes(self) -> bytes:

@@ -45,6 +45,7 @@ class AttemptSummary:
         return self.diagnostics.get(FRAME_DRIFT)
 
     def to_json(self) -> dict[str, Any]:
+        """Every field as JSON-able values, plus ``epsilon_max`` and ``frame_drift``."""
         out = dataclasses.asdict(self)
         out["epsilon_max"] = self.epsilon_max
         out["frame_drift"] = self.frame_drift
@@ -88,6 +89,8 @@ class RunSummary:
         return sorted({name for a in self.attempts for name in a.diagnostics})
 
     def to_json(self) -> dict[str, Any]:
+        """The run's totals and final hashes, and every attempt (what ``show --json``
+        prints)."""
         return {
             "run_id": self.run_id,
             "initial_params_hash": self.initial_params_hash,

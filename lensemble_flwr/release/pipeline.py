@@ -64,6 +64,7 @@ class Release:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def replace(self, **changes: Any) -> Release:
+        """A copy with ``changes`` applied (releases are immutable)."""
         return dataclasses.replace(self, **changes)
 
 

@@ -2,6 +2,7 @@
 Shamir sharing of mask secrets, and authenticated encryption of shares.
 
 Sans-I/O and Flower-free. ``protocol`` composes them into the participant's and the
-aggregator's roles; wiring them into the round (an unmask exchange in AGGREGATING) is
-not done yet.
+aggregator's roles; the coordinator's masked round mode
+(:mod:`lensemble_flwr.coordinator.modes`) runs them in the round, with an unmask exchange
+in AGGREGATING.
 """

@@ -159,6 +159,8 @@ class SecureAggregator:
         return list(self._disclosures)
 
     def reveal(self) -> AggregateSum:
+        """Unmask the survivors' sum from the disclosures recorded so far, as read-only
+        arrays (raises as :meth:`lensemble_flwr.secagg.protocol.MaskedSum.reveal` does)."""
         sums = self._sum.reveal(self._disclosures)
         for array in sums.values():
             array.setflags(write=False)

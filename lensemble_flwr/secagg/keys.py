@@ -61,6 +61,7 @@ _PROBE = bytes(range(1, 33))  # a fixed private key, only to test a peer's publi
 
 
 def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 of ``material`` (no salt) for the purpose ``info``: ``length`` bytes."""
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
 
 
@@ -73,6 +74,7 @@ class SecAggKeys:
 
     @classmethod
     def generate(cls) -> SecAggKeys:
+        """Two fresh private keys."""
         return cls(new_private_key(), new_private_key())
 
     @property

@@ -36,6 +36,7 @@ def parse_members(encoded: tuple[str, ...]) -> list[Member]:
 
 
 def encode_member(member: Member) -> str:
+    """A Member as RoundOpen's ``pid:mask_key:enc_key`` string (:func:`parse_members`)."""
     return f"{member.pid}:{member.mask_public.hex()}:{member.enc_public.hex()}"
 
 
@@ -68,6 +69,7 @@ class MaskingRole:
         return {"mask_key": self._announce(), "enc_key": public_key(self.enc_private).hex()}
 
     def is_member(self, msg: RoundOpen) -> bool:
+        """Whether ``msg``'s member list names this participant."""
         return any(m.split(":", 1)[0] == self.participant_id for m in msg.secagg_members)
 
     def check_round(self, msg: RoundOpen, config: LensembleConfig) -> list[Member]:
@@ -213,6 +215,8 @@ class MaskingRole:
         return dict(reply)
 
     def export(self) -> dict[str, Any]:
+        """The masking state as JSON-able metadata, private keys included (it stays on the
+        participant's disk, with the rest of its state)."""
         return {
             "enc_private": None if self.enc_private is None else self.enc_private.hex(),
             "announced": {pub: priv.hex() for pub, priv in self.announced.items()},
@@ -224,6 +228,7 @@ class MaskingRole:
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
+        """Restore what :meth:`export` returned."""
         enc, round_key = meta.get("enc_private"), meta.get("round_key")
         self.enc_private = bytes.fromhex(enc) if enc else None
         self.announced = {

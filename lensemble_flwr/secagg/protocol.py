@@ -99,6 +99,8 @@ def _ordered(members: Sequence[Member]) -> list[Member]:
 
 @dataclasses.dataclass(frozen=True)
 class MaskedRelease:
+    """What :func:`mask` returns: the masked values and the self-mask shares, sealed."""
+
     masked: NamedArrays
     sealed: dict[str, bytes]  # holder -> this round's self-mask share, sealed for it
 
@@ -285,6 +287,8 @@ class MaskedSum:
             raise SecureAggregationError(f"{pid}: masked input of the wrong layout")
 
     def add(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
+        """Add a member's masked input (mod 2**64); ``pid`` becomes a survivor. Raises as
+        :meth:`check` does."""
         self.check(pid, masked)
         offset = 0
         with np.errstate(over="ignore"):

@@ -118,10 +118,12 @@ class KeptParticipant:
             participant.import_state(decode_state(self._saved))
 
     def handle(self, payload: WirePayload) -> None:
+        """Let the participant handle ``payload``, then save its state if it changed."""
         self.participant.handle(payload)
         self._save()
 
     def join(self, coordinator_endpoint: str) -> GlobalState:
+        """Rejoin through the participant's ``join``, then save its state if it changed."""
         state = self.participant.join(coordinator_endpoint)
         self._save()
         return state
@@ -329,6 +331,7 @@ def _rejoin_spec(text: str) -> tuple[str, int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The drill's command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(
         prog="python -m lensemble_flwr.simulations.crash_drill",
         description=(__doc__ or "").split("\n")[0],
@@ -368,6 +371,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the drill and print (or write to ``--report``) its JSON summary. Exits 0,
+    2 on a LensembleError, ``NOT_REACHED`` when the kill point never came; at a kill
+    point the process dies by SIGKILL instead."""
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr, force=True

@@ -1,4 +1,4 @@
-"""The default demo task of the Flower app: scikit-learn's digits, split non-IID.
+"""The digits example app's task (apps/digits): scikit-learn's digits, split non-IID.
 
 The 1797 8x8 digit images ship inside scikit-learn, so the demo runs offline. They are
 split across participants by a Dirichlet label skew (each participant sees mostly a few
@@ -36,7 +36,13 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 
     Cached and read-only: every participant in a process shares one copy.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError(
+            "the digits example reads scikit-learn's bundled digits; scikit-learn is an "
+            "optional dependency: pip install 'lensemble-flwr[examples]'"
+        ) from exc
 
     data = load_digits()
     x = (np.asarray(data.data, dtype=np.float32) / np.float32(16.0)).astype("<f4")
@@ -179,19 +185,24 @@ class DigitsTrainer:
         self._x, self._y = torch.from_numpy(partition.x_train), torch.from_numpy(partition.y_train)
 
     def num_examples(self) -> int:
+        """The size of the training split."""
         return len(self.partition.y_train)
 
     def dataset_records(self) -> Iterator[bytes]:
+        """Each training example as its float32 features then its int64 label, little
+        endian, in partition order."""
         x = np.ascontiguousarray(self.partition.x_train, dtype="<f4")
         y = np.ascontiguousarray(self.partition.y_train, dtype="<i8")
         for i in range(len(y)):
             yield x[i].tobytes() + y[i].tobytes()
 
     def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
+        """``(x, y)`` of ``batch_size`` training examples drawn with replacement."""
         idx = torch.randint(len(self._y), (batch_size,), generator=generator)
         return self._x[idx], self._y[idx]
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Cross-entropy of ``model`` on the batch."""
         x, y = batch
         return nn.functional.cross_entropy(model(x), y)
 

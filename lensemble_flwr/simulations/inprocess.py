@@ -62,6 +62,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo federation, print a line per round attempt, and verify the ledger."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--participants", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8)

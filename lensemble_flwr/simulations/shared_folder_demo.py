@@ -70,6 +70,8 @@ def _env_int(name: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run this node's participant (or, with ``--make-keys``, write the key pairs) and
+    print a JSON summary; exits 1 when the run ended in a LensembleError."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--folder", help="the folder every process mounts")
     parser.add_argument(

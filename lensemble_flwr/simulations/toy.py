@@ -59,17 +59,21 @@ class ToyTrainer:
         self._x, self._a, self._y = map(torch.from_numpy, (self.x, self.a, self.y))
 
     def num_examples(self) -> int:
+        """The size of the private dataset."""
         return len(self.x)
 
     def dataset_records(self) -> Iterator[bytes]:
+        """Each example as the float32 bytes of its input, action and target."""
         for i in range(len(self.x)):
             yield self.x[i].tobytes() + self.a[i].tobytes() + self.y[i].tobytes()
 
     def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
+        """``(x, a, y)`` of ``batch_size`` examples drawn with replacement."""
         idx = torch.randint(len(self.x), (batch_size,), generator=generator)
         return self._x[idx], self._a[idx], self._y[idx]
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Mean squared error of ``model(x, a)`` against ``y``."""
         x, a, y = batch
         return nn.functional.mse_loss(model(x, a), y)
 

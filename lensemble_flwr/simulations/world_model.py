@@ -214,16 +214,21 @@ class WorldTrainer:
         self._validation = tuple(map(torch.from_numpy, (val.obs, val.actions, val.next_obs)))
 
     def num_examples(self) -> int:
+        """The number of training transitions."""
         return len(self.data.train)
 
     def dataset_records(self) -> Iterator[bytes]:
+        """The training transitions as canonical bytes, in order (``Transitions.records``)."""
         return self.data.train.records()
 
     def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
+        """``(obs, actions, next_obs)`` of ``batch_size`` training transitions drawn with
+        replacement."""
         idx = torch.randint(len(self.data.train), (batch_size,), generator=generator)
         return tuple(t[idx] for t in self._train)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """``WorldModel.loss`` on the batch: latent prediction plus the anti-collapse term."""
         return model.loss(*batch)
 
     def validation_loss(self, params: Mapping[str, np.ndarray] | None = None) -> float:
@@ -271,6 +276,8 @@ class WorldTraining(TorchTraining):
             )
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
+        """:meth:`TorchTraining.fit`, from ``global_params`` rotated into this participant's
+        frame when it has one."""
         start = global_params
         if self.rotation is not None:
             start = self.adapter.rotate(global_params, self.rotation)

@@ -64,18 +64,23 @@ class ReplyCollector:
         self.sent: list[ControlMessage] = []
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
+        """Keep ``message`` for the reply (every message goes to the coordinator)."""
         self.sent.append(message)
 
     def broadcast(self, message: ControlMessage) -> None:
+        """Keep ``message`` for the reply, as :meth:`send` does."""
         self.sent.append(message)
 
     def recv(self, *, timeout_s: float) -> WirePayload | None:
+        """Always None, at once: nothing arrives through this transport."""
         return None
 
     def peers(self) -> Sequence[str]:
+        """Only the coordinator."""
         return [COORDINATOR]
 
     def now(self) -> float:
+        """The monotonic wall clock (``time.monotonic``)."""
         return time.monotonic()
 
     def take(self) -> list[WirePayload]:

@@ -53,6 +53,7 @@ class SimClock:
     time: float = 0.0
 
     def advance_to(self, t: float) -> None:
+        """Move to ``t``; a clock never goes back, so an earlier ``t`` changes nothing."""
         self.time = max(self.time, t)
 
 
@@ -65,19 +66,25 @@ class InProcessTransport:
         self.inbox: deque[WirePayload] = deque()
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
+        """Post ``message`` to ``peer_id`` on the network (latency, compute time and the
+        scripted faults apply)."""
         self._network._post(self.party, peer_id, to_wire(message))
 
     def broadcast(self, message: ControlMessage) -> None:
+        """Post ``message`` to every one of :meth:`peers`, as :meth:`send` does."""
         payload = to_wire(message)
         for peer in self.peers():
             self._network._post(self.party, peer, payload)
 
     def peers(self) -> Sequence[str]:
+        """The coordinator's side: the participants online, sorted; a participant's side:
+        the coordinator."""
         if self.party == COORDINATOR:
             return self._network.online()
         return [COORDINATOR]
 
     def now(self) -> float:
+        """The network's simulated clock, in seconds."""
         return self._network.clock.time
 
     def declared_size(self) -> int | None:
@@ -85,6 +92,10 @@ class InProcessTransport:
         return self._network.declared_size if self.party == COORDINATOR else None
 
     def recv(self, *, timeout_s: float) -> WirePayload | None:
+        """The coordinator's side: run the network (deliveries, participants' handlers,
+        scheduled calls) until a payload reaches the coordinator, or return None with the
+        clock at ``timeout_s`` from now. A participant's side: the next payload left in
+        its inbox (its handler is normally given each one on delivery), or None at once."""
         if self.party != COORDINATOR:
             return self.inbox.popleft() if self.inbox else None
         return self._network._run_until_coordinator_message(timeout_s)
@@ -146,9 +157,12 @@ class InProcessNetwork:
         self._handlers[handler.participant_id] = handler
 
     def set_compute_time(self, participant_id: str, seconds: float) -> None:
+        """Simulate ``seconds`` between RoundOpen and this participant's update leaving,
+        instead of the network's ``compute_s``."""
         self._compute[participant_id] = seconds
 
     def online(self) -> list[str]:
+        """The attached participants that are not offline, sorted."""
         return sorted(p for p in self._handlers if p not in self._offline)
 
     # -- what a test does by hand --------------------------------------------------------
