@@ -268,17 +268,21 @@ class GaugeConfig(_Section):
 
 
 class ParamGroupsConfig(_Section):
-    """Which parameter names are shared (encoder/predictor) and which stay local.
+    """Which parameter names are shared and which stay local.
 
     A name belongs to a group entry ``g`` if it equals ``g`` or starts with ``g + "."``.
-    The entry ``"*"`` in ``shared`` means every name that is not local.
+    The entry ``"*"`` in ``shared`` (the default) means every name that is not local, so a
+    model that declares no groups federates all of its floating-point arrays. A model
+    with parts that must stay on a node (the world model's ``action_head``) names them in
+    ``local``; a pattern that matches none of the model's names is a ``ConfigError``.
     """
 
     shared: tuple[str, ...] = Field(
-        ("encoder", "predictor"), description="Shared groups (comma-separated; '*': all)."
+        ("*",),
+        description="Shared groups (comma-separated; '*': every floating-point array).",
     )
     local: tuple[str, ...] = Field(
-        ("action_head",), description="Groups that never leave a participant."
+        (), description="Groups that never leave a participant (comma-separated)."
     )
 
     @field_validator("shared", "local", mode="before")

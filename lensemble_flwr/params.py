@@ -10,13 +10,13 @@ module's ``state_dict`` and is never exported either.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
 
 from lensemble_flwr.config import ParamGroupsConfig
-from lensemble_flwr.errors import ParameterMismatch
+from lensemble_flwr.errors import ConfigError, ParameterMismatch, ResidencyViolation
 
 NamedArrays = dict[str, np.ndarray]
 
@@ -107,6 +107,110 @@ def load_shared(
     with torch.no_grad():
         for name, tensor in targets.items():
             tensor.copy_(torch.from_numpy(np.array(arrays[name], copy=True)).to(tensor.dtype))
+
+
+def load_broadcast(
+    module: torch.nn.Module, arrays: Mapping[str, np.ndarray], groups: ParamGroupsConfig
+) -> list[str]:
+    """Load the global arrays a coordinator broadcast into the module, all or nothing, and
+    return their names: what the participant federates this round. The module's other
+    tensors (local groups, integer buffers, anything the broadcast leaves out) stay the
+    participant's own.
+
+    Raises:
+        ResidencyViolation: the broadcast holds a name of a local group (local groups
+            never leave a participant, so no coordinator may set them either).
+        ParameterMismatch: a name the module does not have, a name that is not a
+            floating-point tensor or not in a shared group, a non-floating array, or a
+            wrong shape. Nothing is written when it raises.
+    """
+    local = sorted(name for name in arrays if is_local(name, groups))
+    if local:
+        raise ResidencyViolation(
+            f"the global arrays hold {local}, which are in the local groups "
+            f"{list(groups.local)}: local groups never leave a participant"
+        )
+    state = module.state_dict(keep_vars=True)
+    unknown = sorted(set(arrays) - set(state))
+    if unknown:
+        raise ParameterMismatch(f"the model has no tensor named {unknown}")
+    not_shared = sorted(
+        name
+        for name in arrays
+        if not (is_shared(name, groups) and torch.is_floating_point(state[name]))
+    )
+    if not_shared:
+        raise ParameterMismatch(f"not shared floating-point tensors, refusing {not_shared}")
+    for name in arrays:
+        value, tensor = np.asarray(arrays[name]), state[name]
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise ParameterMismatch(
+                f"{name}: model shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
+            )
+        if not np.issubdtype(value.dtype, np.floating):
+            raise ParameterMismatch(f"{name}: expected a floating-point array, got {value.dtype}")
+    with torch.no_grad():
+        for name in arrays:
+            value = torch.from_numpy(np.array(arrays[name], copy=True))
+            state[name].copy_(value.to(state[name].dtype))
+    return sorted(arrays)
+
+
+def export_named(module: torch.nn.Module, names: Iterable[str]) -> NamedArrays:
+    """Copies of the module's tensors ``names``, in canonical order."""
+    state = module.state_dict()
+    return {name: state[name].detach().cpu().numpy().copy() for name in sorted(names)}
+
+
+def check_group_patterns(
+    names: Iterable[str], groups: ParamGroupsConfig, *, which: Iterable[str] = ("shared", "local")
+) -> None:
+    """Refuse a group pattern that matches none of ``names`` (a typo, or groups written
+    for another model): the run would silently federate nothing, or keep nothing local.
+
+    Raises:
+        ConfigError: naming the key, the patterns that match nothing and the names.
+    """
+    names = sorted(names)
+    for kind in which:
+        patterns = groups.shared if kind == "shared" else groups.local
+        unmatched = [
+            g for g in patterns if g != "*" and not any(in_group(n, g) for n in names)
+        ]
+        if unmatched:
+            shown = names if len(names) <= 12 else [*names[:12], f"... ({len(names)} in all)"]
+            raise ConfigError(
+                f"{kind}-groups",
+                f"the pattern(s) {unmatched} match none of the model's arrays {shown} "
+                "(a name is in group g if it is g or starts with 'g.')",
+            )
+
+
+def check_initial_groups(initial: Mapping[str, np.ndarray], groups: ParamGroupsConfig) -> None:
+    """The coordinator's check of θ_0 against the groups, before anything is broadcast.
+
+    Raises:
+        ResidencyViolation: θ_0 holds names of local groups (they never leave a
+            participant, so they have no place in what the coordinator broadcasts).
+        ConfigError: a shared pattern matches none of θ_0's names, or a name is in no
+            shared group (it would be broadcast but never federated).
+    """
+    local = sorted(name for name in initial if is_local(name, groups))
+    if local:
+        raise ResidencyViolation(
+            f"the initial params hold {local}, which are in the local groups "
+            f"{list(groups.local)}: local groups never leave a participant, so leave them "
+            "out of the initial params"
+        )
+    check_group_patterns(initial, groups, which=("shared",))
+    stray = sorted(name for name in initial if not is_shared(name, groups))
+    if stray:
+        raise ConfigError(
+            "shared-groups",
+            f"the initial params hold {stray}, which are in none of the shared groups "
+            f"{list(groups.shared)}: add their group to shared-groups (or '*'), or leave "
+            "them out of the initial params",
+        )
 
 
 def check_same_layout(

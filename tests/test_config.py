@@ -22,8 +22,8 @@ def test_defaults() -> None:
     assert cfg.outer.lr == 0.7
     assert cfg.outer.momentum == 0.9
     assert cfg.outer.nesterov is True
-    assert cfg.groups.shared == ("encoder", "predictor")
-    assert cfg.groups.local == ("action_head",)
+    assert cfg.groups.shared == ("*",)  # a model that declares no groups federates it all
+    assert cfg.groups.local == ()
 
 
 @pytest.mark.parametrize(

@@ -423,12 +423,14 @@ def test_a_late_reply_of_an_earlier_round_is_pulled_decoded_and_returned() -> No
     assert [m.metadata.group_id for m in (s.instruction for s in grid.stored.values())] == ["1"]
 
 
-def test_an_expired_instruction_yields_one_error_that_is_dropped_and_forgotten() -> None:
+def test_an_expired_instruction_yields_one_refusal_and_is_forgotten() -> None:
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent, 12: lensemble_node(12)})
     transport = make_transport(grid, clock, message_ttl=5.0)
     transport.send("node-11", round_open())
-    assert transport.recv(timeout_s=6.0) is None  # the error reply is not a payload
+    refusal = transport.recv(timeout_s=6.0)  # the SuperLink's error: node-11 will not answer
+    assert refusal is not None and refusal["kind"] == "refusal"
+    assert refusal["sender"] == "node-11" and "from the SuperLink" in refusal["reason"]
     (expired_id,) = [m.metadata.message_id for m in grid.pushes[0]]
 
     assert [e.error.code for e in grid.errors] == [ErrorCode.MESSAGE_UNAVAILABLE]
@@ -446,20 +448,29 @@ def test_an_expired_instruction_yields_one_error_that_is_dropped_and_forgotten()
     assert expired_id not in grid.asked_after(asked_before)
 
 
-def test_a_clientapp_error_reply_is_dropped() -> None:
+def test_a_clientapp_error_reply_is_that_nodes_refusal_of_the_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = FakeClock()
 
     def crashing(message: Message) -> Message:
         return Message(
-            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="boom"), reply_to=message
+            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="KeyError: 'lr'"),
+            reply_to=message,
         )
 
     grid = FakeGrid(clock, {11: crashing})
     transport = make_transport(grid, clock)
     transport.send("node-11", round_open(2))
-    assert transport.recv(timeout_s=1.0) is None
+    with caplog.at_level("WARNING"):
+        refusal = transport.recv(timeout_s=1.0)
+    assert clock.t == 0.0  # at once: nothing waits for a node that already failed
+    refused = from_wire(refusal)
+    assert refused.participant_id == "node-11" and (refused.round, refused.attempt) == (2, 1)
+    assert "KeyError: 'lr'" in refused.reason
     assert transport.dropped == [("node-11", 2, f"error {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}")]
     assert grid.stored == {}
+    assert caplog.text.count("KeyError: 'lr'") == 1  # logged once, with the node
 
 
 # -- (f), (g) what replies become ----------------------------------------------------------
@@ -527,7 +538,7 @@ def test_a_broadcast_close_rides_on_the_next_instruction_close_first() -> None:
     transport = make_transport(grid, clock)
     transport.send("node-11", round_open(0))
     transport.recv(timeout_s=0.0)
-    assert records.CLOSE_RECORD not in grid.pushed()[0].content.config_records
+    assert records.CLOSE_PREFIX + "kind" not in grid.pushed()[0].content["config"]
 
     closed = round_close(0)
     transport.broadcast(closed)
@@ -538,7 +549,8 @@ def test_a_broadcast_close_rides_on_the_next_instruction_close_first() -> None:
         transport.send(peer, opened)
     transport.recv(timeout_s=0.0)
     for message in grid.pushes[-1]:
-        assert records.CLOSE_RECORD in message.content.config_records
+        assert list(message.content.config_records) == ["config"]  # one, as mods expect
+        assert records.CLOSE_PREFIX + "kind" in message.content["config"]
         got_close, got_open = (from_wire(p) for p in records.decode_instruction(message.content))
         assert got_close == closed
         assert isinstance(got_open, RoundOpen) and got_open.round == 1
@@ -569,37 +581,16 @@ def test_exchanges_counts_instructions_per_busiest_node() -> None:
 
 
 # -- (j) warm-up ------------------------------------------------------------------------------
-def test_warm_up_waits_for_min_nodes_and_returns_the_nodes_that_answered() -> None:
+def test_warm_up_waits_for_min_nodes_and_sends_them_nothing() -> None:
     clock = FakeClock()
-
-    def ready(message: Message) -> Message:
-        assert records.PREFIX + "warm-up" in message.content.config_records
-        return Message(RecordDict({"metrics": MetricRecord({"ready": 1})}), reply_to=message)
-
-    def no_query_function(message: Message) -> Message:  # the ClientApp raised: still up
-        return Message(
-            Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="no query"), reply_to=message
-        )
-
-    grid = FakeGrid(
-        clock,
-        {11: ready, 12: no_query_function, 13: ready, 14: silent},
-        appear_at={13: 2.5, 14: 2.5},
-        delay=lambda node, m: 0.5 if node == 13 else 0.0,
-    )
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent, 14: silent},
+                    appear_at={13: 2.5, 14: 2.5})  # fmt: skip
     # a node list is normally reused for peer_refresh seconds: warm-up must look again
     transport = make_transport(grid, clock, message_ttl=2.0, peer_refresh=60.0)
-    answered = transport.warm_up(min_nodes=3, timeout_s=10.0)
-
-    assert answered == ["node-11", "node-12", "node-13"]
-    (batch,) = grid.pushes  # the queries went out once the third node was there
-    assert sorted(m.metadata.dst_node_id for m in batch) == [11, 12, 13, 14]
-    assert {m.metadata.message_type for m in batch} == {MessageType.QUERY}
+    connected = transport.warm_up(min_nodes=3, timeout_s=10.0)
+    assert connected == ["node-11", "node-12", "node-13", "node-14"]
+    assert grid.pushes == []  # a stock ClientApp has no query handler: nothing is sent
     assert 2.5 <= clock.t <= 10.0
-    # node-14 never answered: its query expired in the SuperLink, whose error reply (sent
-    # by the SuperLink, not by the node) does not prove the node is up
-    assert len(grid.errors) == 1
-    assert grid.stored == {}
 
 
 def test_warm_up_gives_up_at_its_timeout() -> None:

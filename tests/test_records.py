@@ -169,7 +169,7 @@ def test_round_open_with_non_empty_optional_fields_round_trips() -> None:
         probe_hash=ROOT, landmark_hashes=(ROOT, HASH), needs_commitment=True, attempt=1
     )
     content = records.encode_instruction(to_wire(opened), server_round=1)
-    assert records.CLOSE_RECORD not in content.config_records
+    assert records.CLOSE_PREFIX + "kind" not in content["config"]
     (payload,) = records.decode_instruction(content)
     assert_same(from_wire(payload), opened)
 
@@ -216,8 +216,10 @@ def test_a_participant_sends_only_commitments_and_updates() -> None:
             records.encode_reply([to_wire(message)], {})
 
 
-def test_close_record_decodes_like_the_piggybacked_one() -> None:
-    content = RecordDict({records.CLOSE_RECORD: records.encode_close(to_wire(round_close()))})
+def test_a_close_in_an_evaluate_config_decodes_like_the_piggybacked_one() -> None:
+    content = RecordDict(
+        {"config": ConfigRecord({"lr": 0.1, **records.encode_close(to_wire(round_close()))})}
+    )
     (payload,) = records.decode_instruction(content)
     assert_same(from_wire(payload), round_close())
 

@@ -15,10 +15,13 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, ResidencyViolation
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.state import PseudoGradient
-from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+from lensemble_flwr.simulations.toy import GROUPS, ToyTrainer, initial_params
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
-GROUPS = LensembleConfig().groups  # shared: encoder, predictor; local: action_head
+
+def toy_config() -> LensembleConfig:
+    """small_config with the toy model's groups named (local: action_head)."""
+    return small_config().model_copy(update={"groups": GROUPS})
 
 
 def pseudo_gradient(delta: dict) -> PseudoGradient:
@@ -45,9 +48,9 @@ def test_a_pseudo_gradient_refuses_an_action_head_at_construction() -> None:
 def test_a_coordinator_never_broadcasts_local_parameters(tmp_path: Path) -> None:
     network = InProcessNetwork()
     params = {**initial_params(), "action_head.weight": np.zeros((2, 2), np.float32)}
-    with pytest.raises(ResidencyViolation, match=r"action_head\.weight"):
+    with pytest.raises(ResidencyViolation, match=r"action_head\.weight.*local groups"):
         Coordinator(
-            small_config(),
+            toy_config(),
             transport=network.coordinator,
             initial_params=params,
             store=Store(tmp_path / "run"),
@@ -75,8 +78,18 @@ def test_participant_egress_refuses_a_release_with_a_local_name(tmp_path: Path) 
         pipeline=pipeline,
     )
     state = coordinator.global_state()
-    with pytest.raises(ResidencyViolation, match=r"action_head\.w"):
+    beyond = r"only the broadcast arrays, not \['action_head\.w'\]"
+    with pytest.raises(ResidencyViolation, match=beyond):
         node.local_round(state, state.sketch_seed)
+    named = Participant(
+        toy_config(),
+        participant_id="leaky-named",
+        transport=network.transport_for("leaky-named"),
+        trainer=ToyTrainer(9),
+        pipeline=pipeline,
+    )
+    with pytest.raises(ResidencyViolation, match=r"action_head\.w"):
+        named.local_round(state, state.sketch_seed)
 
 
 def test_gauge_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:

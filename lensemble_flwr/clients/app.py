@@ -122,6 +122,9 @@ def handle_train(
     except ConfigError as exc:  # no stable identity under DP, an unusable state dir
         return Message(Error(code=REFUSED, reason=str(exc)), reply_to=message)
     participant.import_state(load_state(context.state))
+    use_arrays = getattr(participant.training, "use_instruction_arrays", None)
+    if callable(use_arrays):  # a NumPyClient gets the arrays in the server's order
+        use_arrays(records.instruction_arrays(message.content))
     for payload in payloads:
         participant.handle(payload)
     save_state(context.state, participant.export_state())

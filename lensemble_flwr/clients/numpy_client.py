@@ -55,40 +55,65 @@ class NumPyClientTraining:
         self.fit_config = dict(fit_config or {})
         self._num_examples = len(self._records) if self._records is not None else 1
         self.last_loss: float | None = None
+        self._as_sent: dict[str, np.ndarray] = {}
+
+    def use_instruction_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The instruction's arrays as the server sent them: every name (integer buffers
+        such as BatchNorm's ``num_batches_tracked`` included) in the model's own order,
+        which is the list ``fit`` and ``evaluate`` get (a ``zip(state_dict().keys(),
+        parameters)`` setter needs exactly that)."""
+        self._as_sent = dict(arrays)
+
+    def _as_list(self, params: Mapping[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+        """The arrays ``fit``/``evaluate`` get: the server's names in the server's order
+        (``params`` over the carried arrays), else the order of :func:`ordered_names`."""
+        if self._as_sent and set(params) <= set(self._as_sent):
+            names = list(self._as_sent)
+            return names, [np.array(params.get(n, self._as_sent[n])) for n in names]
+        names = ordered_names(params)
+        return names, [np.array(params[n]) for n in names]
 
     def num_examples(self) -> int:
+        """The records' count when bound, else what ``fit`` last reported."""
         return self._num_examples
 
     def dataset_records(self) -> Iterable[bytes] | None:
+        """The records the commitment covers (None: unbound updates)."""
         return self._records
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
-        names = ordered_names(global_params)
+        """Call ``client.fit`` on the server's list of arrays (``local-steps`` and ``seed``
+        in its config) and return the federated arrays it gives back."""
+        names, arrays = self._as_list(global_params)
         config = {**self.fit_config, "local-steps": steps, "seed": seed}
-        params, count, metrics = self.client.fit(
-            [np.array(global_params[n]) for n in names], config
-        )
+        params, count, metrics = self.client.fit(arrays, config)
         if len(params) != len(names):
             raise ValueError(f"fit returned {len(params)} arrays for {len(names)} parameters")
         if self._records is None:  # unbound: the example count is what fit reports
             self._num_examples = max(1, int(count))
         loss = (metrics or {}).get("loss", (metrics or {}).get("train-loss"))
         self.last_loss = float(loss) if isinstance(loss, (int, float)) else None
-        return {n: np.asarray(p) for n, p in zip(names, params, strict=True)}
+        returned = dict(zip(names, params, strict=True))
+        return {n: np.asarray(returned[n]) for n in global_params}  # carried ones stay here
 
     def forget(self) -> None:
         """A NumPyClient keeps no state the participant could discard."""
 
     def export_state(self) -> PortableState:
+        """The reported example count (a NumPyClient keeps its own model)."""
         return PortableState(meta={"num_examples": self._num_examples})
 
     def import_state(self, state: PortableState) -> None:
+        """Restore the reported example count of an unbound client."""
         if self._records is None and "num_examples" in state.meta:
             self._num_examples = int(state.meta["num_examples"])
 
     def evaluate(self, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
-        names = ordered_names(params)
-        loss, count, metrics = self.client.evaluate([params[n] for n in names], dict(config))
+        """``client.evaluate`` on the server's list of arrays: its metrics, ``loss`` and
+        ``num-examples``."""
+        self.use_instruction_arrays(params)  # an evaluate instruction's arrays, as sent
+        _, arrays = self._as_list(params)
+        loss, count, metrics = self.client.evaluate(arrays, dict(config))
         out = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
         return {**out, "loss": float(loss), "num-examples": int(count)}
 

@@ -53,7 +53,6 @@ from lensemble_flwr.errors import (
     IllegalTransition,
     LensembleError,
     ParameterMismatch,
-    ResidencyViolation,
     Response,
     StoreError,
     response_to,
@@ -67,7 +66,7 @@ from lensemble_flwr.gauge.runtime import (
     require_setup,
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
-from lensemble_flwr.params import NamedArrays, is_shared
+from lensemble_flwr.params import NamedArrays, check_initial_groups
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     RoundClose,
@@ -169,9 +168,7 @@ class Coordinator:
         for name, array in initial_params.items():
             if not np.issubdtype(np.asarray(array).dtype, np.floating):
                 raise ParameterMismatch(f"{name}: initial params must be floating-point")
-        local = sorted(n for n in initial_params if not is_shared(n, config.groups))
-        if local:
-            raise ResidencyViolation(f"local parameters may never be broadcast: {local}")
+        check_initial_groups(initial_params, config.groups)
         check_warm_start_of(gauge, config, initial_params)
         if store.bound("ledger/") or store.bound("manifest"):
             raise StoreError(

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.params import NamedArrays, export_shared, is_shared, load_shared
+from lensemble_flwr.params import (
+    NamedArrays,
+    check_group_patterns,
+    export_named,
+    load_broadcast,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +130,14 @@ class TorchTraining:
     """
 
     def __init__(self, trainer: Trainer, config: LensembleConfig) -> None:
+        check_group_patterns(trainer.model.state_dict(), config.groups)
         self.trainer = trainer
         self.config = config
         self.optimizer: torch.optim.Optimizer | None = None
         self.last_loss: float | None = None
+        # what the coordinator broadcast last: the names this participant federates (the
+        # rest of the model is its own, and is what export_state keeps)
+        self.federated: list[str] | None = None
 
     def num_examples(self) -> int:
         """The trainer's number of private examples."""
@@ -154,8 +163,7 @@ class TorchTraining:
         """Load ``global_params`` into the model, run ``steps`` AdamW steps seeded by
         ``seed`` (keeping the optimizer from earlier rounds), and return the params it
         federates. The last step's loss is kept in ``last_loss``."""
-        groups = self.config.groups
-        load_shared(self.trainer.model, global_params, groups)
+        self.federated = load_broadcast(self.trainer.model, global_params, self.config.groups)
         optimizer = self._ensure_optimizer()
         with deterministic_algorithms(self.config.inner.deterministic):
             self.last_loss = run_inner_loop(
@@ -165,7 +173,7 @@ class TorchTraining:
                 seed=seed,
                 batch_size=self.config.inner.batch_size,
             )
-        return export_shared(self.trainer.model, groups)
+        return export_named(self.trainer.model, self.federated)
 
     def forget(self) -> None:
         """Drop the AdamW state; the next :meth:`fit` starts a fresh optimizer."""
@@ -175,12 +183,13 @@ class TorchTraining:
         """The model's state less the params it federates (local groups, integer buffers)
         as ``model/...`` arrays, and the AdamW state, if any, as ``optimizer/...`` arrays
         with its parameter groups in ``meta``."""
+        federated = set(self.federated or ())
         arrays: NamedArrays = {
             f"model/{name}": tensor.detach().cpu().numpy().copy()
             for name, tensor in self.trainer.model.state_dict().items()
-            if not (is_shared(name, self.config.groups) and torch.is_floating_point(tensor))
+            if name not in federated
         }
-        meta: dict[str, Any] = {"optimizer": None}
+        meta: dict[str, Any] = {"optimizer": None, "federated": self.federated}
         if self.optimizer is not None:
             opt = self.optimizer.state_dict()
             for index, slots in opt["state"].items():
@@ -204,6 +213,8 @@ class TorchTraining:
         }
         if model_state:
             self.trainer.model.load_state_dict(model_state, strict=False)
+        federated = state.meta.get("federated")
+        self.federated = list(federated) if federated is not None else None
         opt_meta = state.meta.get("optimizer")
         if opt_meta is None:
             self.optimizer = None

@@ -19,6 +19,7 @@ from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     LedgerError,
     LensembleError,
+    ResidencyViolation,
     RoundError,
 )
 from lensemble_flwr.gauge.runtime import (
@@ -326,7 +327,8 @@ class Participant:
 
         Raises:
             ParameterMismatch: the global params do not fit the model.
-            ResidencyViolation: the release carries a name outside the shared groups.
+            ResidencyViolation: the release carries a name outside the shared groups, or
+                one the coordinator did not broadcast.
             DegenerateProcrustes: alignment is on and the probe cannot fix the frame.
             RoundError: the pipeline did not produce a delta bound as it should be.
         """
@@ -349,6 +351,12 @@ class Participant:
         )
         if release.delta is None or release.bound_root != self.dataset_root:
             raise RoundError(f"{self.participant_id}: the pipeline did not bind its delta")
+        beyond = sorted(set(release.delta) - set(global_state.params))
+        if beyond:  # whatever the groups say, only what was broadcast may go back
+            raise ResidencyViolation(
+                f"{self.participant_id}: a release may carry only the broadcast arrays, "
+                f"not {beyond}"
+            )
         scales = release.metadata.get("scales")
         released = dequantize(release.delta, scales) if scales else release.delta
         return PseudoGradient(

@@ -15,7 +15,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from lensemble_flwr.config import ParamGroupsConfig
+
 D_IN, D_LATENT, D_OUT, D_ACTION = 8, 6, 3, 2
+
+
+GROUPS = ParamGroupsConfig(shared=("encoder", "predictor"), local=("action_head",))
+"""The toy model's groups, for a config that names them (the default, ``'*'`` shared, works
+too: :func:`initial_params` leaves the action head out, so it is never broadcast)."""
 
 
 class ToyWorldModel(nn.Module):

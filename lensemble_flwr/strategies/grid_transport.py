@@ -24,11 +24,11 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
@@ -45,6 +45,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.records import node_id_of, participant_id
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class GridTransport:
         message_ttl: seconds an instruction may wait in the SuperLink (set it to the open
             plus collect timeout, so it expires with the round that sent it).
         user_config: the train config every instruction carries (as FedAvg would).
+        layout: the user's array names, order and carried arrays: instructions carry the
+            global arrays in that order (carried ones included), and a stock reply's
+            carried arrays are left out of its update (None: the canonical order).
         poll_interval: seconds between pulls while waiting.
         peer_refresh: seconds a node list from the SuperLink is reused.
         clock, sleep: injectable for tests.
@@ -82,6 +86,7 @@ class GridTransport:
         *,
         message_ttl: float,
         user_config: Mapping[str, Any] | None = None,
+        layout: ArrayLayout | None = None,
         poll_interval: float = 0.05,
         peer_refresh: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -90,6 +95,7 @@ class GridTransport:
         self.grid = grid
         self.message_ttl = message_ttl
         self.user_config = dict(user_config or {})
+        self.layout = layout
         self.poll_interval = poll_interval
         self.peer_refresh = peer_refresh
         self._clock = clock
@@ -110,9 +116,11 @@ class GridTransport:
 
     # -- Transport ---------------------------------------------------------------------
     def now(self) -> float:
+        """Seconds on the transport's clock."""
         return self._clock()
 
     def peers(self) -> Sequence[str]:
+        """The connected nodes as participant ids (the list is reused ``peer_refresh`` s)."""
         if self.now() - self._peers_at >= self.peer_refresh:
             self._peers = sorted(participant_id(n) for n in self.grid.get_node_ids())
             self._peers_at = self.now()
@@ -126,6 +134,7 @@ class GridTransport:
         return None
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
+        """Queue a RoundOpen or UnmaskRequest for ``peer_id`` (pushed by the next recv)."""
         payload = to_wire(message)
         if isinstance(message, UnmaskRequest):
             self._queue_message(peer_id, records.encode_unmask(payload), MessageType.TRAIN, payload)
@@ -133,23 +142,28 @@ class GridTransport:
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
         params = payload["params"]
+        layout = self.layout
         if self._params_record is None or self._params_record[0] is not params:
-            self._params_record = (params, records.arrays_to_record(params))
+            record = layout.to_record(params) if layout else records.arrays_to_record(params)
+            self._params_record = (params, record)
         content = records.encode_instruction(
             payload,
             server_round=message.round + 1,
             user_config=self.user_config,
             round_close=self._close,
             params_record=self._params_record[1],
+            carried=layout.carried_names if layout else None,
         )
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 
     def broadcast(self, message: ControlMessage) -> None:
+        """Keep a RoundClose to ride on the next instruction to each node."""
         if not isinstance(message, RoundClose):
             raise ValueError(f"only RoundClose is broadcast over a Grid, not {message.kind}")
         self._close = to_wire(message)  # rides on the next instruction to each node
 
     def recv(self, *, timeout_s: float) -> WirePayload | None:
+        """Push what is queued, then the next reply payload (None after ``timeout_s``)."""
         self._flush()
         deadline = self.now() + max(0.0, timeout_s)
         while not self._inbox:
@@ -189,31 +203,19 @@ class GridTransport:
         return replies
 
     def warm_up(self, *, min_nodes: int, timeout_s: float) -> list[str]:
-        """Wait until ``min_nodes`` nodes are connected and every connected node has
-        answered one cheap query (a Ray actor or SuperNode process is then up), so the
-        first round's deadlines are not spent on cold starts.
+        """Wait (at most ``timeout_s``) until ``min_nodes`` nodes are connected, without
+        sending them anything: a stock ClientApp has no handler for a query, and one
+        would answer it with an error traceback.
 
         Returns:
-            The participants that answered (an error reply also proves the node is up).
+            The participants connected when it returned.
         """
         deadline = self.now() + timeout_s
         while len(self.peers()) < min_nodes and self.now() < deadline:
             self._peers_at = -float("inf")
             self._sleep(min(1.0, max(0.0, deadline - self.now())))
-        contents = {
-            peer: RecordDict({records.PREFIX + "warm-up": ConfigRecord({"ping": 1})})
-            for peer in self.peers()
-        }
-        replies = self.request(
-            contents, MessageType.QUERY, timeout_s=max(0.0, deadline - self.now())
-        )
-        # a SuperLink-generated error (expired TTL, node unavailable) comes from the
-        # SuperLink's own node id and proves nothing about the node
-        return sorted(
-            participant_id(r.metadata.src_node_id)
-            for r in replies
-            if r.metadata.src_node_id != SUPERLINK_NODE_ID
-        )
+        self._peers_at = -float("inf")
+        return list(self.peers())
 
     def exchanges(self, round: int) -> int:
         """Instructions the busiest participant had to answer in ``round`` (1 when a round
@@ -293,6 +295,10 @@ class GridTransport:
             return
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
+            refusal = error_refusal(reply, info)
+            if refusal is not None:  # the round stops waiting for this node
+                self._inbox.append(refusal)
+                return
             log.info(
                 "round %d: %s from %s dropped: error %s (%s)",
                 info.round,
@@ -310,7 +316,8 @@ class GridTransport:
 
     def _unpack_train_reply(self, content: RecordDict, info: SentInstruction, source: str) -> None:
         try:
-            self._inbox.extend(train_reply_payloads(content, info, source))
+            carried = self.layout.carried if self.layout else ()
+            self._inbox.extend(train_reply_payloads(content, info, source, carried=carried))
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
@@ -323,12 +330,13 @@ class GridTransport:
 
 
 def train_reply_payloads(
-    content: RecordDict, info: SentInstruction, source: str
+    content: RecordDict, info: SentInstruction, source: str, *, carried: Collection[str] = ()
 ) -> list[WirePayload]:
     """The payloads a train reply stands for.
 
     A lensemble participant's reply carries its payloads; a stock ClientApp's reply
-    becomes one unbound update (its arrays minus the global params it was sent).
+    becomes one unbound update (its arrays minus the global params it was sent; the
+    ``carried`` arrays it returns, such as BatchNorm's counts, are not part of it).
 
     Raises:
         ValueError: a payload names another sender than the node it came from, or the
@@ -346,6 +354,7 @@ def train_reply_payloads(
     if stock is None or info.params is None:
         raise ValueError("neither a lensemble nor a stock train reply")
     arrays, count, _ = stock
+    arrays = {name: array for name, array in arrays.items() if name not in carried}
     delta: dict[str, np.ndarray] = arrays  # wrong names: ingress refuses it, with the reason
     norm = 0.0
     if set(arrays) == set(info.params):
@@ -369,6 +378,28 @@ def train_reply_payloads(
             "transforms": ("stock-clientapp",),
         }
     ]
+
+
+def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
+    """A node's error reply to a RoundOpen as that node's Refusal of the attempt (None for
+    any other instruction): a ClientApp that raised, or a SuperLink that reports the node
+    unavailable, will not deliver an update, so the round must not wait its deadline out
+    for it. Logged once, with the node and the error's text."""
+    if info.kind is not MessageKind.ROUND_OPEN:
+        return None
+    where = "the SuperLink" if reply.metadata.src_node_id == SUPERLINK_NODE_ID else info.peer
+    reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
+    log.warning("round %d: %s replied with an error: %s", info.round + 1, info.peer, reason)
+    return {
+        "kind": MessageKind.REFUSAL.value,
+        "run_id": info.run_id,
+        "round": info.round,
+        "attempt": info.attempt,
+        "sender": info.peer,
+        "participant_id": info.peer,
+        "error": "ClientAppError",
+        "reason": reason[:2000],
+    }
 
 
 def _content_bytes(content: RecordDict) -> int:

@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -38,8 +40,10 @@ from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
     SentInstruction,
+    error_refusal,
     train_reply_payloads,
 )
+from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.records import participant_id
 
 log = logging.getLogger(__name__)
@@ -63,8 +67,9 @@ class LensembleStrategy(Strategy):
             directory if omitted; ``result.run_dir`` says where).
         run_id: names the run in every message (default ``flwr-<Flower run id>``).
         warmup_timeout: seconds ``start`` waits, before round 1, for K nodes to connect
-            and for every node to answer one query (Ray actors and SuperNode processes
-            take seconds to start; round deadlines should not pay for that).
+            (nothing is sent to them); what it did not use is the first round's grace on
+            its deadlines (Ray actors and SuperNode processes start on their first
+            message; round deadlines should not pay for that).
         fraction_evaluate: share of nodes asked to evaluate after each round (0: none).
         poll_interval: seconds between pulls of the Grid.
         on_round: called with a one-line report after every round attempt.
@@ -101,6 +106,8 @@ class LensembleStrategy(Strategy):
         self.on_round = on_round
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
+        self.layout: ArrayLayout | None = None
+        self._returned: ArrayRecord | None = None  # what aggregate_train last handed out
         self._said_no_evaluation = False
 
     # -- Strategy's abstract surface ---------------------------------------------------
@@ -141,6 +148,7 @@ class LensembleStrategy(Strategy):
                 "call LensembleStrategy.start() instead",
             )
         coordinator = self._ensure_coordinator(grid, arrays)
+        self._check_not_changed_since_aggregate(server_round, arrays)
         attempt = coordinator.attempt
         if attempt is not None and attempt.phase not in TERMINAL_STATES:
             # the attempt never got its replies (aggregate_train was skipped, or failed
@@ -154,13 +162,19 @@ class LensembleStrategy(Strategy):
         coordinator.begin_attempt()
         nodes = {participant_id(node): node for node in grid.get_node_ids()}
         close = coordinator.last_close
+        layout = self._layout_of(arrays)
         messages = []
+        params_record = None
         for peer, round_open in coordinator.invite(nodes):
+            if params_record is None:
+                params_record = layout.to_record(round_open.params)
             content = records.encode_instruction(
                 to_wire(round_open),
                 server_round=server_round,
                 user_config=dict(config),
                 round_close=to_wire(close) if close else None,
+                params_record=params_record,
+                carried=layout.carried_names,
             )
             messages.append(
                 Message(content=content, dst_node_id=nodes[peer], message_type=MessageType.TRAIN)
@@ -189,11 +203,6 @@ class LensembleStrategy(Strategy):
         for reply in replies:
             peer = participant_id(reply.metadata.src_node_id)
             peers.append(peer)
-            if reply.has_error():
-                log.info(
-                    "round %d: error reply from %s: %s", server_round, peer, reply.error.reason
-                )
-                continue
             info = SentInstruction(
                 peer=peer,
                 kind=MessageKind.ROUND_OPEN,
@@ -203,14 +212,24 @@ class LensembleStrategy(Strategy):
                 params=template.params,
                 pushed_at=0.0,
             )
+            if reply.has_error() and reply.metadata.src_node_id == SUPERLINK_NODE_ID:
+                log.info("round %d: the SuperLink reports: %s", server_round, reply.error.reason)
+                continue
+            if reply.has_error():
+                refusal = error_refusal(reply, info)
+                payloads.extend([refusal] if refusal is not None else [])
+                continue
             try:
-                payloads.extend(train_reply_payloads(reply.content, info, peer))
+                payloads.extend(
+                    train_reply_payloads(reply.content, info, peer, carried=self._carried())
+                )
             except ValueError as exc:
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
         outcome = coordinator.conclude_collected(payloads, peers)
         metrics = MetricRecord(self._metrics(outcome))
         if outcome.state is RoundState.CLOSED:
-            return records.arrays_to_record(coordinator.global_state().params), metrics
+            self._returned = self._user_arrays(coordinator.global_state().params)
+            return self._returned, metrics
         assert outcome.error is not None
         if coordinator.retry_allowed(outcome):
             log.info("round %d: retried next Flower round: %s", outcome.round, outcome.reason)
@@ -277,6 +296,7 @@ class LensembleStrategy(Strategy):
             grid,
             message_ttl=fed.open_timeout + fed.collect_timeout,
             user_config=dict(train_config or {}),
+            layout=self._layout_of(initial_arrays),
             poll_interval=self.poll_interval,
         )
         self.transport = transport
@@ -284,16 +304,13 @@ class LensembleStrategy(Strategy):
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
-        cold_start = transport.now() - started
-        log.info(
-            "warm-up: %d node(s) answered in %.1fs: %s",
-            len(warm),
-            cold_start,
-            ", ".join(warm) or "none",
-        )
-        # Nodes answering a query does not mean every worker process is up (Ray starts
-        # its actors lazily): the first round's deadlines get the cold start as grace.
-        coordinator.grant_grace(cold_start)
+        waited = transport.now() - started
+        log.info("warm-up: %d node(s) connected after %.1fs", len(warm), waited)
+        # Connected is not started: Ray actors and SuperNode ClientApp processes start on
+        # their first message. The first round's deadlines get the rest of the warm-up
+        # budget as grace; a round in which every invited node answered ends at once, so
+        # the grace only delays a first round that a node leaves unanswered.
+        coordinator.grant_grace(max(0.0, self.warmup_timeout - waited))
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 0)
@@ -308,7 +325,7 @@ class LensembleStrategy(Strategy):
                 if aborted:
                     result.aborted[t + 1] = aborted
             closed = new[-1]
-            result.arrays = records.arrays_to_record(coordinator.global_state().params)
+            result.arrays = self._user_arrays(coordinator.global_state().params)
             metrics = self._metrics(closed, attempts=len(new))
             result.train_metrics_clientapp[t + 1] = MetricRecord(metrics)
             evaluation = self._evaluate(t + 1, result.arrays, evaluate_config, timeout)
@@ -340,23 +357,67 @@ class LensembleStrategy(Strategy):
             else:
                 self.coordinator = Coordinator(
                     self.config,
-                    initial_params=records.record_to_arrays(arrays),
+                    initial_params=ArrayLayout.split(arrays)[1],
                     run_id=run_id,
                     **common,
                 )
             log.info("run directory: %s", self.run_dir)
         return self.coordinator
 
+    def _check_not_changed_since_aggregate(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Refuse to train from arrays other than those ``aggregate_train`` returned.
+
+        Raises:
+            ConfigError: something between the two calls (a strategy wrapper that adds
+                noise to the aggregate, such as Flower's
+                ``DifferentialPrivacyServerSideFixedClipping`` with a noise multiplier)
+                changed the global arrays; lensemble commits every global model to its
+                ledger, so training from an uncommitted one would silently drop the change.
+        """
+        returned = self._returned
+        if returned is None or arrays is returned:
+            return
+        changed = [
+            name
+            for name in returned
+            if name not in arrays
+            or not np.array_equal(arrays[name].numpy(), returned[name].numpy())
+        ]
+        if changed or set(arrays) != set(returned):
+            raise ConfigError(
+                "arrays",
+                f"round {server_round}: configure_train got other arrays than the global model "
+                f"aggregate_train returned (changed: {changed[:5]}); lensemble trains only "
+                "from the global models its ledger commits. A wrapper that adds central "
+                "noise after aggregation cannot be used: use lensemble's own DP "
+                "(clip-norm, noise-multiplier; docs/privacy.md)",
+            )
+
+    def _layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
+        """The user's array layout, taken from the first arrays the strategy is given."""
+        if self.layout is None:
+            self.layout = ArrayLayout.split(arrays)[0]
+        return self.layout
+
+    def _carried(self) -> Mapping[str, Any]:
+        return self.layout.carried if self.layout is not None else {}
+
+    def _user_arrays(self, params: Mapping[str, Any]) -> ArrayRecord:
+        """The global params as the user's ArrayRecord: their names in their order, the
+        carried arrays as given."""
+        if self.layout is None:
+            return records.arrays_to_record(params)
+        return self.layout.to_record(params)
+
     def _evaluate_content(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None
     ) -> RecordDict:
         cfg = dict(config or {})
         cfg["server-round"] = server_round
-        content = RecordDict({records.ARRAYS: arrays, records.CONFIG: ConfigRecord(cfg)})
         if self.coordinator is not None and self.coordinator.last_close is not None:
-            close = to_wire(self.coordinator.last_close)  # rides along, as on RoundOpen
-            content[records.CLOSE_RECORD] = records.encode_close(close)
-        return content
+            # rides along, as on RoundOpen (in the one config record Flower's mods expect)
+            cfg.update(records.encode_close(to_wire(self.coordinator.last_close)))
+        return RecordDict({records.ARRAYS: arrays, records.CONFIG: ConfigRecord(cfg)})
 
     def _evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None, timeout: float

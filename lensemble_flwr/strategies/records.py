@@ -3,10 +3,10 @@
 An instruction (server → node) is a Flower ``RecordDict`` that any ClientApp can read:
 
 * ``"arrays"`` — the global params (what a stock Message-API ClientApp trains on);
-* ``"config"`` — a ConfigRecord with ``server-round`` and the user's train config, plus
-  the RoundOpen's fields under ``lensemble.*`` keys;
-* ``"lensemble.round-close"`` — the previous round's RoundClose, when one is pending
-  (it rides on the next instruction instead of costing an exchange of its own).
+* ``"config"`` — the one ConfigRecord (Flower's mods expect a single one): ``server-round``
+  and the user's train config, the RoundOpen's fields under ``lensemble.*`` keys, and
+  the previous round's RoundClose under ``lensemble.close.*`` when one is pending (it
+  rides on the next instruction instead of costing an exchange of its own).
 
 A reply (node → server) from a lensemble participant carries one ConfigRecord per
 message it sends (``"lensemble.commitment"``, ``"lensemble.update"``), the update's
@@ -32,7 +32,8 @@ from lensemble_flwr.protocol.messages import PARTICIPANT_KINDS, MessageKind, Wir
 NODE_PREFIX = "node-"
 PREFIX = "lensemble."
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
-CLOSE_RECORD = PREFIX + MessageKind.ROUND_CLOSE.value
+CLOSE_PREFIX = PREFIX + "close."
+"""Prefix of a RoundClose's fields riding in an instruction's ``config`` record."""
 _ARRAY_FIELD = {MessageKind.ROUND_OPEN: "params", MessageKind.UPDATE: "delta"}
 # Flower's ConfigRecord cannot carry None or mappings, and chokes on "" and [] (count_bytes
 # raises, an empty list has no element type); such fields travel specially: the names of
@@ -44,6 +45,9 @@ _REPLY_KINDS = tuple(kind for kind in MessageKind if kind in PARTICIPANT_KINDS)
 UNMASK_RECORD = PREFIX + MessageKind.UNMASK_REQUEST.value
 INSTRUCTION_KINDS = frozenset({MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST})
 """The kinds a train instruction carries (the ones a participant answers)."""
+CARRIED = "carried-arrays"
+"""Config field (under the ``lensemble.`` prefix) naming the instruction's arrays that are
+carried with the model, not federated (integer buffers): not part of the RoundOpen."""
 
 
 def participant_id(node_id: int) -> str:
@@ -108,20 +112,25 @@ def encode_instruction(
     user_config: Mapping[str, Any] | None = None,
     round_close: WirePayload | None = None,
     params_record: ArrayRecord | None = None,
+    carried: list[str] | None = None,
 ) -> RecordDict:
     """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads.
 
-    ``params_record`` is the RoundOpen's params already encoded: the global params are
-    the same for every recipient of an attempt, so encode them once and share them.
+    ``params_record`` is the RoundOpen's params already encoded (in the user's order, with
+    the ``carried`` arrays that travel with the model): the global params are the same for
+    every recipient of an attempt, so encode them once and share them. Everything is in
+    the one ``config`` record (a pending RoundClose under ``lensemble.close.``), as
+    Flower's mods expect a single ConfigRecord.
     """
     config = dict(user_config or {})
     config["server-round"] = server_round
     config.update(_fields_to_config(round_open, skip="params", prefix=PREFIX))
-    arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
-    content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(config)})
+    if carried:
+        config[PREFIX + CARRIED] = list(carried)
     if round_close is not None:
-        content[CLOSE_RECORD] = ConfigRecord(_fields_to_config(round_close, skip=None))
-    return content
+        config.update(encode_close(round_close))
+    arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
+    return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(config)})
 
 
 def encode_unmask(request: WirePayload) -> RecordDict:
@@ -129,9 +138,10 @@ def encode_unmask(request: WirePayload) -> RecordDict:
     return RecordDict({UNMASK_RECORD: ConfigRecord(_fields_to_config(request, skip=None))})
 
 
-def encode_close(round_close: WirePayload) -> ConfigRecord:
-    """A RoundClose as the record that rides on the next instruction."""
-    return ConfigRecord(_fields_to_config(round_close, skip=None))
+def encode_close(round_close: WirePayload) -> dict[str, Any]:
+    """A RoundClose as the ``lensemble.close.*`` config entries that ride on the next
+    instruction."""
+    return _fields_to_config(round_close, skip=None, prefix=CLOSE_PREFIX)
 
 
 def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
@@ -139,15 +149,31 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     payloads: list[dict[str, Any]] = []
     if UNMASK_RECORD in content.config_records:
         return [_config_to_fields(content.config_records[UNMASK_RECORD])]
-    if CLOSE_RECORD in content.config_records:
-        payloads.append(_config_to_fields(content.config_records[CLOSE_RECORD]))
     config = content.config_records.get(CONFIG)
-    if config is not None and config.get(PREFIX + "kind") == MessageKind.ROUND_OPEN.value:
-        fields = _config_to_fields(config, prefix=PREFIX)
+    if config is None:
+        return payloads
+    if config.get(CLOSE_PREFIX + "kind") == MessageKind.ROUND_CLOSE.value:
+        payloads.append(_config_to_fields(config, prefix=CLOSE_PREFIX))
+    if config.get(PREFIX + "kind") == MessageKind.ROUND_OPEN.value:
+        fields = {
+            k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k
+        }
+        carried = set(fields.pop(CARRIED, []))
         arrays = content.array_records.get(ARRAYS)
-        fields["params"] = record_to_arrays(arrays) if arrays is not None else None
+        fields["params"] = (
+            {n: a for n, a in record_to_arrays(arrays).items() if n not in carried}
+            if arrays is not None
+            else None
+        )
         payloads.append(fields)
     return payloads
+
+
+def instruction_arrays(content: RecordDict) -> dict[str, np.ndarray]:
+    """Every array of an instruction in the order the server gave them, carried ones
+    included (what a NumPyClient's ``state_dict`` setter expects)."""
+    arrays = content.array_records.get(ARRAYS)
+    return record_to_arrays(arrays) if arrays is not None else {}
 
 
 def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> RecordDict:

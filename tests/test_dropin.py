@@ -1,0 +1,240 @@
+"""LensembleStrategy in place of FedAvg with a Flower user's own app, unchanged (no Ray).
+
+The apps here are written the way Flower's quickstarts write them — a CNN (with and
+without BatchNorm) whose ``train`` loads ``arrays.to_torch_state_dict()`` strictly and
+replies ``arrays`` + ``metrics{train_loss, num-examples}``; a NumPyClient whose setter is
+``zip(state_dict().keys(), parameters)``; an app with Flower's ``fixedclipping_mod`` — and
+the strategy is driven by its own ``start`` and by Flower's ``Strategy.start`` loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client import NumPyClient
+from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    Strategy,
+)
+from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+)
+from torch import nn
+
+from lensemble_flwr.clients import wrap_numpy_client
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.strategies import LensembleStrategy
+
+NODES = (21, 22, 23, 24)
+
+
+class Net(nn.Module):
+    """A small CNN on 8x8 images, optionally with BatchNorm (an integer buffer)."""
+
+    def __init__(self, batch_norm: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(4) if batch_norm else nn.Identity()
+        self.fc = nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn1(self.conv1(x))).flatten(1))
+
+
+def node_data(node: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(node)
+    x = torch.randn(24, 1, 8, 8, generator=gen)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+    return x, y
+
+
+def train_locally(model: Net, node: int, lr: float, steps: int = 3) -> float:
+    x, y = node_data(node)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    return float(loss)
+
+
+def quickstart_app(batch_norm: bool, mods: list | None = None) -> ClientApp:
+    app = ClientApp(mods=mods or [])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = Net(batch_norm)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())  # strict
+        loss = train_locally(model, context.node_id, float(msg.content["config"]["lr"]))
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(model.state_dict()),
+                "metrics": MetricRecord({"train_loss": loss, "num-examples": 24}),
+            }
+        )
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def grid_of(app: ClientApp) -> FakeGrid:
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    return FakeGrid(FakeClock(), {n: (lambda m, n=n: app(m, contexts[n])) for n in NODES})
+
+
+def fedavg_config(**federation: object) -> LensembleConfig:
+    return LensembleConfig(
+        federation={"min_participants": 4, "open_timeout": 10.0, "collect_timeout": 10.0,
+                    "retry_wait": 0.0, **federation},
+        outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["cnn", "cnn+batchnorm"])
+def test_a_stock_clientapp_runs_unchanged_and_gets_its_arrays_back_in_its_order(
+    tmp_path: Path, batch_norm: bool
+) -> None:
+    initial = ArrayRecord(Net(batch_norm).state_dict())
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    grid = grid_of(quickstart_app(batch_norm))
+    result = strategy.start(
+        grid=grid, initial_arrays=initial, num_rounds=2, train_config=ConfigRecord({"lr": 0.1})
+    )
+    assert list(result.arrays.keys()) == list(Net(batch_norm).state_dict().keys())
+    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2)] == [4.0, 4.0]
+    # what the nodes were sent is the user's layout too (the quickstart loads it strictly)
+    sent = grid.pushed()[0].content["arrays"]
+    assert list(sent.keys()) == list(initial.keys())
+    final = result.arrays.to_torch_state_dict()
+    if batch_norm:
+        # a count is carried as it was given: not averaged, not stepped, still an integer
+        assert final["bn1.num_batches_tracked"].dtype == torch.int64
+        assert int(final["bn1.num_batches_tracked"]) == 0
+        # floating buffers (running statistics) are averaged, as FedAvg does
+        assert not torch.equal(final["bn1.running_mean"], torch.zeros(4))
+    # the federated arrays are FedAvg's: the mean of what the nodes returned (lr 1, no
+    # momentum, uniform weights: every node reports 24 examples)
+    model = Net(batch_norm)
+    model.load_state_dict(final)  # strict: the user's model takes the result as it is
+
+
+def test_a_numpy_client_with_the_usual_state_dict_setter_gets_the_list_in_model_order(
+    tmp_path: Path,
+) -> None:
+    seen: list[list[str]] = []
+
+    class Client(NumPyClient):
+        def __init__(self, node: int) -> None:
+            self.node, self.model = node, Net(batch_norm=True)
+
+        def set_parameters(self, parameters: list[np.ndarray]) -> None:
+            keys = list(self.model.state_dict().keys())
+            state = OrderedDict({k: torch.tensor(v) for k, v in zip(keys, parameters, strict=True)})
+            self.model.load_state_dict(state, strict=True)
+
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            seen.append([p.shape for p in parameters])
+            self.set_parameters(parameters)
+            loss = train_locally(self.model, self.node, 0.1)
+            params = [v.cpu().numpy() for v in self.model.state_dict().values()]
+            return params, 24, {"train_loss": loss}
+
+    config = fedavg_config()
+    app = wrap_numpy_client(
+        lambda context: Client(context.node_id).to_client(), config_fn=lambda c: config
+    )
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0)
+    initial = ArrayRecord(Net(batch_norm=True).state_dict())
+    result = strategy.start(grid=grid_of(app), initial_arrays=initial, num_rounds=2)
+    shapes = [tuple(v.shape) for v in Net(batch_norm=True).state_dict().values()]
+    assert seen and all(list(map(tuple, s)) == shapes for s in seen)
+    assert result.train_metrics_clientapp[2]["C_t"] == 4.0
+    assert list(result.arrays.keys()) == list(initial.keys())
+
+
+def test_flowers_client_side_clipping_wrapper_and_its_mod_work(tmp_path: Path) -> None:
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    wrapped = DifferentialPrivacyClientSideFixedClipping(
+        strategy, noise_multiplier=0.1, clipping_norm=0.05, num_sampled_clients=4
+    )
+    initial = ArrayRecord(Net(batch_norm=True).state_dict())
+    grid = grid_of(quickstart_app(batch_norm=True, mods=[fixedclipping_mod]))
+    result = Strategy.start(
+        wrapped, grid=grid, initial_arrays=initial, num_rounds=1,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    assert not any(reply.has_error() for _, reply in grid.delivered)  # the mod accepted all
+    assert result.train_metrics_clientapp[1]["C_t"] == 4.0
+    # every update was clipped by the mod on the node: the step is at most the clip norm
+    before = {k: v.numpy() for k, v in initial.items()}
+    after = {k: v.numpy() for k, v in result.arrays.items()}
+    floats = [k for k in before if after[k].dtype.kind == "f"]
+    step = np.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in floats))
+    assert step <= 0.05 * (1 + 1e-5)
+
+
+def test_flowers_server_side_clipping_wrapper_runs_and_noise_it_adds_is_refused(
+    tmp_path: Path,
+) -> None:
+    initial = ArrayRecord(Net(batch_norm=False).state_dict())
+    clipping = DifferentialPrivacyServerSideFixedClipping(
+        LensembleStrategy(fedavg_config(), run_dir=tmp_path / "a", fraction_evaluate=0),
+        noise_multiplier=0.0, clipping_norm=0.05, num_sampled_clients=4,
+    )  # fmt: skip
+    result = Strategy.start(
+        clipping, grid=grid_of(quickstart_app(False)), initial_arrays=initial, num_rounds=2,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2)] == [4.0, 4.0]
+    assert list(result.arrays.keys()) == list(initial.keys())
+    noising = DifferentialPrivacyServerSideFixedClipping(
+        LensembleStrategy(fedavg_config(), run_dir=tmp_path / "b", fraction_evaluate=0),
+        noise_multiplier=1.0, clipping_norm=0.05, num_sampled_clients=4,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="other arrays than the global model"):
+        Strategy.start(
+            noising, grid=grid_of(quickstart_app(False)), initial_arrays=initial,
+            num_rounds=2, train_config=ConfigRecord({"lr": 0.1}),
+        )  # fmt: skip
+
+
+def test_a_group_pattern_that_matches_nothing_names_the_patterns_and_the_names(
+    tmp_path: Path,
+) -> None:
+    config = LensembleConfig(groups={"shared": ("encoder", "conv1")})
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"shared-groups: .*\['encoder'\].*conv1\.weight"):
+        strategy.start(
+            grid=grid_of(quickstart_app(False)),
+            initial_arrays=ArrayRecord(Net(False).state_dict()),
+            num_rounds=1,
+        )
+
+
+def test_a_name_in_no_shared_group_is_refused_naming_it(tmp_path: Path) -> None:
+    config = LensembleConfig(groups={"shared": ("conv1",)})
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"\['fc\.bias', 'fc\.weight'\].*none of the shared"):
+        strategy.start(
+            grid=grid_of(quickstart_app(False)),
+            initial_arrays=ArrayRecord(Net(False).state_dict()),
+            num_rounds=1,
+        )
