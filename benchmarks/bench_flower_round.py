@@ -375,9 +375,9 @@ def run_block(
             )
             end = now_marks()
             for rnd, metrics in sorted(result.train_metrics_clientapp.items()):
-                if metrics["C_t"] != nodes or metrics["exchanges"] != 1:
+                if metrics["lensemble.C_t"] != nodes or metrics["lensemble.exchanges"] != 1:
                     raise RuntimeError(f"lensemble round {rnd}: {dict(metrics)}")
-                own.append(float(metrics["seconds"]))
+                own.append(float(metrics["lensemble.seconds"]))
     finally:
         if profiler is not None:
             profiler.disable()

@@ -681,13 +681,13 @@ def flower_server_app(args: argparse.Namespace, out: dict[str, Any]) -> Any:
         )
         metrics = [dict(result.train_metrics_clientapp[r]) for r in range(1, per_block + 1)]
         for r, m in enumerate(metrics, start=1):
-            if m["C_t"] != c or m["attempts"] != 1:
+            if m["lensemble.C_t"] != c or m["lensemble.attempts"] != 1:
                 raise RuntimeError(f"lensemble round {r}: {m}")
         rounds = [marks[0] - t0] + [b - a for a, b in itertools.pairwise(marks)]
         return {
             "rounds": rounds,
-            "exchanges": [int(m["exchanges"]) for m in metrics],
-            "own": [float(m["seconds"]) for m in metrics],
+            "exchanges": [int(m["lensemble.exchanges"]) for m in metrics],
+            "own": [float(m["lensemble.seconds"]) for m in metrics],
         }
 
     def warm_up(grid: Grid) -> float:

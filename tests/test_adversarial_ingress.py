@@ -91,7 +91,7 @@ def test_a_non_finite_epsilon_on_the_flower_reply_path_is_rejected(tmp_path: Pat
     forged.content = records.encode_reply(payloads, {})
     new, metrics = strategy.aggregate_train(1, replies)
     assert new is not None and metrics is not None
-    assert metrics["C_t"] == 3.0 and metrics["rejected"] == 1.0
+    assert metrics["lensemble.C_t"] == 3.0 and metrics["lensemble.rejected"] == 1.0
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_configure_train_again_ends_the_attempt_that_never_got_its_replies(
     (stale,) = coordinator.outcomes
     assert stale.state is RoundState.ABORTED and isinstance(stale.error, FaultToleranceExceeded)
     new, metrics = strategy.aggregate_train(1, grid.send_and_receive(again))
-    assert new is not None and metrics is not None and metrics["C_t"] == 4.0
+    assert new is not None and metrics is not None and metrics["lensemble.C_t"] == 4.0
 
 
 def test_a_broken_last_link_is_refused_in_the_commit_window(tmp_path: Path) -> None:

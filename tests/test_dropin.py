@@ -119,7 +119,7 @@ def test_a_stock_clientapp_runs_unchanged_and_gets_its_arrays_back_in_its_order(
         grid=grid, initial_arrays=initial, num_rounds=2, train_config=ConfigRecord({"lr": 0.1})
     )
     assert list(result.arrays.keys()) == list(Net(batch_norm).state_dict().keys())
-    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2)] == [4.0, 4.0]
+    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [4.0, 4.0]
     # what the nodes were sent is the user's layout too (the quickstart loads it strictly)
     sent = grid.pushed()[0].content["arrays"]
     assert list(sent.keys()) == list(initial.keys())
@@ -166,7 +166,7 @@ def test_a_numpy_client_with_the_usual_state_dict_setter_gets_the_list_in_model_
     result = strategy.start(grid=grid_of(app), initial_arrays=initial, num_rounds=2)
     shapes = [tuple(v.shape) for v in Net(batch_norm=True).state_dict().values()]
     assert seen and all(list(map(tuple, s)) == shapes for s in seen)
-    assert result.train_metrics_clientapp[2]["C_t"] == 4.0
+    assert result.train_metrics_clientapp[2]["lensemble.C_t"] == 4.0
     assert list(result.arrays.keys()) == list(initial.keys())
 
 
@@ -182,7 +182,7 @@ def test_flowers_client_side_clipping_wrapper_and_its_mod_work(tmp_path: Path) -
         train_config=ConfigRecord({"lr": 0.1}),
     )  # fmt: skip
     assert not any(reply.has_error() for _, reply in grid.delivered)  # the mod accepted all
-    assert result.train_metrics_clientapp[1]["C_t"] == 4.0
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
     # every update was clipped by the mod on the node: the step is at most the clip norm
     before = {k: v.numpy() for k, v in initial.items()}
     after = {k: v.numpy() for k, v in result.arrays.items()}
@@ -203,7 +203,7 @@ def test_flowers_server_side_clipping_wrapper_runs_and_noise_it_adds_is_refused(
         clipping, grid=grid_of(quickstart_app(False)), initial_arrays=initial, num_rounds=2,
         train_config=ConfigRecord({"lr": 0.1}),
     )  # fmt: skip
-    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2)] == [4.0, 4.0]
+    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [4.0, 4.0]
     assert list(result.arrays.keys()) == list(initial.keys())
     noising = DifferentialPrivacyServerSideFixedClipping(
         LensembleStrategy(fedavg_config(), run_dir=tmp_path / "b", fraction_evaluate=0),
@@ -238,3 +238,90 @@ def test_a_name_in_no_shared_group_is_refused_naming_it(tmp_path: Path) -> None:
             initial_arrays=ArrayRecord(Net(False).state_dict()),
             num_rounds=1,
         )
+
+
+def test_the_clients_own_metrics_are_aggregated_as_fedavg_does_and_bookkeeping_is_prefixed(
+    tmp_path: Path,
+) -> None:
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    grid = grid_of(quickstart_app(batch_norm=False))
+    result = strategy.start(
+        grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()), num_rounds=1,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    metrics = result.train_metrics_clientapp[1]
+    losses = [
+        float(reply.content["metrics"]["train_loss"])
+        for instruction, reply in grid.delivered
+        if instruction.metadata.message_type == "train"
+    ]
+    assert metrics["train_loss"] == pytest.approx(sum(losses) / len(losses))  # equal weights
+    assert "num-examples" not in metrics  # the weighting key is not averaged, as in FedAvg
+    assert metrics["lensemble.C_t"] == 4.0 and metrics["lensemble.exchanges"] == 1.0
+
+
+def test_a_custom_metrics_aggregation_and_weighting_key_are_used(tmp_path: Path) -> None:
+    calls: list[tuple[int, str]] = []
+
+    def total(contents: list[RecordDict], key: str) -> MetricRecord:
+        calls.append((len(contents), key))
+        return MetricRecord({"nodes": len(contents)})
+
+    strategy = LensembleStrategy(
+        fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0,
+        weighted_by_key="num-examples", train_metrics_aggr_fn=total,
+    )  # fmt: skip
+    result = strategy.start(
+        grid=grid_of(quickstart_app(False)), initial_arrays=ArrayRecord(Net(False).state_dict()),
+        num_rounds=1, train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    assert calls == [(4, "num-examples")]
+    assert result.train_metrics_clientapp[1]["nodes"] == 4
+
+
+def test_the_users_train_config_reaches_a_numpy_client_and_a_trainer(tmp_path: Path) -> None:
+    seen: list[dict] = []
+
+    class Client(NumPyClient):
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            seen.append(dict(config))
+            model = Net(False)
+            keys = list(model.state_dict().keys())
+            model.load_state_dict(
+                {k: torch.tensor(v) for k, v in zip(keys, parameters, strict=True)}
+            )
+            train_locally(model, 1, float(config["lr"]))  # a KeyError here used to fail
+            return [v.numpy() for v in model.state_dict().values()], 24, {}
+
+    config = fedavg_config()
+    app = wrap_numpy_client(lambda context: Client().to_client(), config_fn=lambda c: config)
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0)
+    result = strategy.start(
+        grid=grid_of(app), initial_arrays=ArrayRecord(Net(False).state_dict()), num_rounds=1,
+        train_config=ConfigRecord({"lr": 0.05}),
+    )  # fmt: skip
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
+    assert all(c["lr"] == 0.05 and c["server-round"] == 1 for c in seen)
+    assert all(c["lensemble.local-steps"] == config.inner.steps for c in seen)
+    assert all("lensemble.seed" in c for c in seen)
+
+
+def test_a_trainer_with_configure_gets_the_users_train_config(tmp_path: Path) -> None:
+    from lensemble_flwr.clients import make_client_app
+    from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+    from lensemble_flwr.strategies.records import arrays_to_record
+
+    seen: list[dict] = []
+
+    class Configured(ToyTrainer):
+        def configure(self, config: dict) -> None:
+            seen.append(config)
+
+    config = fedavg_config()
+    app = make_client_app(lambda context: Configured(context.node_id), config_fn=lambda c: config)
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0)
+    strategy.start(
+        grid=grid_of(app), initial_arrays=arrays_to_record(initial_params()), num_rounds=1,
+        train_config=ConfigRecord({"lr": 0.05}),
+    )  # fmt: skip
+    assert seen and all(c == {"lr": 0.05, "server-round": 1} for c in seen)

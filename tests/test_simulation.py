@@ -119,8 +119,9 @@ def test_elastic_completion_with_a_participant_past_the_deadline(tmp_path: Path)
     records = verify(Store(tmp_path / "run"))
     assert slow not in records[1].contributors
     metrics = box["result"].train_metrics_clientapp
-    assert metrics[2]["C_t"] == 2.0 and metrics[2]["exchanges"] == 1.0
-    assert 4.0 <= metrics[2]["seconds"] < 6.0  # it waited for the deadline, not the sleeper
+    assert metrics[2]["lensemble.C_t"] == 2.0 and metrics[2]["lensemble.exchanges"] == 1.0
+    # it waited for the deadline, not the sleeper
+    assert 4.0 <= metrics[2]["lensemble.seconds"] < 6.0
 
 
 def test_a_quorum_the_simulated_nodes_cannot_reach_fails_before_round_1(tmp_path: Path) -> None:
@@ -341,7 +342,7 @@ def test_masked_rounds_over_flower(tmp_path: Path) -> None:
     assert "error" not in box, box.get("error")
     result = box["result"]
     assert [o.count for o in result.outcomes] == [3, 3]
-    assert result.train_metrics_clientapp[2]["exchanges"] == 2.0
+    assert result.train_metrics_clientapp[2]["lensemble.exchanges"] == 2.0
     records = verify(Store(tmp_path / "run"))
     assert [r.count for r in records] == [3, 3]
     assert not np.array_equal(

@@ -57,7 +57,8 @@ def test_flowers_stock_loop_drives_the_same_state_machine(tmp_path: Path) -> Non
     final = record_to_arrays(result.arrays)
     for name, array in coordinator.global_state().params.items():
         np.testing.assert_array_equal(final[name], array)
-    assert [result.train_metrics_clientapp[r]["C_t"] for r in (1, 2, 3)] == [4.0, 4.0, 4.0]
+    counts = [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2, 3)]
+    assert counts == [4.0, 4.0, 4.0]
     records = verify(Store(tmp_path / "run"))
     assert [r.count for r in records] == [4, 4, 4]
     # the user's train config rides along for stock ClientApps
@@ -71,13 +72,13 @@ def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_pat
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     replies = grid.send_and_receive(messages[:2])  # quorum is 3
     new, metrics = strategy.aggregate_train(1, replies)
-    assert new is None and metrics is not None and metrics["C_t"] == 0.0
+    assert new is None and metrics is not None and metrics["lensemble.C_t"] == 0.0
     assert strategy.coordinator is not None and strategy.coordinator.global_state().round == 0
     # the retry is attempt 2 of the same round, and succeeds with every node
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert all(m.content["config"]["lensemble.attempt"] == 2 for m in messages)
     new, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert new is not None and metrics["C_t"] == 4.0
+    assert new is not None and metrics["lensemble.C_t"] == 4.0
 
 
 def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> None:

@@ -125,6 +125,9 @@ def handle_train(
     use_arrays = getattr(participant.training, "use_instruction_arrays", None)
     if callable(use_arrays):  # a NumPyClient gets the arrays in the server's order
         use_arrays(records.instruction_arrays(message.content))
+    use_config = getattr(participant.training, "use_instruction_config", None)
+    if callable(use_config):  # the user's train config (start(train_config=...))
+        use_config(records.instruction_user_config(message.content))
     for payload in payloads:
         participant.handle(payload)
     save_state(context.state, participant.export_state())

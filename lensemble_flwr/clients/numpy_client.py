@@ -39,8 +39,9 @@ class NumPyClientTraining:
     Args:
         client: the user's NumPyClient.
         records: the records its data commits to, or None (unbound updates).
-        fit_config: extra config passed to every ``fit`` (besides ``local-steps`` and
-            ``seed``, which come from the round).
+        fit_config: extra config passed to every ``fit`` (under the user's train config
+            of the round, and ``lensemble.local-steps`` and ``lensemble.seed``, which come
+            from the round).
     """
 
     def __init__(
@@ -56,6 +57,12 @@ class NumPyClientTraining:
         self._num_examples = len(self._records) if self._records is not None else 1
         self.last_loss: float | None = None
         self._as_sent: dict[str, np.ndarray] = {}
+        self._instruction_config: dict[str, Any] = {}
+
+    def use_instruction_config(self, config: Mapping[str, Any]) -> None:
+        """The user's train config of this instruction (what ``start(train_config=...)``
+        sent, and ``server-round``): ``fit`` gets it as FedAvg's clients do."""
+        self._instruction_config = dict(config)
 
     def use_instruction_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """The instruction's arrays as the server sent them: every name (integer buffers
@@ -82,10 +89,16 @@ class NumPyClientTraining:
         return self._records
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
-        """Call ``client.fit`` on the server's list of arrays (``local-steps`` and ``seed``
-        in its config) and return the federated arrays it gives back."""
+        """Call ``client.fit`` on the server's list of arrays with the user's train config
+        (plus ``lensemble.local-steps`` and ``lensemble.seed``) and return the federated
+        arrays it gives back."""
         names, arrays = self._as_list(global_params)
-        config = {**self.fit_config, "local-steps": steps, "seed": seed}
+        config = {
+            **self.fit_config,
+            **self._instruction_config,
+            "lensemble.local-steps": steps,
+            "lensemble.seed": seed,
+        }
         params, count, metrics = self.client.fit(arrays, config)
         if len(params) != len(names):
             raise ValueError(f"fit returned {len(params)} arrays for {len(names)} parameters")

@@ -54,7 +54,11 @@ class Trainer(Protocol):
         """A training batch drawn with ``generator`` (so the inner loop is seeded)."""
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        """The scalar training loss of ``model`` on ``batch``."""
+        """The scalar training loss of ``model`` on ``batch``.
+
+        A Trainer may also define ``configure(config: Mapping[str, Any]) -> None``: on a
+        Flower node it is called with each train instruction's user config (what the
+        server passed as ``train_config``, and ``server-round``) before the round."""
 
 
 @runtime_checkable
@@ -138,6 +142,12 @@ class TorchTraining:
         # what the coordinator broadcast last: the names this participant federates (the
         # rest of the model is its own, and is what export_state keeps)
         self.federated: list[str] | None = None
+
+    def use_instruction_config(self, config: Mapping[str, Any]) -> None:
+        """Hand the round's user config to the Trainer, if it has ``configure``."""
+        configure = getattr(self.trainer, "configure", None)
+        if callable(configure):
+            configure(dict(config))
 
     def num_examples(self) -> int:
         """The trainer's number of private examples."""

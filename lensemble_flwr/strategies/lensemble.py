@@ -48,6 +48,12 @@ from lensemble_flwr.strategies.records import participant_id
 
 log = logging.getLogger(__name__)
 
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+"""FedAvg's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``: (replies' contents,
+the weighting key) -> the aggregated MetricRecord."""
+BOOKKEEPING = "lensemble."
+"""Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
+
 
 @dataclasses.dataclass
 class LensembleResult(Result):
@@ -78,6 +84,15 @@ class LensembleStrategy(Strategy):
         identities: allow-list of participant id (``node-<id>``) → OpenSSH identity key.
         resume: continue the run already in ``run_dir`` (after a ServerApp restart)
             instead of refusing a non-empty run directory.
+        weighted_by_key: the client metric that weights the average of the clients'
+            metrics (as FedAvg's); it does not weight the model update (``weighting``).
+        train_metrics_aggr_fn, evaluate_metrics_aggr_fn: ``(replies' contents,
+            weighted_by_key) -> MetricRecord``, as FedAvg's (default: the weighted mean of
+            every numeric metric, Flower's ``aggregate_metricrecords``).
+
+    ``result.train_metrics_clientapp[r]`` holds the contributors' own metrics aggregated
+    so, plus lensemble's bookkeeping under ``lensemble.`` (``lensemble.C_t``,
+    ``lensemble.attempts``, ``lensemble.exchanges``, ``lensemble.bytes-sent``, ...).
     """
 
     def __init__(
@@ -93,6 +108,9 @@ class LensembleStrategy(Strategy):
         gauge: GaugeSetup | None = None,
         identities: Mapping[str, str] | None = None,
         resume: bool = False,
+        weighted_by_key: str = "num-examples",
+        train_metrics_aggr_fn: MetricsAggregation | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
     ) -> None:
         self.config = config or LensembleConfig()
         self.gauge = gauge
@@ -104,6 +122,9 @@ class LensembleStrategy(Strategy):
         self.fraction_evaluate = fraction_evaluate
         self.poll_interval = poll_interval
         self.on_round = on_round
+        self.weighted_by_key = weighted_by_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
@@ -200,6 +221,7 @@ class LensembleStrategy(Strategy):
             raise RuntimeError("aggregate_train without a round begun by configure_train")
         template = attempt.round_open
         payloads, peers = [], []
+        replies = list(replies)
         for reply in replies:
             peer = participant_id(reply.metadata.src_node_id)
             peers.append(peer)
@@ -226,7 +248,14 @@ class LensembleStrategy(Strategy):
             except ValueError as exc:
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
         outcome = coordinator.conclude_collected(payloads, peers)
-        metrics = MetricRecord(self._metrics(outcome))
+        client = {
+            participant_id(r.metadata.src_node_id): r.content
+            for r in replies
+            if not r.has_error()
+        }
+        metrics = self._metrics(
+            outcome, client_metrics=[client[p] for p in outcome.contributors if p in client]
+        )
         if outcome.state is RoundState.CLOSED:
             self._returned = self._user_arrays(coordinator.global_state().params)
             return self._returned, metrics
@@ -265,12 +294,13 @@ class LensembleStrategy(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Average the replies' metrics weighted by ``num-examples`` (as FedAvg does)."""
-        contents = [r.content for r in replies if not r.has_error() and r.content.metric_records]
-        valid = [c for c in contents if "num-examples" in next(iter(c.metric_records.values()))]
+        """Aggregate the replies' metrics with ``evaluate_metrics_aggr_fn`` (default: the
+        mean weighted by ``weighted_by_key``, as FedAvg does)."""
+        contents = [r.content for r in replies if not r.has_error()]
+        valid = [c for c in contents if _weighted(c, self.weighted_by_key)]
         if not valid:
             return None
-        return aggregate_metricrecords(valid, "num-examples")
+        return self.evaluate_metrics_aggr_fn(valid, self.weighted_by_key)
 
     # -- the round loop ----------------------------------------------------------------
     def start(
@@ -327,7 +357,7 @@ class LensembleStrategy(Strategy):
             closed = new[-1]
             result.arrays = self._user_arrays(coordinator.global_state().params)
             metrics = self._metrics(closed, attempts=len(new))
-            result.train_metrics_clientapp[t + 1] = MetricRecord(metrics)
+            result.train_metrics_clientapp[t + 1] = metrics
             evaluation = self._evaluate(t + 1, result.arrays, evaluate_config, timeout)
             if evaluation is not None:
                 result.evaluate_metrics_clientapp[t + 1] = evaluation
@@ -431,8 +461,15 @@ class LensembleStrategy(Strategy):
         replies = transport.request(contents, MessageType.EVALUATE, timeout_s=timeout)
         return self.aggregate_evaluate(server_round, replies)
 
-    def _metrics(self, outcome: RoundOutcome, attempts: int = 1) -> dict[str, float]:
-        metrics: dict[str, float] = {
+    def _metrics(
+        self,
+        outcome: RoundOutcome,
+        attempts: int = 1,
+        client_metrics: list[RecordDict] | None = None,
+    ) -> MetricRecord:
+        """The round's metrics: the contributors' own metrics aggregated as FedAvg does,
+        and lensemble's bookkeeping under ``lensemble.``."""
+        book: dict[str, float] = {
             "C_t": float(outcome.count),
             "attempts": float(attempts),
             "aborted-attempts": float(attempts - (outcome.state is RoundState.CLOSED)),
@@ -441,26 +478,30 @@ class LensembleStrategy(Strategy):
             "rejected": float(outcome.rejected),
         }
         if "frame_drift" in outcome.diagnostics:
-            metrics["frame-drift"] = float(outcome.diagnostics["frame_drift"])
+            book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
         transport = self.transport
         if transport is not None:
-            metrics["exchanges"] = float(transport.exchanges(outcome.round))
-            metrics["bytes-sent"] = float(transport.bytes_sent)
-            metrics["bytes-received"] = float(transport.bytes_received)
-            losses = [
-                (m["train-loss"], m.get("num-examples", 1.0))
-                for (rnd, peer), m in transport.client_metrics.items()
-                if rnd == outcome.round and peer in outcome.contributors and "train-loss" in m
-            ]
-            if losses:
-                total = sum(w for _, w in losses)
-                metrics["train-loss"] = sum(v * w for v, w in losses) / total
+            book["exchanges"] = float(transport.exchanges(outcome.round))
+            book["bytes-sent"] = float(transport.bytes_sent)
+            book["bytes-received"] = float(transport.bytes_received)
+            if client_metrics is None:
+                client_metrics = [
+                    RecordDict({records.METRICS: MetricRecord(m)})
+                    for (rnd, peer), m in sorted(transport.client_metrics.items())
+                    if rnd == outcome.round and peer in outcome.contributors
+                ]
+        weighted = [c for c in client_metrics or [] if _weighted(c, self.weighted_by_key)]
+        metrics = MetricRecord()
+        if weighted:
+            metrics = self.train_metrics_aggr_fn(weighted, self.weighted_by_key)
+        for key, value in book.items():
+            metrics[BOOKKEEPING + key] = value
         return metrics
 
     def _report(
         self,
         outcome: RoundOutcome,
-        metrics: dict[str, float],
+        metrics: MetricRecord,
         evaluation: MetricRecord | None,
         aborted: list[str],
     ) -> None:
@@ -472,18 +513,25 @@ class LensembleStrategy(Strategy):
                 for k, v in evaluation.items()
                 if k != "num-examples" and isinstance(v, (int, float))
             ]
-        if "train-loss" in metrics:
-            parts.append(f"train-loss={metrics['train-loss']:.4f}")
-        if "frame-drift" in metrics:
-            parts.append(f"drift={metrics['frame-drift']:.4f}")
-        parts.append(f"exchanges={metrics.get('exchanges', 0):.0f}")
-        parts.append(f"sent={metrics.get('bytes-sent', 0) / 1e6:.2f}MB")
+        for key in ("train-loss", "train_loss"):
+            if isinstance(metrics.get(key), (int, float)):
+                parts.append(f"{key}={float(metrics[key]):.4f}")
+        if BOOKKEEPING + "frame-drift" in metrics:
+            parts.append(f"drift={float(metrics[BOOKKEEPING + 'frame-drift']):.4f}")
+        parts.append(f"exchanges={float(metrics.get(BOOKKEEPING + 'exchanges', 0)):.0f}")
+        parts.append(f"sent={float(metrics.get(BOOKKEEPING + 'bytes-sent', 0)) / 1e6:.2f}MB")
         if aborted:
             parts.append(f"aborted={len(aborted)} ({aborted[-1]})")
         line = " ".join(parts)
         log.info(line)
         if self.on_round is not None:
             self.on_round(line)
+
+
+def _weighted(content: RecordDict, key: str) -> bool:
+    """A reply content FedAvg would aggregate: one MetricRecord, holding ``key``."""
+    records_ = list(content.metric_records.values())
+    return len(records_) == 1 and isinstance(records_[0].get(key), (int, float))
 
 
 def _flower_run_id(grid: Grid) -> str:

@@ -169,6 +169,15 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     return payloads
 
 
+def instruction_user_config(content: RecordDict) -> dict[str, Any]:
+    """The user's train config an instruction carries (``server-round`` included; none of
+    lensemble's ``lensemble.*`` keys)."""
+    config = content.config_records.get(CONFIG)
+    if config is None:
+        return {}
+    return {k: v for k, v in config.items() if not k.startswith(PREFIX)}
+
+
 def instruction_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     """Every array of an instruction in the order the server gave them, carried ones
     included (what a NumPyClient's ``state_dict`` setter expects)."""
