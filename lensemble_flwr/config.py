@@ -107,6 +107,19 @@ class FederationConfig(_Section):
         300.0, gt=0, description="Seconds COLLECTING waits for updates before completing."
     )
     root_seed: int = Field(0, ge=0, description="Root of every reproducible seed (s_t).")
+    sample_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of the reachable participants each round attempt invites, drawn "
+        "from a seed of the round (1: every reachable one, late joiners too).",
+    )
+    sample_min: int = Field(
+        0, ge=0, description="Fewest participants a sampled attempt invites (and at least K)."
+    )
+    min_available: int = Field(
+        0, ge=0, description="Reachable participants a sampled attempt waits for before it draws."
+    )
     max_round_attempts: int = Field(
         3, ge=1, description="Attempts of one round index before the federation stops."
     )
@@ -141,6 +154,19 @@ class FederationConfig(_Section):
     def quorum(self) -> int:
         """K = max(min_participants, secagg_threshold)."""
         return max(self.min_participants, self.secagg_threshold)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether each attempt invites a sample rather than every reachable participant."""
+        return self.sample_fraction < 1
+
+    def sample_size(self, available: int) -> int:
+        """How many of ``available`` participants an attempt invites: FedAvg's
+        ``max(int(available * fraction), min)``, at least the quorum, at most all."""
+        if not self.sampled:
+            return available
+        wanted = max(int(available * self.sample_fraction), self.sample_min, self.quorum)
+        return min(available, wanted)
 
 
 class AggregationConfig(_Section):

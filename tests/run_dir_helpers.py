@@ -86,6 +86,7 @@ def synthetic_run(
             state=RoundState.CLOSED,
             round_seed=t,
             prior_global_hash=global_hash,
+            invited=contributors,
             contributors=contributors,
             count=len(contributors),
             total_weight=len(contributors),
@@ -98,6 +99,7 @@ def synthetic_run(
             ContributionRecord(
                 round=t,
                 attempt=1,
+                invited=contributors,
                 contributors=contributors,
                 count=len(contributors),
                 total_weight=len(contributors),

@@ -161,7 +161,7 @@ OLD_ABORTED_ENTRY = (
     '"reason":"FaultToleranceExceeded: x","refused":{},"rejected":0,"round":1,"round_seed":5,'
     '"secure_sum":false,"state":"aborted","total_weight":0,"update_digests":{}}'
 ).encode()
-OLD_MANIFEST_DIGEST = "790e4cd6901a9260857cb9aef76b4114119b6f42ebca52e3cc31498cea193f15"
+MANIFEST_DIGEST = "99f939fb064aa3921d009a1876c52755bee65e18b10720335f86e6b56d827058"  # with invited
 OLD_ABORTED_OUTCOME = (
     '{"contributors":[],"decided_by":"p0","error":"X","error_field":null,"global_hash":"'
     + H1
@@ -204,9 +204,14 @@ def test_the_terminal_states_are_the_round_states_a_machine_ends_in() -> None:
     assert f"{S.ABORTED}" == "aborted"  # what the CLI, the audit and logs print
 
 
+def _with_invited(old: bytes) -> bytes:
+    """An entry of that form written now: it records whom the attempt invited."""
+    return old.replace(b'"late":', b'"invited":[],"late":')
+
+
 def test_a_manifest_entry_written_with_the_type_is_the_old_string_form() -> None:
     for entry, old in ((_closed_entry(), OLD_CLOSED_ENTRY), (_aborted_entry(), OLD_ABORTED_ENTRY)):
-        assert canonical_json(entry.model_dump(mode="json")) == old
+        assert canonical_json(entry.model_dump(mode="json")) == _with_invited(old)
         assert type(entry.model_dump(mode="json")["state"]) is str
     manifest = RunManifest(
         run_id="r",
@@ -216,7 +221,7 @@ def test_a_manifest_entry_written_with_the_type_is_the_old_string_form() -> None
         initial_checkpoint=H1,
         rounds=(_closed_entry(), _aborted_entry()),
     )
-    assert manifest.digest == OLD_MANIFEST_DIGEST
+    assert manifest.digest == MANIFEST_DIGEST
 
 
 def test_a_manifest_entry_written_before_the_type_loads_as_the_type() -> None:
@@ -224,7 +229,8 @@ def test_a_manifest_entry_written_before_the_type_loads_as_the_type() -> None:
     aborted = parse_document(RoundEntry, OLD_ABORTED_ENTRY, "entry")
     assert closed.state is RoundState.CLOSED and aborted.state is RoundState.ABORTED
     assert closed == _closed_entry() and aborted == _aborted_entry()
-    assert canonical_json(closed.model_dump(mode="json")) == OLD_CLOSED_ENTRY  # byte-identical
+    assert closed.invited == ()  # written before entries recorded whom they invited
+    assert canonical_json(closed.model_dump(mode="json")) == _with_invited(OLD_CLOSED_ENTRY)
 
 
 def test_a_manifest_entry_takes_the_state_as_a_string_and_holds_the_type() -> None:

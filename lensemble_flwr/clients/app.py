@@ -168,10 +168,12 @@ def handle_evaluate(
             ),
             reply_to=message,
         )
-    arrays = message.content.array_records.get(records.ARRAYS)
+    arrays = records.named_or_only(message.content.array_records, records.ARRAYS)
     if arrays is None:
         return Message(Error(code=REFUSED, reason="evaluate without arrays"), reply_to=message)
-    config = dict(message.content.config_records.get(records.CONFIG, ConfigRecord()))
+    config = dict(
+        records.named_or_only(message.content.config_records, records.CONFIG) or ConfigRecord()
+    )
     metrics = evaluate_fn(trainer, records.record_to_arrays(arrays), config)
     return Message(
         content=RecordDict({records.METRICS: MetricRecord(dict(metrics))}), reply_to=message

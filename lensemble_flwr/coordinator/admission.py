@@ -178,12 +178,15 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
     update itself, or the research harness's transform of it).
 
     Raises:
-        DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError,
-        UnprivatizedContribution, SketchMismatch: see the checks.
+        DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError (also: the
+        sender was not invited to the attempt), UnprivatizedContribution, SketchMismatch:
+        see the checks.
     """
     pid = msg.participant_id
     if pid in attempt.admitted:
         raise DuplicateMessage(f"{pid}: a second update in round {msg.round}; refused")
+    if pid not in attempt.invited:  # e.g. a registered participant left out of the sample
+        raise RoundError(f"{pid}: not invited to round {msg.round} attempt {msg.attempt}")
     ingress.registry.check_binding(msg)
     check_privacy(ingress.config, msg)
     if attempt.sketch_fingerprint is not None:

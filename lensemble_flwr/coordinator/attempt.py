@@ -62,6 +62,7 @@ class Attempt:
     members: list[Member] | None = None  # a masked round's member set, once fixed
     members_sent: set[str] = dataclasses.field(default_factory=set)
     invited: set[str] = dataclasses.field(default_factory=set)
+    sample: frozenset[str] | None = None  # a sampled attempt's participants, once drawn
     admitted: set[str] = dataclasses.field(default_factory=set)
     roots: dict[str, str | None] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)

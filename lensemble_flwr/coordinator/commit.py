@@ -39,6 +39,7 @@ from lensemble_flwr.provenance.ledger import (
 _RECORDED_FROM_ENTRY = {
     "round",
     "attempt",
+    "invited",
     "contributors",
     "count",
     "total_weight",
@@ -84,6 +85,7 @@ def entry_of(
         update_digests=dict(sorted(attempt.update_digests.items())),
         aggregate_digest=result.digest if result is not None else None,
         new_global_hash=new_global_hash,
+        invited=tuple(sorted(attempt.invited)),
         late=tuple(sorted(attempt.late)),
         rejected=attempt.rejected,
         refused=dict(sorted(attempt.refused.items())),

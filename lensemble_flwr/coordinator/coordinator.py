@@ -38,7 +38,7 @@ import numpy as np
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator, FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.canonical import derive_seed, digest_record
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
@@ -472,7 +472,7 @@ class Coordinator:
         attempt = self._current()
         if attempt.phase not in (RoundState.OPEN, RoundState.COLLECTING):
             raise IllegalTransition(f"the round is {attempt.phase.value}: nobody to invite")
-        peers = set(reachable)
+        peers = self._sampled(attempt, set(reachable))
         self._mode.settle(attempt, peers, final=False)
         invitations = []
         for peer in sorted(peers):
@@ -480,6 +480,30 @@ class Coordinator:
             if message is not None:
                 invitations.append((peer, message))
         return invitations
+
+    def _sampled(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+        """The reachable participants the attempt may invite: all of them, or — when rounds
+        are sampled — its sample. The sample is drawn once per attempt, when at least
+        ``min-available`` participants are reachable (none are invited before), from a
+        seed of the round and the attempt: each reachable participant is ranked by a
+        SHA-256 of that seed and its id, and the first ``sample_size`` are invited."""
+        fed = self.config.federation
+        if not fed.sampled:
+            return reachable
+        if attempt.sample is None:
+            if len(reachable) < max(fed.min_available, 1):
+                return set()
+            seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
+            ranked = sorted(reachable, key=lambda p: (digest_record("sample", [seed, p]), p))
+            attempt.sample = frozenset(ranked[: fed.sample_size(len(reachable))])
+            log.info(
+                "round %d attempt %d: sampled %d of %d reachable participants",
+                attempt.round + 1,
+                attempt.number,
+                len(attempt.sample),
+                len(reachable),
+            )
+        return reachable & attempt.sample
 
     def receive(self, payload: WirePayload | None) -> Verdict | None:
         """Validate one payload and hand it to the admission table.
@@ -523,7 +547,7 @@ class Coordinator:
             IllegalTransition: the attempt is in neither phase.
         """
         attempt, quorum = self._current(), self.config.federation.quorum
-        peers = set(reachable)
+        peers = set(reachable) if attempt.sample is None else set(reachable) & attempt.sample
         if attempt.phase is RoundState.OPEN:
             self._mode.settle(attempt, peers, final=deadline_passed)
             ready = self._mode.ready(attempt, peers)

@@ -55,6 +55,9 @@ class ContributionRecord(_Frozen):
 
     round: int = Field(ge=0)
     attempt: int = Field(ge=1)
+    invited: tuple[str, ...] = Field(
+        description="Who the closing attempt invited (its sample, when rounds are sampled)."
+    )
     contributors: tuple[str, ...]
     count: int = Field(ge=1, description="C_t")
     total_weight: int = Field(ge=1)
@@ -116,6 +119,7 @@ class RoundEntry(_Frozen):
     update_digests: dict[str, str] = {}
     aggregate_digest: str | None = None
     new_global_hash: str | None = None
+    invited: tuple[str, ...] = ()  # who the attempt asked (its sample, when sampled)
     late: tuple[str, ...] = ()
     rejected: int = 0
     refused: dict[str, str] = {}

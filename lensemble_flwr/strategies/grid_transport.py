@@ -75,6 +75,8 @@ class GridTransport:
         layout: the user's array names, order and carried arrays: instructions carry the
             global arrays in that order (carried ones included), and a stock reply's
             carried arrays are left out of its update (None: the canonical order).
+        arrays_key, config_key: the names of an instruction's ArrayRecord and
+            ConfigRecord (FedAvg's ``arrayrecord_key`` and ``configrecord_key``).
         poll_interval: seconds between pulls while waiting.
         peer_refresh: seconds a node list from the SuperLink is reused.
         clock, sleep: injectable for tests.
@@ -87,6 +89,8 @@ class GridTransport:
         message_ttl: float,
         user_config: Mapping[str, Any] | None = None,
         layout: ArrayLayout | None = None,
+        arrays_key: str = records.ARRAYS,
+        config_key: str = records.CONFIG,
         poll_interval: float = 0.05,
         peer_refresh: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -96,6 +100,7 @@ class GridTransport:
         self.message_ttl = message_ttl
         self.user_config = dict(user_config or {})
         self.layout = layout
+        self.arrays_key, self.config_key = arrays_key, config_key
         self.poll_interval = poll_interval
         self.peer_refresh = peer_refresh
         self._clock = clock
@@ -153,6 +158,8 @@ class GridTransport:
             round_close=self._close,
             params_record=self._params_record[1],
             carried=layout.carried_names if layout else None,
+            arrays_key=self.arrays_key,
+            config_key=self.config_key,
         )
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 

@@ -30,7 +30,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.config import LensembleConfig, metrics_released
+from lensemble_flwr.canonical import derive_seed, digest_record
+from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -44,7 +45,7 @@ from lensemble_flwr.strategies.grid_transport import (
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.layout import ArrayLayout
-from lensemble_flwr.strategies.records import participant_id
+from lensemble_flwr.strategies.records import node_id_of, participant_id
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,16 @@ class LensembleStrategy(Strategy):
             (nothing is sent to them); what it did not use is the first round's grace on
             its deadlines (Ray actors and SuperNode processes start on their first
             message; round deadlines should not pay for that).
-        fraction_evaluate: share of nodes asked to evaluate after each round (0: none).
+        fraction_train, min_train_nodes, min_available_nodes: FedAvg's sampling: each
+            round attempt invites ``max(int(N * fraction_train), min_train_nodes, K)`` of
+            the N reachable nodes once ``min_available_nodes`` are reachable, drawn from a
+            seed of the round (None: the config's ``sample-fraction``, ``sample-min`` and
+            ``min-available``; a value given here replaces the config's, and the run
+            manifest records it).
+        fraction_evaluate, min_evaluate_nodes: the share (0: none) and the fewest of the
+            nodes asked to evaluate after each round, drawn from a seed of the round.
+        arrayrecord_key, configrecord_key: the names of an instruction's ArrayRecord
+            and ConfigRecord (FedAvg's; what a stock ClientApp reads).
         poll_interval: seconds between pulls of the Grid.
         on_round: called with a one-line report after every round attempt.
         gauge: the model's gauge adapter and pinned probe (probe announcement, frame
@@ -102,7 +112,13 @@ class LensembleStrategy(Strategy):
         run_dir: str | Path | None = None,
         run_id: str | None = None,
         warmup_timeout: float = 120.0,
+        fraction_train: float | None = None,
+        min_train_nodes: int | None = None,
+        min_available_nodes: int | None = None,
         fraction_evaluate: float = 1.0,
+        min_evaluate_nodes: int = 0,
+        arrayrecord_key: str = records.ARRAYS,
+        configrecord_key: str = records.CONFIG,
         poll_interval: float = 0.05,
         on_round: Callable[[str], None] | None = None,
         gauge: GaugeSetup | None = None,
@@ -112,7 +128,20 @@ class LensembleStrategy(Strategy):
         train_metrics_aggr_fn: MetricsAggregation | None = None,
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
     ) -> None:
-        self.config = config or LensembleConfig()
+        self.config = with_sampling(
+            config or LensembleConfig(),
+            sample_fraction=fraction_train,
+            sample_min=min_train_nodes,
+            min_available=min_available_nodes,
+        )
+        if not 0 <= fraction_evaluate <= 1 or min_evaluate_nodes < 0:
+            raise ConfigError(
+                "fraction_evaluate",
+                f"must be in [0, 1] with min_evaluate_nodes >= 0, got {fraction_evaluate} "
+                f"and {min_evaluate_nodes}",
+            )
+        self.min_evaluate_nodes = min_evaluate_nodes
+        self.arrayrecord_key, self.configrecord_key = arrayrecord_key, configrecord_key
         self.gauge = gauge
         self.identities = identities
         self.resume = resume
@@ -150,6 +179,16 @@ class LensembleStrategy(Strategy):
             fed.weighting,
             fed.require_binding,
         )
+        if fed.sampled:
+            log.info(
+                "  sampling: %.3g of the reachable nodes per round (at least %d), once %d "
+                "are reachable",
+                fed.sample_fraction,
+                max(fed.sample_min, fed.quorum),
+                fed.min_available,
+            )
+        else:
+            log.info("  sampling: none (every reachable node is asked every round)")
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -196,6 +235,8 @@ class LensembleStrategy(Strategy):
                 round_close=to_wire(close) if close else None,
                 params_record=params_record,
                 carried=layout.carried_names,
+                arrays_key=self.arrayrecord_key,
+                config_key=self.configrecord_key,
             )
             messages.append(
                 Message(content=content, dst_node_id=nodes[peer], message_type=MessageType.TRAIN)
@@ -281,14 +322,14 @@ class LensembleStrategy(Strategy):
                     "release no per-node metrics (set dp-release-metrics = true to opt in)"
                 )
             return []
-        count = max(1, int(len(nodes) * self.fraction_evaluate))
+        chosen = self._evaluation_sample(server_round, [participant_id(n) for n in nodes])
         return [
             Message(
                 content=self._evaluate_content(server_round, arrays, config),
-                dst_node_id=node,
+                dst_node_id=node_id_of(peer),
                 message_type=MessageType.EVALUATE,
             )
-            for node in nodes[:count]
+            for peer in chosen
         ]
 
     def aggregate_evaluate(
@@ -327,6 +368,8 @@ class LensembleStrategy(Strategy):
             message_ttl=fed.open_timeout + fed.collect_timeout,
             user_config=dict(train_config or {}),
             layout=self._layout_of(initial_arrays),
+            arrays_key=self.arrayrecord_key,
+            config_key=self.configrecord_key,
             poll_interval=self.poll_interval,
         )
         self.transport = transport
@@ -423,6 +466,20 @@ class LensembleStrategy(Strategy):
                 "(clip-norm, noise-multiplier; docs/privacy.md)",
             )
 
+    def _evaluation_sample(self, server_round: int, peers: list[str]) -> list[str]:
+        """FedAvg's evaluation sample: ``max(int(N * fraction_evaluate),
+        min_evaluate_nodes)`` of the N nodes (at most N; none at fraction 0), ranked by a
+        SHA-256 of a seed of the round and each node's id."""
+        if self.fraction_evaluate <= 0 or not peers:
+            return []
+        count = min(
+            len(peers),
+            max(1, int(len(peers) * self.fraction_evaluate), self.min_evaluate_nodes),
+        )
+        seed = derive_seed(self.config.federation.root_seed, "evaluate", server_round)
+        ranked = sorted(peers, key=lambda p: (digest_record("evaluate-sample", [seed, p]), p))
+        return sorted(ranked[:count])
+
     def _layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The user's array layout, taken from the first arrays the strategy is given."""
         if self.layout is None:
@@ -447,7 +504,7 @@ class LensembleStrategy(Strategy):
         if self.coordinator is not None and self.coordinator.last_close is not None:
             # rides along, as on RoundOpen (in the one config record Flower's mods expect)
             cfg.update(records.encode_close(to_wire(self.coordinator.last_close)))
-        return RecordDict({records.ARRAYS: arrays, records.CONFIG: ConfigRecord(cfg)})
+        return RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(cfg)})
 
     def _evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None, timeout: float
@@ -455,9 +512,8 @@ class LensembleStrategy(Strategy):
         transport = self.transport
         if transport is None or self.fraction_evaluate <= 0:
             return None
-        peers = list(transport.peers())
-        count = max(1, int(len(peers) * self.fraction_evaluate)) if peers else 0
-        contents = {p: self._evaluate_content(server_round, arrays, config) for p in peers[:count]}
+        chosen = self._evaluation_sample(server_round, list(transport.peers()))
+        contents = {p: self._evaluate_content(server_round, arrays, config) for p in chosen}
         replies = transport.request(contents, MessageType.EVALUATE, timeout_s=timeout)
         return self.aggregate_evaluate(server_round, replies)
 
@@ -526,6 +582,19 @@ class LensembleStrategy(Strategy):
         log.info(line)
         if self.on_round is not None:
             self.on_round(line)
+
+
+def with_sampling(config: LensembleConfig, **given: float | int | None) -> LensembleConfig:
+    """``config`` with the sampling fields given (not None) replaced, validated.
+
+    Raises:
+        ConfigError: a value out of range (naming the field).
+    """
+    updates = {field: value for field, value in given.items() if value is not None}
+    if not updates:
+        return config
+    federation = FederationConfig(**{**config.federation.model_dump(), **updates})
+    return config.model_copy(update={"federation": federation})
 
 
 def _weighted(content: RecordDict, key: str) -> bool:

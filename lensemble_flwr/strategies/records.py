@@ -50,6 +50,15 @@ CARRIED = "carried-arrays"
 carried with the model, not federated (integer buffers): not part of the RoundOpen."""
 
 
+def named_or_only(records_: Mapping[str, Any], key: str) -> Any:
+    """The record named ``key``, else the only record there is (an app may name its
+    instruction records as FedAvg's ``arrayrecord_key``/``configrecord_key`` say)."""
+    if key in records_:
+        return records_[key]
+    lensemble_free = [name for name in records_ if not name.startswith(PREFIX)]
+    return records_[lensemble_free[0]] if len(lensemble_free) == 1 else None
+
+
 def participant_id(node_id: int) -> str:
     """The participant id of a Flower node: ``node-<node_id>``."""
     return f"{NODE_PREFIX}{node_id}"
@@ -113,6 +122,8 @@ def encode_instruction(
     round_close: WirePayload | None = None,
     params_record: ArrayRecord | None = None,
     carried: list[str] | None = None,
+    arrays_key: str = ARRAYS,
+    config_key: str = CONFIG,
 ) -> RecordDict:
     """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads.
 
@@ -130,7 +141,7 @@ def encode_instruction(
     if round_close is not None:
         config.update(encode_close(round_close))
     arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
-    return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord(config)})
+    return RecordDict({arrays_key: arrays, config_key: ConfigRecord(config)})
 
 
 def encode_unmask(request: WirePayload) -> RecordDict:
@@ -149,7 +160,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     payloads: list[dict[str, Any]] = []
     if UNMASK_RECORD in content.config_records:
         return [_config_to_fields(content.config_records[UNMASK_RECORD])]
-    config = content.config_records.get(CONFIG)
+    config = named_or_only(content.config_records, CONFIG)
     if config is None:
         return payloads
     if config.get(CLOSE_PREFIX + "kind") == MessageKind.ROUND_CLOSE.value:
@@ -159,7 +170,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
             k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k
         }
         carried = set(fields.pop(CARRIED, []))
-        arrays = content.array_records.get(ARRAYS)
+        arrays = named_or_only(content.array_records, ARRAYS)
         fields["params"] = (
             {n: a for n, a in record_to_arrays(arrays).items() if n not in carried}
             if arrays is not None
@@ -172,7 +183,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
 def instruction_user_config(content: RecordDict) -> dict[str, Any]:
     """The user's train config an instruction carries (``server-round`` included; none of
     lensemble's ``lensemble.*`` keys)."""
-    config = content.config_records.get(CONFIG)
+    config = named_or_only(content.config_records, CONFIG)
     if config is None:
         return {}
     return {k: v for k, v in config.items() if not k.startswith(PREFIX)}
@@ -181,7 +192,7 @@ def instruction_user_config(content: RecordDict) -> dict[str, Any]:
 def instruction_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     """Every array of an instruction in the order the server gave them, carried ones
     included (what a NumPyClient's ``state_dict`` setter expects)."""
-    arrays = content.array_records.get(ARRAYS)
+    arrays = named_or_only(content.array_records, ARRAYS)
     return record_to_arrays(arrays) if arrays is not None else {}
 
 

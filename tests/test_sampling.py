@@ -1,0 +1,164 @@
+"""Participant sampling: each round attempt invites a seeded sample of the reachable
+participants (FedAvg's ``fraction_train``), records whom it invited in the manifest and the
+ledger, and applies the quorum to the sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from federation_helpers import federation, small_config
+from flwr.app import ConfigRecord
+from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+    quickstart_node,
+)
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import FederationConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.simulations.toy import initial_params
+from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.records import arrays_to_record
+
+
+def sampled(tmp: Path, name: str = "run", **federation_fields: object):
+    config = small_config(**{"min_participants": 2, "sample_fraction": 0.3, **federation_fields})
+    return federation(tmp, participants=10, config=config, name=name)
+
+
+def test_each_round_invites_a_seeded_sample_and_the_ledger_records_it(tmp_path: Path) -> None:
+    coordinator, _, _ = sampled(tmp_path)
+    coordinator.run(4)
+    records = verify(Store(tmp_path / "run"))
+    invited = [r.invited for r in records]
+    assert all(len(i) == 3 for i in invited)  # int(10 * 0.3), at least K = 2
+    assert len(set(invited)) > 1  # a new sample every round
+    assert all(set(r.contributors) <= set(r.invited) for r in records)
+    manifest = RunManifest.load(Store(tmp_path / "run"))
+    assert [e.invited for e in manifest.rounds] == invited
+    # the sample is a function of the root seed, the round and the attempt: a second run
+    # with the same config samples the same participants
+    again, _, _ = sampled(tmp_path, name="again")
+    again.run(4)
+    assert [r.invited for r in verify(Store(tmp_path / "again"))] == invited
+
+
+def test_the_quorum_applies_to_the_sample_and_min_raises_it(tmp_path: Path) -> None:
+    coordinator, _, _ = sampled(tmp_path, min_participants=4)
+    coordinator.run(1)
+    (record,) = verify(Store(tmp_path / "run"))
+    assert len(record.invited) == 4 and record.count == 4  # the sample is never below K
+    bigger, _, _ = sampled(tmp_path, name="bigger", sample_min=6)
+    bigger.run(1)
+    assert len(verify(Store(tmp_path / "bigger"))[0].invited) == 6
+
+
+def test_an_unsampled_participant_is_not_invited_and_its_update_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A registered participant left out of the sample could otherwise send an update of
+    the current attempt and have it summed: the contributors must be the invited."""
+    from lensemble_flwr.coordinator.admission import admit
+    from lensemble_flwr.errors import RoundError
+    from lensemble_flwr.protocol.messages import Update
+
+    coordinator, _, nodes = sampled(tmp_path)
+    coordinator.run(1)  # everyone sampled in round 0 is now registered
+    attempt = coordinator.begin_attempt()
+    everyone = {n.participant_id for n in nodes}
+    coordinator.invite(everyone)
+    assert attempt.sample is not None and len(attempt.invited) == 3
+    registered = set(coordinator.registry.commitments)
+    outsider = sorted((registered & everyone) - attempt.invited)[0]
+    update = Update(
+        run_id=coordinator.run_id, round=attempt.round, attempt=attempt.number,
+        sender=outsider, participant_id=outsider, dataset_root=None,
+        delta={n: a * 0 for n, a in attempt.state.params.items()}, l2_norm=0.0,
+        num_examples=1,
+    )  # fmt: skip
+    assert coordinator.advance(attempt.invited, deadline_passed=False)  # OPEN → COLLECTING
+    with pytest.raises(RoundError, match="not invited"):
+        admit(attempt, update, coordinator._ingress, coordinator.mode.admission)
+    assert attempt.admitted == set()
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [({"sample_fraction": 0.0}, "sample_fraction"), ({"sample_fraction": 1.5}, "sample_fraction"),
+     ({"sample_min": -1}, "sample_min")],
+)  # fmt: skip
+def test_a_sampling_setting_out_of_range_is_refused(fields: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        FederationConfig(**fields)
+
+
+def test_sample_size_is_fedavgs_rule_with_the_quorum_as_a_floor() -> None:
+    fed = FederationConfig(sample_fraction=0.3, min_participants=2)
+    assert [fed.sample_size(n) for n in (1, 5, 10, 50)] == [1, 2, 3, 15]
+    assert FederationConfig().sample_size(7) == 7  # not sampled: everyone
+
+
+def test_fraction_train_over_fifty_stock_nodes_asks_fifteen_each_round(tmp_path: Path) -> None:
+    nodes = {n: quickstart_node for n in range(100, 150)}
+    grid = FakeGrid(FakeClock(), nodes)
+    strategy = LensembleStrategy(
+        small_config(min_participants=2, retry_wait=0.0),
+        run_dir=tmp_path / "run",
+        fraction_train=0.3,
+        fraction_evaluate=0.0,
+    )
+    assert strategy.config.federation.sample_fraction == 0.3  # the manifest records it
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    train_batches = [b for b in grid.pushes if b and b[0].metadata.message_type == "train"]
+    assert [len(b) for b in train_batches] == [15, 15]
+    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [15.0, 15.0]
+    records = verify(Store(tmp_path / "run"))
+    assert [len(r.invited) for r in records] == [15, 15]
+    assert {m.metadata.dst_node_id for m in train_batches[0]} == {
+        int(p.split("-")[1]) for p in records[0].invited
+    }
+    assert RunManifest.load(Store(tmp_path / "run")).config["sample-fraction"] == 0.3
+
+
+def test_flowers_sampling_arguments_are_checked_like_the_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="sample_fraction"):
+        LensembleStrategy(fraction_train=0.0)
+    with pytest.raises(ConfigError, match="fraction_evaluate"):
+        LensembleStrategy(fraction_evaluate=2.0)
+
+
+def test_the_stock_loop_samples_too(tmp_path: Path) -> None:
+    nodes = {n: quickstart_node for n in range(100, 110)}
+    grid = FakeGrid(FakeClock(), nodes)
+    strategy = LensembleStrategy(
+        small_config(min_participants=2), run_dir=tmp_path / "run", fraction_train=0.5,
+        fraction_evaluate=0.0,
+    )  # fmt: skip
+    messages = list(
+        strategy.configure_train(1, arrays_to_record(initial_params()), ConfigRecord(), grid)
+    )
+    assert len(messages) == 5
+    new, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert new is not None and metrics["lensemble.C_t"] == 5.0
+    assert len(verify(Store(tmp_path / "run"))[0].invited) == 5
+
+
+def test_evaluation_is_a_seeded_sample_with_a_floor() -> None:
+    strategy = LensembleStrategy(
+        small_config(), fraction_evaluate=0.1, min_evaluate_nodes=3, run_dir=None
+    )
+    grid = FakeGrid(FakeClock(), {n: quickstart_node for n in range(100, 120)})
+    arrays = arrays_to_record(initial_params())
+    first = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
+    again = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), grid))
+    later = list(strategy.configure_evaluate(2, arrays, ConfigRecord(), grid))
+    assert len(first) == 3  # max(int(20 * 0.1), 3)
+    assert [m.metadata.dst_node_id for m in first] == [m.metadata.dst_node_id for m in again]
+    assert {m.metadata.dst_node_id for m in later} != {m.metadata.dst_node_id for m in first}
