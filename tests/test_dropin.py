@@ -325,3 +325,33 @@ def test_a_trainer_with_configure_gets_the_users_train_config(tmp_path: Path) ->
         train_config=ConfigRecord({"lr": 0.05}),
     )  # fmt: skip
     assert seen and all(c == {"lr": 0.05, "server-round": 1} for c in seen)
+
+
+def test_progress_goes_through_flowers_logger_like_fedavgs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    with caplog.at_level("INFO", logger="flwr"):
+        strategy.start(
+            grid=grid_of(quickstart_app(False)),
+            initial_arrays=ArrayRecord(Net(False).state_dict()),
+            num_rounds=2,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )
+    flower = [r.getMessage() for r in caplog.records if r.name == "flwr"]
+    assert "[ROUND 1/2]" in flower and "[ROUND 2/2]" in flower
+    assert any("round 2: open→" in m and "C_t=4" in m for m in flower)  # lensemble's line
+    assert sum("Aggregated MetricRecord" in m for m in flower) == 2
+    assert any("update weighting uniform (FedAvg's: num-examples)" in m for m in flower)
+
+
+def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to_run_it(
+    tmp_path: Path,
+) -> None:
+    grid = grid_of(quickstart_app(False))
+    strategy = LensembleStrategy(
+        fedavg_config(min_participants=6), run_dir=tmp_path / "run", warmup_timeout=0.2
+    )
+    with pytest.raises(ConfigError, match=r'4 node\(s\) connected.*"num-supernodes=6"'):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
+    assert grid.pushes == []  # no round was tried

@@ -29,8 +29,8 @@ def strategy_from_context(
     context: Context, **strategy_args: Any
 ) -> tuple[LensembleConfig, LensembleStrategy]:
     """The federation config (the run config's ``lensemble.`` keys) and a strategy that
-    writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` and prints one
-    line per round."""
+    writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` (its per-round
+    lines go through Flower's logger)."""
     run_config = dict(context.run_config)
     config = LensembleConfig.from_run_config(run_config)
     run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
@@ -39,7 +39,6 @@ def strategy_from_context(
         run_dir=Path(run_dir) / f"flwr-{context.run_id}" if run_dir else None,
         warmup_timeout=float(run_config.get("warmup-timeout", 120.0)),
         fraction_evaluate=float(run_config.get("fraction-evaluate", 1.0)),
-        on_round=lambda line: print(line, flush=True),
         **strategy_args,
     )
     return config, strategy

@@ -18,16 +18,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log as say
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.serverapp.strategy.strategy_utils import (
+    aggregate_metricrecords,
+    log_strategy_start_info,
+)
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, digest_record
@@ -162,17 +168,22 @@ class LensembleStrategy(Strategy):
 
     # -- Strategy's abstract surface ---------------------------------------------------
     def summary(self) -> None:
+        """Log the federation's settings (through Flower's logger, as FedAvg's summary)."""
         fed, outer = self.config.federation, self.config.outer
-        log.info(
-            "LensembleStrategy: quorum K=%d (min %d, secagg %d), open %.0fs, collect %.0fs",
+        say(
+            INFO,
+            "\t├──> LensembleStrategy: quorum K=%d (min-participants %d, secagg-threshold "
+            "%d), open %.0fs, collect %.0fs",
             fed.quorum,
             fed.min_participants,
             fed.secagg_threshold,
             fed.open_timeout,
             fed.collect_timeout,
         )
-        log.info(
-            "  outer step: lr %.3g, momentum %.3g, nesterov %s; weighting %s; require-binding %s",
+        say(
+            INFO,
+            "\t├── outer step: lr %.3g, momentum %.3g, nesterov %s; update weighting %s "
+            "(FedAvg's: num-examples); require-binding %s",
             outer.lr,
             outer.momentum,
             outer.nesterov,
@@ -180,15 +191,16 @@ class LensembleStrategy(Strategy):
             fed.require_binding,
         )
         if fed.sampled:
-            log.info(
-                "  sampling: %.3g of the reachable nodes per round (at least %d), once %d "
-                "are reachable",
+            say(
+                INFO,
+                "\t└── sampling: %.3g of the reachable nodes per round (at least %d), once "
+                "%d are reachable",
                 fed.sample_fraction,
                 max(fed.sample_min, fed.quorum),
                 fed.min_available,
             )
         else:
-            log.info("  sampling: none (every reachable node is asked every round)")
+            say(INFO, "\t└── sampling: none (every reachable node is asked every round)")
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -361,7 +373,11 @@ class LensembleStrategy(Strategy):
         and collect timeouts. A round whose attempts abort is retried as configured; an
         error that stops the federation is raised (the result so far is in the run dir).
         """
+        say(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
+        say(INFO, "")
+        t_start = time.time()
         fed = self.config.federation
         transport = GridTransport(
             grid,
@@ -378,7 +394,17 @@ class LensembleStrategy(Strategy):
         started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
         waited = transport.now() - started
-        log.info("warm-up: %d node(s) connected after %.1fs", len(warm), waited)
+        say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
+        if len(warm) < fed.quorum and coordinator.global_state().round < num_rounds:
+            raise ConfigError(
+                "min-participants",
+                f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
+                f" s), and every round needs K = {fed.quorum}. On Flower's simulation engine "
+                f"give the run at least {fed.quorum} SuperNodes (`flwr run <app> --stream "
+                f'--federation-config "num-supernodes={fed.quorum}"`; Flower\'s default local '
+                f"federation has 2); on a deployment, start at least {fed.quorum} SuperNodes "
+                "(or raise the warm-up timeout); or lower lensemble.min-participants",
+            )
         # Connected is not started: Ray actors and SuperNode ClientApp processes start on
         # their first message. The first round's deadlines get the rest of the warm-up
         # budget as grace; a round in which every invited node answered ends at once, so
@@ -388,6 +414,8 @@ class LensembleStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 0)
         while (t := coordinator.global_state().round) < num_rounds:
+            say(INFO, "")
+            say(INFO, "[ROUND %s/%s]", t + 1, num_rounds)
             seen = len(coordinator.outcomes)
             try:
                 coordinator.run(1)
@@ -407,6 +435,11 @@ class LensembleStrategy(Strategy):
             if evaluate_fn is not None and (res := evaluate_fn(t + 1, result.arrays)) is not None:
                 result.evaluate_metrics_serverapp[t + 1] = res
             self._report(closed, metrics, evaluation, aborted)
+            say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+            if evaluation is not None:
+                say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
+        say(INFO, "")
+        say(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         return result
 
     # -- helpers -----------------------------------------------------------------------
@@ -434,7 +467,7 @@ class LensembleStrategy(Strategy):
                     run_id=run_id,
                     **common,
                 )
-            log.info("run directory: %s", self.run_dir)
+            say(INFO, "\t├── run directory: %s", self.run_dir)
         return self.coordinator
 
     def _check_not_changed_since_aggregate(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -579,7 +612,7 @@ class LensembleStrategy(Strategy):
         if aborted:
             parts.append(f"aborted={len(aborted)} ({aborted[-1]})")
         line = " ".join(parts)
-        log.info(line)
+        say(INFO, "\t├──> %s", line)
         if self.on_round is not None:
             self.on_round(line)
 
