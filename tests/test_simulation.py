@@ -348,3 +348,21 @@ def test_masked_rounds_over_flower(tmp_path: Path) -> None:
     assert not np.array_equal(
         record_to_arrays(result.arrays)["encoder.weight"], toy_params()["encoder.weight"]
     )
+
+
+@pytest.mark.simulation
+def test_the_flower_md_app_runs_on_the_simulation_engine_as_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from flwr.simulation import run_simulation
+    from test_doc_snippets import NODES, flower_md_apps, flower_md_server_app
+
+    _, (trainer_app, _) = flower_md_apps()
+    run_simulation(
+        server_app=flower_md_server_app(),
+        client_app=trainer_app,
+        num_supernodes=NODES,
+        backend_config=BACKEND,
+    )
+    out = capsys.readouterr().out
+    assert out.count("'lensemble.C_t': 2.0") == 3, out[-2000:]  # 3 rounds of 2 sampled nodes
