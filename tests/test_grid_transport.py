@@ -510,20 +510,31 @@ def test_a_reply_that_is_neither_kind_is_dropped() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sender", "returned"), [("node-11", True), ("node-12", False), ("coordinator", False)]
+    ("sender", "returned"),
+    [("node-11", True), ("partition-id-3", True), ("node-12", False), ("coordinator", False)],
 )
 def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_from(
     sender: str, returned: bool
 ) -> None:
+    """A node may name itself once (its stable participant id); it may not take another
+    node's address or the coordinator's name."""
     clock = FakeClock()
     grid = FakeGrid(clock, {11: lensemble_node(11, sender=sender), 12: silent})
     transport = make_transport(grid, clock)
+    renamed: list[tuple[str, str]] = []
+    transport.on_rename = lambda old, new: renamed.append((old, new))
     transport.send("node-11", round_open())
     payloads = drain(transport, timeout_s=1.0)
     if returned:
         assert [type(from_wire(p)) for p in payloads] == [Commitment, Update]
-        assert {p["sender"] for p in payloads} == {"node-11"}
+        assert {p["sender"] for p in payloads} == {sender}
         assert transport.dropped == []
+        assert renamed == ([] if sender == "node-11" else [("node-11", sender)])
+        assert sender in transport.peers()  # addressed by its own name from now on
+        pushes = len(grid.pushes)
+        transport.send(sender, round_open(1, needs_commitment=False))
+        transport.recv(timeout_s=0.0)
+        assert len(grid.pushes) == pushes + 1 and grid.pushes[-1][0].metadata.dst_node_id == 11
     else:
         assert payloads == []
         assert [d[:2] for d in transport.dropped] == [("node-11", 0)]

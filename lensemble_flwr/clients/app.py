@@ -63,6 +63,19 @@ STABLE_ID_KEYS = ("lensemble-id", "partition-id")
 """Node config keys that name a node the same way in every run, in order of preference."""
 
 
+def participant_name(context: Context, identity: IdentityKey | None) -> str:
+    """This node's participant id, the same in every run: its node config's
+    ``lensemble-id`` or ``partition-id`` (``partition-id-3``), else its identity key's
+    fingerprint (``key-…``), else Flower's node id (``node-<id>``, which changes from run
+    to run). The strategy learns it from the node's first reply."""
+    for key in STABLE_ID_KEYS:
+        if key in context.node_config:
+            return f"{key}-{context.node_config[key]}"
+    if identity is not None:
+        return f"key-{identity.fingerprint}"
+    return records.participant_id(context.node_id)
+
+
 def stable_identity(
     context: Context, config: LensembleConfig, identity: IdentityKey | None
 ) -> str | None:
@@ -75,11 +88,9 @@ def stable_identity(
         ConfigError: DP is on and the node has none of these (its budget would restart
             with every run).
     """
-    for key in STABLE_ID_KEYS:
-        if key in context.node_config:
-            return f"{key}-{context.node_config[key]}"
-    if identity is not None:
-        return f"key-{identity.fingerprint}"
+    name = participant_name(context, identity)
+    if not name.startswith(records.NODE_PREFIX):
+        return name
     if config.privacy.noised:
         raise ConfigError(
             "dp-epsilon",
@@ -111,7 +122,7 @@ def handle_train(
     try:
         participant = Participant(
             config,
-            participant_id=records.participant_id(context.node_id),
+            participant_id=participant_name(context, identity),
             transport=collector,
             trainer=trainer,
             gauge=gauge,

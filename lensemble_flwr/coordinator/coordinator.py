@@ -505,6 +505,20 @@ class Coordinator:
             )
         return reachable & attempt.sample
 
+    def rename(self, address: str, participant: str) -> None:
+        """The transport learnt that the peer it addressed as ``address`` (a Flower node
+        it had not heard from) is participant ``participant``: the current attempt's
+        invitation and sample follow the participant's own name."""
+        attempt = self._attempt
+        if attempt is None or attempt.phase in TERMINAL_STATES:
+            return
+        if address in attempt.invited:
+            attempt.invited.discard(address)
+            attempt.invited.add(participant)
+        if attempt.sample is not None and address in attempt.sample:
+            attempt.sample = (attempt.sample - {address}) | {participant}
+        log.info("round %d: %s is participant %s", attempt.round + 1, address, participant)
+
     def receive(self, payload: WirePayload | None) -> Verdict | None:
         """Validate one payload and hand it to the admission table.
 

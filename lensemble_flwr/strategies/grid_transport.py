@@ -14,8 +14,9 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
   to each node.
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
   *unbound* update: the delta is its arrays minus the global params it was sent.
-* Participants are named ``node-<node_id>``; a payload whose sender is not the node the
-  SuperLink says it came from is dropped (the SuperLink authenticates nodes, not us).
+* A node is ``node-<node_id>`` until its first reply names it (its ``partition-id``,
+  ``lensemble-id`` or key: :mod:`.node_names`); a payload whose sender is not the node
+  the SuperLink says it came from is dropped (the SuperLink authenticates nodes, not us).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from lensemble_flwr.protocol.messages import (
 from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
-from lensemble_flwr.strategies.records import node_id_of, participant_id
+from lensemble_flwr.strategies.node_names import NodeNames
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class GridTransport:
             carried arrays are left out of its update (None: the canonical order).
         arrays_key, config_key: the names of an instruction's ArrayRecord and
             ConfigRecord (FedAvg's ``arrayrecord_key`` and ``configrecord_key``).
+        names: which node is which participant (learnt from the nodes' replies; set
+            :attr:`on_rename` to hear when a node names itself).
         poll_interval: seconds between pulls while waiting.
         peer_refresh: seconds a node list from the SuperLink is reused.
         clock, sleep: injectable for tests.
@@ -91,6 +94,7 @@ class GridTransport:
         layout: ArrayLayout | None = None,
         arrays_key: str = records.ARRAYS,
         config_key: str = records.CONFIG,
+        names: NodeNames | None = None,
         poll_interval: float = 0.05,
         peer_refresh: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
@@ -111,6 +115,8 @@ class GridTransport:
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
+        self.names = names if names is not None else NodeNames()
+        self.on_rename: Callable[[str, str], None] | None = None  # (address, participant)
         self._peers: list[str] = []
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
@@ -127,7 +133,7 @@ class GridTransport:
     def peers(self) -> Sequence[str]:
         """The connected nodes as participant ids (the list is reused ``peer_refresh`` s)."""
         if self.now() - self._peers_at >= self.peer_refresh:
-            self._peers = sorted(participant_id(n) for n in self.grid.get_node_ids())
+            self._peers = sorted(self.names.name_of(n) for n in self.grid.get_node_ids())
             self._peers_at = self.now()
         return list(self._peers)
 
@@ -236,7 +242,7 @@ class GridTransport:
         rnd = int(payload["round"]) if payload else -1
         message = Message(
             content=content,
-            dst_node_id=node_id_of(peer),
+            dst_node_id=self.names.node_of(peer),
             message_type=message_type,
             ttl=self.message_ttl,
             group_id=str(rnd),
@@ -296,7 +302,11 @@ class GridTransport:
 
     def _absorb(self, reply: Message) -> None:
         info = self._outstanding.pop(reply.metadata.reply_to_message_id, None)
-        source = participant_id(reply.metadata.src_node_id)
+        source = self.names.name_of(reply.metadata.src_node_id)
+        if info is not None:  # sent before the node named itself: it is that name now
+            named = self.names.name_of(self.names.node_of(info.peer))
+            if named != info.peer:
+                info = dataclasses.replace(info, peer=named)
         if info is None:
             log.info("dropped a reply to an unknown instruction from %s", source)
             return
@@ -323,6 +333,14 @@ class GridTransport:
 
     def _unpack_train_reply(self, content: RecordDict, info: SentInstruction, source: str) -> None:
         try:
+            claimed = records.claimed_sender(content)
+            if claimed is not None and claimed != source and info.peer == source:
+                address = self.names.learn(self.names.node_of(source), claimed)
+                if address is not None:  # the node named itself: it is that participant
+                    self._peers_at = -float("inf")
+                    info, source = dataclasses.replace(info, peer=claimed), claimed
+                    if self.on_rename is not None:
+                        self.on_rename(address, claimed)
             carried = self.layout.carried if self.layout else ()
             self._inbox.extend(train_reply_payloads(content, info, source, carried=carried))
         except ValueError as exc:

@@ -51,7 +51,7 @@ from lensemble_flwr.strategies.grid_transport import (
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.layout import ArrayLayout
-from lensemble_flwr.strategies.records import node_id_of, participant_id
+from lensemble_flwr.strategies.node_names import NodeNames
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ class LensembleStrategy(Strategy):
         on_round: called with a one-line report after every round attempt.
         gauge: the model's gauge adapter and pinned probe (probe announcement, frame
             drift, and ``gauge-align``).
-        identities: allow-list of participant id (``node-<id>``) → OpenSSH identity key.
+        identities: allow-list of participant id → OpenSSH identity key (a node's id is
+            its ``partition-id-<n>`` / ``lensemble-id-<x>`` node config, or ``key-<its key
+            fingerprint>``, else ``node-<Flower node id>``: ``clients.app.participant_name``).
         resume: continue the run already in ``run_dir`` (after a ServerApp restart)
             instead of refusing a non-empty run directory.
         weighted_by_key: the client metric that weights the average of the clients'
@@ -163,6 +165,7 @@ class LensembleStrategy(Strategy):
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
+        self.names = NodeNames()  # which Flower node is which participant
         self._returned: ArrayRecord | None = None  # what aggregate_train last handed out
         self._said_no_evaluation = False
 
@@ -232,7 +235,7 @@ class LensembleStrategy(Strategy):
                 )
             )
         coordinator.begin_attempt()
-        nodes = {participant_id(node): node for node in grid.get_node_ids()}
+        nodes = {self.names.name_of(node): node for node in grid.get_node_ids()}
         close = coordinator.last_close
         layout = self._layout_of(arrays)
         messages = []
@@ -276,7 +279,7 @@ class LensembleStrategy(Strategy):
         payloads, peers = [], []
         replies = list(replies)
         for reply in replies:
-            peer = participant_id(reply.metadata.src_node_id)
+            peer = self._named(coordinator, reply)
             peers.append(peer)
             info = SentInstruction(
                 peer=peer,
@@ -302,7 +305,7 @@ class LensembleStrategy(Strategy):
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
         outcome = coordinator.conclude_collected(payloads, peers)
         client = {
-            participant_id(r.metadata.src_node_id): r.content
+            self.names.name_of(r.metadata.src_node_id): r.content
             for r in replies
             if not r.has_error()
         }
@@ -334,11 +337,11 @@ class LensembleStrategy(Strategy):
                     "release no per-node metrics (set dp-release-metrics = true to opt in)"
                 )
             return []
-        chosen = self._evaluation_sample(server_round, [participant_id(n) for n in nodes])
+        chosen = self._evaluation_sample(server_round, [self.names.name_of(n) for n in nodes])
         return [
             Message(
                 content=self._evaluate_content(server_round, arrays, config),
-                dst_node_id=node_id_of(peer),
+                dst_node_id=self.names.node_of(peer),
                 message_type=MessageType.EVALUATE,
             )
             for peer in chosen
@@ -386,10 +389,12 @@ class LensembleStrategy(Strategy):
             layout=self._layout_of(initial_arrays),
             arrays_key=self.arrayrecord_key,
             config_key=self.configrecord_key,
+            names=self.names,
             poll_interval=self.poll_interval,
         )
         self.transport = transport
         coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
+        transport.on_rename = coordinator.rename
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
@@ -498,6 +503,21 @@ class LensembleStrategy(Strategy):
                 "noise after aggregation cannot be used: use lensemble's own DP "
                 "(clip-norm, noise-multiplier; docs/privacy.md)",
             )
+
+    def _named(self, coordinator: Coordinator, reply: Message) -> str:
+        """The participant id of a reply's node, learning it from a lensemble reply that
+        names its sender (the attempt then follows the new name)."""
+        node = reply.metadata.src_node_id
+        claimed = None if reply.has_error() else records.claimed_sender(reply.content)
+        if claimed is not None and node != SUPERLINK_NODE_ID:
+            try:
+                address = self.names.learn(node, claimed)
+            except ValueError as exc:
+                log.warning("a reply from node %d dropped: %s", node, exc)
+                return self.names.name_of(node)
+            if address is not None:
+                coordinator.rename(address, claimed)
+        return self.names.name_of(node)
 
     def _evaluation_sample(self, server_round: int, peers: list[str]) -> list[str]:
         """FedAvg's evaluation sample: ``max(int(N * fraction_evaluate),

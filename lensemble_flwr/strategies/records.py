@@ -216,6 +216,16 @@ def is_lensemble_reply(content: RecordDict) -> bool:
     return any(PREFIX + kind.value in content.config_records for kind in _REPLY_KINDS)
 
 
+def claimed_sender(content: RecordDict) -> str | None:
+    """The sender a lensemble participant's reply names (its first payload's), or None."""
+    for kind in _REPLY_KINDS:
+        record = content.config_records.get(PREFIX + kind.value)
+        if record is not None:
+            sender = record.get("sender")
+            return sender if isinstance(sender, str) else None
+    return None
+
+
 def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     """A lensemble participant's payloads, in protocol order (commitment, then update)."""
     payloads = []

@@ -1,0 +1,64 @@
+"""Which Flower node is which participant.
+
+Flower names a node by a number the SuperLink assigns, which changes from run to run (on
+the simulation engine too). A participant names itself by something that does not: its
+``lensemble-id`` or ``partition-id`` node config, or its identity key (see
+:func:`lensemble_flwr.clients.app.participant_name`). The coordinator can only address
+nodes, so a node it has not heard from yet is ``node-<id>``; the first reply in which
+the node names itself teaches :class:`NodeNames` the node's participant id, which is the
+name from then on (the ledger, the manifest, seeds and samples all use it, so two runs
+with the same config and data are the same run).
+
+A name is the node's own claim; the SuperLink authenticates the node, not the name. A
+name already held by another node is refused (first come, first named), and a node
+cannot change its name; with identity keys (``require-signatures``) the name is also
+bound to a key.
+"""
+
+from __future__ import annotations
+
+from lensemble_flwr.strategies.records import NODE_PREFIX, node_id_of, participant_id
+from lensemble_flwr.transports.base import COORDINATOR
+
+
+class NodeNames:
+    """Participant ids of Flower nodes: ``node-<id>`` until a node names itself."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[int, str] = {}
+        self._by_name: dict[str, int] = {}
+
+    def name_of(self, node_id: int) -> str:
+        """The node's participant id (``node-<id>`` while it has not named itself)."""
+        return self._by_node.get(node_id, participant_id(node_id))
+
+    def node_of(self, name: str) -> int:
+        """The Flower node id of a participant id.
+
+        Raises:
+            ValueError: neither a learnt name nor ``node-<id>``.
+        """
+        if name in self._by_name:
+            return self._by_name[name]
+        return node_id_of(name)
+
+    def learn(self, node_id: int, claimed: str) -> str | None:
+        """The node says it is participant ``claimed``: returns the address it had before
+        (``node-<id>``) when this names it, None when it already had this name.
+
+        Raises:
+            ValueError: the node already has another name, the name is another node's,
+                or the name looks like another node's address.
+        """
+        current = self.name_of(node_id)
+        if claimed == current:
+            return None
+        if node_id in self._by_node:
+            raise ValueError(f"node {node_id} is {current!r}, not {claimed!r}")
+        if claimed in self._by_name or claimed.startswith(NODE_PREFIX):
+            raise ValueError(f"node {node_id} claims {claimed!r}, another node's name")
+        if claimed == COORDINATOR:
+            raise ValueError(f"node {node_id} claims to be the coordinator")
+        self._by_node[node_id] = claimed
+        self._by_name[claimed] = node_id
+        return current
