@@ -237,7 +237,9 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
         runs = flwr_ls(CONNECTION, cli_env, REPO).get("runs", [])
         assert len(runs) == 1 and runs[0]["status"] == "finished:completed", runs
         run_dir = runs_dir / f"flwr-{runs[0]['run-id']}"
-        expected = {f"node-{registered[org]}" for org in ("org-a", "org-b")}
+        # the registered organisations' nodes, by the partition-id each names itself by
+        # (org-a is partition 0, org-b partition 1; the intruder never got a node id)
+        expected = {"partition-id-0", "partition-id-1"}
         records = verify(Store(run_dir))
         assert [r.round for r in records] == list(range(NUM_ROUNDS))
         assert all(set(r.contributors) == expected for r in records)
