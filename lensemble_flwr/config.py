@@ -17,6 +17,7 @@ the ``lensemble.`` namespace raises :class:`~lensemble_flwr.errors.ConfigError` 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import logging
 import numbers
 import os
@@ -310,8 +311,17 @@ class ParamGroupsConfig(_Section):
     local: tuple[str, ...] = Field(
         (), description="Groups that never leave a participant (comma-separated)."
     )
+    averaged: tuple[str, ...] = Field(
+        ("*.running_mean", "*.running_var", "running_mean", "running_var"),
+        description="Shared arrays that take plain averaging (FedAvg's), not the outer "
+        "step: statistics such as BatchNorm's running mean and variance (glob patterns).",
+    )
 
-    @field_validator("shared", "local", mode="before")
+    def is_averaged(self, name: str) -> bool:
+        """True if ``name`` is stepped by plain averaging (matches an ``averaged`` glob)."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.averaged)
+
+    @field_validator("shared", "local", "averaged", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -341,7 +351,7 @@ _SECTIONS: dict[str, tuple[str, type[_Section]]] = {
     "release": ("", ReleaseConfig),
     "gauge": ("gauge-", GaugeConfig),
 }
-_GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups"}
+_GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups", "averaged": "averaged-groups"}
 
 
 def run_config_keys() -> dict[str, tuple[str, str]]:
@@ -354,6 +364,21 @@ def run_config_keys() -> dict[str, tuple[str, str]]:
             assert key not in keys, f"run_config key collision: {key}"
             keys[key] = (section, field)
     return keys
+
+
+_PROTECTIVE_FIELDS = {
+    ("federation", "secagg_threshold"),
+    ("federation", "secagg_neighbours"),
+    ("federation", "require_binding"),
+    ("federation", "require_signatures"),
+}
+
+
+def _protects(key: str) -> bool:
+    """Whether a run_config key changes how participants protect what they release
+    (privacy, encoding, masking, binding, which arrays leave a node)."""
+    section, field = run_config_keys()[key]
+    return section in ("privacy", "release", "groups") or (section, field) in _PROTECTIVE_FIELDS
 
 
 def _error_from(exc: ValidationError, owner: str) -> ConfigError:
@@ -433,13 +458,23 @@ class LensembleConfig(_Section):
 
         Raises:
             ConfigError: an unknown key in the namespace (the message suggests the
-                closest known one), or a bad value; the message names the run_config key.
+                closest known one), a bad value, or a protective lensemble key outside the
+                namespace; the message names the run_config key.
         """
         flat: dict[str, Any] = {}
         for key, value in run_config.items():
             if key.startswith(NAMESPACE):
                 flat[key[len(NAMESPACE) :]] = value
         strays = sorted(k for k in run_config if k in run_config_keys())
+        protective = [k for k in strays if _protects(k)]
+        if protective:  # e.g. clip-norm at the top level: the run would have no DP at all
+            key = protective[0]
+            raise ConfigError(
+                key,
+                f"a lensemble key outside its namespace is not read, and this one protects "
+                f"what participants release: set it as {NAMESPACE}{key} (in a "
+                "[tool.flwr.app.config.lensemble] table)",
+            )
         if strays:
             log.warning(
                 "run_config keys %s are lensemble keys outside its namespace and are not "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,8 +131,6 @@ def test_a_stock_clientapp_runs_unchanged_and_gets_its_arrays_back_in_its_order(
         assert int(final["bn1.num_batches_tracked"]) == 0
         # floating buffers (running statistics) are averaged, as FedAvg does
         assert not torch.equal(final["bn1.running_mean"], torch.zeros(4))
-    # the federated arrays are FedAvg's: the mean of what the nodes returned (lr 1, no
-    # momentum, uniform weights: every node reports 24 examples)
     model = Net(batch_norm)
     model.load_state_dict(final)  # strict: the user's model takes the result as it is
 
@@ -170,25 +169,37 @@ def test_a_numpy_client_with_the_usual_state_dict_setter_gets_the_list_in_model_
     assert list(result.arrays.keys()) == list(initial.keys())
 
 
-def test_flowers_client_side_clipping_wrapper_and_its_mod_work(tmp_path: Path) -> None:
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_flowers_client_side_clipping_wrapper_and_its_mod(tmp_path: Path, noise: float) -> None:
+    """fixedclipping_mod accepts every instruction and clips every update; the wrapper's
+    central noise is added to the aggregate after lensemble committed it, so with noise
+    the next round is refused (lensemble trains only from committed models)."""
     strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
     wrapped = DifferentialPrivacyClientSideFixedClipping(
-        strategy, noise_multiplier=0.1, clipping_norm=0.05, num_sampled_clients=4
+        strategy, noise_multiplier=noise, clipping_norm=0.05, num_sampled_clients=4
     )
     initial = ArrayRecord(Net(batch_norm=True).state_dict())
     grid = grid_of(quickstart_app(batch_norm=True, mods=[fixedclipping_mod]))
-    result = Strategy.start(
-        wrapped, grid=grid, initial_arrays=initial, num_rounds=1,
-        train_config=ConfigRecord({"lr": 0.1}),
-    )  # fmt: skip
+
+    def run() -> Any:
+        return Strategy.start(
+            wrapped, grid=grid, initial_arrays=initial, num_rounds=2,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )  # fmt: skip
+
+    if noise > 0:
+        with pytest.raises(ConfigError, match="other arrays than the global model"):
+            run()
+        return
+    result = run()
     assert not any(reply.has_error() for _, reply in grid.delivered)  # the mod accepted all
-    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
-    # every update was clipped by the mod on the node: the step is at most the clip norm
+    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [4.0, 4.0]
+    # every update was clipped by the mod on the node: each step is at most the clip norm
     before = {k: v.numpy() for k, v in initial.items()}
     after = {k: v.numpy() for k, v in result.arrays.items()}
-    floats = [k for k in before if after[k].dtype.kind == "f"]
+    floats = [k for k in before if after[k].dtype.kind == "f" and "running" not in k]
     step = np.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in floats))
-    assert step <= 0.05 * (1 + 1e-5)
+    assert step <= 2 * 0.05 * (1 + 1e-5)
 
 
 def test_flowers_server_side_clipping_wrapper_runs_and_noise_it_adds_is_refused(

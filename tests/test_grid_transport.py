@@ -522,7 +522,7 @@ def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_
     grid = FakeGrid(clock, {11: lensemble_node(11, sender=sender), 12: silent})
     transport = make_transport(grid, clock)
     renamed: list[tuple[str, str]] = []
-    transport.on_rename = lambda old, new: renamed.append((old, new))
+    transport.on_rename = lambda old, new: renamed.append((old, new)) is None  # accepted
     transport.send("node-11", round_open())
     payloads = drain(transport, timeout_s=1.0)
     if returned:

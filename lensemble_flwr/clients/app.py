@@ -24,7 +24,7 @@ from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
-from lensemble_flwr.protocol.messages import kind_of
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.release.pipeline import ReleaseTransform
 from lensemble_flwr.strategies import records
 from lensemble_flwr.transports.base import ReplyCollector
@@ -137,7 +137,8 @@ def handle_train(
     if callable(use_arrays):  # a NumPyClient gets the arrays in the server's order
         use_arrays(records.instruction_arrays(message.content))
     use_config = getattr(participant.training, "use_instruction_config", None)
-    if callable(use_config):  # the user's train config (start(train_config=...))
+    opens = any(kind_of(p) is MessageKind.ROUND_OPEN for p in payloads)
+    if callable(use_config) and opens:  # the user's train config (start(train_config=...))
         use_config(records.instruction_user_config(message.content))
     for payload in payloads:
         participant.handle(payload)
@@ -148,8 +149,11 @@ def handle_train(
             reply_to=message,
         )
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
-    if participant.last_loss is not None and releases_metrics(config):
-        metrics["train-loss"] = float(participant.last_loss)
+    if releases_metrics(config):
+        own = getattr(participant.training, "last_metrics", None) or {}
+        metrics.update({k: v for k, v in own.items() if k != "num-examples"})
+        if participant.last_loss is not None:
+            metrics["train-loss"] = float(participant.last_loss)
     content = records.encode_reply(collector.take(), metrics)
     return Message(content=content, reply_to=message)
 

@@ -10,6 +10,7 @@ Merkle root of those records.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ class NumPyClientTraining:
         self.fit_config = dict(fit_config or {})
         self._num_examples = len(self._records) if self._records is not None else 1
         self.last_loss: float | None = None
+        self.last_metrics: dict[str, float] = {}
         self._as_sent: dict[str, np.ndarray] = {}
         self._instruction_config: dict[str, Any] = {}
 
@@ -106,6 +108,11 @@ class NumPyClientTraining:
             self._num_examples = max(1, int(count))
         loss = (metrics or {}).get("loss", (metrics or {}).get("train-loss"))
         self.last_loss = float(loss) if isinstance(loss, (int, float)) else None
+        self.last_metrics = {  # fit's own numeric metrics, sent when metrics are released
+            str(k): float(v)
+            for k, v in (metrics or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         returned = dict(zip(names, params, strict=True))
         return {n: np.asarray(returned[n]) for n in global_params}  # carried ones stay here
 

@@ -491,33 +491,44 @@ class Coordinator:
         if not fed.sampled:
             return reachable
         if attempt.sample is None:
-            if len(reachable) < max(fed.min_available, 1):
-                return set()
+            if len(reachable) < max(fed.min_available, fed.quorum, 1):
+                return set()  # a sample below K could only abort: wait for more peers
             seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
             ranked = sorted(reachable, key=lambda p: (digest_record("sample", [seed, p]), p))
             attempt.sample = frozenset(ranked[: fed.sample_size(len(reachable))])
             log.info(
                 "round %d attempt %d: sampled %d of %d reachable participants",
-                attempt.round + 1,
+                attempt.round,
                 attempt.number,
                 len(attempt.sample),
                 len(reachable),
             )
         return reachable & attempt.sample
 
-    def rename(self, address: str, participant: str) -> None:
+    def rename(self, address: str, participant: str) -> bool:
         """The transport learnt that the peer it addressed as ``address`` (a Flower node
         it had not heard from) is participant ``participant``: the current attempt's
-        invitation and sample follow the participant's own name."""
+        invitation and sample follow the participant's own name. False (nothing
+        changes) when ``address`` already answered this attempt under that name: one
+        peer may not contribute under two names."""
         attempt = self._attempt
         if attempt is None or attempt.phase in TERMINAL_STATES:
-            return
+            return True
+        if address in attempt.admitted or address in attempt.refused:
+            log.warning(
+                "round %d: %s already answered under that name; it cannot become %s",
+                attempt.round,
+                address,
+                participant,
+            )
+            return False
         if address in attempt.invited:
             attempt.invited.discard(address)
             attempt.invited.add(participant)
         if attempt.sample is not None and address in attempt.sample:
             attempt.sample = (attempt.sample - {address}) | {participant}
-        log.info("round %d: %s is participant %s", attempt.round + 1, address, participant)
+        log.info("round %d: %s is participant %s", attempt.round, address, participant)
+        return True
 
     def receive(self, payload: WirePayload | None) -> Verdict | None:
         """Validate one payload and hand it to the admission table.
@@ -561,7 +572,10 @@ class Coordinator:
             IllegalTransition: the attempt is in neither phase.
         """
         attempt, quorum = self._current(), self.config.federation.quorum
-        peers = set(reachable) if attempt.sample is None else set(reachable) & attempt.sample
+        if self.config.federation.sampled:  # only the sample counts (none before it is drawn)
+            peers = set() if attempt.sample is None else set(reachable) & attempt.sample
+        else:
+            peers = set(reachable)
         if attempt.phase is RoundState.OPEN:
             self._mode.settle(attempt, peers, final=deadline_passed)
             ready = self._mode.ready(attempt, peers)
@@ -613,8 +627,13 @@ class Coordinator:
             mean = result.mean()
             diagnostics = self._diagnose(attempt.state, mean)
             self._fire(attempt, RoundEvent.DIAGNOSED)
+            groups = self.config.groups
             params, momentum = outer_step(
-                attempt.state.params, self._momentum, mean, self.config.outer
+                attempt.state.params,
+                self._momentum,
+                mean,
+                self.config.outer,
+                averaged={n for n in attempt.state.params if groups.is_averaged(n)},
             )
             committed = write_commit(
                 self.store,

@@ -235,10 +235,11 @@ class MaskedMode:
         mask keys (persisting the registry) and builds the secure aggregator."""
         if attempt.members is not None:
             return
-        keyed = sorted(p for p in reachable if self.registry.keyed(p))
+        answering = reachable - set(attempt.refused)  # a refusal (an error reply) is final
+        keyed = sorted(p for p in answering if self.registry.keyed(p))
         if len(keyed) < self.config.federation.quorum:
             return
-        if not final and set(keyed) != reachable:
+        if not final and set(keyed) != answering:
             return  # somebody is still committing its keys
         members = self.registry.members(keyed)  # spends their mask keys: durably, so
         self.registry.persist()  # that no restart lists a key a participant deleted

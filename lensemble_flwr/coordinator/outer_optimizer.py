@@ -14,7 +14,7 @@ are split between threads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -34,8 +34,14 @@ def outer_step(
     momentum: Mapping[str, np.ndarray],
     mean_delta: Mapping[str, np.ndarray],
     config: OuterOptimizerConfig,
+    averaged: Collection[str] = (),
 ) -> tuple[NamedArrays, NamedArrays]:
     """Return ``(new_params, new_momentum)``; the inputs are not modified.
+
+    The ``averaged`` names (statistics such as BatchNorm's running mean and variance,
+    which are not trained by gradients) take plain averaging, θ' = θ + Δ̄ (FedAvg's
+    mean of the local values), and keep a zero momentum: a momentum step could push a
+    variance below zero.
 
     Raises:
         ParameterMismatch: the three mappings differ in names or shapes, or a parameter
@@ -51,6 +57,11 @@ def outer_step(
             raise ParameterMismatch(f"{name}: integer tensors are never stepped ({p.dtype})")
         dtype = p.dtype.type
         lr, mu = dtype(config.lr), dtype(config.momentum)
+        if name in averaged:
+            delta = mean_delta[name].astype(p.dtype, copy=False)
+            new_params[name] = np.add(p, delta)
+            new_momentum[name] = np.zeros_like(p)
+            continue
         p_in, m_in = p.reshape(-1), momentum[name].astype(p.dtype, copy=False).reshape(-1)
         g_in = mean_delta[name].astype(p.dtype, copy=False).reshape(-1)
         p_out, m_out = np.empty_like(p_in), np.empty_like(p_in)

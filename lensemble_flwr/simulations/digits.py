@@ -40,7 +40,7 @@ server_app = ServerApp()
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the federation and print one line per round."""
+    """Run the federation (one line per round through Flower's logger)."""
     run_config = dict(context.run_config)
     config, strategy = strategy_from_context(context)
     seed = int(run_config.get("data-seed", 0))

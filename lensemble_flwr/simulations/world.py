@@ -109,7 +109,7 @@ def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> flo
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the federation and print one line per round."""
+    """Run the federation (one line per round through Flower's logger)."""
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
     config, strategy = flower_app.strategy_from_context(context, gauge=gauge)

@@ -8,8 +8,9 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
   for Flower's default 12 hours.
 * ``recv`` pulls replies for every outstanding instruction — including those of earlier
   rounds, so a late reply is pulled (which also deletes it from the SuperLink), decoded,
-  and handed to the coordinator, which logs it with its round and drops it. Error replies
-  (a ClientApp exception, an expired TTL) are logged and dropped here.
+  and handed to the coordinator, which logs it with its round and drops it. An error reply
+  to a RoundOpen (a ClientApp exception, an expired TTL) becomes that node's Refusal of
+  the attempt, so the round does not wait for it; other error replies are logged, dropped.
 * ``broadcast(RoundClose)`` costs no exchange: the close rides on the next instruction
   to each node.
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
@@ -116,7 +117,8 @@ class GridTransport:
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
         self.names = names if names is not None else NodeNames()
-        self.on_rename: Callable[[str, str], None] | None = None  # (address, participant)
+        self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
+        self.allowed: Collection[str] | None = None  # the identity allow-list's names
         self._peers: list[str] = []
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
@@ -335,12 +337,16 @@ class GridTransport:
         try:
             claimed = records.claimed_sender(content)
             if claimed is not None and claimed != source and info.peer == source:
-                address = self.names.learn(self.names.node_of(source), claimed)
+                node = self.names.node_of(source)
+                address = self.names.learn(
+                    node, claimed, connected=self.grid.get_node_ids(), allowed=self.allowed
+                )
                 if address is not None:  # the node named itself: it is that participant
+                    if self.on_rename is not None and not self.on_rename(address, claimed):
+                        self.names.forget(node)
+                        raise ValueError(f"{address} answered already; it cannot be {claimed}")
                     self._peers_at = -float("inf")
                     info, source = dataclasses.replace(info, peer=claimed), claimed
-                    if self.on_rename is not None:
-                        self.on_rename(address, claimed)
             carried = self.layout.carried if self.layout else ()
             self._inbox.extend(train_reply_payloads(content, info, source, carried=carried))
         except ValueError as exc:

@@ -62,10 +62,6 @@ class ArrayLayout:
         """The carried arrays' names, in the record's order."""
         return [name for name in self.order if name in self.carried]
 
-    def federated_names(self) -> list[str]:
-        """The federated arrays' names, in the record's order."""
-        return [name for name in self.order if name not in self.carried]
-
     def to_record(self, federated: Mapping[str, np.ndarray]) -> ArrayRecord:
         """``federated`` plus the carried arrays, in the initial record's order.
 
@@ -85,7 +81,3 @@ class ArrayLayout:
                 for name in self.order
             }
         )
-
-    def federated_part(self, arrays: Mapping[str, np.ndarray]) -> NamedArrays:
-        """``arrays`` without the carried names (a stock reply returns them too)."""
-        return {name: array for name, array in arrays.items() if name not in self.carried}

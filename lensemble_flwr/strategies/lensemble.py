@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -166,6 +167,7 @@ class LensembleStrategy(Strategy):
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
         self.names = NodeNames()  # which Flower node is which participant
+        self._connected: set[int] = set()  # the nodes configure_train last saw
         self._returned: ArrayRecord | None = None  # what aggregate_train last handed out
         self._said_no_evaluation = False
 
@@ -235,7 +237,8 @@ class LensembleStrategy(Strategy):
                 )
             )
         coordinator.begin_attempt()
-        nodes = {self.names.name_of(node): node for node in grid.get_node_ids()}
+        self._connected = set(grid.get_node_ids())
+        nodes = {self.names.name_of(node): node for node in self._connected}
         close = coordinator.last_close
         layout = self._layout_of(arrays)
         messages = []
@@ -356,7 +359,9 @@ class LensembleStrategy(Strategy):
         valid = [c for c in contents if _weighted(c, self.weighted_by_key)]
         if not valid:
             return None
-        return self.evaluate_metrics_aggr_fn(valid, self.weighted_by_key)
+        return _aggregated(
+            self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation"
+        )
 
     # -- the round loop ----------------------------------------------------------------
     def start(
@@ -395,6 +400,7 @@ class LensembleStrategy(Strategy):
         self.transport = transport
         coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
         transport.on_rename = coordinator.rename
+        transport.allowed = set(self.identities) if self.identities is not None else None
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
@@ -511,12 +517,17 @@ class LensembleStrategy(Strategy):
         claimed = None if reply.has_error() else records.claimed_sender(reply.content)
         if claimed is not None and node != SUPERLINK_NODE_ID:
             try:
-                address = self.names.learn(node, claimed)
+                address = self.names.learn(
+                    node,
+                    claimed,
+                    connected=self._connected,
+                    allowed=set(self.identities) if self.identities is not None else None,
+                )
             except ValueError as exc:
                 log.warning("a reply from node %d dropped: %s", node, exc)
                 return self.names.name_of(node)
-            if address is not None:
-                coordinator.rename(address, claimed)
+            if address is not None and not coordinator.rename(address, claimed):
+                self.names.forget(node)
         return self.names.name_of(node)
 
     def _evaluation_sample(self, server_round: int, peers: list[str]) -> list[str]:
@@ -602,7 +613,10 @@ class LensembleStrategy(Strategy):
         weighted = [c for c in client_metrics or [] if _weighted(c, self.weighted_by_key)]
         metrics = MetricRecord()
         if weighted:
-            metrics = self.train_metrics_aggr_fn(weighted, self.weighted_by_key)
+            aggregated = _aggregated(
+                self.train_metrics_aggr_fn, weighted, self.weighted_by_key, "train"
+            )
+            metrics = aggregated if aggregated is not None else MetricRecord()
         for key, value in book.items():
             metrics[BOOKKEEPING + key] = value
         return metrics
@@ -651,9 +665,31 @@ def with_sampling(config: LensembleConfig, **given: float | int | None) -> Lense
 
 
 def _weighted(content: RecordDict, key: str) -> bool:
-    """A reply content FedAvg would aggregate: one MetricRecord, holding ``key``."""
+    """A reply content FedAvg would aggregate: one MetricRecord, holding ``key`` as a
+    finite, positive number (a zero or negative weight would divide by zero or flip the
+    mean; such a reply's metrics are left out, never a crash)."""
     records_ = list(content.metric_records.values())
-    return len(records_) == 1 and isinstance(records_[0].get(key), (int, float))
+    if len(records_) != 1:
+        return False
+    weight = records_[0].get(key)
+    return (
+        isinstance(weight, (int, float))
+        and not isinstance(weight, bool)
+        and math.isfinite(weight)
+        and weight > 0
+    )
+
+
+def _aggregated(
+    aggregate: MetricsAggregation, contents: list[RecordDict], key: str, what: str
+) -> MetricRecord | None:
+    """``aggregate(contents, key)``, or None (logged) when the metrics do not aggregate
+    (e.g. list metrics of different lengths): the round is committed already."""
+    try:
+        return aggregate(contents, key)
+    except Exception:  # the user's function, or Flower's on mismatched metrics
+        log.exception("%s metrics could not be aggregated; left out of the result", what)
+        return None
 
 
 def _flower_run_id(grid: Grid) -> str:

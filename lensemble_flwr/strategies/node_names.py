@@ -17,6 +17,8 @@ bound to a key.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from lensemble_flwr.strategies.records import NODE_PREFIX, node_id_of, participant_id
 from lensemble_flwr.transports.base import COORDINATOR
 
@@ -42,23 +44,45 @@ class NodeNames:
             return self._by_name[name]
         return node_id_of(name)
 
-    def learn(self, node_id: int, claimed: str) -> str | None:
+    def learn(
+        self,
+        node_id: int,
+        claimed: str,
+        *,
+        connected: Collection[int] | None = None,
+        allowed: Collection[str] | None = None,
+    ) -> str | None:
         """The node says it is participant ``claimed``: returns the address it had before
         (``node-<id>``) when this names it, None when it already had this name.
 
+        A name held by a node that is no longer ``connected`` moves to the claimant (a
+        SuperNode that restarted gets a new Flower id). With ``allowed`` (the
+        coordinator's identity allow-list), only its names may be claimed.
+
         Raises:
-            ValueError: the node already has another name, the name is another node's,
-                or the name looks like another node's address.
+            ValueError: the node already has another name, the name is a connected
+                node's, not allowed, or looks like a node address or the coordinator.
         """
         current = self.name_of(node_id)
         if claimed == current:
             return None
         if node_id in self._by_node:
             raise ValueError(f"node {node_id} is {current!r}, not {claimed!r}")
-        if claimed in self._by_name or claimed.startswith(NODE_PREFIX):
-            raise ValueError(f"node {node_id} claims {claimed!r}, another node's name")
-        if claimed == COORDINATOR:
-            raise ValueError(f"node {node_id} claims to be the coordinator")
+        if claimed.startswith(NODE_PREFIX) or claimed == COORDINATOR:
+            raise ValueError(f"node {node_id} claims {claimed!r}, a name no node may take")
+        if allowed is not None and claimed not in allowed:
+            raise ValueError(f"node {node_id} claims {claimed!r}, which is not allow-listed")
+        holder = self._by_name.get(claimed)
+        if holder is not None:
+            if connected is None or holder in connected:
+                raise ValueError(f"node {node_id} claims {claimed!r}, node {holder}'s name")
+            del self._by_node[holder]  # the holder is gone: its name is free again
         self._by_node[node_id] = claimed
         self._by_name[claimed] = node_id
         return current
+
+    def forget(self, node_id: int) -> None:
+        """Undo a node's name (the coordinator refused the rename)."""
+        name = self._by_node.pop(node_id, None)
+        if name is not None:
+            self._by_name.pop(name, None)
