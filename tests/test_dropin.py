@@ -366,3 +366,27 @@ def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to
     with pytest.raises(ConfigError, match=r'4 node\(s\) connected.*"num-supernodes=6"'):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
     assert grid.pushes == []  # no round was tried
+
+
+def test_a_stock_app_that_weights_by_another_key_is_read_by_weighted_by_key(
+    tmp_path: Path,
+) -> None:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = Net(False)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        train_locally(model, context.node_id, 0.1)
+        content = RecordDict(
+            {"arrays": ArrayRecord(model.state_dict()), "m": MetricRecord({"n": 24, "acc": 0.5})}
+        )
+        return Message(content=content, reply_to=msg)
+
+    config = fedavg_config(weighting="num-examples")
+    strategy = LensembleStrategy(
+        config, run_dir=tmp_path / "run", fraction_evaluate=0, weighted_by_key="n"
+    )
+    result = strategy.start(grid=grid_of(app), initial_arrays=ArrayRecord(Net(False).state_dict()))
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
+    assert result.train_metrics_clientapp[1]["acc"] == pytest.approx(0.5)

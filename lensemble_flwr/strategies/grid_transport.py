@@ -119,6 +119,7 @@ class GridTransport:
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
+        self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
         self._peers: list[str] = []
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
@@ -348,12 +349,16 @@ class GridTransport:
                     self._peers_at = -float("inf")
                     info, source = dataclasses.replace(info, peer=claimed), claimed
             carried = self.layout.carried if self.layout else ()
-            self._inbox.extend(train_reply_payloads(content, info, source, carried=carried))
+            self._inbox.extend(
+                train_reply_payloads(
+                    content, info, source, carried=carried, weight_key=self.weight_key
+                )
+            )
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return
-        metrics = content.metric_records.get(records.METRICS)
+        metrics = records.named_or_only(content.metric_records, records.METRICS)
         if metrics is not None:
             self.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
@@ -361,7 +366,12 @@ class GridTransport:
 
 
 def train_reply_payloads(
-    content: RecordDict, info: SentInstruction, source: str, *, carried: Collection[str] = ()
+    content: RecordDict,
+    info: SentInstruction,
+    source: str,
+    *,
+    carried: Collection[str] = (),
+    weight_key: str = "num-examples",
 ) -> list[WirePayload]:
     """The payloads a train reply stands for.
 
@@ -381,7 +391,7 @@ def train_reply_payloads(
                     f"a {payload.get('kind')} claiming to be {payload.get('sender')!r}"
                 )
         return list(payloads)
-    stock = records.stock_reply(content)
+    stock = records.stock_reply(content, weight_key)
     if stock is None or info.params is None:
         raise ValueError("neither a lensemble nor a stock train reply")
     arrays, count, _ = stock

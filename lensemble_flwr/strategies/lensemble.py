@@ -104,7 +104,8 @@ class LensembleStrategy(Strategy):
         resume: continue the run already in ``run_dir`` (after a ServerApp restart)
             instead of refusing a non-empty run directory.
         weighted_by_key: the client metric that weights the average of the clients'
-            metrics (as FedAvg's); it does not weight the model update (``weighting``).
+            metrics, and holds a stock reply's example count (as FedAvg's); whether
+            updates are weighted by it is ``weighting``'s choice.
         train_metrics_aggr_fn, evaluate_metrics_aggr_fn: ``(replies' contents,
             weighted_by_key) -> MetricRecord``, as FedAvg's (default: the weighted mean of
             every numeric metric, Flower's ``aggregate_metricrecords``).
@@ -302,7 +303,13 @@ class LensembleStrategy(Strategy):
                 continue
             try:
                 payloads.extend(
-                    train_reply_payloads(reply.content, info, peer, carried=self._carried())
+                    train_reply_payloads(
+                        reply.content,
+                        info,
+                        peer,
+                        carried=self._carried(),
+                        weight_key=self.weighted_by_key,
+                    )
                 )
             except ValueError as exc:
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
@@ -401,6 +408,7 @@ class LensembleStrategy(Strategy):
         coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
         transport.on_rename = coordinator.rename
         transport.allowed = set(self.identities) if self.identities is not None else None
+        transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
         warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)

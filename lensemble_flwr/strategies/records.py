@@ -242,8 +242,11 @@ def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     return payloads
 
 
-def stock_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
-    """(arrays, num-examples, metrics) of a stock Message-API train reply, or None."""
+def stock_reply(
+    content: RecordDict, weight_key: str = "num-examples"
+) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
+    """(arrays, example count, metrics) of a stock Message-API train reply, or None; the
+    count is the metric ``weight_key`` (FedAvg's ``weighted_by_key``)."""
     arrays = content.array_records.get(ARRAYS)
     if arrays is None and len(content.array_records) == 1:
         arrays = next(iter(content.array_records.values()))
@@ -251,7 +254,7 @@ def stock_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], int, dict[s
     if arrays is None or len(metric_records) != 1:
         return None
     metrics = dict(metric_records[0])
-    count = metrics.get("num-examples")
+    count = metrics.get(weight_key)
     if not isinstance(count, (int, float)) or count < 1:
         return None
     scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
