@@ -7,8 +7,10 @@ them, on scikit-learn's digits split into non-IID shards (Dirichlet, alpha 0.5):
 * ``stock-cnn``: a Message-API ClientApp (``train`` loads ``arrays.to_torch_state_dict()``
   strictly, runs SGD epochs, replies ``arrays`` + ``metrics{train_loss, num-examples}``);
 * ``stock-cnn-bn``: the same with a BatchNorm layer (an integer buffer);
-* ``numpyclient``: a legacy ``ClientApp(client_fn=...)`` whose NumPyClient sets its
-  weights with ``zip(state_dict().keys(), parameters)``;
+* ``numpyclient``: a NumPyClient that sets its weights with ``zip(state_dict().keys(),
+  parameters)``. Flower 1.42's Message-API FedAvg cannot drive a legacy
+  ``ClientApp(client_fn=...)`` at all (it asks for ``fitins.parameters``), so FedAvg runs
+  the stock app here and LensembleStrategy the NumPyClient through ``wrap_numpy_client``;
 * ``fixedclipping``: the stock app with Flower's ``fixedclipping_mod``, the strategy
   wrapped in ``DifferentialPrivacyClientSideFixedClipping`` (noise 0.1, clip 1.0);
 * ``fraction-0.3``: the stock app over 50 nodes with ``fraction_train=0.3``.
@@ -49,6 +51,8 @@ from flwr.simulation import run_simulation
 from sklearn.datasets import load_digits
 from torch import nn
 
+from lensemble_flwr.clients import wrap_numpy_client
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
 
 DIGITS = load_digits()
@@ -99,7 +103,7 @@ def local_sgd(
             loss = nn.functional.cross_entropy(model(x[start : start + 32]), y[start : start + 32])
             loss.backward()
             optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def stock_app(batch_norm: bool, mods: list | None = None) -> ClientApp:
@@ -131,7 +135,9 @@ class Client(NumPyClient):
 
 
 def numpy_app() -> ClientApp:
-    return ClientApp(client_fn=lambda context: Client(context).to_client())
+    return wrap_numpy_client(
+        lambda context: Client(context).to_client(), config_fn=lambda context: LensembleConfig()
+    )
 
 
 def accuracy_of(batch_norm: bool, arrays: ArrayRecord) -> float:
@@ -143,7 +149,7 @@ def accuracy_of(batch_norm: bool, arrays: ArrayRecord) -> float:
 
 
 def server(kind: str, strategy_args: dict, rounds: int, batch_norm: bool, box: dict,
-           clip: bool) -> ServerApp:  # fmt: skip
+           clip: bool, nodes: int) -> ServerApp:  # fmt: skip
     app = ServerApp()
 
     @app.main()
@@ -152,8 +158,7 @@ def server(kind: str, strategy_args: dict, rounds: int, batch_norm: bool, box: d
             strategy: Any = FedAvg(fraction_evaluate=0.0, **strategy_args)
         else:
             strategy = LensembleStrategy(fraction_evaluate=0.0, **strategy_args)
-        if clip:
-            nodes = len(list(grid.get_node_ids()))
+        if clip:  # (the grid lists no node yet when the ServerApp starts)
             strategy = DifferentialPrivacyClientSideFixedClipping(
                 strategy, noise_multiplier=0.1, clipping_norm=1.0, num_sampled_clients=nodes
             )
@@ -164,10 +169,14 @@ def server(kind: str, strategy_args: dict, rounds: int, batch_norm: bool, box: d
             return MetricRecord({"accuracy": accuracy[rnd]})
 
         started = time.perf_counter()
-        strategy.start(
-            grid=grid, initial_arrays=ArrayRecord(Net(batch_norm).state_dict()),
-            num_rounds=rounds, train_config=ConfigRecord({"lr": 0.05}), evaluate_fn=evaluate,
-        )  # fmt: skip
+        try:
+            strategy.start(
+                grid=grid, initial_arrays=ArrayRecord(Net(batch_norm).state_dict()),
+                num_rounds=rounds, train_config=ConfigRecord({"lr": 0.05}),
+                evaluate_fn=evaluate,
+            )  # fmt: skip
+        except Exception as exc:  # reported in the table
+            box["error"] = f"{type(exc).__name__}: {exc}"[:120]
         box["accuracy"], box["seconds"] = accuracy, time.perf_counter() - started
 
     return app
@@ -184,7 +193,7 @@ def main() -> None:
     shapes = {
         "stock-cnn": (stock_app(False), False, {}, args.nodes, False),
         "stock-cnn-bn": (stock_app(True), True, {}, args.nodes, False),
-        "numpyclient": (numpy_app(), False, {}, args.nodes, False),
+        "numpyclient": ((stock_app(False), numpy_app()), False, {}, args.nodes, False),
         "fixedclipping": (stock_app(False, [fixedclipping_mod]), False, {}, args.nodes, True),
         "fraction-0.3": (stock_app(False), False, {"fraction_train": 0.3}, 50, False),
     }
@@ -192,21 +201,27 @@ def main() -> None:
     for name in args.apps.split(","):
         client, batch_norm, strategy_args, nodes, clip = shapes[name]
         result = {}
-        for kind in ("FedAvg", "LensembleStrategy"):
+        apps = client if isinstance(client, tuple) else (client, client)
+        for kind, app in zip(("FedAvg", "LensembleStrategy"), apps, strict=True):
             box: dict = {}
             run_simulation(
-                server_app=server(kind, strategy_args, args.rounds, batch_norm, box, clip),
-                client_app=client, num_supernodes=nodes,
+                server_app=server(kind, strategy_args, args.rounds, batch_norm, box, clip, nodes),
+                client_app=app, num_supernodes=nodes,
                 backend_config={"client_resources": {"num_cpus": 1}},
             )  # fmt: skip
             result[kind] = box
         fed, lens = result["FedAvg"], result["LensembleStrategy"]
-        if "accuracy" not in fed or "accuracy" not in lens:
-            rows.append((name, None, None, "FAIL (a run failed)"))
+        done = [args.rounds in r.get("accuracy", {}) for r in (fed, lens)]
+        if not all(done):
+            why = fed.get("error") or lens.get("error") or "no result"
+            rows.append((name, None, None, f"FAIL ({why})"))
+            print(f"{name}: FAIL ({why})", flush=True)
             continue
         final_f, final_l = fed["accuracy"][args.rounds], lens["accuracy"][args.rounds]
         verdict = "PASS" if final_l >= final_f - 0.02 else "FAIL"
         rows.append((name, final_f, final_l, verdict, fed["seconds"], lens["seconds"]))
+        print(f"{name}: FedAvg {final_f:.3f}, LensembleStrategy {final_l:.3f}: {verdict}",
+              flush=True)  # fmt: skip
     print(f"\nfinal accuracy on all of digits after {args.rounds} rounds (Dirichlet 0.5 shards)")
     print(f"{'app':<15} {'FedAvg':>8} {'Lensemble':>10}  verdict   seconds (FedAvg / Lensemble)")
     for row in rows:
