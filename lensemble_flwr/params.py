@@ -96,17 +96,7 @@ def load_shared(
     missing = sorted(set(targets) - set(arrays))
     if missing:
         raise ParameterMismatch(f"missing shared tensors {missing}")
-    for name, tensor in targets.items():
-        value = np.asarray(arrays[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise ParameterMismatch(
-                f"{name}: model shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
-            )
-        if not np.issubdtype(value.dtype, np.floating):
-            raise ParameterMismatch(f"{name}: expected a floating-point array, got {value.dtype}")
-    with torch.no_grad():
-        for name, tensor in targets.items():
-            tensor.copy_(torch.from_numpy(np.array(arrays[name], copy=True)).to(tensor.dtype))
+    _check_and_copy(targets, arrays)
 
 
 def load_broadcast(
@@ -141,8 +131,21 @@ def load_broadcast(
     )
     if not_shared:
         raise ParameterMismatch(f"not shared floating-point tensors, refusing {not_shared}")
-    for name in arrays:
-        value, tensor = np.asarray(arrays[name]), state[name]
+    _check_and_copy({name: state[name] for name in arrays}, arrays)
+    return sorted(arrays)
+
+
+def _check_and_copy(
+    targets: Mapping[str, torch.Tensor], arrays: Mapping[str, np.ndarray]
+) -> None:
+    """Copy ``arrays`` into the ``targets`` tensors, all or nothing: every shape and dtype
+    is checked before the first write.
+
+    Raises:
+        ParameterMismatch: a wrong shape (both are given) or a non-floating array.
+    """
+    for name, tensor in targets.items():
+        value = np.asarray(arrays[name])
         if tuple(value.shape) != tuple(tensor.shape):
             raise ParameterMismatch(
                 f"{name}: model shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
@@ -150,10 +153,8 @@ def load_broadcast(
         if not np.issubdtype(value.dtype, np.floating):
             raise ParameterMismatch(f"{name}: expected a floating-point array, got {value.dtype}")
     with torch.no_grad():
-        for name in arrays:
-            value = torch.from_numpy(np.array(arrays[name], copy=True))
-            state[name].copy_(value.to(state[name].dtype))
-    return sorted(arrays)
+        for name, tensor in targets.items():
+            tensor.copy_(torch.from_numpy(np.array(arrays[name], copy=True)).to(tensor.dtype))
 
 
 def export_named(module: torch.nn.Module, names: Iterable[str]) -> NamedArrays:
