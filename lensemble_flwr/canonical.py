@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -89,3 +89,11 @@ def derive_seed(root_seed: int, *labels: str | int) -> int:
     """
     d = digest_record("seed", [int(root_seed), *labels])
     return int(d[:16], 16) >> 1
+
+
+def seeded_sample(items: Iterable[str], count: int, seed: int, domain: str) -> list[str]:
+    """``count`` of ``items``, the same for the same seed whatever the items' order: each
+    item is ranked by the SHA-256 of ``(seed, item)`` under ``domain`` and the first
+    ``count`` are kept (sorted). Uniform over the subsets of that size, and reproducible."""
+    ranked = sorted(items, key=lambda item: (digest_record(domain, [seed, item]), item))
+    return sorted(ranked[: max(0, count)])

@@ -165,3 +165,16 @@ def test_digest_arrays_matches_the_documented_encoding() -> None:
     )
     expected = hashlib.sha256(b"lensemble-flwr/1/params\x00" + body).hexdigest()
     assert digest_arrays(arrays, "params") == expected
+
+
+def test_a_seeded_sample_depends_on_the_seed_not_on_the_order_of_the_items() -> None:
+    from lensemble_flwr.canonical import seeded_sample
+
+    items = [f"p{i:02d}" for i in range(20)]
+    first = seeded_sample(items, 5, seed=3, domain="sample")
+    assert len(first) == 5 and first == sorted(first) and set(first) <= set(items)
+    assert seeded_sample(list(reversed(items)), 5, seed=3, domain="sample") == first
+    assert seeded_sample(items, 5, seed=4, domain="sample") != first
+    assert seeded_sample(items, 5, seed=3, domain="evaluate-sample") != first
+    assert seeded_sample(items, 99, seed=3, domain="sample") == sorted(items)
+    assert seeded_sample(items, -1, seed=3, domain="sample") == []

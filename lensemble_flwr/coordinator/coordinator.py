@@ -38,7 +38,7 @@ import numpy as np
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator, FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import derive_seed, digest_record
+from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
@@ -494,8 +494,8 @@ class Coordinator:
             if len(reachable) < max(fed.min_available, fed.quorum, 1):
                 return set()  # a sample below K could only abort: wait for more peers
             seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
-            ranked = sorted(reachable, key=lambda p: (digest_record("sample", [seed, p]), p))
-            attempt.sample = frozenset(ranked[: fed.sample_size(len(reachable))])
+            size = fed.sample_size(len(reachable))
+            attempt.sample = frozenset(seeded_sample(reachable, size, seed, "sample"))
             log.info(
                 "round %d attempt %d: sampled %d of %d reachable participants",
                 attempt.round,

@@ -37,7 +37,7 @@ from flwr.serverapp.strategy.strategy_utils import (
 )
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import derive_seed, digest_record
+from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
@@ -549,8 +549,7 @@ class LensembleStrategy(Strategy):
             max(1, int(len(peers) * self.fraction_evaluate), self.min_evaluate_nodes),
         )
         seed = derive_seed(self.config.federation.root_seed, "evaluate", server_round)
-        ranked = sorted(peers, key=lambda p: (digest_record("evaluate-sample", [seed, p]), p))
-        return sorted(ranked[:count])
+        return seeded_sample(peers, count, seed, "evaluate-sample")
 
     def _layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The user's array layout, taken from the first arrays the strategy is given."""
