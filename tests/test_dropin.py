@@ -227,23 +227,21 @@ def test_flowers_server_side_clipping_wrapper_runs_and_noise_it_adds_is_refused(
         )  # fmt: skip
 
 
-def test_a_group_pattern_that_matches_nothing_names_the_patterns_and_the_names(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("shared", "complaint"),
+    [
+        # a pattern that matches nothing: the patterns and the model's names are named
+        (("encoder", "conv1"), r"shared-groups: .*\['encoder'\].*conv1\.weight"),
+        # names in no shared group are named
+        (("conv1",), r"\['fc\.bias', 'fc\.weight'\].*none of the shared"),
+    ],
+    ids=["unmatched-pattern", "unshared-names"],
+)
+def test_groups_that_do_not_fit_the_model_are_refused_naming_them(
+    tmp_path: Path, shared: tuple[str, ...], complaint: str
 ) -> None:
-    config = LensembleConfig(groups={"shared": ("encoder", "conv1")})
-    strategy = LensembleStrategy(config, run_dir=tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"shared-groups: .*\['encoder'\].*conv1\.weight"):
-        strategy.start(
-            grid=grid_of(quickstart_app(False)),
-            initial_arrays=ArrayRecord(Net(False).state_dict()),
-            num_rounds=1,
-        )
-
-
-def test_a_name_in_no_shared_group_is_refused_naming_it(tmp_path: Path) -> None:
-    config = LensembleConfig(groups={"shared": ("conv1",)})
-    strategy = LensembleStrategy(config, run_dir=tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"\['fc\.bias', 'fc\.weight'\].*none of the shared"):
+    strategy = LensembleStrategy(LensembleConfig(groups={"shared": shared}), run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=complaint):
         strategy.start(
             grid=grid_of(quickstart_app(False)),
             initial_arrays=ArrayRecord(Net(False).state_dict()),
