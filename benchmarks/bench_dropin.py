@@ -13,6 +13,9 @@ them, on scikit-learn's digits split into non-IID shards (Dirichlet, alpha 0.5):
   the stock app here and LensembleStrategy the NumPyClient through ``wrap_numpy_client``;
 * ``fixedclipping``: the stock app with Flower's ``fixedclipping_mod``, the strategy
   wrapped in ``DifferentialPrivacyClientSideFixedClipping`` (noise 0.1, clip 1.0);
+* ``serverside-dp``: the stock app, the strategy wrapped in
+  ``DifferentialPrivacyServerSideFixedClipping`` (noise 0.1, clip 1.0); lensemble trains
+  each round from the noised model (its external step, docs/flower.md);
 * ``fraction-0.3``: the stock app over 50 nodes with ``fraction_train=0.3``.
 
 Each app runs once with ``FedAvg(...)`` and once with ``LensembleStrategy(...)`` given the
@@ -46,7 +49,11 @@ from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, FedAvg
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+)
 from flwr.simulation import run_simulation
 from sklearn.datasets import load_digits
 from torch import nn
@@ -148,8 +155,14 @@ def accuracy_of(batch_norm: bool, arrays: ArrayRecord) -> float:
         return float((model(X_ALL).argmax(1) == Y_ALL).float().mean())
 
 
+WRAPPERS = {
+    "client": DifferentialPrivacyClientSideFixedClipping,
+    "server": DifferentialPrivacyServerSideFixedClipping,
+}
+
+
 def server(kind: str, strategy_args: dict, rounds: int, batch_norm: bool, box: dict,
-           clip: bool, nodes: int) -> ServerApp:  # fmt: skip
+           wrap: str | None, nodes: int) -> ServerApp:  # fmt: skip
     app = ServerApp()
 
     @app.main()
@@ -158,8 +171,8 @@ def server(kind: str, strategy_args: dict, rounds: int, batch_norm: bool, box: d
             strategy: Any = FedAvg(fraction_evaluate=0.0, **strategy_args)
         else:
             strategy = LensembleStrategy(fraction_evaluate=0.0, **strategy_args)
-        if clip:  # (the grid lists no node yet when the ServerApp starts)
-            strategy = DifferentialPrivacyClientSideFixedClipping(
+        if wrap is not None:  # (the grid lists no node yet when the ServerApp starts)
+            strategy = WRAPPERS[wrap](
                 strategy, noise_multiplier=0.1, clipping_norm=1.0, num_sampled_clients=nodes
             )
         accuracy: dict[int, float] = {}
@@ -187,25 +200,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument(
-        "--apps", default="stock-cnn,stock-cnn-bn,numpyclient,fixedclipping,fraction-0.3"
+        "--apps",
+        default="stock-cnn,stock-cnn-bn,numpyclient,fixedclipping,serverside-dp,fraction-0.3",
     )
     args = parser.parse_args()
     shapes = {
-        "stock-cnn": (stock_app(False), False, {}, args.nodes, False),
-        "stock-cnn-bn": (stock_app(True), True, {}, args.nodes, False),
-        "numpyclient": ((stock_app(False), numpy_app()), False, {}, args.nodes, False),
-        "fixedclipping": (stock_app(False, [fixedclipping_mod]), False, {}, args.nodes, True),
-        "fraction-0.3": (stock_app(False), False, {"fraction_train": 0.3}, 50, False),
+        "stock-cnn": (stock_app(False), False, {}, args.nodes, None),
+        "stock-cnn-bn": (stock_app(True), True, {}, args.nodes, None),
+        "numpyclient": ((stock_app(False), numpy_app()), False, {}, args.nodes, None),
+        "fixedclipping": (stock_app(False, [fixedclipping_mod]), False, {}, args.nodes, "client"),
+        "serverside-dp": (stock_app(False), False, {}, args.nodes, "server"),
+        "fraction-0.3": (stock_app(False), False, {"fraction_train": 0.3}, 50, None),
     }
     rows = []
     for name in args.apps.split(","):
-        client, batch_norm, strategy_args, nodes, clip = shapes[name]
+        client, batch_norm, strategy_args, nodes, wrap = shapes[name]
         result = {}
         apps = client if isinstance(client, tuple) else (client, client)
         for kind, app in zip(("FedAvg", "LensembleStrategy"), apps, strict=True):
             box: dict = {}
             run_simulation(
-                server_app=server(kind, strategy_args, args.rounds, batch_norm, box, clip, nodes),
+                server_app=server(kind, strategy_args, args.rounds, batch_norm, box, wrap, nodes),
                 client_app=app, num_supernodes=nodes,
                 backend_config={"client_resources": {"num_cpus": 1}},
             )  # fmt: skip

@@ -9,14 +9,22 @@ the strategy is driven by its own ``start`` and by Flower's ``Strategy.start`` l
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
@@ -32,9 +40,12 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 )
 from torch import nn
 
+from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients import wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.errors import ConfigError, ParameterMismatch
+from lensemble_flwr.provenance.audit import audit_run
+from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.strategies import LensembleStrategy
 
 NODES = (21, 22, 23, 24)
@@ -172,59 +183,88 @@ def test_a_numpy_client_with_the_usual_state_dict_setter_gets_the_list_in_model_
 @pytest.mark.parametrize("noise", [0.0, 0.1])
 def test_flowers_client_side_clipping_wrapper_and_its_mod(tmp_path: Path, noise: float) -> None:
     """fixedclipping_mod accepts every instruction and clips every update; the wrapper's
-    central noise is added to the aggregate after lensemble committed it, so with noise
-    the next round is refused (lensemble trains only from committed models)."""
+    central noise, added after lensemble committed each round, is what the next round
+    trains from, recorded as that round's external step."""
     strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
     wrapped = DifferentialPrivacyClientSideFixedClipping(
         strategy, noise_multiplier=noise, clipping_norm=0.05, num_sampled_clients=4
     )
     initial = ArrayRecord(Net(batch_norm=True).state_dict())
     grid = grid_of(quickstart_app(batch_norm=True, mods=[fixedclipping_mod]))
-
-    def run() -> Any:
-        return Strategy.start(
-            wrapped, grid=grid, initial_arrays=initial, num_rounds=2,
-            train_config=ConfigRecord({"lr": 0.1}),
-        )  # fmt: skip
-
-    if noise > 0:
-        with pytest.raises(ConfigError, match="other arrays than the global model"):
-            run()
-        return
-    result = run()
-    assert not any(reply.has_error() for _, reply in grid.delivered)  # the mod accepted all
-    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [4.0, 4.0]
-    # every update was clipped by the mod on the node: each step is at most the clip norm
-    before = {k: v.numpy() for k, v in initial.items()}
-    after = {k: v.numpy() for k, v in result.arrays.items()}
-    floats = [k for k in before if after[k].dtype.kind == "f" and "running" not in k]
-    step = np.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in floats))
-    assert step <= 2 * 0.05 * (1 + 1e-5)
-
-
-def test_flowers_server_side_clipping_wrapper_runs_and_noise_it_adds_is_refused(
-    tmp_path: Path,
-) -> None:
-    initial = ArrayRecord(Net(batch_norm=False).state_dict())
-    clipping = DifferentialPrivacyServerSideFixedClipping(
-        LensembleStrategy(fedavg_config(), run_dir=tmp_path / "a", fraction_evaluate=0),
-        noise_multiplier=0.0, clipping_norm=0.05, num_sampled_clients=4,
-    )  # fmt: skip
     result = Strategy.start(
-        clipping, grid=grid_of(quickstart_app(False)), initial_arrays=initial, num_rounds=2,
+        wrapped, grid=grid, initial_arrays=initial, num_rounds=3,
         train_config=ConfigRecord({"lr": 0.1}),
     )  # fmt: skip
-    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2)] == [4.0, 4.0]
-    assert list(result.arrays.keys()) == list(initial.keys())
-    noising = DifferentialPrivacyServerSideFixedClipping(
-        LensembleStrategy(fedavg_config(), run_dir=tmp_path / "b", fraction_evaluate=0),
-        noise_multiplier=1.0, clipping_norm=0.05, num_sampled_clients=4,
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match="other arrays than the global model"):
-        Strategy.start(
-            noising, grid=grid_of(quickstart_app(False)), initial_arrays=initial,
-            num_rounds=2, train_config=ConfigRecord({"lr": 0.1}),
+    assert not any(reply.has_error() for _, reply in grid.delivered)  # the mod accepted all
+    assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2, 3)] == [4.0] * 3
+    records = verify(Store(tmp_path / "run"))
+    steps = [r.external_step for r in records]
+    if noise == 0:
+        assert steps == [None, None, None]
+        # every update was clipped by the mod on the node: each step is at most the clip
+        before = {k: v.numpy() for k, v in initial.items()}
+        after = {k: v.numpy() for k, v in result.arrays.items()}
+        floats = [k for k in before if after[k].dtype.kind == "f" and "running" not in k]
+        step = np.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in floats))
+        assert step <= 3 * 0.05 * (1 + 1e-5)
+        return
+    # rounds 1 and 2 (0-based in the ledger) trained from the noised models
+    assert steps[0] is None and all(s is not None and s.change_norm > 0 for s in steps[1:])
+    for before, after in itertools.pairwise(records):
+        assert after.external_step.committed_hash == before.new_global_hash
+        assert after.previous_global_hash == after.external_step.adopted_hash
+    assert audit_run(tmp_path / "run").ok
+
+
+def test_flowers_server_side_clipping_wrapper_with_and_without_noise(tmp_path: Path) -> None:
+    initial = ArrayRecord(Net(batch_norm=False).state_dict())
+    for noise, name in [(0.0, "a"), (1.0, "b")]:
+        grid = grid_of(quickstart_app(False))
+        wrapped = DifferentialPrivacyServerSideFixedClipping(
+            LensembleStrategy(fedavg_config(), run_dir=tmp_path / name, fraction_evaluate=0),
+            noise_multiplier=noise, clipping_norm=0.05, num_sampled_clients=4,
         )  # fmt: skip
+        result = Strategy.start(
+            wrapped, grid=grid, initial_arrays=initial, num_rounds=3,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )  # fmt: skip
+        assert [result.train_metrics_clientapp[r]["lensemble.C_t"] for r in (1, 2, 3)] == [4.0] * 3
+        assert list(result.arrays.keys()) == list(initial.keys())
+        records = verify(Store(tmp_path / name))
+        assert [r.external_step is not None for r in records] == [False, noise > 0, noise > 0]
+        if noise > 0:
+            # what the nodes were sent in round 2 is the noised model the wrapper returned
+            sent = [m for m in grid.pushed() if m.content["config"]["lensemble.round"] == 1]
+            adopted = records[1].external_step.adopted_hash
+            assert sent and {m.content["config"]["lensemble.global_hash"] for m in sent} == {
+                adopted
+            }
+            assert records[1].previous_global_hash == adopted
+
+
+def test_a_wrapper_that_breaks_the_model_is_refused_with_nothing_changed(tmp_path: Path) -> None:
+    """A post-aggregation step that puts NaN into the model stops the run before any node
+    is sent it; the committed rounds stay as they were."""
+
+    class Breaking(DifferentialPrivacyServerSideFixedClipping):
+        def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
+            arrays, metrics = super().aggregate_train(server_round, replies)
+            broken = {k: v.numpy().copy() for k, v in arrays.items()}
+            broken["fc.bias"][0] = np.nan
+            return ArrayRecord({k: Array(v) for k, v in broken.items()}), metrics
+
+    wrapped = Breaking(
+        LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0),
+        noise_multiplier=0.0, clipping_norm=0.05, num_sampled_clients=4,
+    )  # fmt: skip
+    grid = grid_of(quickstart_app(False))
+    with pytest.raises(ParameterMismatch, match=r"non-finite values in \['fc.bias'\]"):
+        Strategy.start(
+            wrapped, grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()),
+            num_rounds=3, train_config=ConfigRecord({"lr": 0.1}),
+        )  # fmt: skip
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [0]
+    assert {m.content["config"]["lensemble.round"] for m in grid.pushed()} == {0}
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,8 @@ def _notes(attempt: AttemptSummary) -> str:
         notes.append("UNBOUND: " + ", ".join(attempt.unbound))
     if attempt.secure_sum:
         notes.append("secure sum")
+    if attempt.external_change is not None:
+        notes.append(f"external step {attempt.external_change:.3g}")
     return "; ".join(notes)
 
 
@@ -102,6 +104,12 @@ def _print_footer(summary: RunSummary) -> None:
             out.print(f"round {a.round} attempt {a.attempt} {a.state}: {a.reason}")
         for pid, why in a.refused.items():
             out.print(f"round {a.round} attempt {a.attempt}: refused {pid}: {why}")
+        if a.external_change is not None and a.attempt == 1:
+            out.print(
+                f"round {a.round}: trained from a model changed after the previous commit "
+                f"(external step, change norm {a.external_change:.4g}; a wrapping "
+                "strategy's post-aggregation step such as central DP noise)"
+            )
     out.print(
         f"closed rounds: {len(summary.closed)}, aborted attempts: {len(summary.aborted)}; "
         f"final global hash {summary.final_global_hash}"

@@ -15,6 +15,7 @@ from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.protocol.messages import RoundOpen, Update
 from lensemble_flwr.protocol.round import RoundMachine, RoundState, TerminalState
 from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.ledger import ExternalStep
 from lensemble_flwr.secagg.protocol import Member
 
 
@@ -53,6 +54,7 @@ class Attempt:
 
     machine: RoundMachine
     state: GlobalState  # the pinned global state the attempt runs on
+    external_step: ExternalStep | None  # set when that state was changed after its commit
     round_open: RoundOpen  # the attempt's RoundOpen, before per-recipient changes
     started: float  # on the coordinator's clock
     grace: float = 0.0  # extra seconds on the open and collect deadlines (a cold start)

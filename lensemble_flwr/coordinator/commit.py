@@ -47,6 +47,7 @@ _RECORDED_FROM_ENTRY = {
     "aggregate_digest",
     "new_global_hash",
     "round_seed",
+    "external_step",
 }
 """The ledger record's fields that are the closing manifest entry's, under the same name."""
 
@@ -91,6 +92,7 @@ def entry_of(
         refused=dict(sorted(attempt.refused.items())),
         secure_sum=closed and secure_sum,
         diagnostics=dict(diagnostics),
+        external_step=attempt.external_step,
     )
 
 

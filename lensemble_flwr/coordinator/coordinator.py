@@ -44,6 +44,11 @@ from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.commit import entry_of, write_commit
 from lensemble_flwr.coordinator.durable import mark_started
+from lensemble_flwr.coordinator.external_step import (
+    SteppedFrom,
+    check_adoptable,
+    take_external_step,
+)
 from lensemble_flwr.coordinator.modes import AggregatorFactory, Exchange, RoundMode, mode_for
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.coordinator.recovery import INTERRUPTED, record_interrupted, recover
@@ -79,7 +84,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState, l2_norm
-from lensemble_flwr.provenance.ledger import GENESIS, Ledger, RunManifest
+from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
 from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport
 
 __all__ = [
@@ -238,8 +243,11 @@ class Coordinator:
         self._global = self._pin(recovered.round, recovered.params, copy=False)
         self._momentum = recovered.momentum
         self._head_hash = recovered.head_hash
+        self._external_step = recovered.external_step
         self.registry.restore()
-        self._manifest = record_interrupted(store, recovered.manifest, self._global)
+        self._manifest = record_interrupted(
+            store, recovered.manifest, self._global, recovered.external_step
+        )
         log.info(
             "resumed run %s at round %d (%d participants registered)",
             self.run_id,
@@ -302,6 +310,8 @@ class Coordinator:
         self.last_close: RoundClose | None = None
         self._grace = 0.0
         self.outcomes: list[RoundOutcome] = []
+        self._stepped_from: SteppedFrom | None = None  # the last commit's θ_t, m_t
+        self._external_step: ExternalStep | None = None  # how _global replaced a commit
 
     # -- observability -----------------------------------------------------------------
     def round_state(self) -> RoundState:
@@ -371,6 +381,61 @@ class Coordinator:
                 continue
             log.error("round %d: federation stops: %s", outcome.round, outcome.reason)
             raise outcome.error
+
+    def adopt(self, params: Mapping[str, np.ndarray]) -> ExternalStep | None:
+        """Train the next round from ``params``, a change to the model the last round
+        committed made outside lensemble (a wrapping strategy's central noise); the
+        round's manifest entries and ledger record carry the step (:mod:`.external_step`).
+
+        Returns:
+            The step (None when ``params`` is the committed model: nothing changes). The
+            same ``params`` again returns the same step.
+
+        Raises:
+            IllegalTransition: no round was committed by this coordinator since it
+                started (there is no step to change), an attempt of the round already
+                started from the committed model, or the round already adopted other
+                params (a second release of one aggregate).
+            ParameterMismatch: ``params`` differs from the committed model in names,
+                shapes or dtypes, or holds non-finite values.
+            CheckpointIntegrityError, StoreError: the adopted checkpoint was not stored.
+            In every case nothing changes.
+        """
+        check_adoptable(self._global.params, params)
+        adopted_hash = self._pin(self._global.round, params).params_hash
+        step = self._external_step
+        if step is not None:
+            if adopted_hash == step.adopted_hash:
+                return step
+            raise IllegalTransition(
+                f"round {self._global.round} already trains from an adopted model "
+                f"({step.adopted_hash[:12]}…); another would release the aggregate twice"
+            )
+        stepped_from = self._stepped_from
+        attempt = self._attempt
+        if stepped_from is None or attempt is None:
+            raise IllegalTransition(
+                "adopt: this coordinator committed no round since it started; only the "
+                "model a round just committed can be changed"
+            )
+        if attempt.round == self._global.round:
+            raise IllegalTransition(
+                f"adopt: round {attempt.round} attempt {attempt.number} already started "
+                "from the committed model"
+            )
+        if adopted_hash == self._global.params_hash:
+            return None
+        state, momentum, step = take_external_step(
+            self.store, self._global, stepped_from, params, self.config.outer, self._pin
+        )
+        self._global, self._momentum, self._external_step = state, momentum, step
+        log.info(
+            "round %d trains from a model changed after its commit (change norm %.4g; "
+            "recorded as its external step)",
+            state.round,
+            step.change_norm,
+        )
+        return step
 
     def grant_grace(self, seconds: float) -> None:
         """Extend the open and collect deadlines of the next attempt (only) by ``seconds``.
@@ -454,6 +519,7 @@ class Coordinator:
         attempt = Attempt(
             machine=RoundMachine(state.round, number),
             state=state,
+            external_step=self._external_step,
             round_open=self._round_open(number),
             started=self._clock(),
             grace=self._grace,
@@ -628,12 +694,9 @@ class Coordinator:
             diagnostics = self._diagnose(attempt.state, mean)
             self._fire(attempt, RoundEvent.DIAGNOSED)
             groups = self.config.groups
+            averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))
             params, momentum = outer_step(
-                attempt.state.params,
-                self._momentum,
-                mean,
-                self.config.outer,
-                averaged={n for n in attempt.state.params if groups.is_averaged(n)},
+                attempt.state.params, self._momentum, mean, self.config.outer, averaged
             )
             committed = write_commit(
                 self.store,
@@ -651,6 +714,8 @@ class Coordinator:
             return self.abort(exc)
         # -- the commit point: the ledger holds the round; nothing below may abort it ----
         prior = attempt.state
+        self._stepped_from = SteppedFrom(prior.params, self._momentum, averaged)
+        self._external_step = None
         self._global, self._momentum = committed.state, committed.momentum
         self._head_hash = committed.record.record_hash
         self._fire(attempt, RoundEvent.COMMITTED)

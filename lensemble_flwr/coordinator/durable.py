@@ -12,6 +12,9 @@ configuration and every attempt. Two more things are needed to pick a run up aga
 * **the closing entry** — the manifest entry of the round being committed, written just
   before its ledger record. A crash between the record (the commit) and the manifest entry
   then loses nothing: resume writes this entry, not a reconstruction from the record.
+* **the external step** — a model changed after the last commit that the next round
+  trains from (:mod:`.external_step`), kept before anything is sent from it: a
+  restarted coordinator trains from it too, never from the model it replaced.
 * **attempt markers** — a name claimed as an attempt starts. An attempt that has a
   marker but no manifest entry was cut short by a crash; on resume it is recorded as
   aborted, so the next attempt gets a fresh number and participants, which answer each
@@ -28,10 +31,11 @@ from pydantic import ValidationError
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError
-from lensemble_flwr.provenance.ledger import RoundEntry
+from lensemble_flwr.provenance.ledger import ExternalStep, RoundEntry
 
 ATTEMPTS = "coordinator/attempts"
 CLOSING = "coordinator/closing"
+EXTERNAL_STEP = "coordinator/external-step"
 
 
 def _round_attempts(round: int) -> str:
@@ -69,3 +73,23 @@ def load_closing(store: Store) -> RoundEntry | None:
         return RoundEntry.model_validate_json(store.get(store.resolve(CLOSING)))
     except (ValidationError, ValueError):
         return None
+
+
+def save_external_step(store: Store, step: ExternalStep) -> None:
+    """Keep the external step the next round trains from (see the module doc)."""
+    store.bind(EXTERNAL_STEP, store.put(canonical_json(step.model_dump(mode="json"))))
+
+
+def load_external_step(store: Store) -> ExternalStep | None:
+    """The last external step kept, or None when none was.
+
+    Raises:
+        LedgerError: one was kept and does not parse (a restarted coordinator must not
+            guess which model the next round trains from).
+    """
+    if not store.bound(EXTERNAL_STEP):
+        return None
+    try:
+        return ExternalStep.model_validate_json(store.get(store.resolve(EXTERNAL_STEP)))
+    except (ValidationError, ValueError) as exc:
+        raise LedgerError(f"the kept external step does not parse: {exc}") from None

@@ -95,3 +95,51 @@ def outer_step(
         new_params[name] = p_out.reshape(p.shape)
         new_momentum[name] = m_out.reshape(p.shape)
     return new_params, new_momentum
+
+
+def momentum_after_external_step(
+    base: Mapping[str, np.ndarray],
+    base_momentum: Mapping[str, np.ndarray],
+    adopted: Mapping[str, np.ndarray],
+    config: OuterOptimizerConfig,
+    averaged: Collection[str] = (),
+) -> NamedArrays:
+    """The momentum of an outer step from ``(base, base_momentum)`` whose result was
+    ``adopted``: a model changed after the step (a wrapping strategy's central noise).
+
+    It solves the step for the mean delta that would have produced ``adopted``
+    (Nesterov: θ̃ = θ + η·((1 + μ)·Δ̃ + μ²·m), so Δ̃ = ((θ̃ − θ)/η − μ²·m)/(1 + μ);
+    heavy ball: θ̃ = θ + η·(μ·m + Δ̃)) and returns m̃ = μ·m + Δ̃. It reads nothing but the
+    previous released state and the adopted model, so the momentum, and every later step,
+    is a function of released models only: the un-noised mean the step consumed does not
+    survive in the optimizer's state. Applying :func:`outer_step` with Δ̃ to the base gives
+    ``adopted`` (up to float rounding). The ``averaged`` names keep a zero momentum.
+
+    Raises:
+        ParameterMismatch: the mappings differ in names or shapes.
+    """
+    check_same_layout(base, base_momentum, "momentum")
+    check_same_layout(base, adopted, "adopted params")
+    momentum: NamedArrays = {}
+    for name in sorted(base):
+        theta = base[name]
+        dtype = theta.dtype.type
+        if name in averaged:
+            momentum[name] = np.zeros_like(theta)
+            continue
+        lr, mu = dtype(config.lr), dtype(config.momentum)
+        m = base_momentum[name].astype(theta.dtype, copy=False)
+        moved = (adopted[name].astype(theta.dtype, copy=False) - theta) / lr
+        if config.nesterov:  # the Δ̃ that solves the step, then m̃ = μ·m + Δ̃
+            momentum[name] = mu * m + (moved - mu * mu * m) / (dtype(1) + mu)
+        else:  # heavy ball: θ̃ = θ + η·m̃
+            momentum[name] = moved
+    return momentum
+
+
+def influence_scale(config: OuterOptimizerConfig) -> float:
+    """How much one step scales the mean delta's effect on the model: η·(1 + μ) with
+    Nesterov momentum, η without (1 for FedAvg's step, η = 1 and μ = 0). A wrapper that
+    adds noise calibrated to FedAvg's averaging to the result of this step gets a noise
+    multiplier divided by this factor."""
+    return config.lr * (1 + config.momentum) if config.nesterov else config.lr

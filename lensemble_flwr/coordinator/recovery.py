@@ -1,6 +1,8 @@
 """Rebuilding a coordinator's committed state from its run directory after a restart.
 
-The newest ledger record names the checkpoint to resume from (θ_t and its momentum); a
+The newest ledger record names the checkpoint to resume from (θ_t and its momentum),
+unless an external step kept after it replaced θ_t (:mod:`.external_step`): then the
+adopted model's checkpoint is the one resumed from. A
 commit that a crash cut short between the ledger record and the manifest entry is
 completed from the closing entry kept before it (:mod:`.durable`); an attempt that
 started but never finished is recorded as aborted, so the round is retried under a new
@@ -15,13 +17,18 @@ from typing import Literal
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.coordinator.durable import load_closing, started_attempts
+from lensemble_flwr.coordinator.durable import (
+    load_closing,
+    load_external_step,
+    started_attempts,
+)
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
+    ExternalStep,
     Ledger,
     RoundEntry,
     RunManifest,
@@ -45,6 +52,7 @@ class Recovered:
     params: NamedArrays
     momentum: NamedArrays
     head_hash: str
+    external_step: ExternalStep | None = None  # how ``params`` replaced the head's model
 
 
 def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]) -> Recovered:
@@ -79,17 +87,32 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
     expected = head.new_global_hash if head else manifest.initial_params_hash
     if ckpt.params_hash != expected:
         raise LedgerError("the checkpoint to resume from does not hold the recorded state")
+    step = load_external_step(store)
+    if step is not None and step.committed_hash == expected:
+        # the next round was to train from a model changed after this commit: so it does
+        ckpt = decode_checkpoint(store.get(step.checkpoint))
+        if ckpt.params_hash != step.adopted_hash:
+            raise LedgerError("the kept external step's checkpoint does not hold its model")
+    else:
+        step = None  # none kept, or one an earlier round already trained from
     return Recovered(
         manifest=manifest,
         round=ckpt.round,
         params=ckpt.params,
         momentum=ckpt.momentum,
         head_hash=head.record_hash if head else GENESIS,
+        external_step=step,
     )
 
 
-def record_interrupted(store: Store, manifest: RunManifest, state: GlobalState) -> RunManifest:
-    """Record every attempt of ``state.round`` that started but has no manifest entry."""
+def record_interrupted(
+    store: Store,
+    manifest: RunManifest,
+    state: GlobalState,
+    external_step: ExternalStep | None = None,
+) -> RunManifest:
+    """Record every attempt of ``state.round`` that started but has no manifest entry
+    (``external_step``: the one ``state`` was adopted by, if any)."""
     t = state.round
     finished = {e.attempt for e in manifest.rounds if e.round == t}
     for attempt in started_attempts(store, t):
@@ -105,6 +128,7 @@ def record_interrupted(store: Store, manifest: RunManifest, state: GlobalState) 
                 reason=INTERRUPTED,
                 round_seed=state.sketch_seed,
                 prior_global_hash=state.params_hash,
+                external_step=external_step,
             ),
         )
     return manifest

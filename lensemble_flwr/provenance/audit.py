@@ -47,6 +47,7 @@ from lensemble_flwr.provenance.ledger import (
     manifest_entry_name,
     parse_document,
     record_breaks,
+    record_checkpoint_breaks,
     registry_breaks,
 )
 
@@ -335,12 +336,24 @@ class _Walk:
                         t,
                     )
                 )
-            if entry.prior_global_hash != self.global_hash:
+            step = entry.external_step
+            if step is not None and step.committed_hash != self.global_hash:
+                self.findings.append(
+                    Finding(
+                        f"{where} attempt {entry.attempt}",
+                        "manifest.external_step.committed_hash",
+                        self.global_hash,
+                        step.committed_hash,
+                        t,
+                    )
+                )
+            trained_from = step.adopted_hash if step is not None else self.global_hash
+            if entry.prior_global_hash != trained_from:
                 self.findings.append(
                     Finding(
                         f"{where} attempt {entry.attempt}",
                         "manifest.prior_global_hash",
-                        self.global_hash,
+                        trained_from,
                         entry.prior_global_hash,
                         t,
                     )
@@ -382,9 +395,7 @@ class _Walk:
                 rec,
                 previous_record_hash=prev_record,
                 previous_global_hash=self.global_hash,
-                checkpoint=lambda r: self._checkpoint_breaks(
-                    r.checkpoint, params_hash=r.new_global_hash, round=r.round
-                ),
+                checkpoint=self._record_checkpoint_breaks,
             ),
         )
         if closed is not None:
@@ -394,6 +405,10 @@ class _Walk:
                 update={"rounds": tuple(self._entries_of.get(rec.round, []))}
             )
             self._breaks(where, evidence_breaks(rec, entries, header_digest(self.header)))
+
+    def _record_checkpoint_breaks(self, rec: ContributionRecord) -> Iterable[LinkBreak]:
+        self.checkpoints += 1 + (rec.external_step is not None)
+        return record_checkpoint_breaks(self.store, rec)
 
     def _checkpoint_breaks(
         self, digest: str, *, params_hash: str, round: int | None

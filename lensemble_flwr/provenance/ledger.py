@@ -50,6 +50,31 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class ExternalStep(_Frozen):
+    """A change made to the committed global model outside lensemble, before a round
+    trained from it: a wrapping strategy's post-aggregation step, such as the central
+    noise of Flower's ``DifferentialPrivacyServerSideFixedClipping``.
+
+    The round's manifest entries and its ledger record carry it, so the chain of global
+    hashes stays unbroken: the previous round committed ``committed_hash``, this round
+    trained from ``adopted_hash``, and ``checkpoint`` holds the adopted model with the
+    momentum the coordinator re-derived from it (the outer optimizer's state depends on
+    released models only: see ``coordinator.outer_optimizer.momentum_after_external_step``).
+    """
+
+    committed_hash: str = Field(description="The global model the previous round committed.")
+    adopted_hash: str = Field(description="The global model this round trained from.")
+    checkpoint: str = Field(description="Store digest of the adopted model's checkpoint.")
+    change_norm: float = Field(
+        ge=0, description="L2 norm of the change, over every floating-point array."
+    )
+
+
+_ONLY_WHEN_SET = Field(None, exclude_if=lambda value: value is None)
+"""An optional field left out of the stored and hashed form while it is unset (records
+and entries written before the field existed keep their hashes)."""
+
+
 class ContributionRecord(_Frozen):
     """What one CLOSED round consumed and produced, chained to the record before it."""
 
@@ -73,6 +98,8 @@ class ContributionRecord(_Frozen):
     previous_global_hash: str
     new_global_hash: str
     checkpoint: str = Field(description="Store digest of the θ_{t+1} checkpoint blob.")
+    external_step: ExternalStep | None = _ONLY_WHEN_SET
+    """Set when the round trained from a model changed after the previous commit."""
     round_seed: int
     frame_drift: float | None = Field(
         None, description="Gauge diagnostic of the round (None: no gauge adapter)."
@@ -125,6 +152,7 @@ class RoundEntry(_Frozen):
     refused: dict[str, str] = {}
     secure_sum: bool = False  # the outer step consumed a revealed masked sum
     diagnostics: dict[str, float] = {}
+    external_step: ExternalStep | None = _ONLY_WHEN_SET  # the attempt's base was changed
 
 
 class _Header(_Frozen):
@@ -305,9 +333,7 @@ def verify(store: Store) -> list[ContributionRecord]:
         link_breaks(
             records,
             manifest,
-            lambda rec: checkpoint_breaks(
-                store, rec.checkpoint, params_hash=rec.new_global_hash, round=rec.round
-            ),
+            lambda rec: record_checkpoint_breaks(store, rec),
         )
     )
     verify_registry(store, records)
@@ -406,6 +432,19 @@ def checkpoint_breaks(
         yield LinkBreak(round, "checkpoint.round", round + 1, ckpt.round, wrong)
 
 
+def record_checkpoint_breaks(store: Store, rec: ContributionRecord) -> Iterator[LinkBreak]:
+    """The checkpoints a ledger record names: the one of the state it produced, and the
+    adopted model's when the round trained from a model changed by an external step."""
+    yield from checkpoint_breaks(
+        store, rec.checkpoint, params_hash=rec.new_global_hash, round=rec.round
+    )
+    step = rec.external_step
+    if step is not None:
+        yield from checkpoint_breaks(
+            store, step.checkpoint, params_hash=step.adopted_hash, round=rec.round - 1
+        )
+
+
 def record_breaks(
     rec: ContributionRecord,
     *,
@@ -434,13 +473,24 @@ def record_breaks(
             rec.previous_record_hash,
             f"{where}: chain broken (previous record hash differs)",
         )
-    if rec.previous_global_hash != previous_global_hash:
+    step = rec.external_step
+    if step is not None and step.committed_hash != previous_global_hash:
+        yield LinkBreak(
+            t,
+            "ledger.external_step.committed_hash",
+            previous_global_hash,
+            step.committed_hash,
+            f"{where}: its external step does not start from the prior round's new hash",
+        )
+    trained_from = step.adopted_hash if step is not None else previous_global_hash
+    if rec.previous_global_hash != trained_from:
         yield LinkBreak(
             t,
             "ledger.previous_global_hash",
-            previous_global_hash,
+            trained_from,
             rec.previous_global_hash,
-            f"{where}: previous global hash is not the prior round's new hash",
+            f"{where}: previous global hash is not the prior round's new hash"
+            + (" changed by its external step" if step is not None else ""),
         )
     if checkpoint is not None:
         yield from checkpoint(rec)
@@ -471,6 +521,7 @@ def agreement_breaks(rec: ContributionRecord, entry: RoundEntry) -> Iterator[Lin
         ("manifest.update_digests", rec.update_digests, entry.update_digests),
         ("manifest.aggregate_digest", rec.aggregate_digest, entry.aggregate_digest),
         ("manifest.new_global_hash", rec.new_global_hash, entry.new_global_hash),
+        ("manifest.external_step", rec.external_step, entry.external_step),
     ]
     message = f"round {rec.round}: manifest and ledger disagree"
     for field, expected, found in pairs:

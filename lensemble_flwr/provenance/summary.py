@@ -33,6 +33,8 @@ class AttemptSummary:
     epsilon: dict[str, float | None]  # cumulative, after this round's release (closed only)
     new_global_hash: str | None
     unbound: tuple[str, ...] = ()  # contributors bound to no dataset commitment (closed only)
+    external_change: float | None = None  # trained from a model changed after its commit:
+    # the change's L2 norm (a wrapping strategy's central noise); None: the committed one
 
     @property
     def epsilon_max(self) -> float | None:
@@ -134,6 +136,7 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
             epsilon=dict(epsilon.get((e.round, e.attempt), {})),
             new_global_hash=e.new_global_hash,
             unbound=unbound.get((e.round, e.attempt), ()),
+            external_change=e.external_step.change_norm if e.external_step else None,
         )
         for e in sorted(manifest.rounds, key=lambda e: (e.round, e.attempt))
     )

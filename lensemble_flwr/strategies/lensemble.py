@@ -40,7 +40,8 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
-from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
+from lensemble_flwr.coordinator.outer_optimizer import influence_scale
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, ParameterMismatch
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
@@ -171,6 +172,7 @@ class LensembleStrategy(Strategy):
         self._connected: set[int] = set()  # the nodes configure_train last saw
         self._returned: ArrayRecord | None = None  # what aggregate_train last handed out
         self._said_no_evaluation = False
+        self._said_influence = False
 
     # -- Strategy's abstract surface ---------------------------------------------------
     def summary(self) -> None:
@@ -226,7 +228,7 @@ class LensembleStrategy(Strategy):
                 "call LensembleStrategy.start() instead",
             )
         coordinator = self._ensure_coordinator(grid, arrays)
-        self._check_not_changed_since_aggregate(server_round, arrays)
+        self._adopt_changes(server_round, arrays)
         attempt = coordinator.attempt
         if attempt is not None and attempt.phase not in TERMINAL_STATES:
             # the attempt never got its replies (aggregate_train was skipped, or failed
@@ -489,33 +491,67 @@ class LensembleStrategy(Strategy):
             say(INFO, "\t├── run directory: %s", self.run_dir)
         return self.coordinator
 
-    def _check_not_changed_since_aggregate(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Refuse to train from arrays other than those ``aggregate_train`` returned.
+    def _adopt_changes(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Train from ``arrays`` when something changed what ``aggregate_train`` returned.
+
+        Flower's central-DP wrappers add their noise to the aggregate after lensemble
+        committed it; the coordinator adopts the noised model as the round's external
+        step, recorded in its manifest entries and ledger record (see
+        ``coordinator.external_step``). Carried (integer) arrays are not federated: a
+        change to them is logged and left out, as they travel as given.
 
         Raises:
-            ConfigError: something between the two calls (a strategy wrapper that adds
-                noise to the aggregate, such as Flower's
-                ``DifferentialPrivacyServerSideFixedClipping`` with a noise multiplier)
-                changed the global arrays; lensemble commits every global model to its
-                ledger, so training from an uncommitted one would silently drop the change.
+            ParameterMismatch: ``arrays`` does not fit the global model (names, shapes,
+                dtypes, non-finite values); nothing changes.
+            IllegalTransition: the round already trained from another model.
         """
-        returned = self._returned
-        if returned is None or arrays is returned:
+        returned, coordinator = self._returned, self.coordinator
+        if returned is None or arrays is returned or coordinator is None:
             return
-        changed = [
+        layout = self._layout_of(arrays)
+        if list(arrays) != list(returned):
+            raise ParameterMismatch(
+                f"round {server_round}: configure_train got arrays {list(arrays)[:5]}…, "
+                f"not the global model's {list(returned)[:5]}…"
+            )
+        changed_carried = [
             name
-            for name in returned
-            if name not in arrays
-            or not np.array_equal(arrays[name].numpy(), returned[name].numpy())
+            for name in layout.carried_names
+            if not np.array_equal(arrays[name].numpy(), returned[name].numpy())
         ]
-        if changed or set(arrays) != set(returned):
-            raise ConfigError(
-                "arrays",
-                f"round {server_round}: configure_train got other arrays than the global model "
-                f"aggregate_train returned (changed: {changed[:5]}); lensemble trains only "
-                "from the global models its ledger commits. A wrapper that adds central "
-                "noise after aggregation cannot be used: use lensemble's own DP "
-                "(clip-norm, noise-multiplier; docs/privacy.md)",
+        if changed_carried:
+            log.warning(
+                "round %d: %s changed after aggregation; non-floating arrays are carried "
+                "as given, so the change is not used",
+                server_round,
+                changed_carried,
+            )
+        federated = {n: arrays[n].numpy() for n in arrays if n not in layout.carried}
+        step = coordinator.adopt(federated)
+        if step is None:
+            return
+        self._returned = arrays
+        say(
+            INFO,
+            "\t├── the global model was changed after lensemble committed it (a wrapping "
+            "strategy's step, such as Flower's central DP noise; change norm %.4g): "
+            "round %d trains from the changed model, and its ledger record says so",
+            step.change_norm,
+            server_round,
+        )
+        scale = influence_scale(self.config.outer)
+        if not self._said_influence and abs(scale - 1.0) > 1e-9:
+            self._said_influence = True
+            log.warning(
+                "the outer step (lr %.3g, momentum %.3g) scales each round's mean update "
+                "by %.3g before a wrapper's noise is added; noise calibrated for FedAvg's "
+                "step then has %.3g times its noise multiplier. For the wrapper's stated "
+                "guarantee use FedAvg's step: lensemble.outer-lr = 1, "
+                "lensemble.outer-momentum = 0",
+                self.config.outer.lr,
+                self.config.outer.momentum,
+                scale,
+                1.0 / scale,
             )
 
     def _named(self, coordinator: Coordinator, reply: Message) -> str:
