@@ -130,6 +130,31 @@ def test_rounds_with_unbound_contributions_are_named(tmp_path: Path, caplog) -> 
     assert [a.unbound for a in summary.closed] == [("p09",), ("p09",)]
 
 
+def test_a_long_list_of_unbound_contributors_is_cut_short_in_the_log(
+    tmp_path: Path, caplog
+) -> None:
+    """Fifty stock nodes must not make one log line per round of fifty names: the log names
+    five, the ledger and ``show`` keep them all."""
+    coordinator, network, _ = federation(tmp_path, config=small_config())
+    unbound = [f"p{i:02d}" for i in range(10, 16)]
+    for i, pid in enumerate(unbound):
+        network.attach(
+            Participant(
+                coordinator.config,
+                participant_id=pid,
+                transport=network.transport_for(pid),
+                trainer=UncommittedTrainer(10 + i),
+            )
+        )
+    with caplog.at_level(logging.WARNING):
+        coordinator.run(1)
+    (record,) = Ledger(Store(tmp_path / "run")).records()
+    assert record.unbound == tuple(unbound)
+    assert (
+        "from p10, p11, p12, p13, p14 and 1 more (lensemble-flwr show lists them)" in caplog.text
+    )
+
+
 def test_the_projects_own_apps_require_binding() -> None:
     """The main job (pyproject's app config) and the in-process demos bind by default; the
     library default stays off so a stock ClientApp keeps working with the strategy."""

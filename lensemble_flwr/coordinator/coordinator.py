@@ -719,11 +719,13 @@ class Coordinator:
         self._global, self._momentum = committed.state, committed.momentum
         self._head_hash = committed.record.record_hash
         self._fire(attempt, RoundEvent.COMMITTED)
-        if committed.record.unbound:
+        if unbound := committed.record.unbound:
+            more = f" and {len(unbound) - 5} more (lensemble-flwr show lists them)"
             log.warning(
-                "round %d closed with UNBOUND contributions (no dataset commitment) from %s",
+                "round %d closed with UNBOUND contributions (no dataset commitment) from %s%s",
                 attempt.round,
-                ", ".join(committed.record.unbound),
+                ", ".join(unbound[:5]),
+                more if len(unbound) > 5 else "",
             )
         stored_error: BaseException | None = None
         try:
