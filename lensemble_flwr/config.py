@@ -229,6 +229,14 @@ class PrivacyConfig(_Section):
     dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
     dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
+    dp_rounds: int = Field(
+        0,
+        ge=0,
+        le=10**6,
+        description="Rounds the budget is planned for: with noise-multiplier 0, the noise "
+        "is calibrated to spend dp-epsilon over them; with a noise multiplier, a plan the "
+        "budget cannot cover is refused before any round (0: no plan).",
+    )
     dp_state_dir: str = Field(
         "",
         description="Participant-side directory of budgets and commitment secrets "
@@ -246,11 +254,23 @@ class PrivacyConfig(_Section):
             raise ValueError("noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated to C)")
         if self.noise_multiplier > 0 and self.dp_epsilon <= 0:
             raise ValueError("noise-multiplier > 0 needs a dp-epsilon budget")
+        if self.dp_rounds > 0 and (self.dp_epsilon <= 0 or self.clip_norm <= 0):
+            raise ValueError(
+                "dp-rounds plans a dp-epsilon budget for a clipped release: set dp-epsilon "
+                "and clip-norm too"
+            )
         return self
 
     @property
+    def calibrated(self) -> bool:
+        """The noise multiplier is calibrated to the budget (noise-multiplier 0, a plan of
+        dp-rounds): ``privacy.calibration.noise_multiplier_of`` computes it."""
+        return self.noise_multiplier == 0 and self.dp_rounds > 0
+
+    @property
     def noised(self) -> bool:
-        return self.noise_multiplier > 0
+        """Releases carry Gaussian noise (an explicit or a calibrated noise multiplier)."""
+        return self.noise_multiplier > 0 or self.calibrated
 
 
 class ReleaseConfig(_Section):

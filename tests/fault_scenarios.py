@@ -22,6 +22,8 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.participant.release_chain import budget_name
+from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.protocol.messages import MessageKind, from_wire
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.ledger import Ledger
@@ -85,7 +87,13 @@ def _signed(tmp: Path, faults: FaultPlan | None = None) -> Setup:
 
 
 def _dp(tmp: Path) -> Setup:
-    # sigma 1, clip 0.5, RDP, delta 1e-5: two releases cost ~16.5 epsilon, three ~21.4
+    # sigma 1, clip 0.5, RDP, delta 1e-5: two releases cost ~16.5 epsilon, three ~21.4.
+    # An earlier run spent one release of every budget, so this run's plan (two rounds)
+    # fits and the coordinator lets it start; the participants refuse the third release.
+    for i in range(4):
+        PrivacyBudget(tmp / "budgets", budget_name(f"p{i:02d}"), epsilon=20.0, delta=1e-5).charge(
+            1.0
+        )
     config = LensembleConfig(
         federation={"min_participants": 3, "open_timeout": 10.0, "collect_timeout": 10.0},
         inner={"steps": 2, "lr": 0.05, "batch_size": 8},
@@ -278,7 +286,8 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "privacy budget exhausted",
-        "epsilon budget 20 allows two releases (sigma 1); round 2 would exceed it",
+        "epsilon budget 20 allows two releases (sigma 1), one spent by an earlier run; "
+        "round 1 would exceed it",
         "participants refuse to release; round aborts; the federation stops",
         _dp,
         Expected(("aborted",), error="PrivacyBudgetExceeded"),
@@ -323,8 +332,8 @@ SCENARIOS: list[Scenario] = [
     ),
 ]
 
-# The budget scenario's fault is in round 2 (rounds 0 and 1 spend the budget).
-FAULTED_ROUND = {"privacy budget exhausted": 2}
+# The budget scenario's fault is in round 1 (an earlier run and round 0 spend the budget).
+FAULTED_ROUND = {"privacy budget exhausted": 1}
 
 
 @dataclasses.dataclass

@@ -177,27 +177,42 @@ def test_identical_seeds_release_different_noise_but_the_rest_reproduces(tmp_pat
 
 
 def test_a_budget_that_runs_out_aborts_the_round_before_the_release(tmp_path: Path) -> None:
+    """The participant's own refusal, for budgets an earlier run spent: each run's plan
+    fits the budget, the two together do not."""
     # sigma 1 (0.5 after the factor 2 of sensitivity 2C), RDP, delta 1e-5: epsilon 10.7
     # after one release, 16.5 after two, 21.4 after three. A budget of 20 allows two.
     config = dp_config(tmp_path, epsilon=20.0)
+    first, _, _ = federation(tmp_path, config=config, name="first")
+    first.run(1)
     coordinator, _, _ = federation(tmp_path, config=config)
     before_abort = None
     with pytest.raises(PrivacyBudgetExceeded):
         try:
-            coordinator.run(5)
+            coordinator.run(2)  # the plan (two rounds) fits; the budgets hold one already
         finally:
             before_abort = coordinator.global_state()
     outcomes = coordinator.outcomes
-    assert [o.state for o in outcomes] == [RoundState.CLOSED, RoundState.CLOSED, RoundState.ABORTED]
+    assert [o.state for o in outcomes] == [RoundState.CLOSED, RoundState.ABORTED]
     assert "PrivacyBudgetExceeded" in (outcomes[-1].reason or "")
-    assert before_abort.round == 2  # the aborted round changed nothing
+    assert before_abort.round == 1  # the aborted round changed nothing
     records = Ledger(Store(tmp_path / "run")).records()
-    assert len(records) == 2
+    assert len(records) == 1
     assert all(e <= 20.0 for r in records for e in r.epsilon.values() if e is not None)
     # no budget was charged for the refused release: two releases each, no more
     for budget_file in (tmp_path / "budgets").glob("*.json"):
         budget = PrivacyBudget(tmp_path / "budgets", budget_file.stem, epsilon=20.0, delta=1e-5)
         assert sum(n for _, _, n in budget.history) == 2
+
+
+def test_a_plan_the_budget_cannot_cover_is_refused_before_round_one(tmp_path: Path) -> None:
+    config = dp_config(tmp_path, epsilon=20.0)
+    coordinator, _, _ = federation(tmp_path, config=config)
+    with pytest.raises(ConfigError, match=r"5 rounds at noise-multiplier 1 would spend epsilon "
+                       r"30\.1\d* > dp-epsilon 20 .*noise-multiplier >= 1\.3\d*, or plan at "
+                       r"most 2 rounds"):  # fmt: skip
+        coordinator.run(5)
+    assert coordinator.outcomes == [] and not Ledger(Store(tmp_path / "run")).records()
+    assert not list((tmp_path / "budgets").glob("*.json"))  # nobody was charged
 
 
 def test_an_update_without_the_required_noise_is_refused(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.params import NamedArrays, check_initial_groups
+from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     RoundClose,
@@ -284,6 +285,16 @@ class Coordinator:
                 "participants protect; transform before release, on the participant",
             )
         self.config = config
+        self.noise_multiplier = noise_multiplier_of(config.privacy)  # refuses a bad plan
+        if config.privacy.calibrated:
+            log.info(
+                "noise-multiplier %.4g, calibrated to spend epsilon %g (delta %g) over "
+                "dp-rounds %d",
+                self.noise_multiplier,
+                config.privacy.dp_epsilon,
+                config.privacy.dp_delta,
+                config.privacy.dp_rounds,
+            )
         self.transport = transport
         self.store = store
         self.run_id = run_id
@@ -364,12 +375,15 @@ class Coordinator:
         """Drive ``num_rounds`` rounds to CLOSED, retrying aborted rounds per the error table.
 
         Raises:
+            ConfigError: under DP, the rounds up to ``target`` would take each
+                participant past its budget (checked before any of them).
             LensembleError: the error of an attempt whose response is to stop the
                 federation, or the last error once ``max_round_attempts`` is used up.
         """
         if num_rounds < 0:
             raise ValueError("num_rounds must be >= 0")
         target = self._global.round + num_rounds
+        noise_multiplier_of(self.config.privacy, rounds=target)
         while self._global.round < target:
             outcome = self.run_attempt()
             if outcome.state is RoundState.CLOSED:

@@ -14,6 +14,7 @@ from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.gauge.stage import align
 from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.release.pipeline import ReleaseTransform, chain
 from lensemble_flwr.release.privacy import clip, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
@@ -63,7 +64,8 @@ def release_pipeline(
             delta=privacy.dp_delta,
             accountant=privacy.dp_accountant,
         )
-        stages.append(gaussian_noise(privacy.noise_multiplier, privacy.clip_norm, budget))
+        noise = noise_multiplier_of(privacy)  # explicit, or calibrated to the plan
+        stages.append(gaussian_noise(noise, privacy.clip_norm, budget))
     if config.release.quantize == "int8":
         stages.append(int8_quantize())
     if dataset_root is not None:

@@ -49,7 +49,7 @@ def _import_accountants_quietly() -> tuple[type, type]:
 RDPAccountant, PRVAccountant = _import_accountants_quietly()
 
 Mechanism = Literal["rdp", "prv"]
-_ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
+ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
 SENSITIVITY_FACTOR = 2.0
 """Sensitivity in units of the clip norm (substitution of the participant's dataset)."""
 
@@ -74,7 +74,7 @@ class PrivacyBudget:
         delta: float,
         accountant: Mechanism = "rdp",
     ) -> None:
-        if accountant not in _ACCOUNTANTS:
+        if accountant not in ACCOUNTANTS:
             raise ConfigError("dp-accountant", f"unknown accountant {accountant!r}")
         if not (epsilon > 0 and 0 < delta < 1):
             raise ConfigError("dp-epsilon", "the budget needs epsilon > 0 and 0 < delta < 1")
@@ -97,7 +97,7 @@ class PrivacyBudget:
         return [(float(s), float(q), int(n)) for s, q, n in data["history"]]
 
     def _accountant(self, history: list[tuple[float, float, int]]) -> RDPAccountant | PRVAccountant:
-        accountant = _ACCOUNTANTS[self.mechanism]()
+        accountant = ACCOUNTANTS[self.mechanism]()
         accountant.history = [tuple(h) for h in history]
         return accountant
 

@@ -43,6 +43,7 @@ from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.coordinator.outer_optimizer import influence_scale
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, ParameterMismatch
 from lensemble_flwr.gauge.runtime import GaugeSetup
+from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import records
@@ -390,6 +391,7 @@ class LensembleStrategy(Strategy):
         and collect timeouts. A round whose attempts abort is retried as configured; an
         error that stops the federation is raised (the result so far is in the run dir).
         """
+        noise_multiplier_of(self.config.privacy, rounds=num_rounds)  # a plan that fits
         say(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()

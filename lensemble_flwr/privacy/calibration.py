@@ -1,0 +1,153 @@
+"""Noise from a target: the noise multiplier that spends a budget over the planned rounds.
+
+A participant's releases are accounted as in :mod:`.budget`: each is a Gaussian mechanism
+with sensitivity 2C (substitution of the participant's dataset) and no sampling
+amplification, so R releases at noise multiplier σ cost what R steps of a Gaussian with
+multiplier σ/2 at sample rate 1 cost in Opacus's accountant. This module answers the
+three questions a plan asks, with that same accountant:
+
+* how much a plan spends (:func:`planned_epsilon`);
+* the smallest σ whose plan fits a budget (:func:`calibrated_noise_multiplier`, Opacus's
+  ``get_noise_multiplier``);
+* how many rounds a σ affords (:func:`max_rounds`).
+
+:func:`noise_multiplier_of` is what the release chain and the coordinator use: the
+explicit ``noise-multiplier``, or, with ``noise-multiplier = 0`` and ``dp-rounds`` set,
+the calibrated one; a plan the budget cannot cover is a ``ConfigError`` before any round,
+saying the smallest noise and the most rounds that would fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from lensemble_flwr.config import PrivacyConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.privacy.budget import ACCOUNTANTS, SENSITIVITY_FACTOR, Mechanism
+
+_MAX_ROUNDS = 10**7
+"""The largest plan :func:`max_rounds` searches (a bound for the bisection)."""
+
+
+@functools.lru_cache(maxsize=256)
+def planned_epsilon(
+    noise_multiplier: float, rounds: int, delta: float, accountant: Mechanism = "rdp"
+) -> float:
+    """The epsilon (at ``delta``) that ``rounds`` releases at ``noise_multiplier`` spend."""
+    if rounds <= 0:
+        return 0.0
+    if not noise_multiplier > 0:
+        return math.inf
+    account = ACCOUNTANTS[accountant]()
+    account.history = [(noise_multiplier / SENSITIVITY_FACTOR, 1.0, rounds)]
+    return float(account.get_epsilon(delta=delta))
+
+
+@functools.lru_cache(maxsize=64)
+def calibrated_noise_multiplier(
+    epsilon: float, delta: float, rounds: int, accountant: Mechanism = "rdp"
+) -> float:
+    """The smallest noise multiplier (within Opacus's 0.01 tolerance on epsilon) whose
+    ``rounds`` releases spend at most ``epsilon`` at ``delta``.
+
+    Raises:
+        ConfigError: no noise multiplier Opacus searches reaches the target.
+    """
+    from opacus.accountants.utils import get_noise_multiplier  # with the accountants
+
+    try:
+        z = get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=1.0,
+            steps=rounds,
+            accountant=accountant,
+            epsilon_tolerance=0.01,
+        )
+    except ValueError as exc:
+        raise ConfigError(
+            "dp-epsilon",
+            f"no noise multiplier spends at most epsilon {epsilon:g} over {rounds} rounds "
+            f"(delta {delta:g}): {exc}",
+        ) from None
+    sigma = SENSITIVITY_FACTOR * float(z)
+    # Opacus returns the upper end of its bisection; the plan must fit, checked here
+    if planned_epsilon(sigma, rounds, delta, accountant) > epsilon:
+        raise ConfigError("dp-epsilon", f"calibration gave sigma {sigma:g}, which overspends")
+    return sigma
+
+
+def max_rounds(
+    noise_multiplier: float, epsilon: float, delta: float, accountant: Mechanism = "rdp"
+) -> int:
+    """The most releases at ``noise_multiplier`` that fit ``epsilon`` (0: not even one)."""
+    if planned_epsilon(noise_multiplier, 1, delta, accountant) > epsilon:
+        return 0
+    low, high = 1, 2
+    while high < _MAX_ROUNDS and planned_epsilon(noise_multiplier, high, delta, accountant) <= (
+        epsilon
+    ):
+        low, high = high, high * 2
+    if high >= _MAX_ROUNDS:
+        return _MAX_ROUNDS
+    while high - low > 1:  # fits at low, not at high
+        mid = (low + high) // 2
+        if planned_epsilon(noise_multiplier, mid, delta, accountant) <= epsilon:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def check_plan(privacy: PrivacyConfig, noise_multiplier: float, rounds: int) -> None:
+    """Refuse a plan of ``rounds`` releases at ``noise_multiplier`` that the budget cannot
+    cover, before any of them.
+
+    Raises:
+        ConfigError: naming the plan's epsilon, the smallest noise multiplier that would fit
+            and the most rounds the given one affords.
+    """
+    if not noise_multiplier > 0 or rounds <= 0:
+        return
+    eps, delta, mech = privacy.dp_epsilon, privacy.dp_delta, privacy.dp_accountant
+    spent = planned_epsilon(noise_multiplier, rounds, delta, mech)
+    if spent <= eps:
+        return
+    needed = calibrated_noise_multiplier(eps, delta, rounds, mech)
+    affords = max_rounds(noise_multiplier, eps, delta, mech)
+    raise ConfigError(
+        "noise-multiplier",
+        f"{rounds} rounds at noise-multiplier {noise_multiplier:g} would spend epsilon "
+        f"{spent:.4g} > dp-epsilon {eps:g} (delta {delta:g}, {mech}): use noise-multiplier "
+        f">= {needed:.4g}, or plan at most {affords} rounds, or set noise-multiplier = 0 "
+        "with dp-rounds to calibrate the noise to the budget",
+    )
+
+
+def noise_multiplier_of(privacy: PrivacyConfig, rounds: int | None = None) -> float:
+    """The noise multiplier every release uses (0: none).
+
+    The explicit ``noise-multiplier`` if set, else, with ``dp-rounds``, the one
+    calibrated to spend ``dp-epsilon`` over them. The plan checked is ``dp-rounds``, or
+    ``rounds`` (the run's) when ``dp-rounds`` is 0.
+
+    Raises:
+        ConfigError: the plan exceeds the budget, or the run plans more rounds than
+            ``dp-rounds`` (before any round: nothing is released).
+    """
+    planned = privacy.dp_rounds or (rounds or 0)
+    if privacy.dp_rounds and rounds is not None and rounds > privacy.dp_rounds:
+        raise ConfigError(
+            "dp-rounds",
+            f"the run plans {rounds} rounds but the noise is planned for dp-rounds "
+            f"{privacy.dp_rounds}: raise dp-rounds (more noise) or run fewer rounds",
+        )
+    if privacy.noise_multiplier > 0:
+        check_plan(privacy, privacy.noise_multiplier, planned)
+        return privacy.noise_multiplier
+    if privacy.calibrated:
+        return calibrated_noise_multiplier(
+            privacy.dp_epsilon, privacy.dp_delta, privacy.dp_rounds, privacy.dp_accountant
+        )
+    return 0.0

@@ -1,0 +1,121 @@
+"""The noise multiplier from a target budget, and plans refused before round 1."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from federation_helpers import dp_config, federation
+
+from lensemble_flwr.config import LensembleConfig, PrivacyConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.privacy.calibration import (
+    calibrated_noise_multiplier,
+    max_rounds,
+    noise_multiplier_of,
+    planned_epsilon,
+)
+from lensemble_flwr.provenance.ledger import Ledger
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_the_calibrated_noise_spends_the_budget_and_no_less_noise_would_fit(
+    accountant: str,
+) -> None:
+    sigma = calibrated_noise_multiplier(8.0, 1e-5, 40, accountant)
+    assert planned_epsilon(sigma, 40, 1e-5, accountant) <= 8.0
+    # the smallest within Opacus's tolerance: 2 % less noise overspends
+    assert planned_epsilon(sigma * 0.98, 40, 1e-5, accountant) > 8.0
+    if accountant == "rdp":
+        assert sigma == pytest.approx(8.07, abs=0.02)  # the figure measured in issue 14
+
+
+def test_a_plans_epsilon_is_what_the_participants_budget_charges(tmp_path: Path) -> None:
+    """An independent recomputation: the budget's own charge, release by release."""
+    budget = PrivacyBudget(tmp_path, "p", epsilon=1e9, delta=1e-5)
+    for _ in range(3):
+        spent = budget.charge(1.3)
+    assert planned_epsilon(1.3, 3, 1e-5) == pytest.approx(spent, rel=1e-12)
+    assert planned_epsilon(1.0, 1, 1e-5) == pytest.approx(10.73, abs=0.01)
+
+
+@pytest.mark.parametrize(("sigma", "epsilon"), [(1.0, 20.0), (3.0, 8.0), (8.07, 8.0)])
+def test_max_rounds_is_the_last_plan_that_fits(sigma: float, epsilon: float) -> None:
+    most = max_rounds(sigma, epsilon, 1e-5)
+    assert most >= 1
+    assert planned_epsilon(sigma, most, 1e-5) <= epsilon < planned_epsilon(sigma, most + 1, 1e-5)
+    assert max_rounds(0.5, 1.0, 1e-5) == 0  # not even one release fits
+
+
+def test_a_plan_without_a_budget_or_a_clip_is_refused() -> None:
+    for privacy in ({"dp_rounds": 10, "clip_norm": 1.0}, {"dp_rounds": 10, "dp_epsilon": 8.0}):
+        with pytest.raises(ConfigError, match="dp-rounds plans a dp-epsilon budget"):
+            LensembleConfig(privacy=privacy)
+
+
+def test_a_run_longer_than_its_plan_is_refused_before_round_one(tmp_path: Path) -> None:
+    config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=8.0, dp_rounds=2)
+    assert config.privacy.calibrated and config.privacy.noised
+    with pytest.raises(ConfigError, match="plans 3 rounds but the noise is planned for dp-rou"):
+        noise_multiplier_of(config.privacy, rounds=3)
+    coordinator, _, _ = federation(tmp_path, config=config)
+    with pytest.raises(ConfigError, match="dp-rounds"):
+        coordinator.run(3)
+    assert coordinator.outcomes == []
+
+
+def test_a_calibrated_federation_spends_its_budget_over_its_plan(tmp_path: Path) -> None:
+    config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=40.0, dp_rounds=3)
+    coordinator, network, _ = federation(tmp_path, config=config)
+    assert coordinator.noise_multiplier == calibrated_noise_multiplier(40.0, 1e-5, 3)
+    coordinator.run(3)
+    network.flush()
+    spent = [e for r in Ledger(coordinator.store).records() for e in r.epsilon.values()]
+    final = [e for e in Ledger(coordinator.store).records()[-1].epsilon.values()]
+    assert all(e is not None and e <= 40.0 for e in spent)
+    assert min(final) > 39.0  # the plan spends (nearly) the whole budget, no more
+
+
+def test_a_given_noise_that_the_budget_cannot_cover_names_the_way_out() -> None:
+    privacy = PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0, dp_epsilon=8.0, dp_rounds=40)
+    with pytest.raises(ConfigError) as caught:
+        noise_multiplier_of(privacy)
+    message = str(caught.value)
+    needed = float(re.search(r"noise-multiplier >= ([\d.]+)", message).group(1))
+    assert needed == pytest.approx(calibrated_noise_multiplier(8.0, 1e-5, 40), rel=1e-3)
+    assert "plan at most 0 rounds" in message  # sigma 1: one release already costs 10.7
+
+
+def test_the_privacy_pages_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/privacy.md's first run config: it builds, its noise is the calibrated one the
+    page states, and a federation runs its planned rounds within the budget."""
+    from flwr.common.config import flatten_dict
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Flower depends on tomli there
+        import tomli as tomllib
+
+    page = (REPO / "docs" / "privacy.md").read_text()
+    block = re.findall(r"```toml\n(.*?)```", page, re.S)[0]
+    run_config = flatten_dict(tomllib.loads(block)["tool"]["flwr"]["app"]["config"])
+    config = LensembleConfig.from_run_config(run_config)
+    sigma = noise_multiplier_of(config.privacy)
+    assert f"calibrated (here {sigma:.2f})" in page
+    planned = config.privacy.dp_rounds
+    base = dp_config(tmp_path)  # the test federation, with the page's privacy settings
+    privacy = {**config.privacy.model_dump(), "dp_state_dir": str(tmp_path / "budgets")}
+    federated = LensembleConfig(
+        federation=base.federation.model_dump(), inner=base.inner.model_dump(), privacy=privacy
+    )
+    coordinator, network, _ = federation(tmp_path, config=federated)
+    coordinator.run(planned)
+    network.flush()
+    final = Ledger(coordinator.store).records()[-1]
+    assert final.round == planned - 1
+    assert all(e is not None and e <= config.privacy.dp_epsilon for e in final.epsilon.values())
