@@ -229,6 +229,13 @@ class PrivacyConfig(_Section):
     dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
     dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
+    dp_mode: Literal["local", "distributed"] = Field(
+        "local",
+        description="local: each participant adds the whole Gaussian noise to its own "
+        "release; distributed: each member of a masked round adds a discrete Gaussian "
+        "share in the masks' integer domain, so that the revealed sum carries the noise "
+        "(needs secagg-threshold > 0 and uniform weighting).",
+    )
     dp_rounds: int = Field(
         0,
         ge=0,
@@ -449,6 +456,36 @@ class LensembleConfig(_Section):
             )
             if on
         ]
+
+    @model_validator(mode="after")
+    def _distributed_noise_needs_masked_sums(self) -> LensembleConfig:
+        if self.privacy.dp_mode != "distributed":
+            return self
+        if not self.privacy.noised:
+            raise ConfigError(
+                "dp-mode",
+                "distributed noise needs noise: a noise-multiplier, or dp-epsilon with "
+                "dp-rounds to calibrate one",
+            )
+        if self.federation.secagg_threshold <= 0:
+            raise ConfigError(
+                "dp-mode",
+                "distributed noise is added to masked inputs and only their sum is "
+                "revealed; plaintext rounds would reveal each under-noised update: set "
+                "secagg-threshold > 0, or use dp-mode = local",
+            )
+        if self.federation.weighting != "uniform":
+            raise ConfigError(
+                "dp-mode",
+                "distributed noise is calibrated to a sum of clipped updates of weight "
+                "1; weighting by num-examples would scale one participant's influence",
+            )
+        if self.release.quantize != "none":
+            raise ConfigError(
+                "dp-mode", "distributed noise is added on the exact fixed-point grid: quantize "
+                "must be none"
+            )
+        return self
 
     @model_validator(mode="after")
     def _harness_is_plaintext_only(self) -> LensembleConfig:

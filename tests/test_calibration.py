@@ -91,9 +91,7 @@ def test_a_given_noise_that_the_budget_cannot_cover_names_the_way_out() -> None:
     assert "plan at most 0 rounds" in message  # sigma 1: one release already costs 10.7
 
 
-def test_the_privacy_pages_example_runs_as_written(tmp_path: Path) -> None:
-    """docs/privacy.md's first run config: it builds, its noise is the calibrated one the
-    page states, and a federation runs its planned rounds within the budget."""
+def privacy_page_run_configs() -> list[dict]:
     from flwr.common.config import flatten_dict
 
     if sys.version_info >= (3, 11):
@@ -102,20 +100,34 @@ def test_the_privacy_pages_example_runs_as_written(tmp_path: Path) -> None:
         import tomli as tomllib
 
     page = (REPO / "docs" / "privacy.md").read_text()
-    block = re.findall(r"```toml\n(.*?)```", page, re.S)[0]
-    run_config = flatten_dict(tomllib.loads(block)["tool"]["flwr"]["app"]["config"])
+    return [
+        flatten_dict(tomllib.loads(block)["tool"]["flwr"]["app"]["config"])
+        for block in re.findall(r"```toml\n(.*?)```", page, re.S)
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(privacy_page_run_configs())))
+def test_the_privacy_pages_examples_run_as_written(tmp_path: Path, index: int) -> None:
+    """Every run config of docs/privacy.md builds, its noise is the calibrated one the page
+    states, and a federation runs its planned rounds within the budget."""
+    run_config = privacy_page_run_configs()[index]
     config = LensembleConfig.from_run_config(run_config)
     sigma = noise_multiplier_of(config.privacy)
-    assert f"calibrated (here {sigma:.2f})" in page
+    assert f"calibrated (here {sigma:.2f})" in (REPO / "docs" / "privacy.md").read_text()
     planned = config.privacy.dp_rounds
-    base = dp_config(tmp_path)  # the test federation, with the page's privacy settings
-    privacy = {**config.privacy.model_dump(), "dp_state_dir": str(tmp_path / "budgets")}
+    base = dp_config(tmp_path)  # the test federation, with the page's settings
     federated = LensembleConfig(
-        federation=base.federation.model_dump(), inner=base.inner.model_dump(), privacy=privacy
-    )
+        federation={**base.federation.model_dump(), **config.federation.model_dump(
+            include={"secagg_threshold", "min_participants"})},
+        inner=base.inner.model_dump(),
+        privacy={**config.privacy.model_dump(), "dp_state_dir": str(tmp_path / "budgets")},
+    )  # fmt: skip
     coordinator, network, _ = federation(tmp_path, config=federated)
     coordinator.run(planned)
     network.flush()
     final = Ledger(coordinator.store).records()[-1]
     assert final.round == planned - 1
     assert all(e is not None and e <= config.privacy.dp_epsilon for e in final.epsilon.values())
+    assert final.privacy is not None and final.privacy.mechanism.startswith(
+        config.privacy.dp_mode
+    )

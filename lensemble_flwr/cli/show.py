@@ -115,5 +115,12 @@ def _print_footer(summary: RunSummary) -> None:
         f"final global hash {summary.final_global_hash}"
     )
     spent = summary.epsilon_spent()
+    guarantees = summary.guarantees()
+    for guarantee in guarantees:
+        out.print(f"privacy: {guarantee.describe()}")
     if spent:
-        out.print("epsilon spent: " + ", ".join(f"{p} {e:.4g}" for p, e in spent.items()))
+        against = sorted({party for g in guarantees for party in g.against})
+        label = f" (against {', '.join(against)})" if against else ""
+        out.print(
+            f"epsilon spent{label}: " + ", ".join(f"{p} {e:.4g}" for p, e in spent.items())
+        )

@@ -42,6 +42,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.gauge.runtime import check_sketch
 from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE
 from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
@@ -160,10 +161,9 @@ def check_privacy(config: LensembleConfig, update: Update) -> None:
         UnprivatizedContribution: a required stage is missing.
     """
     privacy = config.privacy
+    noise = DISTRIBUTED_NOISE if privacy.dp_mode == "distributed" else "gaussian_noise"
     needed = [
-        stage
-        for stage, on in (("clip", privacy.clip_norm > 0), ("gaussian_noise", privacy.noised))
-        if on
+        stage for stage, on in (("clip", privacy.clip_norm > 0), (noise, privacy.noised)) if on
     ]
     missing = [stage for stage in needed if stage not in update.transforms]
     if missing:

@@ -24,6 +24,7 @@ from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
 from lensemble_flwr.errors import CheckpointIntegrityError
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
@@ -108,6 +109,7 @@ def write_commit(
     head_hash: str,
     secure_sum: bool,
     manifest: RunManifest,
+    privacy: PrivacyGuarantee | None = None,
 ) -> Committed:
     """Steps 1–3 of the module's order; returns once the ledger holds the round.
 
@@ -144,6 +146,7 @@ def write_commit(
             ),
             registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
             previous_record_hash=head_hash,
+            privacy=privacy,
         )
     )
     return Committed(state=new_state, momentum=momentum, entry=entry, record=record)

@@ -73,6 +73,7 @@ from lensemble_flwr.gauge.runtime import (
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.params import NamedArrays, check_initial_groups
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.guarantee import guarantee_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     RoundClose,
@@ -286,6 +287,15 @@ class Coordinator:
             )
         self.config = config
         self.noise_multiplier = noise_multiplier_of(config.privacy)  # refuses a bad plan
+        self._privacy = (
+            guarantee_of(
+                config.privacy.dp_mode,
+                self.noise_multiplier,
+                config.federation.secagg_threshold,
+            )
+            if self.noise_multiplier > 0
+            else None
+        )
         if config.privacy.calibrated:
             log.info(
                 "noise-multiplier %.4g, calibrated to spend epsilon %g (delta %g) over "
@@ -723,6 +733,7 @@ class Coordinator:
                 head_hash=self._head_hash,
                 secure_sum=self._mode.secure_sum,
                 manifest=self._manifest,
+                privacy=self._privacy,
             )
         except LensembleError as exc:
             return self.abort(exc)

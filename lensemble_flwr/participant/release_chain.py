@@ -16,7 +16,7 @@ from lensemble_flwr.gauge.stage import align
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.release.pipeline import ReleaseTransform, chain
-from lensemble_flwr.release.privacy import clip, gaussian_noise
+from lensemble_flwr.release.privacy import clip, distributed_noise, gaussian_noise
 from lensemble_flwr.release.quantize import int8_quantize
 from lensemble_flwr.release.stages import bind, difference
 
@@ -65,7 +65,18 @@ def release_pipeline(
             accountant=privacy.dp_accountant,
         )
         noise = noise_multiplier_of(privacy)  # explicit, or calibrated to the plan
-        stages.append(gaussian_noise(noise, privacy.clip_norm, budget))
+        if privacy.dp_mode == "distributed":  # a share, added in the masks' integer domain
+            stages.append(
+                distributed_noise(
+                    noise,
+                    privacy.clip_norm,
+                    fraction_bits=config.aggregation.fraction_bits,
+                    threshold=config.federation.secagg_threshold,
+                    budget=budget,
+                )
+            )
+        else:
+            stages.append(gaussian_noise(noise, privacy.clip_norm, budget))
     if config.release.quantize == "int8":
         stages.append(int8_quantize())
     if dataset_root is not None:

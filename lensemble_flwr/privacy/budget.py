@@ -110,8 +110,13 @@ class PrivacyBudget:
             return 0.0
         return float(self._accountant(history).get_epsilon(delta=self.delta))
 
-    def charge(self, noise_multiplier: float) -> float:
-        """Record one release with noise multiplier ``noise_multiplier`` (std / clip norm).
+    def charge(
+        self, noise_multiplier: float, *, sensitivity_factor: float = SENSITIVITY_FACTOR
+    ) -> float:
+        """Record one release with noise multiplier ``noise_multiplier`` (std / clip norm),
+        whose sensitivity is ``sensitivity_factor`` clip norms (2: substitution of the
+        participant's dataset; 1: a multiplier already relative to the sensitivity, as the
+        distributed mechanism's equivalent one is).
 
         Returns:
             The epsilon spent after this release.
@@ -120,7 +125,7 @@ class PrivacyBudget:
             PrivacyBudgetExceeded: this release would take the spent epsilon past the
                 budget; nothing is recorded and nothing may be released.
         """
-        step = (noise_multiplier / SENSITIVITY_FACTOR, 1.0)
+        step = (noise_multiplier / sensitivity_factor, 1.0)
         history = _merged(self.history, step)
         after = self._epsilon(history)
         if after > self.epsilon_budget:

@@ -17,7 +17,7 @@ import os
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-_TWO_53 = float(2**53)
+_TWO_52 = float(2**52)
 
 
 def _keystream(nbytes: int) -> bytes:
@@ -29,8 +29,9 @@ def _keystream(nbytes: int) -> bytes:
 def secure_uniform(size: int) -> np.ndarray:
     """``size`` uniforms in (0, 1), float64, from a freshly keyed ChaCha20 stream."""
     words = np.frombuffer(_keystream(8 * size), dtype="<u8")
-    # 53 random bits, shifted by half a step so that 0 and 1 are never produced
-    return ((words >> np.uint64(11)).astype(np.float64) + 0.5) / _TWO_53
+    # 52 random bits, shifted by half a step so that 0 and 1 are never produced (with 53,
+    # the top value (2**53 - 1/2) / 2**53 would round to exactly 1.0)
+    return ((words >> np.uint64(12)).astype(np.float64) + 0.5) / _TWO_52
 
 
 def secure_normal(shape: tuple[int, ...], std: float) -> np.ndarray:

@@ -24,6 +24,7 @@ from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json, digest_record
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
+from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
 from lensemble_flwr.protocol.round import RoundState, TerminalState
 
 GENESIS = "0" * 64
@@ -100,6 +101,8 @@ class ContributionRecord(_Frozen):
     checkpoint: str = Field(description="Store digest of the θ_{t+1} checkpoint blob.")
     external_step: ExternalStep | None = _ONLY_WHEN_SET
     """Set when the round trained from a model changed after the previous commit."""
+    privacy: PrivacyGuarantee | None = _ONLY_WHEN_SET
+    """Set when releases were noised: what the ``epsilon`` figures hold against."""
     round_seed: int
     frame_drift: float | None = Field(
         None, description="Gauge diagnostic of the round (None: no gauge adapter)."

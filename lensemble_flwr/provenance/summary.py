@@ -11,6 +11,7 @@ import dataclasses
 import os
 from typing import Any
 
+from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
 from lensemble_flwr.protocol.round import RoundState, TerminalState
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.ledger import FRAME_DRIFT, Ledger, RunManifest
@@ -35,6 +36,7 @@ class AttemptSummary:
     unbound: tuple[str, ...] = ()  # contributors bound to no dataset commitment (closed only)
     external_change: float | None = None  # trained from a model changed after its commit:
     # the change's L2 norm (a wrapping strategy's central noise); None: the committed one
+    privacy: dict[str, Any] | None = None  # what the epsilon figures hold against (closed)
 
     @property
     def epsilon_max(self) -> float | None:
@@ -86,6 +88,16 @@ class RunSummary:
                     spent[pid] = max(eps, spent.get(pid, eps))
         return dict(sorted(spent.items()))
 
+    def guarantees(self) -> list[PrivacyGuarantee]:
+        """The distinct privacy guarantees of the closed rounds, in order of appearance."""
+        seen: list[PrivacyGuarantee] = []
+        for attempt in self.closed:
+            if attempt.privacy is not None:
+                guarantee = PrivacyGuarantee.model_validate(attempt.privacy)
+                if guarantee not in seen:
+                    seen.append(guarantee)
+        return seen
+
     def diagnostic_names(self) -> list[str]:
         """Every diagnostic any attempt recorded, sorted."""
         return sorted({name for a in self.attempts for name in a.diagnostics})
@@ -121,6 +133,9 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
     # only a closed attempt has a record, so an aborted one finds no epsilon here
     epsilon = {(r.round, r.attempt): r.epsilon for r in records}
     unbound = {(r.round, r.attempt): r.unbound for r in records}
+    privacy = {
+        (r.round, r.attempt): r.privacy.model_dump(mode="json") for r in records if r.privacy
+    }
     attempts = tuple(
         AttemptSummary(
             round=e.round,
@@ -137,6 +152,7 @@ def summarize_run(run_dir: str | os.PathLike[str]) -> RunSummary:
             new_global_hash=e.new_global_hash,
             unbound=unbound.get((e.round, e.attempt), ()),
             external_change=e.external_step.change_norm if e.external_step else None,
+            privacy=privacy.get((e.round, e.attempt)),
         )
         for e in sorted(manifest.rounds, key=lambda e: (e.round, e.attempt))
     )

@@ -7,7 +7,7 @@ from lensemble_flwr.release.pipeline import (
     Stage,
     chain,
 )
-from lensemble_flwr.release.privacy import clip, gaussian_noise
+from lensemble_flwr.release.privacy import clip, distributed_noise, gaussian_noise
 from lensemble_flwr.release.stages import bind, difference
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "chain",
     "clip",
     "difference",
+    "distributed_noise",
     "gaussian_noise",
 ]

@@ -18,6 +18,7 @@ import numpy as np
 from lensemble_flwr.errors import DPBoundViolation, RoundError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.privacy.gaussian import secure_normal
 from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.release.pipeline import (
@@ -80,3 +81,42 @@ def gaussian_noise(
         return release.replace(delta=noisy, metadata=meta), state
 
     return ReleaseTransform("gaussian_noise", Stage.NOISE, no_state, update)
+
+
+def distributed_noise(
+    noise_multiplier: float,
+    clip_norm: float,
+    *,
+    fraction_bits: int,
+    threshold: int,
+    budget: PrivacyBudget,
+) -> ReleaseTransform:
+    """Charge ``budget`` for this member's share of a masked round's distributed noise.
+
+    The delta passes unchanged: the share is integer noise, added by the masking role
+    after the fixed-point encoding (``secagg.participant_role``), sized by the same
+    :func:`~lensemble_flwr.privacy.distributed.distributed_noise_for`. The charge is the
+    mechanism on the revealed sum of ``threshold`` shares (its equivalent Gaussian), made
+    before anything is released; the stage's name is what the coordinator requires of a
+    distributed-noise federation's updates.
+    """
+    if not noise_multiplier > 0:
+        raise ValueError("noise_multiplier must be positive")
+
+    def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
+        if release.delta is None or "clipped_norm" not in release.metadata:
+            raise RoundError("distributed_noise: only a clipped delta can be noised")
+        dim = sum(int(a.size) for a in release.delta.values())
+        share = distributed_noise_for(
+            noise_multiplier, clip_norm, fraction_bits, threshold, dim
+        )
+        epsilon = budget.charge(share.equivalent_noise_multiplier, sensitivity_factor=1.0)
+        meta = {
+            **release.metadata,
+            "epsilon": epsilon,
+            "noise_std": share.sum_std,
+            "noise_share_sigma": share.share_sigma,
+        }
+        return release.replace(metadata=meta), state
+
+    return ReleaseTransform(DISTRIBUTED_NOISE, Stage.NOISE, no_state, update)

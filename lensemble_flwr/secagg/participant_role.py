@@ -16,6 +16,10 @@ from typing import Any
 from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
+from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.secagg.keys import SecAggKeys, new_private_key, public_key
@@ -143,6 +147,8 @@ class MaskingRole:
         values = to_fixed_point(
             released.delta, {n: unit * scales.get(n, 1.0) for n in released.delta}
         )
+        if config.privacy.dp_mode == "distributed":
+            values = self._with_noise_share(values, released.transforms, config)
         self.round_key = self.announced.pop(listed)
         self.members = members
         self.answered = None
@@ -163,6 +169,33 @@ class MaskingRole:
             "scales": None,
             "sealed_shares": {h: c.hex() for h, c in masked.sealed.items()},
             "next_mask_key": self._announce(),
+        }
+
+    def _with_noise_share(
+        self, values: NamedArrays, transforms: tuple[str, ...], config: LensembleConfig
+    ) -> NamedArrays:
+        """``values`` plus this member's discrete Gaussian share of the round's noise, the
+        share its release stage charged (``privacy.distributed``).
+
+        Raises:
+            RoundError: the release was not charged for a share (nothing is masked).
+        """
+        if DISTRIBUTED_NOISE not in transforms:
+            raise RoundError(
+                f"{self.participant_id}: distributed noise without its charged release "
+                "stage; nothing is masked"
+            )
+        privacy = config.privacy
+        share = distributed_noise_for(
+            noise_multiplier_of(privacy),
+            privacy.clip_norm,
+            config.aggregation.fraction_bits,
+            config.federation.secagg_threshold,
+            sum(int(a.size) for a in values.values()),
+        )
+        return {
+            name: values[name] + secure_discrete_gaussian(values[name].shape, share.share_sigma)
+            for name in sorted(values)
         }
 
     def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
