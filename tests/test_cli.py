@@ -129,7 +129,10 @@ def test_show_table(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "aborted" in out and "closed" in out and "p00, p01, p02, p03" in out
     assert "frame drift" in out and "–" in out
     assert "round 1 attempt 1 aborted: FaultToleranceExceeded: 1 updates" in out
-    assert "closed rounds: 3, aborted attempts: 1;" in out and "epsilon spent: p00" in out
+    assert "closed rounds: 3, aborted attempts: 1;" in out
+    # the epsilon figures say whom they hold against, and the mechanism is named
+    assert "epsilon spent (against coordinator, model recipients, other participants): p00" in out
+    assert "privacy: local-gaussian (noise multiplier" in out
 
 
 def test_show_reads_the_frame_drift_diagnostic(
