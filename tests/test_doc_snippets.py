@@ -1,5 +1,6 @@
-"""Every Python snippet of docs/flower.md, docs/configuration.md, docs/user-guide.md and the
-README's "Using it" runs as written: extracted from the pages and executed.
+"""Every Python snippet of docs/flower.md, docs/configuration.md, docs/user-guide.md,
+docs/recovery.md and the README's "Using it" runs as written: extracted from the pages and
+executed (recovery.md's given the names it says it needs).
 
 docs/flower.md's snippets make one Flower App (step 1's ServerApp and ``Net``, step 2's
 Trainer ClientApp, step 3's NumPyClient): its ServerApp is driven over a fake SuperLink
@@ -407,3 +408,27 @@ def test_the_user_guide_aligned_federation_records_frame_drift(
     assert all(o.state is RoundState.CLOSED and o.count == 3 for o in outcomes)
     drifts = ast.literal_eval(ran.out)  # the list it printed
     assert len(drifts) == 2 and all(math.isfinite(d) and d >= 0 for d in drifts), drifts
+
+
+def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/recovery.md's snippet, given what it names (``config``, ``transport``,
+    ``num_rounds``, a run in ``runs/demo`` whose coordinator died after 2 of 4 rounds):
+    the resumed coordinator closes exactly the rounds still to close."""
+    from lensemble_flwr.artifacts.store import Store
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.provenance.ledger import verify
+    from lensemble_flwr.simulations.inprocess import build
+
+    (block,) = python_blocks(REPO / "docs" / "recovery.md")
+    monkeypatch.chdir(tmp_path)
+    config = LensembleConfig(federation={"min_participants": 3}, inner={"steps": 2})
+    first, network, _ = build(config, Path("runs/demo"), participants=3)
+    first.run(num_rounds=2)
+    before = [r.record_hash for r in verify(Store("runs/demo"))]
+    namespace = {"config": config, "transport": network.coordinator, "num_rounds": 4}
+    exec(compile(block, "docs/recovery.md", "exec"), namespace)
+    records = verify(Store("runs/demo"))
+    assert len(records) == 4 and [r.record_hash for r in records[:2]] == before
+    assert namespace["coordinator"].global_state().params_hash == records[-1].new_global_hash
