@@ -432,3 +432,28 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
     records = verify(Store("runs/demo"))
     assert len(records) == 4 and [r.record_hash for r in records[:2]] == before
     assert namespace["coordinator"].global_state().params_hash == records[-1].new_global_hash
+
+
+def private_run_configs() -> list[tuple[str, dict[str, Any]]]:
+    """Those of :func:`toml_run_configs` that add noise (there is one: privacy.md's)."""
+    found = [(w, c) for w, c in toml_run_configs() if c.get("lensemble.noise-multiplier", 0) > 0]
+    assert found, "no private run config in the docs"
+    return found
+
+
+@pytest.mark.parametrize(("where", "run_config"), private_run_configs(), ids=lambda v: str(v)[:30])
+def test_every_private_run_config_in_the_docs_can_release(
+    where: str, run_config: dict[str, Any], tmp_path: Path
+) -> None:
+    """A DP example whose budget cannot pay for one release makes every participant refuse
+    its first round and the federation stop (privacy.md's once had sigma 1, epsilon 8: a
+    release costs 10.7)."""
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.privacy.budget import PrivacyBudget
+
+    privacy = LensembleConfig.from_run_config(run_config).privacy
+    budget = PrivacyBudget(
+        tmp_path, where, epsilon=privacy.dp_epsilon, delta=privacy.dp_delta,
+        accountant=privacy.dp_accountant,
+    )  # fmt: skip
+    assert 0 < budget.charge(privacy.noise_multiplier) <= privacy.dp_epsilon
