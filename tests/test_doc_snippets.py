@@ -435,8 +435,12 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
 
 
 def private_run_configs() -> list[tuple[str, dict[str, Any]]]:
-    """Those of :func:`toml_run_configs` that add noise (there is one: privacy.md's)."""
-    found = [(w, c) for w, c in toml_run_configs() if c.get("lensemble.noise-multiplier", 0) > 0]
+    """Those of :func:`toml_run_configs` that add noise (privacy.md's)."""
+    from lensemble_flwr.config import LensembleConfig
+
+    found = [
+        (w, c) for w, c in toml_run_configs() if LensembleConfig.from_run_config(c).privacy.noised
+    ]
     assert found, "no private run config in the docs"
     return found
 
@@ -447,13 +451,16 @@ def test_every_private_run_config_in_the_docs_can_release(
 ) -> None:
     """A DP example whose budget cannot pay for one release makes every participant refuse
     its first round and the federation stop (privacy.md's once had sigma 1, epsilon 8: a
-    release costs 10.7)."""
+    release costs 10.7). Its noise (given or calibrated) must pay for its plan, and one
+    release must fit the budget."""
     from lensemble_flwr.config import LensembleConfig
     from lensemble_flwr.privacy.budget import PrivacyBudget
+    from lensemble_flwr.privacy.calibration import noise_multiplier_of
 
     privacy = LensembleConfig.from_run_config(run_config).privacy
+    noise = noise_multiplier_of(privacy)  # a plan the budget cannot cover raises here
     budget = PrivacyBudget(
         tmp_path, where, epsilon=privacy.dp_epsilon, delta=privacy.dp_delta,
         accountant=privacy.dp_accountant,
     )  # fmt: skip
-    assert 0 < budget.charge(privacy.noise_multiplier) <= privacy.dp_epsilon
+    assert 0 < budget.charge(noise) <= privacy.dp_epsilon
