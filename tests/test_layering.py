@@ -185,3 +185,24 @@ def test_the_diagram_lists_every_part_top_down_with_the_flwr_line() -> None:
     marker = diagram.index("no flwr below this line")
     assert all(positions[part] < marker for part in FLOWER_PARTS)
     assert all(positions[part] > marker for part in set(LAYER_OF) - FLOWER_PARTS - {ROOT_PART})
+
+
+def test_the_architecture_md_violations_command_runs_as_written() -> None:
+    """docs/architecture.md's one-line listing of layering violations, run from the
+    repository root with this interpreter in place of ``.venv/bin/python``."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "architecture.md").read_text()
+    (command,) = [
+        b.strip() for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "layer_violations" in b
+    ]
+    argv = shlex.split(command)
+    assert argv[0] == ".venv/bin/python"
+    out = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout == "no violations\n", (out.stdout, out.stderr)

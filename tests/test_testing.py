@@ -1,13 +1,12 @@
 """The public seams tests script faults with: lensemble_flwr.testing, the in-process
 network's inject / take_offline / bring_online / call_at / on_deliver, the barrier's
-faults, the store's on_write, and the user guide's section that documents them."""
+faults, the store's on_write. (The user guide's section on them runs with the rest of the
+guide: tests/test_doc_snippets.py.)"""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,6 @@ from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey
 from lensemble_flwr.testing import BarrierFaults, DeliveryLog, FaultPlan, ManualClock
 from lensemble_flwr.transports.base import COORDINATOR
 from lensemble_flwr.transports.inprocess import InProcessNetwork
-
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "user-guide.md"
 
 
 class Node:
@@ -287,21 +284,3 @@ def test_the_testing_package_imports_neither_flwr_nor_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.strip()
     assert out.startswith("[] ["), out
-
-
-def guide_snippets(section: str) -> list[str]:
-    text = GUIDE.read_text()
-    start = text.index(f"## {section}")
-    end = text.index("\n## ", start + 1)
-    return re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-
-
-def test_the_user_guide_fault_snippets_run_as_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    snippets = guide_snippets("5. Script what goes wrong")
-    assert len(snippets) == 2
-    assert all("lensemble_flwr.testing import" in s for s in snippets)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the snippet's mkdtemp
-    for snippet in snippets:
-        exec(compile(snippet, str(GUIDE), "exec"), {})  # its asserts are the check
