@@ -89,8 +89,9 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
 
 
 def record_interrupted(store: Store, manifest: RunManifest, state: GlobalState) -> RunManifest:
-    """Record every attempt of ``state.round`` that started but has no manifest entry."""
-    t = state.round
+    """Record every attempt of the round starting from ``state`` that started but has no
+    manifest entry."""
+    t = state.next_round
     finished = {e.attempt for e in manifest.rounds if e.round == t}
     for attempt in started_attempts(store, t):
         if attempt in finished:
