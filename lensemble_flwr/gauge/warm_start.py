@@ -51,6 +51,5 @@ def check_warm_start(
     actual = encoder_hash(params, names)
     if actual != expected_hash:
         raise GaugeError(
-            f"initial (θ_0) encoder {actual[:12]}... is not the warm start "
-            f"{expected_hash[:12]}..."
+            f"initial (θ_0) encoder {actual[:12]}... is not the warm start {expected_hash[:12]}..."
         )
