@@ -122,7 +122,7 @@ class FederationConfig(_Section):
         0, ge=0, description="Reachable participants a sampled attempt waits for before it draws."
     )
     max_round_attempts: int = Field(
-        3, ge=1, description="Attempts of one round index before the federation stops."
+        3, ge=1, description="Attempts of one round before the federation stops."
     )
     retry_wait: float = Field(
         5.0, ge=0, description="Seconds to wait for (re)joins before retrying an aborted round."

@@ -31,7 +31,7 @@ from lensemble_flwr.testing import FaultPlan
 from lensemble_flwr.transports.base import COORDINATOR
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
-FAULT_ROUND = 1  # round 0 closes cleanly first, so there is something committed to lose
+FAULT_ROUND = 2  # round 1 closes cleanly first, so there is something committed to lose
 
 
 class CoordinatorCrash(BaseException):
@@ -58,7 +58,7 @@ class Setup:
     network: InProcessNetwork
     nodes: list[Participant]
     crash_at: RoundState | None = None  # the coordinator dies on entering this state
-    between_rounds: Callable[[Setup], None] | None = None  # runs after round 0
+    between_rounds: Callable[[Setup], None] | None = None  # runs after round 1
     offline_at: tuple[str, RoundState] | None = None  # a participant vanishes here
 
 
@@ -147,7 +147,7 @@ def _resign(payload: dict) -> dict:
 
 
 def _tampered_rejoin(tmp: Path) -> Setup:
-    faults = FaultPlan().drop("p03", round=0, at=RoundState.COLLECTING).rejoin("p03", round=1)
+    faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING).rejoin("p03", round=2)
     setup = _plain(tmp, faults)
 
     def tamper_in_transit(s: Setup) -> None:
@@ -174,9 +174,9 @@ def _replay(tmp: Path) -> Setup:
         seen.append(dict(payload))
         return payload
 
-    setup = _signed(tmp, FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=keep))
+    setup = _signed(tmp, FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=keep))
 
-    def replay(s: Setup) -> None:  # round 0's admitted update, delivered again in round 1
+    def replay(s: Setup) -> None:  # round 1's admitted update, delivered again in round 2
         s.network.inject("p01", COORDINATOR, seen[0])
 
     setup.between_rounds = replay
@@ -184,7 +184,7 @@ def _replay(tmp: Path) -> Setup:
 
 
 def _duplicate(tmp: Path) -> Setup:
-    setup = _signed(tmp, FaultPlan().duplicate("p03", round=1, kind=MessageKind.UPDATE))
+    setup = _signed(tmp, FaultPlan().duplicate("p03", round=2, kind=MessageKind.UPDATE))
     setup.network.set_compute_time("p03", 0.1)  # both copies arrive before the others
     return setup
 
@@ -198,14 +198,14 @@ SCENARIOS: list[Scenario] = [
         "dropout in OPEN",
         "p03 goes offline before the RoundOpen reaches it",
         "round closes elastically without it",
-        lambda tmp: _plain(tmp, FaultPlan().drop("p03", round=1, at=RoundState.OPEN)),
+        lambda tmp: _plain(tmp, FaultPlan().drop("p03", round=2, at=RoundState.OPEN)),
         Expected(CLOSED, contributors=THREE),
     ),
     Scenario(
         "dropout in COLLECTING",
         "p03 goes offline before its update leaves",
         "round closes elastically without it",
-        lambda tmp: _plain(tmp, FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)),
+        lambda tmp: _plain(tmp, FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)),
         Expected(CLOSED, contributors=THREE),
     ),
     Scenario(
@@ -233,7 +233,7 @@ SCENARIOS: list[Scenario] = [
         "slower than the collect timeout",
         "p03's update arrives 0.5 s after the collect deadline (10 s)",
         "round closes without it; its update, arriving during the next round, is dropped as late",
-        lambda tmp: _plain(tmp, FaultPlan().delay("p03", round=1, seconds=9.5)),
+        lambda tmp: _plain(tmp, FaultPlan().delay("p03", round=2, seconds=9.5)),
         Expected(CLOSED, contributors=THREE, late=("p03",)),
     ),
     Scenario(
@@ -241,7 +241,7 @@ SCENARIOS: list[Scenario] = [
         "p03's delta is all NaN",
         "rejected at ingress (RoundError); round closes without it",
         lambda tmp: _plain(
-            tmp, FaultPlan().corrupt("p03", round=1, kind=MessageKind.UPDATE, mutate=_nan_delta)
+            tmp, FaultPlan().corrupt("p03", round=2, kind=MessageKind.UPDATE, mutate=_nan_delta)
         ),
         Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="RoundError"),
     ),
@@ -250,20 +250,20 @@ SCENARIOS: list[Scenario] = [
         "p03's update re-signed with a key that is not its registered one",
         "rejected at ingress (ForgedMessage); round closes without it",
         lambda tmp: _signed(
-            tmp, FaultPlan().corrupt("p03", round=1, kind=MessageKind.UPDATE, mutate=_resign)
+            tmp, FaultPlan().corrupt("p03", round=2, kind=MessageKind.UPDATE, mutate=_resign)
         ),
         Expected(CLOSED, contributors=THREE, rejected=1, rejected_as="ForgedMessage"),
     ),
     Scenario(
         "replayed update",
-        "p01's admitted round-0 update is delivered again in round 1",
+        "p01's admitted round-1 update is delivered again in round 2",
         "rejected at ingress (ReplayedMessage); p01's real update counts",
         _replay,
         Expected(CLOSED, contributors=ALL, rejected=1, rejected_as="ReplayedMessage"),
     ),
     Scenario(
         "duplicated update",
-        "p03 sends its round-1 update twice",
+        "p03 sends its round-2 update twice",
         "the copy is rejected (DuplicateMessage); p03 counts once",
         _duplicate,
         Expected(CLOSED, contributors=ALL, rejected=1, rejected_as="DuplicateMessage"),
@@ -273,13 +273,13 @@ SCENARIOS: list[Scenario] = [
         "p02's update is bound to another dataset root than it committed",
         "round aborts fail-closed; the federation stops (CommitmentMismatch)",
         lambda tmp: _plain(
-            tmp, FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=_forge_root)
+            tmp, FaultPlan().corrupt("p02", round=2, kind=MessageKind.UPDATE, mutate=_forge_root)
         ),
         Expected(("aborted",), error="CommitmentMismatch"),
     ),
     Scenario(
         "tampered checkpoint on rejoin",
-        "p03 rejoins in round 1; the checkpoint it recovers was altered on disk",
+        "p03 rejoins in round 2; the checkpoint it recovers was altered on disk",
         "p03 refuses it (CheckpointIntegrityError) and stays out; round closes",
         _tampered_rejoin,
         Expected(CLOSED, contributors=THREE),
@@ -287,7 +287,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "privacy budget exhausted",
         "epsilon budget 20 allows two releases (sigma 1), one spent by an earlier run; "
-        "round 1 would exceed it",
+        "round 2 would exceed it",
         "participants refuse to release; round aborts; the federation stops",
         _dp,
         Expected(("aborted",), error="PrivacyBudgetExceeded"),
@@ -299,7 +299,7 @@ SCENARIOS: list[Scenario] = [
         lambda tmp: _masked(
             tmp,
             FaultPlan().corrupt(
-                "p00", round=1, kind=MessageKind.UNMASK_RESPONSE, mutate=_garble_shares
+                "p00", round=2, kind=MessageKind.UNMASK_RESPONSE, mutate=_garble_shares
             ),
             threshold=4,
         ),
@@ -332,8 +332,8 @@ SCENARIOS: list[Scenario] = [
     ),
 ]
 
-# The budget scenario's fault is in round 1 (an earlier run and round 0 spend the budget).
-FAULTED_ROUND = {"privacy budget exhausted": 1}
+# The budget scenario's fault is in round 2 (an earlier run and round 1 spend the budget).
+FAULTED_ROUND = {"privacy budget exhausted": 2}
 
 
 @dataclasses.dataclass
@@ -348,7 +348,7 @@ def play(scenario: Scenario, tmp: Path) -> Observed:
     setup = scenario.build(tmp)
     fault_round = FAULTED_ROUND.get(scenario.name, FAULT_ROUND)
     coordinator = setup.coordinator
-    coordinator.run(fault_round)
+    coordinator.run(fault_round - 1)  # the rounds before it close cleanly
     committed = [r.record_hash for r in Ledger(coordinator.store).records()]
     if setup.between_rounds is not None:
         setup.between_rounds(setup)
@@ -372,7 +372,7 @@ def play(scenario: Scenario, tmp: Path) -> Observed:
         coordinator = Coordinator.resume(
             coordinator.config, transport=setup.network.coordinator, store=coordinator.store
         )
-        coordinator.run(fault_round + 1 - coordinator.global_state().round)
+        coordinator.run(fault_round - coordinator.global_state().round)
     except LensembleError as exc:
         error = exc
     return Observed(coordinator, error, committed)

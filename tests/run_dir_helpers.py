@@ -30,11 +30,11 @@ from lensemble_flwr.provenance.ledger import (
 from lensemble_flwr.transports.faults import FaultPlan
 
 ROUNDS = 3
-ABORTED_ROUND = 1
+ABORTED_ROUND = 2
 
 
 def federated_run(root: Path) -> Path:
-    """Three closed rounds of four DP participants, round 1 aborted once (two of them drop
+    """Three closed rounds of four DP participants, round 2 aborted once (two of them drop
     below the quorum of three) and closed on its second attempt. Returns the run dir."""
     config = dp_config(root / "budgets", dp_epsilon=50.0)
     faults = (
@@ -81,7 +81,7 @@ def synthetic_run(
         if drift is not None:
             diagnostics["frame_drift"] = drift
         entry = RoundEntry(
-            round=t,
+            round=t + 1,  # round t + 1 takes θ_t to θ_{t+1}
             attempt=1,
             state=RoundState.CLOSED,
             round_seed=t,
@@ -97,7 +97,7 @@ def synthetic_run(
         )
         record = ledger.append(
             ContributionRecord(
-                round=t,
+                round=t + 1,
                 attempt=1,
                 invited=contributors,
                 contributors=contributors,

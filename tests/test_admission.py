@@ -76,7 +76,7 @@ def coordinator_in(tmp: Path, state: RoundState, **config: Any) -> Coordinator:
 
 
 def common(**changes: Any) -> dict[str, Any]:
-    return {"run_id": "run", "round": 0, "attempt": 1, "sender": "p00", **changes}
+    return {"run_id": "run", "round": 1, "attempt": 1, "sender": "p00", **changes}
 
 
 def commitment() -> Commitment:
@@ -103,7 +103,7 @@ def messages() -> dict[type, ControlMessage]:
         UnmaskRequest: UnmaskRequest(**common(), survivors=(), dropped=(), sealed={}),
         RoundClose: RoundClose(
             run_id="run",
-            round=0,
+            round=1,
             sender="p00",
             previous_hash="0" * 64,
             global_hash="1" * 64,

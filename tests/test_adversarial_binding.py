@@ -46,11 +46,11 @@ def rooted_elsewhere(payload: dict) -> dict:
 def test_a_bound_participants_update_without_its_root_aborts_and_stops(
     tmp_path: Path, require_binding: bool, mutate
 ) -> None:
-    """p01 committed in round 0; in round 1 its update comes without a root (or with
+    """p01 committed in round 1; in round 2 its update comes without a root (or with
     another). It used to be a plain RoundError with binding required (the round closed
     without it), and admitted as unbound without: now the update is rejected, the attempt
     aborts with CommitmentMismatch, and the federation stops, the global state unchanged."""
-    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=mutate)
+    faults = FaultPlan().corrupt("p01", round=2, kind=MessageKind.UPDATE, mutate=mutate)
     config = small_config(require_binding=require_binding)
     coordinator, _network, _ = federation(tmp_path, config=config, faults=faults)
     coordinator.run(1)
@@ -60,7 +60,7 @@ def test_a_bound_participants_update_without_its_root_aborts_and_stops(
     outcome = coordinator.outcomes[-1]
     assert outcome.state is RoundState.ABORTED and isinstance(outcome.error, CommitmentMismatch)
     assert coordinator.global_state().params_hash == before
-    assert [r.round for r in Ledger(Store(tmp_path / "run")).records()] == [0]
+    assert [r.round for r in Ledger(Store(tmp_path / "run")).records()] == [1]
 
 
 def registry(tmp_path: Path, **kwargs) -> ParticipantRegistry:
@@ -72,7 +72,7 @@ def registry(tmp_path: Path, **kwargs) -> ParticipantRegistry:
 def update(root: str | None) -> Update:
     return Update(
         run_id="run",
-        round=0,
+        round=1,
         sender="p09",
         participant_id="p09",
         dataset_root=root,
@@ -123,7 +123,7 @@ def test_rounds_with_unbound_contributions_are_named(tmp_path: Path, caplog) -> 
         coordinator.run(2)
     (record, *_) = Ledger(Store(tmp_path / "run")).records()
     assert record.unbound == ("p09",) and record.dataset_roots["p09"] is None
-    assert "round 0 closed with UNBOUND contributions (no dataset commitment) from p09" in (
+    assert "round 1 closed with UNBOUND contributions (no dataset commitment) from p09" in (
         caplog.text
     )
     summary = summarize_run(tmp_path / "run")
@@ -178,14 +178,14 @@ def test_an_identity_key_is_fixed_at_the_first_commitment(tmp_path: Path) -> Non
 
     reg = ParticipantRegistry(small_config(), Store(tmp_path / "registry"))
     key = IdentityKey.generate()
-    common = {"run_id": "run", "round": 0, "sender": "p09", "participant_id": "p09"}
+    common = {"run_id": "run", "round": 1, "sender": "p09", "participant_id": "p09"}
     first = key.sign(
         Commitment(**common, dataset_root=ROOT, num_examples=3, identity_key=key.public_openssh),
         7,
     )
     reg.check_signature(first, 7)
     reg.bind(first)
-    later = key.sign(Commitment(**{**common, "round": 1}, dataset_root=ROOT, num_examples=3), 8)
+    later = key.sign(Commitment(**{**common, "round": 2}, dataset_root=ROOT, num_examples=3), 8)
     reg.check_signature(later, 8)
     reg.bind(later)
     assert reg.commitments["p09"].identity_key == key.public_openssh.strip()  # kept
@@ -194,6 +194,6 @@ def test_an_identity_key_is_fixed_at_the_first_commitment(tmp_path: Path) -> Non
         **{**common, "sender": "p08", "participant_id": "p08"}, dataset_root=ROOT, num_examples=3
     )
     keyless.bind(plain)
-    added = key.sign(plain.model_copy(update={"round": 1, "identity_key": key.public_openssh}), 8)
+    added = key.sign(plain.model_copy(update={"round": 2, "identity_key": key.public_openssh}), 8)
     with pytest.raises(ForgedMessage, match="bound without an identity key"):
         keyless.check_signature(added, 8)

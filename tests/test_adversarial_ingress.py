@@ -70,7 +70,7 @@ def test_a_non_finite_epsilon_changes_nothing_in_a_signed_federation_either(
     keys = {f"p0{i}": IdentityKey.generate() for i in range(4)}
     coordinator, network, _ = signed_federation(tmp_path, keys)
     coordinator.run(1)
-    bad = {**update_payload(), "run_id": coordinator.run_id, "round": 1, "epsilon": math.inf}
+    bad = {**update_payload(), "run_id": coordinator.run_id, "round": 2, "epsilon": math.inf}
     network.inject("p01", COORDINATOR, bad)
     coordinator.run(1)
     last = coordinator.outcomes[-1]
@@ -115,7 +115,7 @@ def test_nobody_unregistered_can_stop_the_federation(tmp_path: Path, error: str)
     intruder = {
         "kind": MessageKind.REFUSAL.value,
         "run_id": coordinator.run_id,
-        "round": 1,
+        "round": 2,
         "attempt": 1,
         "sender": "mallory",
         "participant_id": "mallory",
@@ -139,7 +139,7 @@ def test_an_invited_but_unregistered_participant_cannot_stop_the_federation(
     refusal = {
         "kind": MessageKind.REFUSAL.value,
         "run_id": "run",
-        "round": 0,
+        "round": 1,
         "attempt": 1,
         "sender": "p09",
         "participant_id": "p09",
@@ -171,7 +171,7 @@ def test_a_late_message_is_filed_only_when_authenticated(tmp_path: Path) -> None
     keys = {f"p0{i}": IdentityKey.generate() for i in range(4)}
     coordinator, network, _ = signed_federation(tmp_path, keys)
     coordinator.run(2)
-    stale = {**update_payload(), "run_id": coordinator.run_id, "round": 0}
+    stale = {**update_payload(), "run_id": coordinator.run_id, "round": 1}
     network.inject("p01", COORDINATOR, stale)  # unsigned, but p01 has a registered key
     stranger = {**stale, "sender": "mallory", "participant_id": "mallory"}
     network.inject("mallory", COORDINATOR, stranger)

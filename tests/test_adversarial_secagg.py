@@ -160,8 +160,8 @@ def release_integers(update: Mapping[str, Any], config) -> np.ndarray:
 @pytest.mark.parametrize(
     "later",
     [
-        FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING).rejoin("p02", round=2),
-        FaultPlan().delay("p02", round=1, seconds=1e4),  # late: declared dropped, arrives
+        FaultPlan().drop("p02", round=2, at=RoundState.COLLECTING).rejoin("p02", round=3),
+        FaultPlan().delay("p02", round=2, seconds=1e4),  # late: declared dropped, arrives
     ],
     ids=["drops-later", "late-later"],
 )
@@ -186,34 +186,34 @@ def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
         return fields
 
     p02.masking.mask_release = spy  # type: ignore[method-assign]
-    coordinator.run(1)  # round 0: p02 survives, its self mask is disclosed
+    coordinator.run(1)  # round 1: p02 survives, its self mask is disclosed
     (round_key,) = used
     assert round_key is not None and p02.masking.round_key is None
-    coordinator.run(3)  # round 1: p02 drops or is late; then it comes back
+    coordinator.run(3)  # round 2: p02 drops or is late; then it comes back
     assert "p02" not in coordinator.outcomes[1].contributors
     transcript = seen.payloads()
     late_update = [
         p
         for p in transcript
-        if kind_of(p) is MessageKind.UPDATE and p["participant_id"] == "p02" and p["round"] == 1
+        if kind_of(p) is MessageKind.UPDATE and p["participant_id"] == "p02" and p["round"] == 2
     ]
     assert bool(late_update) == bool(later.delays)  # late: it did arrive; dropped: never
 
-    (plain_update,) = plain_seen.payloads(MessageKind.UPDATE, round=0, source="p02")
+    (plain_update,) = plain_seen.payloads(MessageKind.UPDATE, round=1, source="p02")
     truth = release_integers(plain_update, config)
-    candidates = recover(transcript, "p02", 0, 1)
-    assert candidates is not None  # its round-0 self mask is known: the attack can start
+    candidates = recover(transcript, "p02", 1, 1)
+    assert candidates is not None  # its round-1 self mask is known: the attack can start
     assert not (candidates == truth).all(axis=1).any()  # ...and gets nowhere
 
-    # positive control: with p02's round-0 mask key the same attack succeeds
-    controlled = recover(transcript, "p02", 0, 1, round_key)
+    # positive control: with p02's round-1 mask key the same attack succeeds
+    controlled = recover(transcript, "p02", 1, 1, round_key)
     assert controlled is not None and (controlled == truth).all(axis=1).any()
 
     # the round p02 was late in: its masked input reached the coordinator, filed late,
     # and its self mask of that round was never disclosed
     if late_update:
         assert "p02" in coordinator.manifest.rounds[1].late
-        assert recover(transcript, "p02", 1, 1) is None
+        assert recover(transcript, "p02", 2, 1) is None
 
 
 # -- the property, over random drop and late patterns -----------------------------------
@@ -339,7 +339,7 @@ def _role_with_a_round(threshold: int = 2, n: int = 3):
     config = LensembleConfig(federation={"secagg_threshold": threshold, "min_participants": 2})
     opened = RoundOpen.model_construct(
         run_id="run",
-        round=0,
+        round=1,
         attempt=1,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=threshold,
@@ -347,7 +347,7 @@ def _role_with_a_round(threshold: int = 2, n: int = 3):
     )
     release = PseudoGradient(
         participant_id="p0",
-        round=0,
+        round=1,
         delta={"w": np.zeros(3, np.float32)},
         l2_norm=0.0,
         dataset_root=None,
@@ -371,7 +371,7 @@ def test_a_member_answers_one_partition_per_attempt_and_then_deletes_its_key() -
     from lensemble_flwr.protocol.messages import UnmaskRequest
 
     role, _members, fields, *_ = _role_with_a_round()
-    common = {"run_id": "run", "round": 0, "attempt": 1, "sender": "coordinator"}
+    common = {"run_id": "run", "round": 1, "attempt": 1, "sender": "coordinator"}
     first = UnmaskRequest(
         **common,
         survivors=("p0", "p1", "p2"),

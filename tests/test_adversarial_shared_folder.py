@@ -42,27 +42,27 @@ def test_a_forged_final_outcome_leads_nobody_off_the_ledger(tmp_path: Path) -> N
     assert head is not None
     lie = Outcome(
         run_id="run",
-        round=1,
+        round=2,
         sitting=1,
         state=RoundState.CLOSED,
         decided_by="p00",
         contributors=("p00", "p01"),
         global_hash="ab" * 32,
     )
-    place = "run/barrier/00000001.001/outcome"
-    store.claim("barrier/00000001.001/decision", store.put(b"p00"))
+    place = "run/barrier/00000002.001/outcome"
+    store.claim("barrier/00000002.001/decision", store.put(b"p00"))
     for forged, error, match in [
         (encode(lie), ForgedMessage, "unreadable"),
         (sign_document(OUTSIDER, "p00", place, encode(lie)), ForgedMessage, "not signed by p00"),
         (sign_document(OUTSIDER, "eve", place, encode(lie)), ForgedMessage, "not a participant"),
         (sign_document(identity_of("p00"), "p00", place, encode(lie)), LedgerError, "ledger"),
     ]:
-        (store.root / "names" / "barrier" / "00000001.001" / "outcome").unlink(missing_ok=True)
-        store.claim("barrier/00000001.001/outcome", store.put(forged))
+        (store.root / "names" / "barrier" / "00000002.001" / "outcome").unlink(missing_ok=True)
+        store.claim("barrier/00000002.001/outcome", store.put(forged))
         for participant in ("p00", "p01"):
             with pytest.raises(error, match=match):
                 node(tmp_path, participant).run(2)
-    assert [r.round for r in verify(store)] == [0]  # nobody left round 1 on the lie
+    assert [r.round for r in verify(store)] == [1]  # nobody left round 2 on the lie
 
 
 def test_a_forged_record_in_another_participants_name_is_refused_loudly(
@@ -78,9 +78,9 @@ def test_a_forged_record_in_another_participants_name_is_refused_loudly(
         when(lambda: bool(store.bound("barrier/genesis")))
         genesis = decode_genesis(document_body(store.get(store.resolve("barrier/genesis"))))
         record = n1.answer(genesis.first)  # what p01 would say
-        place = "run/barrier/00000000.001/record/p01"
+        place = "run/barrier/00000001.001/record/p01"
         forged = sign_document(identity_of("p00"), "p00", place, encode_record(record))
-        n0.barrier.deposit(SittingKey(0, 1), "p01", forged)
+        n0.barrier.deposit(SittingKey(1, 1), "p01", forged)
         running.result()
     assert [r.contributors for r in verify(store)] == [("p00",)]
     assert "REFUSED the record in the slot of p01" in caplog.text
@@ -104,8 +104,8 @@ def test_a_signed_record_that_speaks_for_another_participant_is_left_out(
         as_p01 = tuple(
             {**p, "sender": "p01", "participant_id": "p01"} for p in mine.payloads
         )  # keeps p00's signatures, which do not verify for p01
-        crafted = FolderRecord("run", 0, 1, "p00", mine.num_examples, mine.payloads + as_p01)
-        n0.barrier.deposit(SittingKey(0, 1), "p00", n0.seal_record(crafted))
+        crafted = FolderRecord("run", 1, 1, "p00", mine.num_examples, mine.payloads + as_p01)
+        n0.barrier.deposit(SittingKey(1, 1), "p00", n0.seal_record(crafted))
         running.result()
     contributors = [r.contributors for r in verify(store)]
     assert contributors == [("p01",)]  # the record speaks for p01 too: left out entirely
@@ -121,7 +121,7 @@ def test_garbage_in_a_participants_own_slot_stops_it_loudly(tmp_path: Path) -> N
     try:
         running = n0_start.submit(n0.run, 1)
         when(lambda: bool(store.bound("barrier/genesis")))
-        n0.barrier.deposit(SittingKey(0, 1), "p01", b"garbage, not a record")
+        n0.barrier.deposit(SittingKey(1, 1), "p01", b"garbage, not a record")
         with pytest.raises(ForgedMessage, match="the slot of p01 holds a record it did not write"):
             n1.run(1)
         running.result()

@@ -45,7 +45,7 @@ def header_config(**changes):
 
 
 def closed_entry(**changes):
-    return lambda run: rewrite_json(run, manifest_entry_name(0, 1), **changes)
+    return lambda run: rewrite_json(run, manifest_entry_name(1, 1), **changes)
 
 
 def aborted_entry(**changes):
@@ -131,11 +131,11 @@ def test_verify_writes_nothing_and_works_on_a_read_only_copy(run: Path) -> None:
 
 
 def test_a_name_file_with_non_utf8_bytes_is_a_finding_not_a_traceback(run: Path) -> None:
-    name = run / "names" / "ledger" / "00000001"
+    name = run / "names" / "ledger" / "00000002"
     name.write_bytes(b"\xff\xfe not a digest\n")
     report = audit_run(run)
     assert not report.ok
-    assert any(f.where == "ledger/00000001" for f in report.findings), report.findings
+    assert any(f.where == "ledger/00000002" for f in report.findings), report.findings
     odd = run / "names" / "ledger" / os.fsdecode(b"0000\xff")
     odd.write_text("00" * 32 + "\n")
     report = audit_run(run)  # a file name that is not UTF-8 either

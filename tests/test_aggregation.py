@@ -25,7 +25,7 @@ SHAPES: dict[str, tuple[int, ...]] = {"enc.w": (3, 4), "enc.b": (5,)}
 def _update(pid: str, delta: NamedArrays, n: int = 1) -> Update:
     return Update(
         run_id="r",
-        round=0,
+        round=1,
         sender=pid,
         participant_id=pid,
         dataset_root="a" * 64,
@@ -505,7 +505,7 @@ def test_the_fold_gives_the_float64_fixed_point_integers_whatever_path_it_takes(
         agg.admit(
             Update(
                 run_id="r",
-                round=0,
+                round=1,
                 sender=f"p{i}",
                 participant_id=f"p{i}",
                 dataset_root=None,
@@ -529,7 +529,7 @@ def test_the_plaintext_aggregator_refuses_a_masked_update() -> None:
     huge = {n: np.full(a.shape, 7 * 10**8, np.int64) for n, a in template.items()}
     masked = Update(
         run_id="r",
-        round=0,
+        round=1,
         sender="p",
         participant_id="p",
         dataset_root=None,

@@ -48,26 +48,26 @@ def test_verify_passes_an_untouched_run(run: Path, capsys: pytest.CaptureFixture
 
 
 def test_verify_names_the_first_broken_link(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    digest = read_json(run, "ledger/00000001")["checkpoint"]
+    digest = read_json(run, "ledger/00000002")["checkpoint"]
     flip_byte(blob_path(run, digest))
     code, out, _ = cli(capsys, "verify", run)
     assert code == EXIT_FAILED
     (line,) = [x for x in out.splitlines() if x.startswith("BROKEN")]
-    assert line.startswith(f"BROKEN round 1: checkpoint sha256: expected {digest}, found ")
+    assert line.startswith(f"BROKEN round 2: checkpoint sha256: expected {digest}, found ")
 
 
 def test_verify_json_and_all(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (run / "names" / "ledger" / "00000001").unlink()
-    rewrite_json(run, "manifest/rounds/00000002-0001", count=2, total_weight=2)
+    (run / "names" / "ledger" / "00000002").unlink()
+    rewrite_json(run, "manifest/rounds/00000003-0001", count=2, total_weight=2)
     code, out, _ = cli(capsys, "verify", run, "--json")
     doc = json.loads(out)
     assert code == EXIT_FAILED and doc["ok"] is False
     assert doc["findings"][0] == {
-        "where": "round 1",
+        "where": "round 2",
         "field": "ledger record",
         "expected": "a record for closed attempt 2",
         "found": "none",
-        "round": 1,
+        "round": 2,
     }
     assert [f["field"] for f in doc["findings"][1:]] == [
         "manifest.count",
@@ -81,7 +81,7 @@ def test_verify_json_and_all(run: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_verify_expect_head(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    head = read_json(run, "ledger/00000002")["record_hash"]
+    head = read_json(run, "ledger/00000003")["record_hash"]
     assert cli(capsys, "verify", run, "--expect-head", head)[0] == EXIT_OK
     code, out, _ = cli(capsys, "verify", run, "--expect-head", "0" * 64)
     assert code == EXIT_FAILED and f"BROKEN ledger head: record_hash: expected {'0' * 64}" in out
@@ -105,22 +105,22 @@ def test_show_json_lists_every_attempt(run: Path, capsys: pytest.CaptureFixture[
     assert doc["run_id"] == read_json(run, "manifest/header")["run_id"]
     rows = [(a["round"], a["attempt"], a["state"], a["count"]) for a in doc["attempts"]]
     assert rows == [
-        (0, 1, "closed", 4),
-        (1, 1, "aborted", 0),
-        (1, 2, "closed", 4),
-        (2, 1, "closed", 4),
+        (1, 1, "closed", 4),  # Flower's numbering: the first round is round 1
+        (2, 1, "aborted", 0),
+        (2, 2, "closed", 4),
+        (3, 1, "closed", 4),
     ]
     aborted = doc["attempts"][1]
     assert aborted["reason"].startswith("FaultToleranceExceeded") and aborted["epsilon"] == {}
-    for attempt, name in [(0, "00000000"), (2, "00000001"), (3, "00000002")]:
+    for attempt, name in [(0, "00000001"), (2, "00000002"), (3, "00000003")]:
         record = read_json(run, f"ledger/{name}")
         row = doc["attempts"][attempt]
         assert row["epsilon"] == record["epsilon"] and row["contributors"] == record["contributors"]
         assert row["epsilon_max"] == max(record["epsilon"].values())
         assert row["frame_drift"] is None  # this run has no gauge adapter
-    assert doc["epsilon_spent"] == read_json(run, "ledger/00000002")["epsilon"]
+    assert doc["epsilon_spent"] == read_json(run, "ledger/00000003")["epsilon"]
     assert (doc["rounds_closed"], doc["attempts_aborted"]) == (3, 1)
-    assert doc["final_global_hash"] == read_json(run, "ledger/00000002")["new_global_hash"]
+    assert doc["final_global_hash"] == read_json(run, "ledger/00000003")["new_global_hash"]
 
 
 def test_show_table(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,7 +128,7 @@ def test_show_table(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == EXIT_OK
     assert "aborted" in out and "closed" in out and "p00, p01, p02, p03" in out
     assert "frame drift" in out and "–" in out
-    assert "round 1 attempt 1 aborted: FaultToleranceExceeded: 1 updates" in out
+    assert "round 2 attempt 1 aborted: FaultToleranceExceeded: 1 updates" in out
     assert "closed rounds: 3, aborted attempts: 1;" in out
     # the epsilon figures say whom they hold against, and the mechanism is named
     assert "epsilon spent (against coordinator, model recipients, other participants): p00" in out
@@ -148,7 +148,7 @@ def test_show_reads_the_frame_drift_diagnostic(
 def test_show_refuses_a_manifest_it_cannot_read(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = blob_path(run, (run / "names/manifest/rounds/00000000-0001").read_text().strip())
+    path = blob_path(run, (run / "names/manifest/rounds/00000001-0001").read_text().strip())
     flip_byte(path, offset=3)
     code, _, err = cli(capsys, "show", run)
     assert code == EXIT_FAILED and "CheckpointIntegrityError" in err
@@ -171,11 +171,11 @@ def test_report_writes_a_png_and_markdown(
     width, height = png_size(out_dir / "rounds.png")
     assert width > 500 and height > 500 and (out_dir / "rounds.png").stat().st_size > 10_000
     md = (out_dir / "report.md").read_text()
-    head = read_json(run, "ledger/00000002")
+    head = read_json(run, "ledger/00000003")
     assert "![per-round curves](rounds.png)" in md
     assert "| rounds closed | 3 |" in md and "| attempts aborted | 1 |" in md
     assert f"| final global hash | `{head['new_global_hash']}` |" in md
-    assert "- round 1, attempt 1: FaultToleranceExceeded" in md
+    assert "- round 2, attempt 1: FaultToleranceExceeded" in md
     assert f"| p00 | {head['epsilon']['p00']:.4g} |" in md
     assert "| audit (`lensemble-flwr verify`) | passed (3 records, 4 checkpoints) |" in md
     assert sorted(p.name for p in out_dir.iterdir()) == ["report.md", "rounds.png"]
@@ -200,11 +200,11 @@ def test_report_defaults_to_the_run_dir_and_plots_every_diagnostic(
 def test_report_of_a_broken_run_says_so(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rewrite_json(run, "manifest/rounds/00000001-0002", aggregate_digest="ab" * 32)
+    rewrite_json(run, "manifest/rounds/00000002-0002", aggregate_digest="ab" * 32)
     code, _, err = cli(capsys, "report", run, "--out", tmp_path / "r")
     assert code == EXIT_OK and "does not verify" in err
     md = (tmp_path / "r" / "report.md").read_text()
-    assert "**FAILED**: round 1: manifest.aggregate_digest" in md
+    assert "**FAILED**: round 2: manifest.aggregate_digest" in md
 
 
 def test_atomic_writes_leave_nothing_behind_on_failure(tmp_path: Path) -> None:
@@ -246,7 +246,7 @@ def test_prove_then_check_proof(
     assert code == EXIT_OK and "record 5 of 64" in out
     bundle = json.loads(proof.read_text())
     assert bundle["participant_id"] == "p01"
-    assert bundle["root"] == read_json(run, "ledger/00000000")["dataset_roots"]["p01"]
+    assert bundle["root"] == read_json(run, "ledger/00000001")["dataset_roots"]["p01"]
     code, out, _ = cli(capsys, "check-proof", run, proof, "--participant", "p01")
     assert code == EXIT_OK and out.startswith("accepted: record 5 of 64")
     # the same bundle from an object with dataset_records(), printed to stdout

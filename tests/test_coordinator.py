@@ -58,7 +58,7 @@ def test_happy_path_walks_all_six_states_and_commits(tmp_path: Path) -> None:
     # every participant heard the close, with the new hash
     assert {n.last_close.global_hash for n in nodes} == {after.params_hash}
     records = verify(Store(tmp_path / "run"))
-    assert [r.round for r in records] == [0]
+    assert [r.round for r in records] == [1]  # Flower's numbering: the first round is 1
     assert records[0].count == 4 and records[0].new_global_hash == after.params_hash
     assert set(records[0].dataset_roots.values()) == {n.dataset_root for n in nodes}
     assert RunManifest.load(Store(tmp_path / "run")) == coordinator.manifest
@@ -74,7 +74,7 @@ def test_many_rounds_reduce_the_loss_and_ledger_chains(tmp_path: Path) -> None:
     coordinator.run(6)
     assert global_loss(coordinator.global_state().params, trainers) < 0.5 * start
     records = verify(Store(tmp_path / "run"))
-    assert [r.round for r in records] == list(range(6))
+    assert [r.round for r in records] == list(range(1, 7))  # rounds 1 … 6
     assert all(b.previous_record_hash == a.record_hash for a, b in itertools.pairwise(records))
 
 
@@ -102,10 +102,10 @@ def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) ->
 def test_dropout_below_quorum_aborts_and_retry_after_rejoin_closes(tmp_path: Path) -> None:
     faults = (
         FaultPlan()
-        .drop("p01", round=0, at=RoundState.COLLECTING)
-        .drop("p02", round=0, at=RoundState.COLLECTING)
-        .rejoin("p01", round=0)
-        .rejoin("p02", round=0)
+        .drop("p01", round=1, at=RoundState.COLLECTING)
+        .drop("p02", round=1, at=RoundState.COLLECTING)
+        .rejoin("p01", round=1)
+        .rejoin("p02", round=1)
     )
     coordinator, _network, _ = federation(tmp_path, participants=4, faults=faults)
     before = coordinator.global_state().params_hash
@@ -121,7 +121,7 @@ def test_dropout_below_quorum_aborts_and_retry_after_rejoin_closes(tmp_path: Pat
 
 
 def test_dropout_above_quorum_completes_elastically_with_recorded_ct(tmp_path: Path) -> None:
-    faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
+    faults = FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)
     coordinator, _network, _ = federation(tmp_path, participants=5, faults=faults)
     coordinator.run(3)
     assert [o.count for o in coordinator.outcomes] == [5, 4, 4]
@@ -134,7 +134,7 @@ def test_dropout_above_quorum_completes_elastically_with_recorded_ct(tmp_path: P
 
 
 def test_rejoiner_absent_for_several_rounds_recovers_and_contributes(tmp_path: Path) -> None:
-    faults = FaultPlan().drop("p02", round=1, at=RoundState.OPEN).rejoin("p02", round=4)
+    faults = FaultPlan().drop("p02", round=2, at=RoundState.OPEN).rejoin("p02", round=5)
     coordinator, network, nodes = federation(tmp_path, participants=4, faults=faults)
     joined = []
     original_join = nodes[2].join
@@ -142,7 +142,7 @@ def test_rejoiner_absent_for_several_rounds_recovers_and_contributes(tmp_path: P
     coordinator.run(5)
     assert [o.count for o in coordinator.outcomes] == [4, 3, 3, 3, 4]
     assert "p02" in coordinator.outcomes[-1].contributors
-    # join recovered the latest committed state (the one round 4 started from)
+    # join recovered the latest committed state (θ_4, the one round 5 started from)
     records = Ledger(Store(tmp_path / "run")).records()
     assert joined[0].round == 4 and joined[0].params_hash == records[3].new_global_hash
     assert network.crashes == []
@@ -163,13 +163,13 @@ def test_rejoin_refuses_a_tampered_checkpoint(tmp_path: Path) -> None:
 
 def test_late_update_is_dropped_and_its_sender_contributes_next_round(tmp_path: Path) -> None:
     cfg = small_config()
-    # p01's round-0 update lands after the round-0 deadline, while round 1 is collecting
-    faults = FaultPlan().delay("p01", round=0, seconds=cfg.federation.collect_timeout - 0.5)
+    # p01's round-1 update lands after the round-1 deadline, while round 2 is collecting
+    faults = FaultPlan().delay("p01", round=1, seconds=cfg.federation.collect_timeout - 0.5)
     coordinator, _network, _ = federation(tmp_path, faults=faults, config=cfg)
     coordinator.run(3)
     r0, r1, r2 = coordinator.outcomes
     assert r0.count == 3 and "p01" not in r0.contributors
-    # its round-0 update arrives during round 1 and is logged as late, never admitted
+    # its round-1 update arrives during round 2 and is logged as late, never admitted
     assert "p01" in r1.late and "p01" in r1.contributors
     assert all(o.state is RoundState.CLOSED for o in (r0, r1, r2))
     manifest = RunManifest.load(Store(tmp_path / "run"))
@@ -177,7 +177,7 @@ def test_late_update_is_dropped_and_its_sender_contributes_next_round(tmp_path: 
 
 
 def test_identical_seeds_give_identical_manifests_and_digests(tmp_path: Path) -> None:
-    faults = lambda: FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)  # noqa: E731
+    faults = lambda: FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)  # noqa: E731
     runs = []
     for name in ("a", "b"):
         coordinator, _, _ = federation(tmp_path, faults=faults(), name=name)
@@ -196,7 +196,7 @@ def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
             network.set_compute_time(nodes[index].participant_id, 1.0 + rank)
         coordinator.run(2)
         arrivals = [
-            d[1] for d in network.delivered if d[3] == MessageKind.UPDATE.value and d[4] == 0
+            d[1] for d in network.delivered if d[3] == MessageKind.UPDATE.value and d[4] == 1
         ]
         assert arrivals == [nodes[i].participant_id for i in order]
         store = Store(tmp_path / name)
@@ -259,7 +259,7 @@ def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path)
         payload["dataset_root"] = "f" * 64
         return payload
 
-    faults = FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=forge_root)
+    faults = FaultPlan().corrupt("p02", round=2, kind=MessageKind.UPDATE, mutate=forge_root)
     coordinator, _, _ = federation(tmp_path, faults=faults)
     coordinator.run(1)
     before = coordinator.global_state().params_hash
@@ -267,7 +267,7 @@ def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path)
         coordinator.run(1)
     assert_aborted_unchanged(coordinator, before, CommitmentMismatch)
     assert len(coordinator.outcomes) == 2  # no retry after a commitment mismatch
-    verify(Store(tmp_path / "run"))  # round 0 stays committed and verifiable
+    verify(Store(tmp_path / "run"))  # round 1 stays committed and verifiable
 
 
 class RottingStore(Store):
@@ -307,7 +307,7 @@ def test_malformed_update_is_rejected_and_the_round_closes_without_it(tmp_path: 
         payload["delta"] = {k: np.full_like(v, np.nan) for k, v in payload["delta"].items()}
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=break_delta)
+    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=break_delta)
     coordinator, _, _ = federation(tmp_path, faults=faults)
     coordinator.run(1)
     outcome = coordinator.outcomes[0]
@@ -338,14 +338,14 @@ def test_a_refusal_is_answered_as_the_error_table_says(tmp_path: Path) -> None:
         return mutate
 
     faults = FaultPlan().corrupt(
-        "p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ProbeError")
+        "p01", round=1, kind=MessageKind.UPDATE, mutate=refuse_with("ProbeError")
     )
     coordinator, _, _ = federation(tmp_path, faults=faults, name="probe")
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
 
     faults = FaultPlan().corrupt(
-        "p01", round=0, kind=MessageKind.UPDATE, mutate=refuse_with("ResidencyViolation")
+        "p01", round=1, kind=MessageKind.UPDATE, mutate=refuse_with("ResidencyViolation")
     )
     coordinator, _, _ = federation(tmp_path, faults=faults, name="leak")
     with pytest.raises(ResidencyViolation, match="p01"):
@@ -386,14 +386,14 @@ def test_a_failure_after_the_commit_point_never_aborts_the_committed_round(
     coordinator.run(2)
     # RoundClose was announced (and failed) only once checkpoint, ledger record and
     # manifest entry were written
-    assert failing.seen == [(0, [0], [0]), (1, [0, 1], [0, 1])]
+    assert failing.seen == [(1, [1], [1]), (2, [1, 2], [1, 2])]
     assert [o.state for o in coordinator.outcomes] == [RoundState.CLOSED, RoundState.CLOSED]
-    assert [r.round for r in verify(store)] == [0, 1]
+    assert [r.round for r in verify(store)] == [1, 2]
     resumed = Coordinator.resume(coordinator.config, transport=network.coordinator, store=store)
     assert resumed.global_state().params_hash == coordinator.global_state().params_hash
     assert resumed.next_attempt() == 1
     resumed.run(1)
-    assert [r.round for r in verify(store)] == [0, 1, 2]
+    assert [r.round for r in verify(store)] == [1, 2, 3]
 
 
 def test_rejoin_refuses_a_forged_resealed_head(tmp_path: Path) -> None:
@@ -421,8 +421,8 @@ def test_rejoin_refuses_a_forged_resealed_head(tmp_path: Path) -> None:
     ).sealed()
     store.bind(ledger_name(head.round), store.put(forged.model_dump_json().encode()))
     assert decode_checkpoint(store.get(forged.checkpoint)).params_hash == forged.new_global_hash
-    with pytest.raises(CheckpointIntegrityError, match="does not hold round 1 as it was announced"):
-        nodes[0].join(str(store.root))  # it saw round 1 close
+    with pytest.raises(CheckpointIntegrityError, match="does not hold round 2 as it was announced"):
+        nodes[0].join(str(store.root))  # it saw round 2 close
     restarted = Participant(
         coordinator.config,
         participant_id="p00",

@@ -77,7 +77,7 @@ def test_a_stored_mask_key_that_is_not_32_bytes_of_hex_does_not_restore(key: obj
 def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(
     tmp_path: Path,
 ) -> None:
-    """The store refuses the closing manifest entry of round 1, after its ledger record:
+    """The store refuses the closing manifest entry of round 2, after its ledger record:
     the round stays committed (CLOSED, announced), the federation stops with the store's
     error, and a resumed coordinator completes the manifest from the kept entry."""
     coordinator, network, nodes = federation(tmp_path)
@@ -85,7 +85,7 @@ def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(
     broken = {"armed": True}
 
     def refuse_the_entry(kind: str, name: str, _data: bytes) -> None:
-        if broken["armed"] and kind == "name" and name.startswith("manifest/rounds/00000001"):
+        if broken["armed"] and kind == "name" and name.startswith("manifest/rounds/00000002"):
             broken["armed"] = False
             raise StoreError("disk full")
 
@@ -93,24 +93,24 @@ def test_a_manifest_write_that_fails_after_the_commit_point_keeps_the_round(
     with pytest.raises(StoreError, match="disk full"):
         coordinator.run(1)
     outcome = coordinator.outcomes[-1]
-    assert (outcome.round, outcome.state) == (1, RoundState.CLOSED)
+    assert (outcome.round, outcome.state) == (2, RoundState.CLOSED)
     assert coordinator.global_state().round == 2
-    assert [r.round for r in Ledger(coordinator.store).records()] == [0, 1]
+    assert [r.round for r in Ledger(coordinator.store).records()] == [1, 2]
     network.flush()
-    assert {n.last_close.round for n in nodes} == {1}  # announced all the same
-    assert [e.round for e in RunManifest.load(coordinator.store).rounds] == [0]
+    assert {n.last_close.round for n in nodes} == {2}  # announced all the same
+    assert [e.round for e in RunManifest.load(coordinator.store).rounds] == [1]
     coordinator.store.on_write = None
-    # a participant may rejoin in this window too: round 1 is committed
+    # a participant may rejoin in this window too: round 2 is committed (θ_2)
     assert nodes[0].join(str(coordinator.store.root)).round == 2
     resumed = Coordinator.resume(
         coordinator.config, transport=network.coordinator, store=coordinator.store
     )
     assert [(e.round, e.state) for e in resumed.manifest.rounds] == [
-        (0, RoundState.CLOSED),
         (1, RoundState.CLOSED),
+        (2, RoundState.CLOSED),
     ]
     resumed.run(1)
-    assert [r.round for r in verify(coordinator.store)] == [0, 1, 2]
+    assert [r.round for r in verify(coordinator.store)] == [1, 2, 3]
 
 
 def test_configure_train_again_ends_the_attempt_that_never_got_its_replies(
@@ -140,7 +140,7 @@ def test_a_broken_last_link_is_refused_in_the_commit_window(tmp_path: Path) -> N
     coordinator.run(1)
 
     def refuse_the_entry(kind: str, name: str, _data: bytes) -> None:
-        if kind == "name" and name.startswith("manifest/rounds/00000001"):
+        if kind == "name" and name.startswith("manifest/rounds/00000002"):
             raise StoreError("disk full")
 
     coordinator.store.on_write = refuse_the_entry
@@ -149,9 +149,9 @@ def test_a_broken_last_link_is_refused_in_the_commit_window(tmp_path: Path) -> N
     coordinator.store.on_write = None
     store = coordinator.store
     head = Ledger(store).head()
-    assert head is not None and head.round == 1
+    assert head is not None and head.round == 2
     forged = head.model_copy(update={"previous_record_hash": "f" * 64, "record_hash": ""})
-    store.bind(ledger_name(1), store.put(forged.sealed().model_dump_json().encode()))
+    store.bind(ledger_name(2), store.put(forged.sealed().model_dump_json().encode()))
     fresh = nodes[1]
     fresh.last_close = None  # no close to compare with: only the chain can tell
     with pytest.raises(LedgerError, match="chain broken"):
@@ -178,7 +178,7 @@ def test_a_quorum_the_declared_federation_cannot_reach_fails_before_any_attempt(
         coordinator.run(1)
     assert refused.value.field == key
     assert coordinator.manifest.rounds == () and coordinator.attempt is None
-    assert durable.started_attempts(coordinator.store, 0) == []
+    assert durable.started_attempts(coordinator.store, 1) == []
 
 
 def test_a_federation_that_declares_nothing_names_ready_and_reachable_at_the_open_deadline(

@@ -60,22 +60,22 @@ class Case:
         return ["--secagg-threshold", str(self.secagg_threshold)]
 
 
-# Round 1 or 2 of 4 for every kill point, and a few places that are special: round 0
+# Round 2 or 3 of 4 for every kill point, and a few places that are special: round 1
 # (nobody is bound yet), and a masked round whose dropped member's key was revealed.
 CASES = [
-    Case("open", 1),
-    Case("collecting", 2),
-    Case("mid-collecting", 1),
-    Case("aggregating", 1),
-    Case("aligning", 2),
-    Case("committing", 1),
-    Case("checkpoint-write", 2),
-    Case("closed", 1),
-    Case("closed", 3),  # the last round: the restart has nothing left to run
-    Case("aborted", 1, drops=("p01:1:open", "p02:1:open")),
-    Case("collecting", 0),
-    Case("aligning", 1, secagg_threshold=3, drops=("p03:1:collecting",)),
-    Case("closed", 2, secagg_threshold=3),
+    Case("open", 2),
+    Case("collecting", 3),
+    Case("mid-collecting", 2),
+    Case("aggregating", 2),
+    Case("aligning", 3),
+    Case("committing", 2),
+    Case("checkpoint-write", 3),
+    Case("closed", 2),
+    Case("closed", 4),  # the last round: the restart has nothing left to run
+    Case("aborted", 2, drops=("p01:2:open", "p02:2:open")),
+    Case("collecting", 1),
+    Case("aligning", 2, secagg_threshold=3, drops=("p03:2:collecting",)),
+    Case("closed", 3, secagg_threshold=3),
 ]
 
 
@@ -214,16 +214,16 @@ def test_killed_coordinator_resumes_from_the_last_closed_round(
     assert (d.killed["round"], d.killed["point"], d.killed["attempt"]) == (t, case.point, 1)
 
     # at the kill: the committed rounds, and the killed round only if its record was claimed
-    committed = list(range(t + 1 if point.committed else t))
+    committed = list(range(1, t + 1 if point.committed else t))  # rounds from 1
     assert [json.loads(b)["round"] for b in d.ledger_at_kill.values()] == committed
     assert d.visible_at_kill == []  # nothing half-written under blobs/ or names/
     if point.committed:  # the commit is complete in the ledger, the manifest lags behind
         assert isinstance(d.verify_at_kill, LedgerError)
         assert str(d.verify_at_kill) == (
-            f"manifest closed rounds {list(range(t))} differ from ledger rounds {committed}"
+            f"manifest closed rounds {list(range(1, t))} differ from ledger rounds {committed}"
         )
     else:
-        assert d.verify_at_kill == t, d.verify_at_kill
+        assert d.verify_at_kill == t - 1, d.verify_at_kill  # rounds 1 … t - 1
     if case.point == "checkpoint-write":  # the kill came mid-write: half a checkpoint in tmp/
         (partial,) = d.tmp_at_kill
         assert partial.stat().st_size == d.killed["written"] == d.killed["size"] // 2
@@ -236,7 +236,7 @@ def test_killed_coordinator_resumes_from_the_last_closed_round(
     # after the restart: every round CLOSED, nothing committed before the kill lost
     store = Store(d.run_dir)
     records = verify(store)
-    assert [r.round for r in records] == list(range(ROUNDS))
+    assert [r.round for r in records] == list(range(1, ROUNDS + 1))
     after = ledger_bytes(store)
     assert {name: after[name] for name in d.ledger_at_kill} == d.ledger_at_kill
     assert partial_files(d.run_dir) == []
@@ -274,8 +274,8 @@ def test_a_restart_before_any_update_changes_nothing_the_run_computes(
 def test_participants_keys_and_the_spent_keys_survive_a_kill_in_a_masked_round(
     drill: Callable[[Case], Drill],
 ) -> None:
-    """Round 1 of a masked run: p03 drops mid-round, the survivors are unmasked around it
-    (they disclose their round-1 seeds with it), and the coordinator dies at ALIGNING.
+    """Round 2 of a masked run: p03 drops mid-round, the survivors are unmasked around it
+    (they disclose their round-2 seeds with it), and the coordinator dies at ALIGNING.
     The restarted coordinator still knows every commitment and the next mask keys the
     survivors announced with their updates; p03's key was spent when it was listed, so
     it commits a fresh one before it is a member again; every key masks once."""
@@ -305,15 +305,15 @@ def test_a_coordinator_killed_twice_in_one_round_resumes_twice(
     def run(*args: str) -> int | None:
         return run_drill(run_dir, *args, report=tmp_path / "r.json", log=tmp_path / "log")
 
-    assert run("--kill-at", "1:aggregating") == SIGKILLED
-    assert run("--resume", "--kill-at", "1:committing") == SIGKILLED
+    assert run("--kill-at", "2:aggregating") == SIGKILLED
+    assert run("--resume", "--kill-at", "2:committing") == SIGKILLED
     killed = json.loads((tmp_path / "r.json").read_text())
     assert (killed["attempt"], killed["point"]) == (2, "committing")
     assert run("--resume") == 0
     store = Store(run_dir)
-    assert [r.round for r in verify(store)] == [0, 1, 2, 3]
+    assert [r.round for r in verify(store)] == [1, 2, 3, 4]
     assert [
-        (e.attempt, e.state, e.reason) for e in RunManifest.load(store).rounds if e.round == 1
+        (e.attempt, e.state, e.reason) for e in RunManifest.load(store).rounds if e.round == 2
     ] == [
         (1, RoundState.ABORTED, INTERRUPTED),
         (2, RoundState.ABORTED, INTERRUPTED),
@@ -325,7 +325,7 @@ def test_the_drill_reports_a_kill_point_it_never_reached(run_drill: Runner, tmp_
     """No abort happens in a round without faults: asking to die at ABORTED is reported,
     not silently passed."""
     code = run_drill(
-        tmp_path / "run", "--kill-at", "1:aborted", report=tmp_path / "r.json", log=tmp_path / "log"
+        tmp_path / "run", "--kill-at", "2:aborted", report=tmp_path / "r.json", log=tmp_path / "log"
     )
     assert code == crash_drill.NOT_REACHED
     assert json.loads((tmp_path / "r.json").read_text())["outcome"] == "kill point not reached"
@@ -337,10 +337,10 @@ def test_resume_refuses_a_config_the_run_was_not_started_with(
     def run(*args: str) -> int | None:
         return run_drill(tmp_path / "run", *args, report=tmp_path / "r.json", log=tmp_path / "log")
 
-    assert run("--kill-at", "1:collecting") == SIGKILLED
+    assert run("--kill-at", "2:collecting") == SIGKILLED
     assert run("--resume", "--secagg-threshold", "3") == 2
     assert "ConfigError" in (tmp_path / "log").read_text()
-    assert [r.round for r in verify(Store(tmp_path / "run"))] == [0]  # untouched
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]  # untouched
 
 
 @pytest.mark.parametrize(
@@ -348,8 +348,9 @@ def test_resume_refuses_a_config_the_run_was_not_started_with(
     [
         ["--kill-at", "1:nowhere"],
         ["--kill-at", "one:open"],
-        ["--kill-at", "4:open"],  # not below --rounds
-        ["--drop", "p01:1:aggregating"],
+        ["--kill-at", "5:open"],  # not one of rounds 1 … 4
+        ["--kill-at", "0:open"],  # rounds are numbered from 1
+        ["--drop", "p01:2:aggregating"],
         ["--rejoin", "p01"],
         ["--participants", "0"],
     ],
@@ -387,7 +388,7 @@ def test_the_drill_runs_as_python_dash_m(run_drill: Runner, tmp_path: Path) -> N
             "--rounds",
             str(ROUNDS),
             "--kill-at",
-            "2:checkpoint-write",
+            "3:checkpoint-write",
         ],
         capture_output=True,
         text=True,
@@ -395,9 +396,9 @@ def test_the_drill_runs_as_python_dash_m(run_drill: Runner, tmp_path: Path) -> N
         check=False,
     )
     assert killed.returncode == SIGKILLED, killed.stderr
-    assert "SIGKILL in round 2 attempt 1 at checkpoint-write" in killed.stderr
+    assert "SIGKILL in round 3 attempt 1 at checkpoint-write" in killed.stderr
     assert run_drill(run_dir, "--resume", report=tmp_path / "r.json", log=tmp_path / "log") == 0
-    assert [r.round for r in verify(Store(run_dir))] == [0, 1, 2, 3]
+    assert [r.round for r in verify(Store(run_dir))] == [1, 2, 3, 4]
 
 
 def test_every_kill_point_is_drilled() -> None:
@@ -421,7 +422,7 @@ def test_a_completed_commit_is_recorded_as_the_uninterrupted_run_records_it(
 def test_a_member_may_drop_out_of_the_retry_of_an_attempt_the_coordinator_died_in(
     run_drill: Runner, tmp_path: Path
 ) -> None:
-    """Masked round 0: every member masks; the coordinator dies as the second update
+    """Masked round 1: every member masks; the coordinator dies as the second update
     (p01's) is admitted. In the retried attempt (fresh keys: the first attempt's were
     spent) p01 drops out mid-round, which a masked round with threshold 3 of 4 tolerates."""
 
@@ -431,10 +432,10 @@ def test_a_member_may_drop_out_of_the_retry_of_an_attempt_the_coordinator_died_i
             tmp_path / "run", *masked, *args, report=tmp_path / "r.json", log=tmp_path / "log"
         )
 
-    assert run("--kill-at", "0:mid-collecting") == SIGKILLED
-    assert run("--resume", "--drop", "p01:0:collecting") == 0
+    assert run("--kill-at", "1:mid-collecting") == SIGKILLED
+    assert run("--resume", "--drop", "p01:1:collecting") == 0
     manifest = RunManifest.load(Store(tmp_path / "run"))
-    assert [(e.attempt, e.state, e.reason) for e in manifest.rounds if e.round == 0] == [
+    assert [(e.attempt, e.state, e.reason) for e in manifest.rounds if e.round == 1] == [
         (1, RoundState.ABORTED, INTERRUPTED),
         (2, RoundState.CLOSED, None),
     ]

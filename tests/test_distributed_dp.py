@@ -134,7 +134,7 @@ def test_the_revealed_sum_carries_exactly_the_members_shares(
 def test_a_dropped_member_takes_its_share_with_it_and_the_sum_is_still_protected(
     tmp_path: Path, shares: list[dict]
 ) -> None:
-    faults = FaultPlan().drop("p02", round=0, at=RoundState.COLLECTING)
+    faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING)
     masked, network, _ = federation(tmp_path, config=dp_config(tmp_path), faults=faults)
     masked.run(1)
     network.flush()
@@ -188,7 +188,7 @@ def test_a_local_dp_member_in_a_distributed_federation_is_refused(tmp_path: Path
     from lensemble_flwr.protocol.messages import Update
 
     update = Update(
-        run_id="r", round=0, sender="p00", participant_id="p00", attempt=1, dataset_root=None,
+        run_id="r", round=1, sender="p00", participant_id="p00", attempt=1, dataset_root=None,
         delta={"w": np.zeros(2, np.float32)}, l2_norm=0.0, num_examples=1,
         transforms=("difference", "clip", "gaussian_noise"),
     )  # fmt: skip

@@ -208,7 +208,7 @@ def test_flowers_client_side_clipping_wrapper_and_its_mod(tmp_path: Path, noise:
         step = np.sqrt(sum(float(np.sum((after[k] - before[k]) ** 2)) for k in floats))
         assert step <= 3 * 0.05 * (1 + 1e-5)
         return
-    # rounds 1 and 2 (0-based in the ledger) trained from the noised models
+    # rounds 2 and 3 trained from the noised models
     assert steps[0] is None and all(s is not None and s.change_norm > 0 for s in steps[1:])
     for before, after in itertools.pairwise(records):
         assert after.external_step.committed_hash == before.new_global_hash
@@ -234,7 +234,7 @@ def test_flowers_server_side_clipping_wrapper_with_and_without_noise(tmp_path: P
         assert [r.external_step is not None for r in records] == [False, noise > 0, noise > 0]
         if noise > 0:
             # what the nodes were sent in round 2 is the noised model the wrapper returned
-            sent = [m for m in grid.pushed() if m.content["config"]["lensemble.round"] == 1]
+            sent = [m for m in grid.pushed() if m.content["config"]["lensemble.round"] == 2]
             adopted = records[1].external_step.adopted_hash
             assert sent and {m.content["config"]["lensemble.global_hash"] for m in sent} == {
                 adopted
@@ -263,8 +263,8 @@ def test_a_wrapper_that_breaks_the_model_is_refused_with_nothing_changed(tmp_pat
             wrapped, grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()),
             num_rounds=3, train_config=ConfigRecord({"lr": 0.1}),
         )  # fmt: skip
-    assert [r.round for r in verify(Store(tmp_path / "run"))] == [0]
-    assert {m.content["config"]["lensemble.round"] for m in grid.pushed()} == {0}
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]
+    assert {m.content["config"]["lensemble.round"] for m in grid.pushed()} == {1}
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,7 @@ def test_an_unmask_request_does_not_call_the_trainers_configure() -> None:
             raise AssertionError(f"configure called with {config}")
 
     content = records.encode_unmask(
-        {"kind": "unmask_request", "run_id": "r", "round": 0, "attempt": 1,
+        {"kind": "unmask_request", "run_id": "r", "round": 1, "attempt": 1,
          "sender": "coordinator", "survivors": ["a"], "dropped": [], "sealed": {}}
     )  # fmt: skip
     message = Message(content=content, dst_node_id=1, message_type="train")

@@ -52,10 +52,10 @@ def test_an_adopted_model_is_trained_from_and_the_chain_runs_through_it(tmp_path
     assert records[1].external_step == step
     assert records[1].previous_global_hash == step.adopted_hash
     assert records[0].external_step is None and records[2].external_step is None
-    assert [e.external_step for e in coordinator.manifest.rounds if e.round == 1] == [step]
+    assert [e.external_step for e in coordinator.manifest.rounds if e.round == 2] == [step]
     assert audit_run(coordinator.store.root).ok
     # a record without a step stores no field for it (older run directories keep hashes)
-    stored = json.loads(coordinator.store.get(coordinator.store.resolve("ledger/00000000")))
+    stored = json.loads(coordinator.store.get(coordinator.store.resolve("ledger/00000001")))
     assert "external_step" not in stored
 
 
@@ -171,7 +171,7 @@ def test_adoption_is_refused_out_of_turn_and_idempotent_in_turn(tmp_path: Path) 
     with pytest.raises(IllegalTransition, match="release the aggregate twice"):
         coordinator.adopt(noised(coordinator, seed=1))
     coordinator.run(1)
-    coordinator.begin_attempt()  # round 2 starts from its committed model
+    coordinator.begin_attempt()  # round 3 starts from its committed model
     with pytest.raises(IllegalTransition, match="already started"):
         coordinator.adopt(noised(coordinator))
     network.flush()
@@ -217,7 +217,7 @@ def test_a_missing_adopted_checkpoint_breaks_verification(tmp_path: Path) -> Non
     )
     blob = next(coordinator.store.root.rglob(step.checkpoint))
     blob.unlink()
-    with pytest.raises(LedgerError, match="round 0: checkpoint"):
+    with pytest.raises(LedgerError, match="round 1: checkpoint"):
         verify(coordinator.store)
     report = audit_run(coordinator.store.root)
     assert not report.ok
@@ -265,7 +265,7 @@ def test_show_and_verify_name_the_external_step(
     run_dir = str(coordinator.store.root)
     assert main(["show", run_dir]) == 0
     out = capsys.readouterr().out
-    assert "round 1: trained from a model changed after the previous commit" in out
+    assert "round 2: trained from a model changed after the previous commit" in out
     assert f"change norm {step.change_norm:.4g}" in out
     assert main(["show", run_dir, "--json"]) == 0
     attempts = json.loads(capsys.readouterr().out)["attempts"]

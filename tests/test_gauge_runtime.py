@@ -1,5 +1,5 @@
 """The gauge checks where they sit in a round: probe pinning on RoundOpen, the warm start
-at round 0 (coordinator, RoundOpen and rejoin), the round's sketch on every update, frame
+of θ_0 (coordinator, round 1's RoundOpen and rejoin), the round's sketch on every update, frame
 drift in the manifest and the ledger, and alignment before every other release stage."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def world(tmp: Path, cfg: LensembleConfig | None = None, **kwargs: object):
 def plaintext_update(delta: dict, **fields: object) -> Update:
     return Update(
         run_id="r",
-        round=0,
+        round=1,
         sender="p01",
         participant_id="p01",
         dataset_root="a" * 64,
@@ -146,7 +146,7 @@ def test_an_update_aligned_on_another_sketch_is_rejected(
         payload["sketch_fingerprint"] = "0" * 64
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=other_sketch)
+    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=other_sketch)
     fed = world(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
         fed.coordinator.run(1)
@@ -166,7 +166,7 @@ def test_an_unaligned_update_is_rejected_when_alignment_is_on(
         payload["sketch_fingerprint"] = None
         return payload
 
-    faults = FaultPlan().corrupt("p00", round=0, kind=MessageKind.UPDATE, mutate=strip)
+    faults = FaultPlan().corrupt("p00", round=1, kind=MessageKind.UPDATE, mutate=strip)
     fed = world(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
         fed.coordinator.run(1)
@@ -182,15 +182,15 @@ def test_the_warm_start_is_checked_at_every_join_point(tmp_path: Path) -> None:
     # the coordinator refuses to start from another encoder
     with pytest.raises(GaugeError, match="is not the warm start abababababab"):
         world(tmp_path / "a", config(warm_start_hash="ab" * 32))
-    # participants check round 0's encoder on RoundOpen: a participant pinned to another
-    # warm start refuses round 0 (and only round 0)
+    # participants check θ_0's encoder on round 1's RoundOpen: a participant pinned to
+    # another warm start refuses round 1 (and only round 1)
     fed = world(tmp_path / "b", config(warm_start_hash=good))
     fed.participants[1].config = config(warm_start_hash="cd" * 32)
     fed.coordinator.run(2)
     first, second = (e for e in fed.coordinator.manifest.rounds)
     assert first.refused["p01"].startswith("GaugeError") and "p01" not in first.contributors
     assert "p01" in second.contributors
-    # a round-0 rejoiner revalidates it from the run directory
+    # a rejoiner at θ_0 revalidates it from the run directory
     fresh = world(tmp_path / "c", config(warm_start_hash=good))
     fresh.participants[0].config = config(warm_start_hash="cd" * 32)
     with pytest.raises(GaugeError, match="is not the warm start"):
@@ -216,7 +216,7 @@ def test_a_drift_that_cannot_be_computed_does_not_stop_the_run(monkeypatch) -> N
 
     monkeypatch.setattr("lensemble_flwr.gauge.runtime.frame_drift", degenerate)
     params = initial_params(0)
-    out = drift_diagnostics(world_gauge(0), fed_config, params, params, round=3)
+    out = drift_diagnostics(world_gauge(0), fed_config, params, params, round=4)
     assert "frame_drift" not in out and out["frame_drift_failed"] == 1.0
 
 

@@ -275,7 +275,7 @@ def quickstart_node(message: Message) -> Message:
     )
 
 
-def round_open(round: int = 0, *, attempt: int = 1, needs_commitment: bool = True) -> RoundOpen:
+def round_open(round: int = 1, *, attempt: int = 1, needs_commitment: bool = True) -> RoundOpen:
     return RoundOpen(
         run_id="run",
         round=round,
@@ -289,7 +289,7 @@ def round_open(round: int = 0, *, attempt: int = 1, needs_commitment: bool = Tru
     )
 
 
-def round_close(round: int = 0) -> RoundClose:
+def round_close(round: int = 1) -> RoundClose:
     return RoundClose(
         run_id="run",
         round=round,
@@ -370,16 +370,16 @@ def test_every_instruction_carries_the_message_ttl_and_its_round_as_group() -> N
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent, 12: silent})
     transport = make_transport(grid, clock, message_ttl=17.5)
-    for rnd in (0, 3):
+    for rnd in (1, 3):
         for peer in ("node-11", "node-12"):
             transport.send(peer, round_open(rnd))
         transport.recv(timeout_s=0.0)
     pushed = grid.pushed()
     assert len(pushed) == 4
     assert {m.metadata.ttl for m in pushed} == {17.5}
-    assert [m.metadata.group_id for m in pushed] == ["0", "0", "3", "3"]
+    assert [m.metadata.group_id for m in pushed] == ["1", "1", "3", "3"]
     assert {m.metadata.message_type for m in pushed} == {MessageType.TRAIN}
-    assert [m.content["config"]["server-round"] for m in pushed] == [1, 1, 4, 4]
+    assert [m.content["config"]["server-round"] for m in pushed] == [1, 1, 3, 3]
 
 
 def test_a_message_the_grid_refuses_does_not_derail_the_others() -> None:
@@ -401,26 +401,26 @@ def test_a_late_reply_of_an_earlier_round_is_pulled_decoded_and_returned() -> No
     grid = FakeGrid(
         clock,
         {11: lensemble_node(11), 12: silent},
-        delay=lambda node, m: 5.0 if m.metadata.group_id == "0" else 0.0,
+        delay=lambda node, m: 5.0 if m.metadata.group_id == "1" else 0.0,
     )
     transport = make_transport(grid, clock)
-    transport.send("node-11", round_open(0, needs_commitment=False))
-    assert transport.recv(timeout_s=1.0) is None  # round 0 ends without node-11's reply
+    transport.send("node-11", round_open(1, needs_commitment=False))
+    assert transport.recv(timeout_s=1.0) is None  # round 1 ends without node-11's reply
     (late_id,) = [m.metadata.message_id for m in grid.pushes[0]]
 
-    transport.send("node-12", round_open(1))  # round 1 is being received
+    transport.send("node-12", round_open(2))  # round 2 is being received
     payload = transport.recv(timeout_s=10.0)
     assert payload is not None
     assert clock.t == pytest.approx(5.0, abs=0.06)
     late = from_wire(payload)
-    assert isinstance(late, Update) and late.round == 0 and late.sender == "node-11"
+    assert isinstance(late, Update) and late.round == 1 and late.sender == "node-11"
 
     # pulled means gone: from the grid, and from what the transport asks about
     assert late_id not in grid.stored
     asked_before = len(grid.pull_requests)
     assert transport.recv(timeout_s=1.0) is None
     assert late_id not in grid.asked_after(asked_before)
-    assert [m.metadata.group_id for m in (s.instruction for s in grid.stored.values())] == ["1"]
+    assert [m.metadata.group_id for m in (s.instruction for s in grid.stored.values())] == ["2"]
 
 
 def test_an_expired_instruction_yields_one_refusal_and_is_forgotten() -> None:
@@ -435,12 +435,12 @@ def test_an_expired_instruction_yields_one_refusal_and_is_forgotten() -> None:
 
     assert [e.error.code for e in grid.errors] == [ErrorCode.MESSAGE_UNAVAILABLE]
     assert grid.errors[0].metadata.reply_to_message_id == expired_id
-    assert transport.dropped == [("node-11", 0, "error 3")]
+    assert transport.dropped == [("node-11", 1, "error 3")]
     assert grid.stored == {}
 
     # forgotten (well before the 2 x TTL horizon at which it would be forgotten anyway)
     asked_before = len(grid.pull_requests)
-    transport.send("node-12", round_open(1, needs_commitment=False))
+    transport.send("node-12", round_open(2, needs_commitment=False))
     payload = transport.recv(timeout_s=1.0)
     assert payload is not None and payload["sender"] == "node-12"
     assert transport.recv(timeout_s=1.0) is None
@@ -506,7 +506,7 @@ def test_a_reply_that_is_neither_kind_is_dropped() -> None:
     transport = make_transport(FakeGrid(clock, {11: odd}), clock)
     transport.send("node-11", round_open())
     assert transport.recv(timeout_s=1.0) is None
-    assert [d[:2] for d in transport.dropped] == [("node-11", 0)]
+    assert [d[:2] for d in transport.dropped] == [("node-11", 1)]
 
 
 @pytest.mark.parametrize(
@@ -532,12 +532,12 @@ def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_
         assert renamed == ([] if sender == "node-11" else [("node-11", sender)])
         assert sender in transport.peers()  # addressed by its own name from now on
         pushes = len(grid.pushes)
-        transport.send(sender, round_open(1, needs_commitment=False))
+        transport.send(sender, round_open(2, needs_commitment=False))
         transport.recv(timeout_s=0.0)
         assert len(grid.pushes) == pushes + 1 and grid.pushes[-1][0].metadata.dst_node_id == 11
     else:
         assert payloads == []
-        assert [d[:2] for d in transport.dropped] == [("node-11", 0)]
+        assert [d[:2] for d in transport.dropped] == [("node-11", 1)]
         assert sender in transport.dropped[0][2]
     assert grid.stored == {}
 
@@ -547,15 +547,15 @@ def test_a_broadcast_close_rides_on_the_next_instruction_close_first() -> None:
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent, 12: silent})
     transport = make_transport(grid, clock)
-    transport.send("node-11", round_open(0))
+    transport.send("node-11", round_open(1))
     transport.recv(timeout_s=0.0)
     assert records.CLOSE_PREFIX + "kind" not in grid.pushed()[0].content["config"]
 
-    closed = round_close(0)
+    closed = round_close(1)
     transport.broadcast(closed)
     assert grid.pushes and len(grid.pushed()) == 1  # a broadcast costs no exchange
 
-    opened = round_open(1, needs_commitment=False)
+    opened = round_open(2, needs_commitment=False)
     for peer in ("node-11", "node-12"):
         transport.send(peer, opened)
     transport.recv(timeout_s=0.0)
@@ -564,7 +564,7 @@ def test_a_broadcast_close_rides_on_the_next_instruction_close_first() -> None:
         assert records.CLOSE_PREFIX + "kind" in message.content["config"]
         got_close, got_open = (from_wire(p) for p in records.decode_instruction(message.content))
         assert got_close == closed
-        assert isinstance(got_open, RoundOpen) and got_open.round == 1
+        assert isinstance(got_open, RoundOpen) and got_open.round == 2
         assert got_open.global_hash == opened.global_hash and not got_open.needs_commitment
 
 
@@ -582,13 +582,13 @@ def test_exchanges_counts_instructions_per_busiest_node() -> None:
     grid = FakeGrid(clock, {n: silent for n in (11, 12, 13)})
     transport = make_transport(grid, clock)
     for peer in transport.peers():
-        transport.send(peer, round_open(0))
+        transport.send(peer, round_open(1))
     transport.recv(timeout_s=0.0)
-    assert transport.exchanges(0) == 1
-    assert transport.exchanges(1) == 0
+    assert transport.exchanges(1) == 1
+    assert transport.exchanges(2) == 0
 
-    transport.send("node-12", round_open(0, attempt=2))  # a retried attempt: a second one
-    assert transport.exchanges(0) == 2
+    transport.send("node-12", round_open(1, attempt=2))  # a retried attempt: a second one
+    assert transport.exchanges(1) == 2
 
 
 # -- (j) warm-up ------------------------------------------------------------------------------
@@ -616,11 +616,11 @@ def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:
     """The participant's transport in ``handle_train`` (and in a shared-folder process):
     sends and broadcasts are kept in order and handed over once, as wire payloads."""
     collector = ReplyCollector()
-    collector.send(COORDINATOR, round_close(0))
-    collector.broadcast(round_close(1))
+    collector.send(COORDINATOR, round_close(1))
+    collector.broadcast(round_close(2))
     assert collector.recv(timeout_s=5.0) is None
     assert collector.peers() == [COORDINATOR]
-    assert collector.take() == [to_wire(round_close(0)), to_wire(round_close(1))]
+    assert collector.take() == [to_wire(round_close(1)), to_wire(round_close(2))]
     assert collector.take() == [] and collector.sent == []
     assert app_module.ReplyCollector is ReplyCollector  # still importable from the app
 
@@ -699,21 +699,21 @@ def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
     assert all(o.contributors == everyone and o.late == () for o in coordinator.outcomes)
     assert [len(batch) for batch in grid.pushes] == [len(NODES)] * 3  # one push per round
 
-    first = exchanges_of(grid, 0)  # round 0 binds: commitment and update in one reply
+    first = exchanges_of(grid, 1)  # round 1 binds: commitment and update in one reply
     assert sorted(first) == list(NODES)
     assert all(COMMITMENT in r.content.config_records for (r,) in first.values())
-    for rnd in (1, 2):
+    for rnd in (2, 3):
         assert_steady_state(grid, transport, rnd)
 
     ledger = verify(Store(tmp_path / "run"))
-    assert [r.round for r in ledger] == [0, 1, 2]
+    assert [r.round for r in ledger] == [1, 2, 3]
     assert all(r.contributors == everyone for r in ledger)
     assert all(root is not None for r in ledger for root in r.dataset_roots.values())
     assert ledger[-1].new_global_hash == coordinator.global_state().params_hash
     assert grid.stored == {} and transport.dropped == []
     assert grid.clock.t < 3 * 2.0  # no round waited for its deadline
     # each node's participant state outlived its messages, in its Context
-    assert all(load_state(c.state).meta["last_open"][:2] == [2, 1] for c in contexts.values())
+    assert all(load_state(c.state).meta["last_open"][:2] == [3, 1] for c in contexts.values())
 
 
 def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path) -> None:
@@ -721,9 +721,9 @@ def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path
     late_node = 14
 
     def delay(node: int, message: Message) -> float:
-        # round 1: node 14's reply misses the collect deadline, and becomes pullable
-        # while round 2 waits for the others' replies (1 s of compute)
-        if (node, message.metadata.group_id) == (late_node, "1"):
+        # round 2: node 14's reply misses the collect deadline, and becomes pullable
+        # while round 3 waits for the others' replies (1 s of compute)
+        if (node, message.metadata.group_id) == (late_node, "2"):
             return collect + 0.5
         return 1.0
 
@@ -734,22 +734,22 @@ def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path
     others = tuple(p for p in everyone if p != participant_id(late_node))
     outcomes = coordinator.outcomes
     assert [o.state for o in outcomes] == [RoundState.CLOSED] * 3
-    assert [o.round for o in outcomes] == [0, 1, 2]
+    assert [o.round for o in outcomes] == [1, 2, 3]
     assert outcomes[1].contributors == others and outcomes[1].count == 3
     assert outcomes[1].elapsed >= collect  # the round waited for its deadline, no longer
     assert outcomes[1].late == ()
-    assert outcomes[2].late == (participant_id(late_node),)  # its round-1 update, dropped
+    assert outcomes[2].late == (participant_id(late_node),)  # its round-2 update, dropped
     assert outcomes[2].contributors == everyone and outcomes[2].count == len(NODES)
 
-    # the late round-1 reply was pulled (so deleted) while round 2 was being received
-    (late_reply,) = exchanges_of(grid, 1)[late_node]
+    # the late round-2 reply was pulled (so deleted) while round 3 was being received
+    (late_reply,) = exchanges_of(grid, 2)[late_node]
     assert UPDATE in late_reply.content.config_records
-    assert_steady_state(grid, transport, 2)
+    assert_steady_state(grid, transport, 3)
 
     ledger = verify(Store(tmp_path / "run"))
     assert [r.contributors for r in ledger] == [everyone, others, everyone]
     assert grid.stored == {} and transport.dropped == []
-    assert all(load_state(c.state).meta["last_open"][:2] == [2, 1] for c in contexts.values())
+    assert all(load_state(c.state).meta["last_open"][:2] == [3, 1] for c in contexts.values())
 
 
 def test_only_the_simulation_engine_declares_how_many_nodes_the_federation_has() -> None:

@@ -53,13 +53,13 @@ def test_a_bundle_from_the_participants_records_is_accepted(run: Path) -> None:
     assert (
         bundle.root
         == merkle_root(records, secret_of(1))
-        == read_json(run, "ledger/00000000")["dataset_roots"]["p01"]
+        == read_json(run, "ledger/00000001")["dataset_roots"]["p01"]
     )
     assert bundle.salt == leaf_salt(secret_of(1), 17).hex()  # that leaf's salt, no other
     assert base64.b64decode(bundle.record) == records[17] and bundle.size == len(records)
     again = InclusionProof.from_json(bundle.to_json())
     accepted = check_against_ledger(again, Store(run), "p01")
-    assert (accepted.root, accepted.index, accepted.rounds) == (bundle.root, 17, (0, 1, 2))
+    assert (accepted.root, accepted.index, accepted.rounds) == (bundle.root, 17, (1, 2, 3))
 
 
 @pytest.mark.parametrize("index", [0, 1, 31, 63])
@@ -109,9 +109,9 @@ def test_a_participant_that_never_contributed_has_no_root(run: Path) -> None:
 
 def test_the_root_comes_only_from_a_ledger_that_verifies(run: Path, tmp_path: Path) -> None:
     broken = copy_run(run, tmp_path / "broken")
-    checkpoint = read_json(broken, "ledger/00000001")["checkpoint"]
+    checkpoint = read_json(broken, "ledger/00000002")["checkpoint"]
     flip_byte(broken / "blobs" / checkpoint[:2] / checkpoint)
-    with pytest.raises(LedgerError, match="round 1: checkpoint"):
+    with pytest.raises(LedgerError, match="round 2: checkpoint"):
         check_against_ledger(prove(1, 3), Store(broken), "p01")
 
 
@@ -119,7 +119,7 @@ def test_an_unbound_participant_has_no_root_to_prove_against(tmp_path: Path) -> 
     run = synthetic_run(tmp_path / "syn", [{"a": "aa" * 32, "b": None}])
     with pytest.raises(CommitmentMismatch, match="unbound"):
         committed_root(Store(run), "b")
-    assert committed_root(Store(run), "a") == ("aa" * 32, (0,))
+    assert committed_root(Store(run), "a") == ("aa" * 32, (1,))
 
 
 def test_two_roots_for_one_participant_are_refused(tmp_path: Path) -> None:

@@ -77,12 +77,12 @@ def test_a_steady_state_masked_round_is_two_exchanges(tmp_path: Path) -> None:
         if kind in (MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST):
             per_round.setdefault(rnd, {}).setdefault(dest, 0)
             per_round[rnd][dest] += 1
-    # round 0 also sets up keys: RoundOpen, RoundOpen with the members, unmask
-    assert max(per_round[0].values()) == 3
-    assert all(max(per_round[r].values()) == 2 for r in (1, 2))
+    # round 1 also sets up keys: RoundOpen, RoundOpen with the members, unmask
+    assert max(per_round[1].values()) == 3
+    assert all(max(per_round[r].values()) == 2 for r in (2, 3))
 
 
-@pytest.mark.parametrize("dropped_in", [0, 1], ids=["first round", "a later round"])
+@pytest.mark.parametrize("dropped_in", [1, 2], ids=["first round", "a later round"])
 def test_a_member_dropping_before_its_masked_input_is_unmasked_around(
     tmp_path: Path, dropped_in: int
 ) -> None:
@@ -98,7 +98,7 @@ def test_a_member_dropping_before_its_masked_input_is_unmasked_around(
     faults = FaultPlan().drop("p02", round=dropped_in, at=RoundState.COLLECTING)
     masked, network, _ = run(tmp_path, "masked", masked_config(), 2, faults=faults)
     # p02 never comes back: 3 contributors from the round it dropped in
-    assert [o.count for o in masked.outcomes] == ([3, 3] if dropped_in == 0 else [4, 3])
+    assert [o.count for o in masked.outcomes] == ([3, 3] if dropped_in == 1 else [4, 3])
     assert all(o.state is RoundState.CLOSED for o in masked.outcomes)
     assert masked.global_state().params_hash == plain.global_state().params_hash
     responses = payloads_to_coordinator(network, MessageKind.UNMASK_RESPONSE)
@@ -111,7 +111,7 @@ def test_too_few_disclosures_abort_with_a_secure_aggregation_error(tmp_path: Pat
         payload["b_shares"] = {"p00": "not-a-share"}
         return payload
 
-    faults = FaultPlan().corrupt("p00", round=0, kind=MessageKind.UNMASK_RESPONSE, mutate=garble)
+    faults = FaultPlan().corrupt("p00", round=1, kind=MessageKind.UNMASK_RESPONSE, mutate=garble)
     config = small_config(secagg_threshold=4, min_participants=4)
     coordinator, _, _ = run(tmp_path, "masked", config, 1, faults=faults)
     first, second = coordinator.outcomes
@@ -148,14 +148,14 @@ def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
     coordinator.run(2)
     assert [o.count for o in coordinator.outcomes] == [4, 4]
     verify(Store(tmp_path / "run"))
-    assert transport.exchanges(1) == 2  # RoundOpen -> masked update, unmask -> shares
+    assert transport.exchanges(2) == 2  # RoundOpen -> masked update, unmask -> shares
     assert grid.stored == {} and transport.dropped == []
 
 
 def test_every_round_attempt_masks_with_fresh_keys(tmp_path: Path) -> None:
     """A mask key serves one attempt: each member set lists keys never listed before, and
     a member whose key was spent without a successor (it dropped) commits a new one."""
-    faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING).rejoin("p02", round=2)
+    faults = FaultPlan().drop("p02", round=2, at=RoundState.COLLECTING).rejoin("p02", round=3)
     coordinator, network, _ = run(tmp_path, "masked", masked_config(), 4, faults=faults)
     assert all(o.state is RoundState.CLOSED for o in coordinator.outcomes)
     assert "p02" in coordinator.outcomes[-1].contributors  # it masks again, with a new key
@@ -212,7 +212,7 @@ def test_a_member_update_that_is_refused_announces_no_mask_key(tmp_path: Path) -
         payload["delta"] = dict(list(payload["delta"].items())[1:])
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=drop_an_array)
+    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=drop_an_array)
     coordinator, _, _ = federation(tmp_path, config=masked_config(), faults=faults)
     kept: list[tuple[RoundState, set[str]]] = []
 

@@ -44,7 +44,7 @@ def good_update(**changes: Any) -> dict[str, Any]:
     payload = to_wire(
         Update(
             run_id="run",
-            round=2,
+            round=3,
             sender="p1",
             participant_id="p1",
             dataset_root=ROOT,
@@ -61,11 +61,11 @@ def test_valid_messages_round_trip_through_the_wire() -> None:
     messages = [
         from_wire(good_update()),
         Commitment(
-            run_id="r", round=0, sender="p", participant_id="p", dataset_root=ROOT, num_examples=3
+            run_id="r", round=1, sender="p", participant_id="p", dataset_root=ROOT, num_examples=3
         ),
         RoundOpen(
             run_id="r",
-            round=0,
+            round=1,
             sender="coordinator",
             global_hash=ROOT,
             params={"w": np.zeros(2, np.float32)},
@@ -74,7 +74,7 @@ def test_valid_messages_round_trip_through_the_wire() -> None:
         ),
         RoundClose(
             run_id="r",
-            round=0,
+            round=1,
             sender="coordinator",
             previous_hash=ROOT,
             global_hash=ROOT,
@@ -95,7 +95,7 @@ def test_update_records_its_largest_magnitude() -> None:
 
 def test_digest_changes_with_any_field_or_value() -> None:
     base = message_digest(from_wire(good_update()))
-    assert message_digest(from_wire(good_update(round=3))) != base
+    assert message_digest(from_wire(good_update(round=4))) != base
     assert message_digest(from_wire(good_update(dataset_root="cd" * 32))) != base
     nudged = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     nudged["b"][1] = np.nextafter(np.float32(1), np.float32(2))
@@ -211,7 +211,7 @@ def test_malformed_messages_never_move_the_round(tmp_path_factory, which: list[i
 
         pid = f"p0{slot}"
         corrupted.append(pid)
-        faults.corrupt(pid, round=0, kind=MessageKind.UPDATE, mutate=apply)
+        faults.corrupt(pid, round=1, kind=MessageKind.UPDATE, mutate=apply)
     coordinator, _, _ = federation(tmp, participants=6, faults=faults)
     before = coordinator.global_state().params_hash
     coordinator.run(1)
@@ -225,7 +225,7 @@ def test_malformed_messages_never_move_the_round(tmp_path_factory, which: list[i
 # -- message kinds ----------------------------------------------------------------------------
 def one_of_each_kind() -> dict[MessageKind, ControlMessage]:
     """One fixed message of every kind (their digests are pinned below)."""
-    common = {"run_id": "run", "round": 2}
+    common = {"run_id": "run", "round": 3}
     mine = {**common, "sender": "p1", "participant_id": "p1"}
     messages: list[ControlMessage] = [
         RoundOpen(
@@ -321,34 +321,35 @@ def test_an_unknown_kind_is_refused_naming_the_kinds_as_they_are_spelled_on_the_
 # Computed before message kinds were typed (kind a Literal of strings): typing them must not
 # move any digest a ledger, a manifest or a signature refers to. Re-pinned once, on purpose,
 # when mask keys became per round (RoundOpen lost rekey/send_key_shares, Update key_shares
-# for next_mask_key and an optional l2_norm, UnmaskResponse m_shares for pair_seeds).
+# for next_mask_key and an optional l2_norm, UnmaskResponse m_shares for pair_seeds), and
+# once more when rounds took Flower's numbering (these messages moved from round 0 to 1).
 PINNED_DIGESTS = {
     MessageKind.ROUND_OPEN: (
-        "2a37ec0c62fcfad81dc127a4790cf0d590e09f81d2ce9deea5e1d9ad8dad6dda",
+        "f5a78940cf1f610c212c321eabb1619fe6a3190d7017bcab9a43ef7d085f2448",
         None,
     ),
     MessageKind.COMMITMENT: (
-        "02d19e0ab137910e22672fcd0b4d7635a43252f621be98dcd3411a654f3c32a6",
-        "3ac54b0593e3233090d1488c98925e97722caf9a5fa66ba5f41c6d8616a523c1",
+        "bbcc27b14e324442be864b60a33903be228e7d9ff77337431faf4eedb6415de9",
+        "d949d706618e65fae88492aabac2f758a72ae776e4fa7f2dd6dcca093a720135",
     ),
     MessageKind.UPDATE: (
-        "e70e52c62990e9e8c1acd381cb4984422f5d51380d1af8aed3d57d48bedeb464",
-        "f1311979e588d5ae783ad456f7174af2b35252a2b2bafa324ed262fddbabdc9e",
+        "d489761a5e32705356a216b8da32e583e636daa7d299c3403cc1a780bb8f1565",
+        "bc3bf4ed84e0d200bc018ff918a117dcbf67cb52c3e402e423aaae58435bb229",
     ),
     MessageKind.REFUSAL: (
-        "004f00bc01e997d4f29cd1c1954ba7ec016109eb3a2b9efa48e52f9cab5cdf5d",
-        "a58e757d75dcb3a6420a1b432c999c2557e21a4a4d70ff15428df81cdc346e48",
+        "a1c55bd35c1011df634e702cc10c4e02e166feb1765a064fa8d48b764d0b9b34",
+        "0ef2a706d408956dbe0ab90b283dc5264b90234979a69c3cb1734cd385610f4d",
     ),
     MessageKind.UNMASK_REQUEST: (
-        "4a1ee5641dd07a432604eef610f9d322e37ecda0070aae0a7a7ee0b09b276d17",
+        "674f70f81c1cb2dbb7c2615d4b0035c8167b925652204209554531731f558bb1",
         None,
     ),
     MessageKind.UNMASK_RESPONSE: (
-        "b386c3b57b80307c504079e9125cc6b7aa7551c25ab0469453e8fd6065669b33",
-        "0d0e14c3faa5ab6e1d2f304050c53853e0415096337dfff971c6ca12896f4cef",
+        "dd1ad8f22e14c8235392e7f3723a413da647e075cd088821d6e2fb0a6ee6e138",
+        "83be632ed36f3edbc5440c0436d1fe1fa12206130d86398addfb8b444304ec05",
     ),
     MessageKind.ROUND_CLOSE: (
-        "f02e289dc6d549a0e0ced473d177e9487512cfb05885e255020613d81b79bdef",
+        "d98a389044dad82b20fa41a42865db21d8b0438db896a59a833eb3dc5b958ae6",
         None,
     ),
 }

@@ -34,9 +34,9 @@ def messages_per_round(network: InProcessNetwork, kind: MessageKind) -> dict[int
 def test_commitment_is_bound_once_then_a_round_is_one_exchange(tmp_path: Path) -> None:
     coordinator, network, _ = federation(tmp_path, participants=4)
     coordinator.run(3)
-    assert messages_per_round(network, MessageKind.COMMITMENT) == {0: 4}
-    assert messages_per_round(network, MessageKind.UPDATE) == {0: 4, 1: 4, 2: 4}
-    assert messages_per_round(network, MessageKind.ROUND_OPEN) == {0: 4, 1: 4, 2: 4}
+    assert messages_per_round(network, MessageKind.COMMITMENT) == {1: 4}
+    assert messages_per_round(network, MessageKind.UPDATE) == {1: 4, 2: 4, 3: 4}
+    assert messages_per_round(network, MessageKind.ROUND_OPEN) == {1: 4, 2: 4, 3: 4}
 
 
 class UnboundToy(ToyTrainer):

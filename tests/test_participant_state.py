@@ -363,7 +363,7 @@ def train_message(rnd: int) -> Message:
     state = global_state(rnd)
     round_open = RoundOpen(
         run_id="run",
-        round=rnd,
+        round=state.next_round,  # round rnd + 1 starts from θ_rnd
         sender="coordinator",
         attempt=1,
         global_hash=state.params_hash,

@@ -81,7 +81,7 @@ def quantized_update(**changes) -> dict:
     payload = to_wire(
         Update(
             run_id="r",
-            round=0,
+            round=1,
             sender="p",
             participant_id="p",
             dataset_root=None,
@@ -130,7 +130,7 @@ def test_global_params_cannot_be_int8() -> None:
             to_wire(
                 RoundOpen.model_construct(
                     run_id="r",
-                    round=0,
+                    round=1,
                     sender="c",
                     attempt=1,
                     global_hash="ab" * 32,

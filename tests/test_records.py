@@ -45,7 +45,7 @@ def _serverapp_identity(monkeypatch: pytest.MonkeyPatch) -> None:
 def round_open(**changes: Any) -> RoundOpen:
     fields: dict[str, Any] = {
         "run_id": "run",
-        "round": 3,
+        "round": 4,
         "sender": "coordinator",
         "attempt": 2,
         "global_hash": HASH,
@@ -63,7 +63,7 @@ def round_open(**changes: Any) -> RoundOpen:
 def round_close(**changes: Any) -> RoundClose:
     fields: dict[str, Any] = {
         "run_id": "run",
-        "round": 2,
+        "round": 3,
         "sender": "coordinator",
         "previous_hash": ROOT,
         "global_hash": HASH,
@@ -77,7 +77,7 @@ def round_close(**changes: Any) -> RoundClose:
 def commitment(pid: str = "node-11") -> Commitment:
     return Commitment(
         run_id="run",
-        round=3,
+        round=4,
         attempt=2,
         sender=pid,
         participant_id=pid,
@@ -89,7 +89,7 @@ def commitment(pid: str = "node-11") -> Commitment:
 def update(pid: str = "node-11", **changes: Any) -> Update:
     fields: dict[str, Any] = {
         "run_id": "run",
-        "round": 3,
+        "round": 4,
         "attempt": 2,
         "sender": pid,
         "participant_id": pid,

@@ -27,7 +27,7 @@ def toy_config() -> LensembleConfig:
 def pseudo_gradient(delta: dict) -> PseudoGradient:
     return PseudoGradient(
         participant_id="p",
-        round=0,
+        round=1,
         delta=delta,
         l2_norm=1.0,
         dataset_root=None,

@@ -59,7 +59,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path: Path) -> None:
     # same participants, same seeds: the restart changes nothing the run computes
     assert resumed.global_state().params_hash == straight.global_state().params_hash
     records = verify(resumed.store)
-    assert [r.round for r in records] == [0, 1, 2, 3, 4]
+    assert [r.round for r in records] == [1, 2, 3, 4, 5]
     assert resumed.outcomes[0].attempt == 1  # nothing was in flight at the restart
 
 
@@ -74,7 +74,7 @@ def test_bindings_survive_a_restart(tmp_path: Path) -> None:
     resumed = restart(coordinator)
     assert set(resumed.registry.commitments) == {"p00", "p01", "p02", "p03"}
     assert not resumed.round_open_for("p00").needs_commitment  # still one exchange a round
-    network.faults.corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=forge_root)
+    network.faults.corrupt("p01", round=2, kind=MessageKind.UPDATE, mutate=forge_root)
     with pytest.raises(CommitmentMismatch, match="p01"):
         resumed.run(1)
 
@@ -83,7 +83,7 @@ class CrashingAggregator(FixedPointAggregator):
     """The exact aggregator, except that revealing round ``crash_round``'s sum dies."""
 
     crash_round: int | None = None
-    round: int = 0
+    round: int = 1
 
     def reveal(self):
         if self.round == CrashingAggregator.crash_round:
@@ -110,7 +110,7 @@ def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path
     resumed = restart(coordinator)
     entry = resumed.manifest.rounds[-1]
     assert (entry.round, entry.attempt, entry.state, entry.reason) == (
-        1,
+        2,
         1,
         RoundState.ABORTED,
         INTERRUPTED,
@@ -118,7 +118,7 @@ def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path
     assert resumed.next_attempt() == 2
     resumed.run(1)
     assert resumed.outcomes[-1].attempt == 2 and resumed.outcomes[-1].count == 4
-    assert [r.round for r in verify(resumed.store)] == [0, 1]
+    assert [r.round for r in verify(resumed.store)] == [1, 2]
     assert network.crashes == []
 
 
@@ -147,12 +147,12 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
         restart(coordinator)
     entry_file.write_bytes(kept)
     resumed = restart(coordinator)
-    assert resumed.global_state().round == 2  # round 1 was committed: it is not lost
-    (entry,) = (e for e in resumed.manifest.rounds if e.round == 1)
+    assert resumed.global_state().round == 2  # round 2 was committed: it is not lost
+    (entry,) = (e for e in resumed.manifest.rounds if e.round == 2)
     assert entry.diagnostics["mean_delta_l2"] > 0  # what the live attempt knew
-    assert [r.round for r in verify(resumed.store)] == [0, 1]
+    assert [r.round for r in verify(resumed.store)] == [1, 2]
     resumed.run(1)
-    assert [r.round for r in verify(resumed.store)] == [0, 1, 2]
+    assert [r.round for r in verify(resumed.store)] == [1, 2, 3]
 
 
 def test_resume_refuses_another_config_an_empty_store_and_a_broken_ledger(
@@ -195,9 +195,9 @@ def test_a_malformed_registry_is_refused(tmp_path: Path) -> None:
 
 def test_unspent_and_spent_mask_keys_survive_a_restart(tmp_path: Path) -> None:
     config = small_config(min_participants=3, secagg_threshold=3)
-    faults = FaultPlan().drop("p03", round=1, at=RoundState.COLLECTING)
+    faults = FaultPlan().drop("p03", round=2, at=RoundState.COLLECTING)
     coordinator, _network, _ = federation(tmp_path, participants=4, config=config, faults=faults)
-    coordinator.run(2)  # round 1 spends p03's key; it announces no next one
+    coordinator.run(2)  # round 2 spends p03's key; it announces no next one
     assert sorted(coordinator.registry.membership.mask_keys) == ["p00", "p01", "p02"]
     resumed = restart(coordinator)
     assert resumed.registry.membership.snapshot() == coordinator.registry.membership.snapshot()
@@ -224,7 +224,7 @@ def test_a_participant_that_lost_its_keys_refuses_then_commits_fresh_ones(
     assert "never announced, or already used" in entry.refused["p01"]
     assert second.count == 4
     recommitted = [
-        p for p in seen.payloads() if kind_of(p) is MessageKind.COMMITMENT and p["round"] == 2
+        p for p in seen.payloads() if kind_of(p) is MessageKind.COMMITMENT and p["round"] == 3
     ]
     assert [p["participant_id"] for p in recommitted] == ["p01"]
 
@@ -236,7 +236,7 @@ def test_a_chain_check_resume_reads_only_the_checkpoint_it_resumes_from(tmp_path
     old = records[0].checkpoint  # rot an old checkpoint: a full check refuses, chain does not
     blob = coordinator.store.root / "blobs" / old[:2] / old
     blob.write_bytes(blob.read_bytes()[:-1] + b"\x00")
-    with pytest.raises(LedgerError, match="round 0: checkpoint"):
+    with pytest.raises(LedgerError, match="round 1: checkpoint"):
         restart(coordinator)
     resumed = restart(coordinator, check="chain")
     assert resumed.global_state().params_hash == coordinator.global_state().params_hash

@@ -51,7 +51,7 @@ ILLEGAL = [
 
 def _machine_in(state: RoundState) -> RoundMachine:
     """A machine driven to ``state`` through legal events only."""
-    m = RoundMachine(round=3)
+    m = RoundMachine(round=4)
     if state is S.ABORTED:
         m.fire(E.ABORT, reason="test")
         return m
@@ -65,7 +65,7 @@ def _machine_in(state: RoundState) -> RoundMachine:
 
 
 def test_happy_path_through_every_progress_state() -> None:
-    m = RoundMachine(round=0)
+    m = RoundMachine(round=1)
     assert m.state is S.OPEN and m.history == [] and m.attempt == 1
     visited = [m.state]
     for event, target in HAPPY_PATH:
@@ -152,27 +152,27 @@ H1, H2 = "ab" * 32, "cd" * 32
 OLD_CLOSED_ENTRY = (
     '{"aggregate_digest":"' + H1 + '","attempt":1,"contributors":["p0","p1"],"count":2,'
     '"diagnostics":{},"late":[],"new_global_hash":"' + H2 + '","prior_global_hash":"' + H1 + '",'
-    '"reason":null,"refused":{},"rejected":0,"round":0,"round_seed":7,"secure_sum":false,'
+    '"reason":null,"refused":{},"rejected":0,"round":1,"round_seed":7,"secure_sum":false,'
     '"state":"closed","total_weight":5,"update_digests":{"p0":"' + H1 + '","p1":"' + H1 + '"}}'
 ).encode()
 OLD_ABORTED_ENTRY = (
     '{"aggregate_digest":null,"attempt":1,"contributors":[],"count":0,"diagnostics":{},'
     '"late":[],"new_global_hash":null,"prior_global_hash":"' + H2 + '",'
-    '"reason":"FaultToleranceExceeded: x","refused":{},"rejected":0,"round":1,"round_seed":5,'
+    '"reason":"FaultToleranceExceeded: x","refused":{},"rejected":0,"round":2,"round_seed":5,'
     '"secure_sum":false,"state":"aborted","total_weight":0,"update_digests":{}}'
 ).encode()
-MANIFEST_DIGEST = "99f939fb064aa3921d009a1876c52755bee65e18b10720335f86e6b56d827058"  # with invited
+MANIFEST_DIGEST = "b61e5bb5dcdf3792a787e5f699c89a78093ef8aa7e14c179ea240097fff5109d"  # with invited
 OLD_ABORTED_OUTCOME = (
     '{"contributors":[],"decided_by":"p0","error":"X","error_field":null,"global_hash":"'
     + H1
-    + '","missing":[],"next":null,"reason":null,"round":0,"run_id":"run","sitting":1,'
+    + '","missing":[],"next":null,"reason":null,"round":1,"run_id":"run","sitting":1,'
     '"state":"aborted"}'
 ).encode()
 
 
 def _closed_entry(state: object = RoundState.CLOSED) -> RoundEntry:
     return RoundEntry(
-        round=0,
+        round=1,
         attempt=1,
         state=state,  # type: ignore[arg-type]
         round_seed=7,
@@ -188,7 +188,7 @@ def _closed_entry(state: object = RoundState.CLOSED) -> RoundEntry:
 
 def _aborted_entry() -> RoundEntry:
     return RoundEntry(
-        round=1,
+        round=2,
         attempt=1,
         state=RoundState.ABORTED,
         reason="FaultToleranceExceeded: x",
@@ -254,7 +254,7 @@ def test_a_stored_manifest_entry_with_another_state_does_not_parse(state: bytes)
 def test_a_shared_folder_outcome_uses_the_same_type_and_the_same_strings() -> None:
     outcome = Outcome(
         run_id="run",
-        round=0,
+        round=1,
         sitting=1,
         state=RoundState.ABORTED,
         decided_by="p0",
@@ -315,7 +315,7 @@ def test_global_state_create_snapshots_and_hashes() -> None:
 def test_global_state_verify_detects_swapped_params() -> None:
     gs = GlobalState.create(2, _params(), sketch_seed=1, h_steps=5)
     swapped = dataclasses.replace(gs, params={"b": gs.params["b"], "w": gs.params["w"] + 1})
-    with pytest.raises(CheckpointIntegrityError, match="round 2 global params hash"):
+    with pytest.raises(CheckpointIntegrityError, match="round 3 global params hash"):
         swapped.verify()
     # swapping the contents of the (mutable) dict in place is caught as well
     gs.params["w"] = np.zeros((2, 3), np.float32)

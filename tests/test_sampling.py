@@ -67,7 +67,7 @@ def test_an_unsampled_participant_is_not_invited_and_its_update_is_refused(
     from lensemble_flwr.protocol.messages import Update
 
     coordinator, _, nodes = sampled(tmp_path)
-    coordinator.run(1)  # everyone sampled in round 0 is now registered
+    coordinator.run(2)  # everyone sampled in rounds 1 and 2 is now registered
     attempt = coordinator.begin_attempt()
     everyone = {n.participant_id for n in nodes}
     coordinator.invite(everyone)

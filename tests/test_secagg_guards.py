@@ -54,7 +54,7 @@ def masked_update(pid: str, keys, members, **changes) -> Update:
     )
     fields = dict(
         run_id="run",
-        round=0,
+        round=1,
         sender=pid,
         participant_id=pid,
         dataset_root=None,
@@ -82,7 +82,7 @@ def test_the_aggregator_admits_only_well_formed_masked_updates_of_members(trio) 
     agg = aggregator(members)
     plain = Update(
         run_id="run",
-        round=0,
+        round=1,
         sender="a",
         participant_id="a",
         dataset_root=None,
@@ -187,14 +187,14 @@ def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_disclose
     role = MaskingRole("a")  # never committed keys
     opened = RoundOpen.model_construct(
         run_id="run",
-        round=0,
+        round=1,
         attempt=1,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
     )
     release = PseudoGradient(
         participant_id="a",
-        round=0,
+        round=1,
         delta={"w": np.zeros(6, np.float32)},
         l2_norm=0.0,
         dataset_root=None,
@@ -204,7 +204,7 @@ def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_disclose
         role.mask_release(release, opened, LensembleConfig())
     request = UnmaskRequest(
         run_id="run",
-        round=0,
+        round=1,
         sender="coordinator",
         attempt=1,
         survivors=("a",),
@@ -225,7 +225,7 @@ def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:
     payload = {
         "kind": MessageKind.UNMASK_RESPONSE.value,
         "run_id": "run",
-        "round": 0,
+        "round": 1,
         "sender": "a",
         "participant_id": "a",
         "b_shares": {"c": "1:2"},
@@ -248,14 +248,14 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
     )
     opened = RoundOpen.model_construct(
         run_id="run",
-        round=0,
+        round=1,
         attempt=1,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
     )
     huge = PseudoGradient(
         participant_id="a",
-        round=0,
+        round=1,
         delta={"w": np.full(6, 5.0, np.float32)},
         l2_norm=0.0,
         dataset_root=None,
@@ -278,7 +278,7 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
         role.mask_release(fine, opened, config)
     other = UnmaskRequest(
         run_id="run",
-        round=7,
+        round=8,
         sender="coordinator",
         attempt=1,
         survivors=("a",),
@@ -324,7 +324,7 @@ def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_ke
     role.keys_for_commitment()  # announces a key the member list below does not carry
     opened = RoundOpen.model_construct(
         run_id="run",
-        round=0,
+        round=1,
         attempt=1,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
@@ -332,7 +332,7 @@ def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_ke
     )
     release = PseudoGradient(
         participant_id="a",
-        round=0,
+        round=1,
         delta={"w": np.zeros(6, np.float32)},
         l2_norm=0.0,
         dataset_root=None,
@@ -353,7 +353,7 @@ def test_a_masked_update_carries_no_norm_and_a_plaintext_one_no_mask_key(trio) -
     plain = to_wire(
         Update(
             run_id="run",
-            round=0,
+            round=1,
             sender="a",
             participant_id="a",
             dataset_root=None,

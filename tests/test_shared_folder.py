@@ -197,7 +197,7 @@ def violations(
         for rnd, _, state in r.data.get("decided", [])
         if state == "closed"
     )
-    if [closed[t] for t in range(rounds)] != [1] * rounds:
+    if [closed[t] for t in range(1, rounds + 1)] != [1] * rounds:  # rounds from 1
         found.append(f"aggregations per round: {dict(closed)}")
     try:
         records = verify(Store(folder / "runs" / "run"))
@@ -213,7 +213,7 @@ def violations(
 def test_four_processes_three_rounds_one_aggregation_each_same_weights(tmp_path: Path) -> None:
     reports = launch(tmp_path, start=FOUR, rounds=3)
     assert violations(reports, tmp_path, rounds=3) == []
-    assert all(r.data["deposited"] == [[t, 1] for t in range(3)] for r in reports.values())
+    assert all(r.data["deposited"] == [[t, 1] for t in range(1, 4)] for r in reports.values())
 
 
 def test_a_process_that_never_starts_is_named_by_the_deadline(tmp_path: Path) -> None:
@@ -224,24 +224,24 @@ def test_a_process_that_never_starts_is_named_by_the_deadline(tmp_path: Path) ->
         assert kind == "RoundIncomplete"
         assert "no record from p03" in message
     deciders = [r for r in reports.values() if r.data["decided"]]
-    assert len(deciders) == 1 and deciders[0].data["decided"] == [[0, 1, "incomplete"]]
+    assert len(deciders) == 1 and deciders[0].data["decided"] == [[1, 1, "incomplete"]]
 
 
 def test_a_straggler_is_waited_for_in_the_next_sitting(tmp_path: Path) -> None:
     reports = launch(
         tmp_path,
         start=FOUR[:3],
-        then=(bound(tmp_path, "barrier/00000000.001/outcome"), ["p03"]),
+        then=(bound(tmp_path, "barrier/00000001.001/outcome"), ["p03"]),
         round_timeout=2.0,  # sitting 2 waits this long for the straggler to start and train
         federation={"max_round_attempts": 2},
     )
     assert violations(reports, tmp_path, rounds=1) == []
-    assert reports["p03"].data["deposited"] == [[0, 2]]  # it never saw sitting 1 open
+    assert reports["p03"].data["deposited"] == [[1, 2]]  # it never saw sitting 1 open
     for me in FOUR[:3]:
-        assert reports[me].data["deposited"] == [[0, 1], [0, 2]]
+        assert reports[me].data["deposited"] == [[1, 1], [1, 2]]
     manifest = RunManifest.load(Store(tmp_path / "runs" / "run"))
     entries = [(e.round, e.attempt, e.state) for e in manifest.rounds]
-    assert entries == [(0, 1, RoundState.CLOSED)]  # nothing ran in the sitting nobody completed
+    assert entries == [(1, 1, RoundState.CLOSED)]  # nothing ran in the sitting nobody completed
 
 
 def test_a_claimant_killed_before_publishing_is_named(tmp_path: Path) -> None:
@@ -261,7 +261,7 @@ def test_a_claimant_killed_before_publishing_is_named(tmp_path: Path) -> None:
         assert report.error is not None
         kind, message = report.error
         assert kind == "ClaimantDied"
-        assert f"{dead} (pid " in message and "round 0 sitting 1" in message
+        assert f"{dead} (pid " in message and "round 1 sitting 1" in message
         assert "RoundIncomplete" not in message
 
 
@@ -283,7 +283,7 @@ def test_mutant_claim_as_resolve_then_bind_is_caught(tmp_path: Path) -> None:
 def test_mutant_that_does_not_wait_is_caught(tmp_path: Path, mutant: str | None) -> None:
     # the last participant starts only once the other three deposited (or, broken, once the
     # sitting was decided without it): somebody has to wait for it
-    sitting = "barrier/00000000.001"
+    sitting = "barrier/00000001.001"
     deposited = [bound(tmp_path, f"{sitting}/record/{p}") for p in FOUR[:3]]
     decided = bound(tmp_path, f"{sitting}/decision")
     reports = launch(
@@ -386,10 +386,10 @@ def test_the_only_participant_decides_and_publishes_its_own_rounds(tmp_path: Pat
     solo = node(tmp_path, "p00", ["p00"])
     state = solo.run(2)
     assert [(d.key.round, d.state, d.contributors) for d in solo.decisions] == [
-        (0, RoundState.CLOSED, ("p00",)),
         (1, RoundState.CLOSED, ("p00",)),
+        (2, RoundState.CLOSED, ("p00",)),
     ]
-    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(1, 1)) or b""))
+    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(2, 1)) or b""))
     assert outcome.global_hash == state.params_hash and outcome.next is not None
     assert outcome.decided_by == solo.identity
     assert [r.new_global_hash for r in verify(solo.store)][-1] == state.params_hash
@@ -408,18 +408,18 @@ def test_two_runs_sharing_a_folder_are_two_runs(tmp_path: Path) -> None:
 def test_a_record_replayed_into_another_sitting_is_refused_loudly(
     tmp_path: Path, caplog: Any
 ) -> None:
-    """p01's genuine round-0 record copied into its round-1 slot: it is signed for round
-    0's slot, so the decider refuses it (it used to be admitted, filed as late), and p01
+    """p01's genuine round-1 record copied into its round-2 slot: it is signed for round
+    1's slot, so the decider refuses it (it used to be admitted, filed as late), and p01
     itself, finding a record it did not write in its slot, stops and says so."""
     n0, n1 = node(tmp_path, "p00"), node(tmp_path, "p01")
     together([n0, n1], 1)
     store = store_of(tmp_path)
-    old = store.get(store.resolve("barrier/00000000.001/record/p01"))
-    n1.barrier.deposit(SittingKey(1, 1), "p01", old)  # round 0's record filed under round 1
+    old = store.get(store.resolve("barrier/00000001.001/record/p01"))
+    n1.barrier.deposit(SittingKey(2, 1), "p01", old)  # round 1's record filed under round 2
     state = n0.run(2)
     assert "REFUSED the record in the slot of p01" in caplog.text
-    assert "signed for run/barrier/00000000.001/record/p01" in caplog.text
-    assert n1.run(2).params_hash == state.params_hash  # round 1 was decided: it walks on
+    assert "signed for run/barrier/00000001.001/record/p01" in caplog.text
+    assert n1.run(2).params_hash == state.params_hash  # round 2 was decided: it walks on
     assert [r.contributors for r in verify(store)] == [("p00", "p01"), ("p00",)]
     assert RunManifest.load(store).rounds[-1].late == ()  # not admitted, not even as late
 
@@ -429,9 +429,9 @@ def test_a_record_filed_under_another_participant_is_left_out(tmp_path: Path) ->
     store = store_of(tmp_path)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(n0.run, 1)
-        when(lambda: bool(store.bound("barrier/00000000.001/record/p00")))
-        forged = store.get(store.resolve("barrier/00000000.001/record/p00"))
-        n0.barrier.deposit(SittingKey(0, 1), "p01", forged)
+        when(lambda: bool(store.bound("barrier/00000001.001/record/p00")))
+        forged = store.get(store.resolve("barrier/00000001.001/record/p00"))
+        n0.barrier.deposit(SittingKey(1, 1), "p01", forged)
         running.result()
     assert [r.contributors for r in verify(store)] == [("p00",)]
 
@@ -442,7 +442,7 @@ def test_a_record_filed_under_another_participant_is_left_out(tmp_path: Path) ->
         ({}, ("p00", "p01")),  # the record as answered: admitted
         ({"sitting": 2}, ("p00",)),  # says it is another sitting's
         ({"run_id": "other"}, ("p00",)),  # says it is another run's
-        ({"round": 1}, ("p00",)),  # says round 1 and carries round 0's messages
+        ({"round": 2}, ("p00",)),  # says round 2 and carries round 1's messages
     ],
 )
 def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
@@ -456,7 +456,7 @@ def test_a_record_that_says_it_belongs_elsewhere_is_left_out(
         genesis = decode_genesis(document_body(store.get(store.resolve("barrier/genesis"))))
         record = dataclasses.replace(n1.answer(genesis.first), **change)
         # p01 signs it for the slot it deposits it in: the header is what is wrong
-        n1.barrier.deposit(SittingKey(0, 1), "p01", n1.seal_record(record, SittingKey(0, 1)))
+        n1.barrier.deposit(SittingKey(1, 1), "p01", n1.seal_record(record, SittingKey(1, 1)))
         running.result()
     assert [r.contributors for r in verify(store)] == [contributors]
     assert ("record filed under p01 says" in caplog.text) == bool(change)
@@ -466,7 +466,7 @@ def test_sizes_all_or_none() -> None:
     def record(pid: str, size: int | None, update_size: int | None = 10) -> FolderRecord:
         update = {"kind": MessageKind.UPDATE.value, "num_examples": update_size}
         payloads = () if update_size is None else (update,)
-        return FolderRecord("run", 0, 1, pid, size, payloads)
+        return FolderRecord("run", 1, 1, pid, size, payloads)
 
     check_sizes([record("a", 10), record("b", 10)])
     check_sizes([record("a", None), record("b", None)])
@@ -486,7 +486,7 @@ def test_records_that_disagree_about_sizes_stop_everyone(tmp_path: Path) -> None
         when(lambda: bool(store.bound("barrier/genesis")))
         genesis = decode_genesis(document_body(store.get(store.resolve("barrier/genesis"))))
         sizeless = dataclasses.replace(n1.answer(genesis.first), num_examples=None)
-        n1.barrier.deposit(SittingKey(0, 1), "p01", n1.seal_record(sizeless))
+        n1.barrier.deposit(SittingKey(1, 1), "p01", n1.seal_record(sizeless))
         with pytest.raises(InconsistentSizes, match="p00 state their size and p01 do not"):
             running.result()
     with pytest.raises(InconsistentSizes):  # the late one reads the same verdict
@@ -502,7 +502,7 @@ def test_an_aborted_attempt_is_retried_then_stops_by_the_error_table(tmp_path: P
     manifest = RunManifest.load(store_of(tmp_path))
     attempts = [(e.attempt, e.state) for e in manifest.rounds]
     assert attempts == [(1, RoundState.ABORTED), (2, RoundState.ABORTED)]
-    assert n0.deposits == n1.deposits == [SittingKey(0, 1), SittingKey(0, 2)]
+    assert n0.deposits == n1.deposits == [SittingKey(1, 1), SittingKey(1, 2)]
 
 
 def test_with_a_quorum_the_round_goes_on_without_the_missing(tmp_path: Path) -> None:
@@ -526,7 +526,7 @@ def test_a_decider_that_fails_publishes_why(tmp_path: Path, monkeypatch: Any) ->
     solo = node(tmp_path, "p00", ["p00"])
     with pytest.raises(LensembleError, match="RuntimeError: disk on fire"):
         solo.run(1)
-    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(0, 1)) or b""))
+    outcome = decode_outcome(document_body(solo.barrier.outcome(SittingKey(1, 1)) or b""))
     assert (outcome.state, outcome.error, outcome.next) == (
         RoundState.ABORTED,
         "RuntimeError",
@@ -545,7 +545,7 @@ def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
         patch.setattr(Coordinator, "resume", refuses)
         with pytest.raises(ConfigError) as decider:
             first.run(1)
-    outcome = decode_outcome(document_body(first.barrier.outcome(SittingKey(0, 1)) or b""))
+    outcome = decode_outcome(document_body(first.barrier.outcome(SittingKey(1, 1)) or b""))
     assert (outcome.error, outcome.error_field, outcome.reason) == ("ConfigError", "x", "y")
     # a process arriving later reads the published outcome: the same error, rebuilt
     with pytest.raises(ConfigError) as late:
@@ -610,7 +610,7 @@ def barrier(store: Store, who: str, clock: ManualClock, **kwargs: Any) -> Folder
 
 
 def test_the_deadline_hands_the_decider_the_missing(tmp_path: Path) -> None:
-    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(0, 1)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(1, 1)
     a = barrier(store, "A", clock)
     a.deposit(key, "a", b"from a")
     seen: list[Snapshot] = []
@@ -626,11 +626,11 @@ def test_the_deadline_hands_the_decider_the_missing(tmp_path: Path) -> None:
 
 
 def test_a_claim_never_published_is_named_after_the_publish_timeout(tmp_path: Path) -> None:
-    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(3, 2)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(4, 2)
     store.claim(f"{key.name}/decision", store.put(b"C (pid 7 on node-4)"))
     b = barrier(store, "B", clock)
     b.deposit(key, "b", b"from b")
-    with pytest.raises(ClaimantDied, match=r"round 3 sitting 2: C \(pid 7 on node-4\)") as err:
+    with pytest.raises(ClaimantDied, match=r"round 4 sitting 2: C \(pid 7 on node-4\)") as err:
         b.gather(key, ["b"], lambda s: pytest.fail("the claim was taken over"))
     assert err.value.claimant == "C (pid 7 on node-4)"
     assert 2.0 <= clock.now < 2.5
@@ -661,14 +661,14 @@ def test_start_publishes_once_and_everyone_reads_it(tmp_path: Path) -> None:
 
 
 def test_a_record_is_deposited_once(tmp_path: Path) -> None:
-    b, key = barrier(Store(tmp_path), "B", ManualClock()), SittingKey(0, 1)
+    b, key = barrier(Store(tmp_path), "B", ManualClock()), SittingKey(1, 1)
     assert b.deposit(key, "b", b"first") is True
     assert b.deposit(key, "b", b"first") is False  # a restart writing the same again
     with pytest.raises(RoundError, match="already deposited a different record"):
         b.deposit(key, "b", b"second")
-    assert b.deposited(key) == ["b"] and b.deposited(SittingKey(0, 2)) == []
+    assert b.deposited(key) == ["b"] and b.deposited(SittingKey(1, 2)) == []
     assert b.has_deposited(key, "b")
-    assert not b.has_deposited(key, "c") and not b.has_deposited(SittingKey(0, 2), "b")
+    assert not b.has_deposited(key, "c") and not b.has_deposited(SittingKey(1, 2), "b")
 
 
 def test_barrier_arguments_that_cannot_work_are_refused(tmp_path: Path) -> None:
@@ -677,12 +677,12 @@ def test_barrier_arguments_that_cannot_work_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="poll_interval"):
         barrier(Store(tmp_path), "B", ManualClock(), poll_interval=-1)
     with pytest.raises(ValueError):
-        SittingKey(0, 0)
+        SittingKey(1, 0)
 
 
 # -- what the bytes mean ---------------------------------------------------------------
 def test_a_record_reads_back_to_the_same_messages() -> None:
-    common = {"run_id": "run", "round": 2, "attempt": 1, "sender": "p1", "participant_id": "p1"}
+    common = {"run_id": "run", "round": 3, "attempt": 1, "sender": "p1", "participant_id": "p1"}
     root = "ab" * 32
     messages = [
         Commitment(**common, dataset_root=root, num_examples=5),
@@ -711,7 +711,7 @@ def test_a_record_reads_back_to_the_same_messages() -> None:
 _HEADER = {
     "format": "lensemble-folder-record/1",
     "run_id": "run",
-    "round": 0,
+    "round": 1,
     "sitting": 1,
     "participant": "p1",
     "num_examples": None,
@@ -795,17 +795,17 @@ def test_an_outcome_about_another_sitting_is_refused(tmp_path: Path) -> None:
     store = forge_run(tmp_path, lambda g: g)
     wrong = Outcome(
         run_id="run",
-        round=4,
+        round=5,
         sitting=1,
         state=RoundState.CLOSED,
         decided_by="X",
         global_hash="0" * 64,
     )
-    store.claim("barrier/00000000.001/decision", store.put(b"X"))
+    store.claim("barrier/00000001.001/decision", store.put(b"X"))
     signed = sign_document(
-        identity_of("p00"), "p00", "run/barrier/00000000.001/outcome", encode(wrong)
+        identity_of("p00"), "p00", "run/barrier/00000001.001/outcome", encode(wrong)
     )
-    store.claim("barrier/00000000.001/outcome", store.put(signed))  # a participant's mistake
+    store.claim("barrier/00000001.001/outcome", store.put(signed))  # a participant's mistake
     with pytest.raises(LedgerError, match="about another sitting"):
         node(tmp_path, "p00", ["p00"]).run(1)
 
@@ -851,8 +851,8 @@ def test_the_demo_script_as_documented(tmp_path: Path) -> None:
     summaries = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert [s["participant"] for s in summaries] == ["p00", "p01"]
     assert len({s["global_hash"] for s in summaries}) == 1
-    assert sorted(d[0] for s in summaries for d in s["decided"]) == [0, 1]
-    assert "round 1 sitting 1: closed C_t=2" in outputs[1]
+    assert sorted(d[0] for s in summaries for d in s["decided"]) == [1, 2]
+    assert "round 2 sitting 1: closed C_t=2" in outputs[1]
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def test_an_update_signed_by_someone_else_is_forged(tmp_path: Path, caplog) -> N
         msg = from_wire(payload)
         return dict(intruder.sign(msg, _seed(msg.round)))
 
-    faults = FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=resign)
+    faults = FaultPlan().corrupt("p02", round=2, kind=MessageKind.UPDATE, mutate=resign)
     coordinator, _, _ = signed_federation(tmp_path, faults=faults)
     with caplog.at_level(logging.WARNING):
         coordinator.run(2)
@@ -76,7 +76,7 @@ def test_an_update_altered_in_flight_is_forged(tmp_path: Path) -> None:
         payload["delta"] = {k: v * 2 for k, v in payload["delta"].items()}
         return payload
 
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=scale)
+    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=scale)
     coordinator, _, _ = signed_federation(tmp_path, faults=faults)
     coordinator.run(1)
     assert coordinator.outcomes[-1].contributors == ("p00", "p02", "p03")
@@ -85,13 +85,13 @@ def test_an_update_altered_in_flight_is_forged(tmp_path: Path) -> None:
 
 def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path, caplog) -> None:
     seen: list[dict] = []
-    faults = FaultPlan().corrupt("p01", round=0, kind=MessageKind.UPDATE, mutate=capture(seen))
+    faults = FaultPlan().corrupt("p01", round=1, kind=MessageKind.UPDATE, mutate=capture(seen))
     coordinator, network, _ = signed_federation(tmp_path, faults=faults)
     coordinator.run(1)
     assert coordinator.outcomes[-1].count == 4
     # the same bytes again during round 1, and a copy relabelled as round 1
     network.inject("p01", COORDINATOR, seen[0])
-    network.inject("p01", COORDINATOR, {**seen[0], "round": 1})
+    network.inject("p01", COORDINATOR, {**seen[0], "round": 2})
     with caplog.at_level(logging.WARNING):
         coordinator.run(1)
     assert "(ReplayedMessage)" in caplog.text and "(ForgedMessage)" in caplog.text
@@ -102,7 +102,7 @@ def test_a_replayed_update_is_refused_in_a_later_round(tmp_path: Path, caplog) -
 
 
 def test_an_update_sent_twice_in_one_round_counts_once(tmp_path: Path, caplog) -> None:
-    faults = FaultPlan().duplicate("p03", round=0, kind=MessageKind.UPDATE)
+    faults = FaultPlan().duplicate("p03", round=1, kind=MessageKind.UPDATE)
     coordinator, network, _ = signed_federation(tmp_path, faults=faults)
     network.set_compute_time("p03", 0.1)  # so that both copies come before the others
     with caplog.at_level(logging.WARNING):
@@ -138,7 +138,7 @@ def test_a_registered_key_cannot_be_replaced(tmp_path: Path) -> None:
     intruder = IdentityKey.generate()
     claim = Commitment(
         run_id=coordinator.run_id,
-        round=1,
+        round=2,
         sender="p01",
         participant_id="p01",
         dataset_root=nodes[1].dataset_root,
@@ -163,7 +163,7 @@ def test_signatures_bind_round_seed_and_key(tmp_path: Path) -> None:
     key = KEYS["p00"]
     update = Update(
         run_id="r",
-        round=3,
+        round=4,
         sender="p00",
         participant_id="p00",
         dataset_root=None,

@@ -141,7 +141,7 @@ def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path
     result = again.start(grid=grid, initial_arrays=initial, num_rounds=3)
     records = verify(Store(tmp_path / "run"))
     assert [r.record_hash for r in records[:2]] == before  # nothing committed was lost
-    assert [r.round for r in records] == [0, 1, 2]
+    assert [r.round for r in records] == [1, 2, 3]
     assert list(result.train_metrics_clientapp) == [3]  # one more round, not three
     with pytest.raises(StoreError, match="already holds a run"):
         LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0).start(

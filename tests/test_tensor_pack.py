@@ -17,8 +17,8 @@ TENSORS = {
 
 
 def test_what_is_packed_unpacks() -> None:
-    tensors, meta = unpack(pack(TENSORS, {"round": 3, "names": ["b", "w"]}))
-    assert meta == {"round": 3, "names": ["b", "w"]}
+    tensors, meta = unpack(pack(TENSORS, {"round": 4, "names": ["b", "w"]}))
+    assert meta == {"round": 4, "names": ["b", "w"]}
     assert sorted(tensors) == ["b", "w"]
     for name, array in TENSORS.items():
         assert tensors[name].dtype == array.dtype

@@ -48,7 +48,7 @@ def drain(network: InProcessNetwork, timeout_s: float = 100.0) -> list[tuple[flo
     return got
 
 
-def update(pid: str, round: int = 0, **fields: Any) -> dict[str, Any]:
+def update(pid: str, round: int = 1, **fields: Any) -> dict[str, Any]:
     return {"kind": "update", "round": round, "sender": pid, **fields}
 
 
@@ -66,8 +66,8 @@ def test_an_injected_payload_travels_like_a_sent_one() -> None:
 def test_a_duplicate_arrives_right_behind_the_original_once() -> None:
     faults = (
         FaultPlan()
-        .duplicate("p01", round=0)
-        .corrupt("p01", round=0, kind="update", mutate=lambda p: {**p, "bad": True})
+        .duplicate("p01", round=1)
+        .corrupt("p01", round=1, kind="update", mutate=lambda p: {**p, "bad": True})
     )
     network, _ = network_of("p01", "p02", faults=faults)
     network.inject("p01", COORDINATOR, update("p01", x=1))
@@ -86,7 +86,7 @@ def test_a_duplicate_arrives_right_behind_the_original_once() -> None:
 
 def test_a_participant_taken_offline_neither_sends_nor_receives_until_it_is_back() -> None:
     network, nodes = network_of("p01", "p02")
-    network.inject(COORDINATOR, "p01", {"kind": "round-close", "round": 0})  # in flight
+    network.inject(COORDINATOR, "p01", {"kind": "round-close", "round": 1})  # in flight
     network.take_offline("p01")
     assert network.online() == ["p02"]
     assert network.coordinator.peers() == ["p02"]
@@ -94,10 +94,10 @@ def test_a_participant_taken_offline_neither_sends_nor_receives_until_it_is_back
     assert drain(network) == [] and nodes["p01"].got == []  # both lost
     network.bring_online("p01")
     assert network.online() == ["p01", "p02"]
-    network.inject(COORDINATOR, "p01", {"kind": "round-close", "round": 1})
-    network.inject("p01", COORDINATOR, update("p01", round=1))
-    assert [p for _, p in drain(network)] == [update("p01", round=1)]
-    assert nodes["p01"].got == [{"kind": "round-close", "round": 1}]
+    network.inject(COORDINATOR, "p01", {"kind": "round-close", "round": 2})
+    network.inject("p01", COORDINATOR, update("p01", round=2))
+    assert [p for _, p in drain(network)] == [update("p01", round=2)]
+    assert nodes["p01"].got == [{"kind": "round-close", "round": 2}]
     with pytest.raises(ValueError, match="coordinator"):
         network.take_offline(COORDINATOR)
 
@@ -123,7 +123,7 @@ def test_a_call_can_attach_a_participant_and_flush_leaves_later_calls_alone() ->
     network.call_at(3.0, lambda: network.attach(late))
     network.call_at(50.0, lambda: pytest.fail("ran at flush"))
     network.inject("p01", COORDINATOR, update("p01"))
-    network.inject(COORDINATOR, "p09", {"kind": "round-open", "round": 0})
+    network.inject(COORDINATOR, "p09", {"kind": "round-open", "round": 1})
     network.flush()
     assert late.got == [] and network.online() == ["p01"]  # flush ran no call
     assert network.coordinator.recv(timeout_s=0.0) == update("p01")  # flushed to the inbox
@@ -140,12 +140,12 @@ def test_on_deliver_sees_every_delivery_in_order_before_its_recipient() -> None:
 
     assert network.on_deliver(observe) is observe  # so it can decorate
     network.take_offline("p02")
-    network.inject(COORDINATOR, "p01", {"kind": "round-open", "round": 0})
-    network.inject(COORDINATOR, "p02", {"kind": "round-open", "round": 0})
+    network.inject(COORDINATOR, "p01", {"kind": "round-open", "round": 1})
+    network.inject(COORDINATOR, "p02", {"kind": "round-open", "round": 1})
     network.inject("p01", COORDINATOR, update("p01"))
     drain(network)
     assert seen == [
-        (COORDINATOR, "p01", {"kind": "round-open", "round": 0}, 0),  # before p01 has it
+        (COORDINATOR, "p01", {"kind": "round-open", "round": 1}, 0),  # before p01 has it
         ("p01", COORDINATOR, update("p01"), 1),
     ]  # nothing was sent to p02 (offline when it was posted)
 
@@ -154,21 +154,21 @@ def test_a_delivery_log_keeps_and_filters_what_is_delivered() -> None:
     network, _ = network_of("p01", "p02")
     to_coordinator = DeliveryLog(network, dest=COORDINATOR)
     everything = DeliveryLog(network)
-    network.inject(COORDINATOR, "p01", {"kind": "round-open", "round": 0})
+    network.inject(COORDINATOR, "p01", {"kind": "round-open", "round": 1})
     network.inject("p01", COORDINATOR, update("p01"))
-    network.inject("p02", COORDINATOR, update("p02", round=1))
+    network.inject("p02", COORDINATOR, update("p02", round=2))
     network.inject("p02", COORDINATOR, {"junk": True})
     drain(network)
     assert len(everything) == 4 and len(to_coordinator) == 3
     assert [d.dest for d in everything] == ["p01", COORDINATOR, COORDINATOR, COORDINATOR]
     updates = to_coordinator.payloads(MessageKind.UPDATE)
-    assert updates == [update("p01"), update("p02", round=1)]
-    assert to_coordinator.payloads(MessageKind.UPDATE, round=1) == [update("p02", round=1)]
+    assert updates == [update("p01"), update("p02", round=2)]
+    assert to_coordinator.payloads(MessageKind.UPDATE, round=2) == [update("p02", round=2)]
     assert to_coordinator.payloads("update") == updates  # the wire string names it too
     with pytest.raises(ValueError):
         to_coordinator.payloads("updates")  # a kind that does not exist is an error, not []
-    assert to_coordinator.payloads(source="p02") == [{"junk": True}, update("p02", round=1)]
-    assert to_coordinator.payloads(round=0, source="p02") == []
+    assert to_coordinator.payloads(source="p02") == [{"junk": True}, update("p02", round=2)]
+    assert to_coordinator.payloads(round=1, source="p02") == []
     times = [(d.source, d.time) for d in to_coordinator.deliveries]
     assert times == [("p02", 0.01), ("p01", 1.01), ("p02", 1.01)]
 
@@ -195,7 +195,7 @@ def barrier(store: Store, who: str, clock: ManualClock, **kwargs: Any) -> Folder
 def test_a_lost_publication_leaves_the_others_waiting_for_a_claimant_that_kept_it(
     tmp_path: Path,
 ) -> None:
-    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(0, 1)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(1, 1)
     lost: list[str] = []
 
     def lose(name: str) -> bool:
@@ -215,7 +215,7 @@ def test_a_lost_publication_leaves_the_others_waiting_for_a_claimant_that_kept_i
 
 
 def test_on_claim_sees_every_claim_won_before_it_is_acted_on(tmp_path: Path) -> None:
-    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(2, 3)
+    clock, store, key = ManualClock(), Store(tmp_path), SittingKey(3, 3)
     claims: list[str] = []
 
     class Died(BaseException):
@@ -233,7 +233,7 @@ def test_on_claim_sees_every_claim_won_before_it_is_acted_on(tmp_path: Path) -> 
     with pytest.raises(Died):
         a.gather(key, ["a"], lambda s: pytest.fail("decided after dying"))
     assert claims == ["barrier/start", f"{key.name}/decision"]
-    with pytest.raises(ClaimantDied, match="round 2 sitting 3: A claimed it"):
+    with pytest.raises(ClaimantDied, match="round 3 sitting 3: A claimed it"):
         barrier(store, "B", clock).gather(key, ["a"], lambda s: pytest.fail("taken over"))
 
 

@@ -2,7 +2,7 @@
 
 A round commits in this order, and the ledger record is the commit point:
 
-1. the checkpoint of θ_{t+1} and its momentum, stored by content hash and read back;
+1. the checkpoint of θ_r (round r's outcome) and its momentum, stored by content hash and read back;
 2. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
 3. the ledger record, chained to the previous one — from here on the round is committed;
@@ -57,7 +57,7 @@ _RECORDED_FROM_ENTRY = {
 class Committed:
     """A round that reached its commit point."""
 
-    state: GlobalState  # θ_{t+1}, pinned
+    state: GlobalState  # θ_r of the round r committed, pinned
     momentum: NamedArrays
     entry: RoundEntry  # its closing manifest entry
     record: ContributionRecord  # as appended to the ledger
@@ -117,9 +117,9 @@ def write_commit(
         CheckpointIntegrityError: the stored checkpoint does not read back.
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
-    t = attempt.round
+    t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
     digest = store.put(
-        encode_checkpoint(t + 1, new_state.params, momentum, params_hash=new_state.params_hash)
+        encode_checkpoint(t, new_state.params, momentum, params_hash=new_state.params_hash)
     )
     if decode_checkpoint(store.get(digest)).params_hash != new_state.params_hash:
         raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")

@@ -253,7 +253,7 @@ class Coordinator:
         log.info(
             "resumed run %s at round %d (%d participants registered)",
             self.run_id,
-            self._global.round,
+            self._global.next_round,
             len(self.registry.commitments),
         )
         return self
@@ -363,8 +363,8 @@ class Coordinator:
 
     def next_attempt(self) -> int:
         """The attempt number the current round's next attempt will carry."""
-        t = self._global.round
-        return 1 + sum(1 for e in self._manifest.rounds if e.round == t)
+        r = self._global.next_round
+        return 1 + sum(1 for e in self._manifest.rounds if e.round == r)
 
     def round_open_for(self, peer: str) -> RoundOpen:
         """The plaintext RoundOpen the next attempt sends to ``peer``."""
@@ -432,7 +432,7 @@ class Coordinator:
             if adopted_hash == step.adopted_hash:
                 return step
             raise IllegalTransition(
-                f"round {self._global.round} already trains from an adopted model "
+                f"round {self._global.next_round} already trains from an adopted model "
                 f"({step.adopted_hash[:12]}…); another would release the aggregate twice"
             )
         stepped_from = self._stepped_from
@@ -442,7 +442,7 @@ class Coordinator:
                 "adopt: this coordinator committed no round since it started; only the "
                 "model a round just committed can be changed"
             )
-        if attempt.round == self._global.round:
+        if attempt.round == self._global.next_round:
             raise IllegalTransition(
                 f"adopt: round {attempt.round} attempt {attempt.number} already started "
                 "from the committed model"
@@ -454,9 +454,9 @@ class Coordinator:
         )
         self._global, self._momentum, self._external_step = state, momentum, step
         log.info(
-            "round %d trains from a model changed after its commit (change norm %.4g; "
-            "recorded as its external step)",
-            state.round,
+            "round %d trains from a model changed after the previous commit (change norm "
+            "%.4g; recorded as its external step)",
+            state.next_round,
             step.change_norm,
         )
         return step
@@ -536,12 +536,12 @@ class Coordinator:
             )
         self._check_quorum_reachable()
         state, number = self._global, self.next_attempt()
-        mark_started(self.store, state.round, number)
+        mark_started(self.store, state.next_round, number)
         fingerprint = None
         if self._gauge is not None and self.config.gauge.align:
             fingerprint = expected_fingerprint(self._gauge, self.config, state.sketch_seed)
         attempt = Attempt(
-            machine=RoundMachine(state.round, number),
+            machine=RoundMachine(state.next_round, number),
             state=state,
             external_step=self._external_step,
             round_open=self._round_open(number),
@@ -728,7 +728,7 @@ class Coordinator:
                 attempt,
                 result,
                 diagnostics,
-                self._pin(attempt.round + 1, params, copy=False),  # outer_step's are fresh
+                self._pin(attempt.round, params, copy=False),  # θ_r; outer_step's are fresh
                 momentum,
                 head_hash=self._head_hash,
                 secure_sum=self._mode.secure_sum,
@@ -894,7 +894,7 @@ class Coordinator:
         state = self._global
         return RoundOpen(
             run_id=self.run_id,
-            round=state.round,
+            round=state.next_round,
             sender=COORDINATOR,
             attempt=attempt,
             global_hash=state.params_hash,
@@ -908,13 +908,14 @@ class Coordinator:
     def _pin(
         self, round: int, params: Mapping[str, np.ndarray], *, copy: bool = True
     ) -> GlobalState:
+        """θ_``round``, carrying the seed of the round that starts from it (round + 1)."""
         fed = self.config.federation
         pinned = self._gauge is not None and self.config.gauge.align
         probe = self._gauge.probe if pinned else None  # type: ignore[union-attr]
         return GlobalState.create(
             round,
             params,
-            sketch_seed=derive_seed(fed.root_seed, "round", round),
+            sketch_seed=derive_seed(fed.root_seed, "round", round + 1),
             h_steps=self.config.inner.steps,
             probe_hash=probe.probe_hash if probe is not None else "",
             landmark_hashes=probe.landmark_hashes if probe is not None else (),
@@ -934,7 +935,7 @@ class Coordinator:
         diagnostics = {"mean_delta_l2": l2_norm(mean)}
         if self._gauge is not None:
             diagnostics |= drift_diagnostics(
-                self._gauge, self.config, state.params, mean, round=state.round
+                self._gauge, self.config, state.params, mean, round=state.next_round
             )
         return diagnostics
 

@@ -111,9 +111,9 @@ def record_interrupted(
     state: GlobalState,
     external_step: ExternalStep | None = None,
 ) -> RunManifest:
-    """Record every attempt of ``state.round`` that started but has no manifest entry
-    (``external_step``: the one ``state`` was adopted by, if any)."""
-    t = state.round
+    """Record every attempt of the round starting from ``state`` that started but has no
+    manifest entry (``external_step``: the one ``state`` was adopted by, if any)."""
+    t = state.next_round
     finished = {e.attempt for e in manifest.rounds if e.round == t}
     for attempt in started_attempts(store, t):
         if attempt in finished:

@@ -3,7 +3,7 @@
 One idea per module: :mod:`.probe` (the pinned public probe), :mod:`.sketch` (the round's
 probe sketch), :mod:`.procrustes` (the orthogonal alignment and its conditioning rule),
 :mod:`.adapter` (where a model's latent frame lives), :mod:`.drift` (a public diagnostic of
-how far the global frame moves), :mod:`.warm_start` (the round-0 encoder pin) and
+how far the global frame moves), :mod:`.warm_start` (the θ_0 encoder pin) and
 :mod:`.stage` (alignment as a release stage). See ``docs/gauge.md``.
 """
 

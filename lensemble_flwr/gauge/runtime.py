@@ -4,7 +4,7 @@
 warm start). This module wires it into the round, for both ends:
 
 * the **participant** checks, on every RoundOpen, that the announced probe is the one it
-  pinned (else ``ProbeError``: it rejects the round) and, at round 0, that the encoder is
+  pinned (else ``ProbeError``: it rejects the round) and, in round 1, that the encoder is
   the agreed warm start (else ``GaugeError``); its release pipeline aligns before
   anything else touches the weights (``release_pipeline(..., gauge=...)``);
 * the **coordinator** announces the probe, refuses an update aligned on another sketch
@@ -37,14 +37,14 @@ from lensemble_flwr.protocol.messages import Update
 log = logging.getLogger(__name__)
 
 ENCODER_GROUP = "encoder"
-"""The parameter group whose round-0 hash is the warm start, unless a GaugeSetup says
+"""The parameter group whose θ_0 hash is the warm start, unless a GaugeSetup says
 otherwise."""
 
 
 @dataclasses.dataclass(frozen=True)
 class GaugeSetup:
     """What a party needs to align latent frames: the model's gauge adapter and the
-    pinned public probe. ``encoder_group`` names the parameter group whose round-0
+    pinned public probe. ``encoder_group`` names the parameter group whose θ_0
     hash is the warm start."""
 
     adapter: GaugeAdapter
@@ -80,18 +80,18 @@ def check_round_open(
 
     Raises:
         ProbeError: the announced probe or landmarks are not the pinned ones.
-        GaugeError: round 0's encoder is not the agreed warm start.
+        GaugeError: round 1's encoder (θ_0's) is not the agreed warm start.
     """
     if gauge is not None and config.gauge.align:
         check_pinned(gauge.probe, probe_hash, landmark_hashes)
-    if round == 0:
+    if round == 1:  # the first round starts from θ_0: the warm start
         check_warm_start_of(gauge, config, params)
 
 
 def check_warm_start_of(
     gauge: GaugeSetup | None, config: LensembleConfig, params: Mapping[str, np.ndarray]
 ) -> None:
-    """Round 0's encoder must hash to ``gauge-warm-start-hash`` (when one is set).
+    """θ_0's encoder must hash to ``gauge-warm-start-hash`` (when one is set).
 
     Raises:
         GaugeError: it does not.

@@ -1,7 +1,7 @@
-"""The round-0 warm start: every participant starts from the same encoder.
+"""The warm start: every participant starts the first round from the same encoder.
 
 Alignment maps a local frame onto the global one; it cannot create a shared frame from
-nothing. At round 0 every participant therefore checks that the encoder it is given is
+nothing. In round 1 every participant therefore checks that the encoder of θ_0 it is given is
 hash-identical to the published warm start (``gauge-warm-start-hash``).
 """
 
@@ -37,7 +37,7 @@ def encoder_hash(params: Mapping[str, np.ndarray], names: Iterable[str]) -> str:
 def check_warm_start(
     params: Mapping[str, np.ndarray], names: Iterable[str], expected_hash: str
 ) -> None:
-    """Refuse a round-0 encoder that is not the published warm start.
+    """Refuse an initial (θ_0) encoder that is not the published warm start.
 
     An empty ``expected_hash`` means no warm start is published (the config's
     ``gauge-warm-start-hash = ""``) and nothing is checked.
@@ -51,5 +51,5 @@ def check_warm_start(
     actual = encoder_hash(params, names)
     if actual != expected_hash:
         raise GaugeError(
-            f"round-0 encoder {actual[:12]}... is not the warm start {expected_hash[:12]}..."
+            f"initial (θ_0) encoder {actual[:12]}... is not the warm start {expected_hash[:12]}..."
         )

@@ -214,7 +214,7 @@ class Participant:
         if self._last_open == opened:
             return  # a duplicate RoundOpen; this attempt was already answered
         state = GlobalState(
-            round=msg.round,
+            round=msg.round - 1,  # round r starts from θ_{r-1}
             params=dict(msg.params),
             params_hash=msg.global_hash,
             sketch_seed=msg.sketch_seed,
@@ -361,7 +361,7 @@ class Participant:
         released = dequantize(release.delta, scales) if scales else release.delta
         return PseudoGradient(
             participant_id=self.participant_id,
-            round=global_state.round,
+            round=global_state.next_round,
             delta=release.delta,
             l2_norm=l2_norm(released),
             scales=scales,
@@ -425,18 +425,23 @@ class Participant:
             raise CheckpointIntegrityError(
                 f"recovered checkpoint {digest[:12]}… does not hold the recorded global state"
             )
-        if checkpoint.round == 0:  # a round-0 (re)joiner revalidates the warm start
+        if checkpoint.round == 0:  # a (re)joiner at θ_0 revalidates the warm start
             check_warm_start_of(self.gauge, self.config, checkpoint.params)
         state = GlobalState.create(
             checkpoint.round,
             checkpoint.params,
-            sketch_seed=derive_seed(self.config.federation.root_seed, "round", checkpoint.round),
+            sketch_seed=derive_seed(
+                self.config.federation.root_seed, "round", checkpoint.round + 1
+            ),  # the seed of the round that starts from θ_{checkpoint.round}
             h_steps=self.config.inner.steps,
         )
         self.training.forget()
         self._last_open = None
         log.info(
-            "%s: joined at round %d (%s…)", self.participant_id, state.round, state.params_hash[:12]
+            "%s: joined at round %d (%s…)",
+            self.participant_id,
+            state.next_round,
+            state.params_hash[:12],
         )
         return state
 

@@ -117,7 +117,7 @@ class _Message(BaseModel):
     )
 
     run_id: str = Field(min_length=1, max_length=128)
-    round: int = Field(ge=0)
+    round: int = Field(ge=1)  # Flower's numbering: the first round is round 1
     sender: str = Field(min_length=1, max_length=128)
 
 

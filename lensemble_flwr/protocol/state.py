@@ -16,7 +16,11 @@ from lensemble_flwr.params import NamedArrays, frozen, is_shared
 
 @dataclasses.dataclass(frozen=True)
 class GlobalState:
-    """The pinned canonical state of round ``round``: exactly what RoundOpen broadcasts.
+    """The pinned canonical state θ_``round``: exactly what RoundOpen broadcasts.
+
+    ``round`` is the number of rounds closed before it (0: the initial state θ_0). Rounds
+    are numbered as Flower numbers them, from 1: round r takes θ_{r-1} to θ_r, so this
+    state is the one round :attr:`next_round` starts from.
 
     ``params`` are read-only snapshots of the shared groups; ``params_hash`` is their
     canonical digest and is verified by :meth:`verify`.
@@ -63,12 +67,17 @@ class GlobalState:
             landmark_hashes=landmark_hashes,
         )
 
+    @property
+    def next_round(self) -> int:
+        """The number of the round that starts from this state: ``round + 1``."""
+        return self.round + 1
+
     def verify(self) -> GlobalState:
         """Recompute the params hash; raise CheckpointIntegrityError if it differs."""
         actual = digest_arrays(self.params, "params")
         if actual != self.params_hash:
             raise CheckpointIntegrityError(
-                f"round {self.round} global params hash {actual[:12]}… "
+                f"round {self.next_round} global params hash {actual[:12]}… "
                 f"does not match the announced {self.params_hash[:12]}…"
             )
         return self

@@ -8,7 +8,7 @@ auditor needs on top:
 * the cross-checks ``verify`` does not make: every attempt (aborted ones too) starts from
   the global state the round before left, and an aborted one produced none; attempts
   are numbered 1, 2, … with at most one closed and none after it; rounds follow each
-  other without gaps; a name (``ledger/00000003``) holds the round it names;
+  other without gaps from round 1; a name (``ledger/00000003``) holds the round it names;
 * a :class:`Finding` per broken link that names the round, the field, and the expected
   and found values, in the order a reader walks the run (round by round), so the first
   finding is the first broken link; a missing record does not hide the rounds after it;
@@ -247,10 +247,9 @@ class _Walk:
         prev_record: str | None = GENESIS
         for i, t in enumerate(rounds):
             where = f"round {t}"
-            if i and t != rounds[i - 1] + 1:
-                self.findings.append(
-                    Finding(where, "round sequence", str(rounds[i - 1] + 1), str(t), t)
-                )
+            expected = rounds[i - 1] + 1 if i else 1  # Flower's numbering: from round 1
+            if t != expected:
+                self.findings.append(Finding(where, "round sequence", str(expected), str(t), t))
             attempts = sorted(by_round.get(t, []), key=lambda e: e.attempt)
             closed = self._check_attempts(t, attempts, last_round=i == len(rounds) - 1)
             record = records.get(t)

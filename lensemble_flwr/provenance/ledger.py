@@ -3,6 +3,7 @@
 Every CLOSED round appends one :class:`ContributionRecord` whose hash covers the hash of
 the record before it, so rewriting any past round breaks every later link. Records are
 stored as blobs and *claimed* under ``ledger/<round>``: a round can be recorded once.
+Rounds are numbered as Flower numbers them: round r (from 1) takes θ_{r-1} to θ_r.
 The :class:`RunManifest` lists every attempt of every round, closed or aborted, with the
 inputs that make the outer step a pure function (prior global hash, round seed,
 contributing set and C_t, update digests). It is stored as a header (written once) and
@@ -79,7 +80,7 @@ and entries written before the field existed keep their hashes)."""
 class ContributionRecord(_Frozen):
     """What one CLOSED round consumed and produced, chained to the record before it."""
 
-    round: int = Field(ge=0)
+    round: int = Field(ge=1, description="Flower's round number: θ_{round-1} → θ_round.")
     attempt: int = Field(ge=1)
     invited: tuple[str, ...] = Field(
         description="Who the closing attempt invited (its sample, when rounds are sampled)."
@@ -98,7 +99,7 @@ class ContributionRecord(_Frozen):
     aggregate_digest: str
     previous_global_hash: str
     new_global_hash: str
-    checkpoint: str = Field(description="Store digest of the θ_{t+1} checkpoint blob.")
+    checkpoint: str = Field(description="Store digest of the θ_round checkpoint blob.")
     external_step: ExternalStep | None = _ONLY_WHEN_SET
     """Set when the round trained from a model changed after the previous commit."""
     privacy: PrivacyGuarantee | None = _ONLY_WHEN_SET
@@ -137,7 +138,7 @@ class ContributionRecord(_Frozen):
 class RoundEntry(_Frozen):
     """One attempt of one round, as the manifest records it."""
 
-    round: int
+    round: int = Field(ge=1)  # Flower's round number, as the ledger's
     attempt: int
     state: TerminalState
     reason: str | None = None
@@ -412,8 +413,8 @@ def checkpoint_breaks(
     """The checkpoint blob ``digest`` must decode and hold ``params_hash``.
 
     Args:
-        round: the ledger round whose new global state the checkpoint holds (the
-            checkpoint itself is then of round ``round + 1``); None for θ_0's.
+        round: the ledger round whose new global state the checkpoint holds (θ_round:
+            the checkpoint's own round is then ``round`` too); None for θ_0's.
     """
     label = "initial checkpoint" if round is None else f"round {round}: checkpoint"
     data = fetch_blob(store, digest, field="checkpoint", round=round, message=f"{label}: ")
@@ -431,8 +432,8 @@ def checkpoint_breaks(
         wrong = f"round {round}: checkpoint does not hold the recorded new global state"
     if ckpt.params_hash != params_hash:
         yield LinkBreak(round, "checkpoint.params_hash", params_hash, ckpt.params_hash, wrong)
-    if round is not None and ckpt.round != round + 1:
-        yield LinkBreak(round, "checkpoint.round", round + 1, ckpt.round, wrong)
+    if round is not None and ckpt.round != round:
+        yield LinkBreak(round, "checkpoint.round", round, ckpt.round, wrong)
 
 
 def record_checkpoint_breaks(store: Store, rec: ContributionRecord) -> Iterator[LinkBreak]:

@@ -53,13 +53,13 @@ START, GENESIS = f"{PREFIX}/start", f"{PREFIX}/genesis"
 
 @dataclasses.dataclass(frozen=True, order=True)
 class SittingKey:
-    """Sitting ``sitting`` (from 1) of round ``round`` (from 0)."""
+    """Sitting ``sitting`` (from 1) of round ``round`` (from 1, Flower's numbering)."""
 
     round: int
     sitting: int
 
     def __post_init__(self) -> None:
-        if self.round < 0 or self.sitting < 1:
+        if self.round < 1 or self.sitting < 1:
             raise ValueError(f"no sitting {self.sitting} of round {self.round}")
 
     @property

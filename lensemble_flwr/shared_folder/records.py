@@ -13,7 +13,7 @@
   coordinator, or incomplete (somebody never came); the error if it did not close; and
   the announcement of the next sitting, or none when the run stops there.
 * The **genesis** is what the process that created the run published: the run id, the
-  expected participants and the announcement of round 0's first sitting.
+  expected participants and the announcement of round 1's first sitting.
 
 Payloads are not validated here; the coordinator runs them through ``from_wire`` like any
 other transport's.
@@ -50,7 +50,7 @@ class _Frozen(BaseModel):
 class _RecordHeader(_Frozen):
     format: Literal["lensemble-folder-record/1"]
     run_id: str
-    round: int = Field(ge=0)
+    round: int = Field(ge=1)
     sitting: int = Field(ge=1)
     participant: str
     num_examples: int | None = Field(None, ge=1)
@@ -147,7 +147,7 @@ def decode_record(data: bytes) -> FolderRecord:
 class Announcement(_Frozen):
     """What one sitting starts from."""
 
-    round: int = Field(ge=0)
+    round: int = Field(ge=1)
     sitting: int = Field(ge=1)
     checkpoint: str = Field(pattern=_HEX64, description="Store digest of the state's checkpoint.")
     params_hash: str = Field(pattern=_HEX64)
@@ -191,7 +191,7 @@ class Outcome(_Frozen):
     """What the decider of a sitting published."""
 
     run_id: str
-    round: int = Field(ge=0)
+    round: int = Field(ge=1)
     sitting: int = Field(ge=1)
     state: OutcomeState
     decided_by: str

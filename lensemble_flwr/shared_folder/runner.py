@@ -22,7 +22,7 @@ and that is the whole deployment. Per sitting of a round (see :mod:`.barrier`):
    with the same global state, the one in the ledger.
 
 The first process to arrive creates the run (``Coordinator(...)``, the usual way) and
-announces round 0. A process that arrives late walks the published outcomes to the
+announces round 1. A process that arrives late walks the published outcomes to the
 sitting in progress without waiting on any of them, and one restarted after depositing
 does not deposit twice. A sitting that was not complete by the deadline is decided
 without the missing participants: by default that is a :class:`RoundIncomplete` naming
@@ -287,7 +287,7 @@ class SharedFolderParticipant:
         if rounds < 0:
             raise ValueError("rounds must be >= 0")
         announcement = self._join()
-        while announcement.round < rounds:
+        while announcement.round <= rounds:  # Flower's numbering: rounds 1 … rounds
             key = SittingKey(announcement.round, announcement.sitting)
             published = self.barrier.outcome(key)
             if published is None:  # the sitting is still open: answer it, then wait
@@ -328,7 +328,7 @@ class SharedFolderParticipant:
         return genesis.first
 
     def _create(self) -> bytes:
-        """Start the run (this process won its start claim) and announce round 0."""
+        """Start the run (this process won its start claim) and announce round 1."""
         coordinator = Coordinator(
             self.config,
             initial_params=self._initial_params,
@@ -496,13 +496,13 @@ class SharedFolderParticipant:
         )  # would make a run quadratic (the head checkpoint is still verified)
         state = coordinator.global_state()
         expected_attempt = announcement.round_opens[self.participant_id]["attempt"]
-        if (state.round, state.params_hash, coordinator.next_attempt()) != (
+        if (state.next_round, state.params_hash, coordinator.next_attempt()) != (
             announcement.round,
             announcement.params_hash,
             expected_attempt,
         ):
             raise LedgerError(
-                f"{key}: the run's store is at round {state.round} attempt "
+                f"{key}: the run's store is at round {state.next_round} attempt "
                 f"{coordinator.next_attempt()}, not at what the sitting announced"
             )
         payloads = [payload for record in records for payload in record.payloads]
@@ -516,10 +516,13 @@ class SharedFolderParticipant:
             # round is in the ledger, so it is published as closed; the next decider's
             # resume completes the manifest from the entry kept before the commit
             closed = coordinator.outcomes[-1] if coordinator.outcomes else None
-            if closed is None or (closed.state, closed.round) != (RoundState.CLOSED, state.round):
+            if closed is None or (closed.state, closed.round) != (
+                RoundState.CLOSED,
+                state.next_round,
+            ):
                 raise
             log.exception(
-                "%s: round %d committed, its manifest entry not written", key, state.round
+                "%s: round %d committed, its manifest entry not written", key, state.next_round
             )
             result = closed
         if result.state is RoundState.CLOSED:
@@ -630,7 +633,7 @@ class SharedFolderParticipant:
         checkpoint = decode_checkpoint(self.store.get(announcement.checkpoint))
         if (
             checkpoint.params_hash != announcement.params_hash
-            or checkpoint.round != announcement.round
+            or checkpoint.round != announcement.round - 1  # round r starts from θ_{r-1}
         ):
             raise CheckpointIntegrityError(
                 f"round {announcement.round}: the announced checkpoint does not hold the "
@@ -640,7 +643,7 @@ class SharedFolderParticipant:
 
     def _state(self, announcement: Announcement) -> GlobalState:
         return GlobalState.create(
-            announcement.round,
+            announcement.round - 1,  # θ_{r-1}, the state round r starts from
             self._checkpoint_params(announcement),
             sketch_seed=derive_seed(self.config.federation.root_seed, "round", announcement.round),
             h_steps=self.config.inner.steps,

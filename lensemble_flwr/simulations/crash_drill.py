@@ -178,13 +178,13 @@ def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None =
         return new
 
     def on_write(kind: str, key: str, data: bytes) -> None:
-        # the checkpoint of round ``round``'s outcome, θ_{round+1}: half of its bytes
+        # the checkpoint of round ``round``'s outcome, θ_round: half of its bytes
         # reach a fsynced temp file, the rest never comes
         if (
             point == CHECKPOINT_WRITE
             and here()
             and kind == "blob"
-            and _checkpoint_round(data) == round + 1
+            and _checkpoint_round(data) == round
         ):
             fd, _ = tempfile.mkstemp(dir=run_dir / "tmp")
             with os.fdopen(fd, "wb") as f:
@@ -365,8 +365,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.participants < 1:
         parser.error("--rounds and --participants must be at least 1")
-    if args.kill_at is not None and args.kill_at[0] >= args.rounds:
-        parser.error(f"--kill-at round {args.kill_at[0]} is not below --rounds {args.rounds}")
+    if args.kill_at is not None and not 1 <= args.kill_at[0] <= args.rounds:
+        parser.error(
+            f"--kill-at round {args.kill_at[0]} is not one of rounds 1 … {args.rounds} "
+            "(Flower's numbering)"
+        )
     return args
 
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"run directory: {run_dir}")
     start_loss = global_loss(coordinator.global_state().params, trainers)
-    print(f"round 0: loss of the initial model on the union of the data {start_loss:.4f}")
+    print(f"before round 1: loss of the initial model on the union of the data {start_loss:.4f}")
     coordinator.run(args.rounds)
     records = verify(Store(run_dir))
     print(f"ledger verified: {len(records)} records, head {records[-1].record_hash[:12]}")

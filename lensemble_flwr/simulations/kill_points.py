@@ -32,10 +32,10 @@ class KillPoint:
         """What ``verify(store)`` reports on the run directory before the restart."""
         if self.committed:
             return (
-                "fails with exactly `manifest closed rounds [0..t-1] differ from ledger "
-                "rounds [0..t]`"
+                "fails with exactly `manifest closed rounds [1..r-1] differ from ledger "
+                "rounds [1..r]`"
             )
-        return "passes: rounds 0..t-1"
+        return "passes: rounds 1..r-1"
 
     @property
     def on_resume(self) -> str:

@@ -162,7 +162,7 @@ class GridTransport:
             self._params_record = (params, record)
         content = records.encode_instruction(
             payload,
-            server_round=message.round + 1,
+            server_round=message.round,  # one numbering: Flower's
             user_config=self.user_config,
             round_close=self._close,
             params_record=self._params_record[1],
@@ -430,7 +430,7 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
         return None
     where = "the SuperLink" if reply.metadata.src_node_id == SUPERLINK_NODE_ID else info.peer
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
-    log.warning("round %d: %s replied with an error: %s", info.round + 1, info.peer, reason)
+    log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
     return {
         "kind": MessageKind.REFUSAL.value,
         "run_id": info.run_id,

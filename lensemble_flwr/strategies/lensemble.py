@@ -435,10 +435,11 @@ class LensembleStrategy(Strategy):
         coordinator.grant_grace(max(0.0, self.warmup_timeout - waited))
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
-        # a resumed run continues to the same total (num_rounds counts from round 0)
-        while (t := coordinator.global_state().round) < num_rounds:
+        # a resumed run continues to the same total (num_rounds counts from round 1); the
+        # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
+        while (r := coordinator.global_state().next_round) <= num_rounds:
             say(INFO, "")
-            say(INFO, "[ROUND %s/%s]", t + 1, num_rounds)
+            say(INFO, "[ROUND %s/%s]", r, num_rounds)
             seen = len(coordinator.outcomes)
             try:
                 coordinator.run(1)
@@ -447,16 +448,16 @@ class LensembleStrategy(Strategy):
                 result.outcomes.extend(new)
                 aborted = [o.reason or "" for o in new if o.state is RoundState.ABORTED]
                 if aborted:
-                    result.aborted[t + 1] = aborted
+                    result.aborted[r] = aborted
             closed = new[-1]
             result.arrays = self._user_arrays(coordinator.global_state().params)
             metrics = self._metrics(closed, attempts=len(new))
-            result.train_metrics_clientapp[t + 1] = metrics
-            evaluation = self._evaluate(t + 1, result.arrays, evaluate_config, timeout)
+            result.train_metrics_clientapp[r] = metrics
+            evaluation = self._evaluate(r, result.arrays, evaluate_config, timeout)
             if evaluation is not None:
-                result.evaluate_metrics_clientapp[t + 1] = evaluation
-            if evaluate_fn is not None and (res := evaluate_fn(t + 1, result.arrays)) is not None:
-                result.evaluate_metrics_serverapp[t + 1] = res
+                result.evaluate_metrics_clientapp[r] = evaluation
+            if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
+                result.evaluate_metrics_serverapp[r] = res
             self._report(closed, metrics, evaluation, aborted)
             say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             if evaluation is not None:
@@ -482,7 +483,7 @@ class LensembleStrategy(Strategy):
             }
             if self.resume and store.bound("manifest"):
                 self.coordinator = Coordinator.resume(self.config, **common)
-                log.info("resumed at round %d", self.coordinator.global_state().round)
+                log.info("resumed at round %d", self.coordinator.global_state().next_round)
             else:
                 self.coordinator = Coordinator(
                     self.config,
@@ -674,7 +675,7 @@ class LensembleStrategy(Strategy):
         aborted: list[str],
     ) -> None:
         path = "→".join(s.value for s in outcome.path)
-        parts = [f"round {outcome.round + 1}: {path}", f"C_t={outcome.count}"]
+        parts = [f"round {outcome.round}: {path}", f"C_t={outcome.count}"]
         if evaluation is not None:
             parts += [
                 f"{k}={float(v):.4f}"

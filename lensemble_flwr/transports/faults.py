@@ -33,9 +33,15 @@ class _Duplicate:
     kind: MessageKind | str
 
 
+def _round_number(round: int) -> int:
+    if round < 1:  # a 0-based round index would never fire: say so instead
+        raise ValueError(f"rounds are numbered from 1 (Flower's numbering), not {round}")
+    return round
+
+
 @dataclasses.dataclass
 class FaultPlan:
-    """A script of faults, keyed by participant and round index.
+    """A script of faults, keyed by participant and round number (Flower's: from 1).
 
     Each fault fires once, at the first attempt of its round that reaches it; a retried
     attempt of the same round runs without it unless it is scripted again.
@@ -52,17 +58,17 @@ class FaultPlan:
         COLLECTING it commits, then vanishes before its update leaves."""
         if at not in (RoundState.OPEN, RoundState.COLLECTING):
             raise ValueError("a participant can only drop while the round is OPEN or COLLECTING")
-        self.drops.append(_Drop(participant_id, round, at))
+        self.drops.append(_Drop(participant_id, _round_number(round), at))
         return self
 
     def rejoin(self, participant_id: str, *, round: int) -> FaultPlan:
         """Bring the participant back (through ``Participant.join``) when ``round`` opens."""
-        self.rejoins.setdefault(participant_id, []).append(round)
+        self.rejoins.setdefault(participant_id, []).append(_round_number(round))
         return self
 
     def delay(self, participant_id: str, *, round: int, seconds: float) -> FaultPlan:
         """Deliver the participant's update for ``round`` ``seconds`` later than usual."""
-        self.delays[(participant_id, round)] = seconds
+        self.delays[(participant_id, _round_number(round))] = seconds
         return self
 
     def corrupt(
@@ -75,7 +81,7 @@ class FaultPlan:
     ) -> FaultPlan:
         """Replace the participant's outgoing ``kind`` payload in ``round`` by
         ``mutate(payload_copy)``."""
-        self.corruptions.append(_Corrupt(participant_id, round, kind, mutate))
+        self.corruptions.append(_Corrupt(participant_id, _round_number(round), kind, mutate))
         return self
 
     def duplicate(
@@ -85,5 +91,5 @@ class FaultPlan:
         leaves right behind the original (the same delay, so it arrives right after it).
         The copy is the payload as the participant sent it: a corruption scripted for the
         same payload alters the first copy only."""
-        self.duplicates.append(_Duplicate(participant_id, round, kind))
+        self.duplicates.append(_Duplicate(participant_id, _round_number(round), kind))
         return self
