@@ -428,3 +428,20 @@ def test_a_stock_app_that_weights_by_another_key_is_read_by_weighted_by_key(
     result = strategy.start(grid=grid_of(app), initial_arrays=ArrayRecord(Net(False).state_dict()))
     assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
     assert result.train_metrics_clientapp[1]["acc"] == pytest.approx(0.5)
+
+
+def test_the_first_rounds_instructions_live_as_long_as_its_grace(tmp_path: Path) -> None:
+    """A cold ClientApp (a Ray actor starting on a loaded machine) may pick up its first
+    instruction late: round 1's instructions keep the grace in their TTL, later rounds'
+    only the deadlines."""
+    strategy = LensembleStrategy(
+        fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0, warmup_timeout=50.0
+    )
+    grid = grid_of(quickstart_app(False))
+    strategy.start(
+        grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()), num_rounds=2,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    ttl = {m.content["config"]["lensemble.round"]: m.metadata.ttl for m in grid.pushed()}
+    assert ttl[2] == pytest.approx(20.0)  # open + collect timeouts
+    assert 20.0 + 49.0 <= ttl[1] <= 20.0 + 50.0  # ... plus what the warm-up left

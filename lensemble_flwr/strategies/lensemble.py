@@ -432,7 +432,12 @@ class LensembleStrategy(Strategy):
         # their first message. The first round's deadlines get the rest of the warm-up
         # budget as grace; a round in which every invited node answered ends at once, so
         # the grace only delays a first round that a node leaves unanswered.
-        coordinator.grant_grace(max(0.0, self.warmup_timeout - waited))
+        grace = max(0.0, self.warmup_timeout - waited)
+        coordinator.grant_grace(grace)
+        # the first instructions may wait in the SuperLink as long as their round's
+        # deadlines with the grace: an instruction that expired before a cold ClientApp
+        # picked it up would lose the node the round (it did, on a loaded machine)
+        transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 1); the
@@ -444,6 +449,7 @@ class LensembleStrategy(Strategy):
             try:
                 coordinator.run(1)
             finally:
+                transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
                 new = coordinator.outcomes[seen:]
                 result.outcomes.extend(new)
                 aborted = [o.reason or "" for o in new if o.state is RoundState.ABORTED]
