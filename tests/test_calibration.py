@@ -14,6 +14,7 @@ from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.calibration import (
     calibrated_noise_multiplier,
+    ingress_bound,
     max_rounds,
     noise_multiplier_of,
     planned_epsilon,
@@ -131,3 +132,24 @@ def test_the_privacy_pages_examples_run_as_written(tmp_path: Path, index: int) -
     assert final.privacy is not None and final.privacy.mechanism.startswith(
         config.privacy.dp_mode
     )
+
+
+def test_the_ingress_bound_admits_the_noises_reach(tmp_path: Path) -> None:
+    """At epsilon 1 over 20 rounds the calibrated noise puts released values far past the
+    default max-abs-update (64): every update used to be rejected at ingress. Under local
+    DP the bound is raised to the noise's reach; a bound that cannot fit is refused."""
+    config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=1.0, dp_rounds=20)
+    sigma = calibrated_noise_multiplier(1.0, 1e-5, 20)
+    assert ingress_bound(config) == pytest.approx(0.5 * (1 + 10 * sigma))
+    assert ingress_bound(config) > config.aggregation.max_abs_update
+    coordinator, network, _ = federation(tmp_path, config=config)
+    coordinator.run(1)
+    network.flush()
+    assert coordinator.outcomes[-1].count == 4  # nobody's release was rejected
+    assert ingress_bound(dp_config(tmp_path, noise_multiplier=0.0)) == 64.0  # no noise
+    tight = LensembleConfig(
+        federation=config.federation.model_dump(), privacy=config.privacy.model_dump(),
+        aggregation={"max_weight": 2**29, "max_abs_update": 1.0},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="does not fit the int64 accumulator"):
+        ingress_bound(tight)

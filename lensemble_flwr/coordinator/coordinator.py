@@ -72,7 +72,7 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.params import NamedArrays, check_initial_groups
-from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.calibration import noise_multiplier_of, with_ingress_bound
 from lensemble_flwr.privacy.guarantee import guarantee_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -312,7 +312,10 @@ class Coordinator:
         self._gauge = gauge
         self.registry = ParticipantRegistry(config, store, identities)
         self._mode: RoundMode = mode_for(
-            config, self.registry, run_id=run_id, aggregator_factory=aggregator_factory
+            with_ingress_bound(config),  # under local DP, the noise's reach is admitted
+            self.registry,
+            run_id=run_id,
+            aggregator_factory=aggregator_factory,
         )
         self._ingress = Ingress(
             config=config,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 
-from lensemble_flwr.config import PrivacyConfig
+from lensemble_flwr.config import LensembleConfig, PrivacyConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import ACCOUNTANTS, SENSITIVITY_FACTOR, Mechanism
 
@@ -151,3 +151,42 @@ def noise_multiplier_of(privacy: PrivacyConfig, rounds: int | None = None) -> fl
             privacy.dp_epsilon, privacy.dp_delta, privacy.dp_rounds, privacy.dp_accountant
         )
     return 0.0
+
+
+NOISE_REACH = 10.0
+"""How many noise standard deviations past the clip norm a local-DP release's values may
+reach at ingress (a Gaussian coordinate is beyond 10σ with probability ~1.5e-23)."""
+
+
+def ingress_bound(config: LensembleConfig) -> float:
+    """The largest |value| an update may carry: ``max-abs-update``, raised under local DP
+    to what a noised release reaches (clip norm plus ``NOISE_REACH`` noise std), so that
+    calibrated noise at a small epsilon does not get every release rejected.
+
+    Raises:
+        ConfigError: that bound does not fit the int64 accumulator at the run's
+            ``max-weight`` and ``fraction-bits``.
+    """
+    agg, privacy = config.aggregation, config.privacy
+    bound = agg.max_abs_update
+    if privacy.noised and privacy.dp_mode == "local":
+        reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(privacy))
+        bound = max(bound, reach)
+    if bound * agg.max_weight * 2.0**agg.fraction_bits >= 2.0**62:
+        raise ConfigError(
+            "max-abs-update",
+            f"a noised release reaches |value| {bound:.4g}, which does not fit the int64 "
+            f"accumulator at max-weight {agg.max_weight} and fraction-bits "
+            f"{agg.fraction_bits}: lower max-weight or fraction-bits (or the noise)",
+        )
+    return bound
+
+
+def with_ingress_bound(config: LensembleConfig) -> LensembleConfig:
+    """``config`` whose ``max-abs-update`` is :func:`ingress_bound` (what the aggregators
+    and a masked member check against)."""
+    bound = ingress_bound(config)
+    if bound == config.aggregation.max_abs_update:
+        return config
+    aggregation = config.aggregation.model_copy(update={"max_abs_update": bound})
+    return config.model_copy(update={"aggregation": aggregation})

@@ -17,7 +17,7 @@ from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.calibration import ingress_bound, noise_multiplier_of
 from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
@@ -141,7 +141,7 @@ class MaskingRole:
             largest = released_max_abs(released.delta, released.scales)
         except ValueError as exc:
             raise RoundError(f"{self.participant_id}: {exc}; nothing is masked") from None
-        if largest > agg.max_abs_update:
+        if largest > ingress_bound(config):
             raise RoundError(f"{self.participant_id}: release exceeds max-abs-update")
         unit = float(weight) * 2.0**agg.fraction_bits
         values = to_fixed_point(
