@@ -220,3 +220,24 @@ def test_the_ledger_says_whom_the_epsilon_holds_against_and_show_prints_it(
     plain.run(1)
     net.flush()
     assert Ledger(plain.store).records()[0].privacy is None
+
+
+def test_the_sum_of_threshold_shares_of_a_zero_update_has_the_calibrated_spread(
+    tmp_path: Path,
+) -> None:
+    """Many coordinates of a zero update, three members' shares summed: the spread is
+    t·σᵢ² within six standard errors, it is at least the target σ·C in value units, and
+    the values are integers centred on zero."""
+    config = dp_config(tmp_path)
+    dim = 40_000
+    zero = {"w": np.zeros(dim, np.int64)}
+    roles = [participant_role.MaskingRole(f"p{i:02d}") for i in range(3)]
+    charged = ("difference", "clip", "distributed_noise")
+    total = sum(role._with_noise_share(zero, charged, config)["w"] for role in roles)
+    share = distributed_noise_for(2.0, CLIP, 32, 3, dim)
+    variance = float(np.var(total.astype(np.float64)))
+    expected = 3 * share.share_sigma**2
+    standard_error = expected * np.sqrt(2.0 / dim)
+    assert abs(variance - expected) < 6 * standard_error
+    assert abs(float(np.mean(total))) < 6 * np.sqrt(expected / dim)
+    assert np.sqrt(expected) / 2.0**32 >= 2.0 * CLIP  # the sum carries at least sigma * C
