@@ -25,9 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from lensemble_flwr.protocol.messages import PARTICIPANT_KINDS, MessageKind, WirePayload, kind_of
+from lensemble_flwr.strategies.array_codec import from_array, to_array
 
 NODE_PREFIX = "node-"
 PREFIX = "lensemble."
@@ -72,13 +73,14 @@ def node_id_of(participant: str) -> int:
 
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Named numpy arrays → ArrayRecord (sorted names; arrays are copied by Flower)."""
-    return ArrayRecord({name: Array(np.asarray(arrays[name])) for name in sorted(arrays)})
+    """Named numpy arrays → ArrayRecord (sorted names; the arrays' bytes are copied, as
+    ``Array(ndarray)`` encodes them: :mod:`.array_codec`)."""
+    return ArrayRecord({name: to_array(arrays[name]) for name in sorted(arrays)})
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """ArrayRecord → named numpy arrays."""
-    return {name: record[name].numpy() for name in record}
+    """ArrayRecord → named numpy arrays (fresh copies, as ``Array.numpy()`` gives)."""
+    return {name: from_array(record[name]) for name in record}
 
 
 def _fields_to_config(payload: WirePayload, skip: str | None, prefix: str = "") -> dict[str, Any]:
@@ -158,9 +160,10 @@ def encode_close(round_close: WirePayload) -> dict[str, Any]:
 def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
     payloads: list[dict[str, Any]] = []
-    if UNMASK_RECORD in content.config_records:
-        return [_config_to_fields(content.config_records[UNMASK_RECORD])]
-    config = named_or_only(content.config_records, CONFIG)
+    config_records = content.config_records  # a view Flower rebuilds on every access
+    if UNMASK_RECORD in config_records:
+        return [_config_to_fields(config_records[UNMASK_RECORD])]
+    config = named_or_only(config_records, CONFIG)
     if config is None:
         return payloads
     if config.get(CLOSE_PREFIX + "kind") == MessageKind.ROUND_CLOSE.value:
@@ -213,13 +216,15 @@ def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> R
 
 def is_lensemble_reply(content: RecordDict) -> bool:
     """True if the reply came from a lensemble participant (not a stock ClientApp)."""
-    return any(PREFIX + kind.value in content.config_records for kind in _REPLY_KINDS)
+    config_records = content.config_records  # a view Flower rebuilds on every access
+    return any(PREFIX + kind.value in config_records for kind in _REPLY_KINDS)
 
 
 def claimed_sender(content: RecordDict) -> str | None:
     """The sender a lensemble participant's reply names (its first payload's), or None."""
+    config_records = content.config_records  # a view Flower rebuilds on every access
     for kind in _REPLY_KINDS:
-        record = content.config_records.get(PREFIX + kind.value)
+        record = config_records.get(PREFIX + kind.value)
         if record is not None:
             sender = record.get("sender")
             return sender if isinstance(sender, str) else None
@@ -229,14 +234,15 @@ def claimed_sender(content: RecordDict) -> str | None:
 def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     """A lensemble participant's payloads, in protocol order (commitment, then update)."""
     payloads = []
+    config_records, array_records = content.config_records, content.array_records
     for kind in _REPLY_KINDS:
-        record = content.config_records.get(PREFIX + kind.value)
+        record = config_records.get(PREFIX + kind.value)
         if record is None:
             continue
         fields = _config_to_fields(record)
         array_field = _ARRAY_FIELD.get(kind)
         if array_field is not None:
-            arrays = content.array_records.get(f"{PREFIX}{kind.value}.{array_field}")
+            arrays = array_records.get(f"{PREFIX}{kind.value}.{array_field}")
             fields[array_field] = record_to_arrays(arrays) if arrays is not None else None
         payloads.append(fields)
     return payloads
@@ -247,9 +253,10 @@ def stock_reply(
 ) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
     """(arrays, example count, metrics) of a stock Message-API train reply, or None; the
     count is the metric ``weight_key`` (FedAvg's ``weighted_by_key``)."""
-    arrays = content.array_records.get(ARRAYS)
-    if arrays is None and len(content.array_records) == 1:
-        arrays = next(iter(content.array_records.values()))
+    array_records = content.array_records  # a view Flower rebuilds on every access
+    arrays = array_records.get(ARRAYS)
+    if arrays is None and len(array_records) == 1:
+        arrays = next(iter(array_records.values()))
     metric_records = list(content.metric_records.values())
     if arrays is None or len(metric_records) != 1:
         return None
