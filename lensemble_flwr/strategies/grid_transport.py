@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
@@ -116,6 +116,7 @@ class GridTransport:
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
+        self._config_record: ConfigRecord | None = None  # the last instruction's, to share
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -169,7 +170,10 @@ class GridTransport:
             carried=layout.carried_names if layout else None,
             arrays_key=self.arrays_key,
             config_key=self.config_key,
+            reuse=self._config_record,
         )
+        shared = content[self.config_key]
+        self._config_record = shared if isinstance(shared, ConfigRecord) else None
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 
     def broadcast(self, message: ControlMessage) -> None:

@@ -126,6 +126,7 @@ def encode_instruction(
     carried: list[str] | None = None,
     arrays_key: str = ARRAYS,
     config_key: str = CONFIG,
+    reuse: ConfigRecord | None = None,
 ) -> RecordDict:
     """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads.
 
@@ -133,7 +134,9 @@ def encode_instruction(
     the ``carried`` arrays that travel with the model): the global params are the same for
     every recipient of an attempt, so encode them once and share them. Everything is in
     the one ``config`` record (a pending RoundClose under ``lensemble.close.``), as
-    Flower's mods expect a single ConfigRecord.
+    Flower's mods expect a single ConfigRecord. ``reuse`` is the config record of an
+    earlier instruction: it is shared (as FedAvg shares one record among its messages)
+    when it holds exactly this instruction's config, which saves validating it again.
     """
     config = dict(user_config or {})
     config["server-round"] = server_round
@@ -143,7 +146,8 @@ def encode_instruction(
     if round_close is not None:
         config.update(encode_close(round_close))
     arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
-    return RecordDict({arrays_key: arrays, config_key: ConfigRecord(config)})
+    same = reuse is not None and dict(reuse) == config
+    return RecordDict({arrays_key: arrays, config_key: reuse if same else ConfigRecord(config)})
 
 
 def encode_unmask(request: WirePayload) -> RecordDict:
