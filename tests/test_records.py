@@ -174,6 +174,24 @@ def test_round_open_with_non_empty_optional_fields_round_trips() -> None:
     assert_same(from_wire(payload), opened)
 
 
+def test_records_of_holds_what_flowers_views_hold_in_their_order() -> None:
+    content = RecordDict(
+        {
+            "b": ConfigRecord({"x": 1}),
+            "a": ArrayRecord({"w": Array(np.zeros(2, np.float32))}),
+            "m": MetricRecord({"loss": 0.5}),
+            "c": ConfigRecord({"y": "z"}),
+        }
+    )
+    for kind, view in (
+        (ConfigRecord, content.config_records),
+        (ArrayRecord, content.array_records),
+        (MetricRecord, content.metric_records),
+    ):
+        ours = records.records_of(content, kind)
+        assert list(ours) == list(view) and all(ours[k] is view[k] for k in view)
+
+
 def test_an_instruction_shares_an_earlier_config_record_only_when_it_is_the_same() -> None:
     first = records.encode_instruction(to_wire(round_open()), server_round=4)["config"]
     again = records.encode_instruction(to_wire(round_open()), server_round=4, reuse=first)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
@@ -362,7 +362,7 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, str(exc)))
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return
-        metrics = records.named_or_only(content.metric_records, records.METRICS)
+        metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
         if metrics is not None:
             self.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
@@ -449,4 +449,4 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
 
 def _content_bytes(content: RecordDict) -> int:
     """Bytes of the arrays in ``content`` (what dominates the wire)."""
-    return sum(record.count_bytes() for record in content.array_records.values())
+    return sum(record.count_bytes() for record in records.records_of(content, ArrayRecord).values())

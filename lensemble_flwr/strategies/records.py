@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -51,6 +51,16 @@ CARRIED = "carried-arrays"
 carried with the model, not federated (integer buffers): not part of the RoundOpen."""
 
 
+RecordT = TypeVar("RecordT", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def records_of(content: RecordDict, kind: type[RecordT]) -> dict[str, RecordT]:
+    """The records of type ``kind`` in ``content`` by name, in order: what
+    ``content.config_records`` (``array_records``, ``metric_records``) holds, as a plain dict
+    to read (Flower builds those views anew, re-checking every record, on each access)."""
+    return {name: record for name, record in content.items() if isinstance(record, kind)}
+
+
 def named_or_only(records_: Mapping[str, Any], key: str) -> Any:
     """The record named ``key``, else the only record there is (an app may name its
     instruction records as FedAvg's ``arrayrecord_key``/``configrecord_key`` say)."""
@@ -75,7 +85,10 @@ def node_id_of(participant: str) -> int:
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Named numpy arrays → ArrayRecord (sorted names; the arrays' bytes are copied, as
     ``Array(ndarray)`` encodes them: :mod:`.array_codec`)."""
-    return ArrayRecord({name: to_array(arrays[name]) for name in sorted(arrays)})
+    record = ArrayRecord()  # filled in place: ArrayRecord(dict) would copy every Array again
+    for name in sorted(arrays):
+        record[name] = to_array(arrays[name])
+    return record
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
@@ -164,7 +177,7 @@ def encode_close(round_close: WirePayload) -> dict[str, Any]:
 def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
     payloads: list[dict[str, Any]] = []
-    config_records = content.config_records  # a view Flower rebuilds on every access
+    config_records = records_of(content, ConfigRecord)
     if UNMASK_RECORD in config_records:
         return [_config_to_fields(config_records[UNMASK_RECORD])]
     config = named_or_only(config_records, CONFIG)
@@ -173,11 +186,9 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     if config.get(CLOSE_PREFIX + "kind") == MessageKind.ROUND_CLOSE.value:
         payloads.append(_config_to_fields(config, prefix=CLOSE_PREFIX))
     if config.get(PREFIX + "kind") == MessageKind.ROUND_OPEN.value:
-        fields = {
-            k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k
-        }
+        fields = {k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k}
         carried = set(fields.pop(CARRIED, []))
-        arrays = named_or_only(content.array_records, ARRAYS)
+        arrays = named_or_only(records_of(content, ArrayRecord), ARRAYS)
         fields["params"] = (
             {n: a for n, a in record_to_arrays(arrays).items() if n not in carried}
             if arrays is not None
@@ -190,7 +201,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
 def instruction_user_config(content: RecordDict) -> dict[str, Any]:
     """The user's train config an instruction carries (``server-round`` included; none of
     lensemble's ``lensemble.*`` keys)."""
-    config = named_or_only(content.config_records, CONFIG)
+    config = named_or_only(records_of(content, ConfigRecord), CONFIG)
     if config is None:
         return {}
     return {k: v for k, v in config.items() if not k.startswith(PREFIX)}
@@ -199,7 +210,7 @@ def instruction_user_config(content: RecordDict) -> dict[str, Any]:
 def instruction_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     """Every array of an instruction in the order the server gave them, carried ones
     included (what a NumPyClient's ``state_dict`` setter expects)."""
-    arrays = named_or_only(content.array_records, ARRAYS)
+    arrays = named_or_only(records_of(content, ArrayRecord), ARRAYS)
     return record_to_arrays(arrays) if arrays is not None else {}
 
 
@@ -220,13 +231,13 @@ def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> R
 
 def is_lensemble_reply(content: RecordDict) -> bool:
     """True if the reply came from a lensemble participant (not a stock ClientApp)."""
-    config_records = content.config_records  # a view Flower rebuilds on every access
+    config_records = records_of(content, ConfigRecord)
     return any(PREFIX + kind.value in config_records for kind in _REPLY_KINDS)
 
 
 def claimed_sender(content: RecordDict) -> str | None:
     """The sender a lensemble participant's reply names (its first payload's), or None."""
-    config_records = content.config_records  # a view Flower rebuilds on every access
+    config_records = records_of(content, ConfigRecord)
     for kind in _REPLY_KINDS:
         record = config_records.get(PREFIX + kind.value)
         if record is not None:
@@ -238,7 +249,8 @@ def claimed_sender(content: RecordDict) -> str | None:
 def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     """A lensemble participant's payloads, in protocol order (commitment, then update)."""
     payloads = []
-    config_records, array_records = content.config_records, content.array_records
+    config_records = records_of(content, ConfigRecord)
+    array_records = records_of(content, ArrayRecord)
     for kind in _REPLY_KINDS:
         record = config_records.get(PREFIX + kind.value)
         if record is None:
@@ -257,11 +269,11 @@ def stock_reply(
 ) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
     """(arrays, example count, metrics) of a stock Message-API train reply, or None; the
     count is the metric ``weight_key`` (FedAvg's ``weighted_by_key``)."""
-    array_records = content.array_records  # a view Flower rebuilds on every access
+    array_records = records_of(content, ArrayRecord)
     arrays = array_records.get(ARRAYS)
     if arrays is None and len(array_records) == 1:
         arrays = next(iter(array_records.values()))
-    metric_records = list(content.metric_records.values())
+    metric_records = list(records_of(content, MetricRecord).values())
     if arrays is None or len(metric_records) != 1:
         return None
     metrics = dict(metric_records[0])
