@@ -46,7 +46,7 @@ Flower 1.42's simulation engine looks for new instructions every 0.1 s (a hard-c
 wait in ``vce_api.add_messages_to_queue``), so a round lasts one or two such ticks and
 the median jumps between ~0.1 and ~0.2 s from run to run; the verdict therefore uses the
 mean over all measured rounds (median and min are printed too). With the defaults (2 Ray
-actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes ~1 minute and the four N
+actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes ~2 minutes and the four N
 together ~15-25 minutes.
 
 Targets (issue 13), printed as one PASS/FAIL line each per N after a summary table:
