@@ -174,6 +174,42 @@ def test_round_open_with_non_empty_optional_fields_round_trips() -> None:
     assert_same(from_wire(payload), opened)
 
 
+def test_records_of_holds_what_flowers_views_hold_in_their_order() -> None:
+    content = RecordDict(
+        {
+            "b": ConfigRecord({"x": 1}),
+            "a": ArrayRecord({"w": Array(np.zeros(2, np.float32))}),
+            "m": MetricRecord({"loss": 0.5}),
+            "c": ConfigRecord({"y": "z"}),
+        }
+    )
+    for kind, view in (
+        (ConfigRecord, content.config_records),
+        (ArrayRecord, content.array_records),
+        (MetricRecord, content.metric_records),
+    ):
+        ours = records.records_of(content, kind)
+        assert list(ours) == list(view) and all(ours[k] is view[k] for k in view)
+
+
+def test_an_instruction_shares_an_earlier_config_record_only_when_it_is_the_same() -> None:
+    first = records.encode_instruction(to_wire(round_open()), server_round=4)["config"]
+    again = records.encode_instruction(to_wire(round_open()), server_round=4, reuse=first)
+    assert again["config"] is first
+    for other in (
+        {"opened": round_open(needs_commitment=True), "server_round": 4},
+        {"opened": round_open(), "server_round": 5},
+        {"opened": round_open(), "server_round": 4, "round_close": to_wire(round_close())},
+    ):
+        opened = other.pop("opened")
+        content = records.encode_instruction(to_wire(opened), reuse=first, **other)
+        assert content["config"] is not first
+        assert_same(from_wire(records.decode_instruction(content)[-1]), opened)
+    first["lensemble.h_steps"] = 5  # a record changed after it was sent is not reused
+    content = records.encode_instruction(to_wire(round_open()), server_round=4, reuse=first)
+    assert content["config"] is not first and content["config"]["lensemble.h_steps"] == 4
+
+
 def test_empty_and_null_fields_survive() -> None:
     opened = round_open(probe_hash="", landmark_hashes=())
     (payload,) = records.decode_instruction(

@@ -22,8 +22,9 @@ META_KEY = "lensemble.state.meta"
 
 def load_state(state: RecordDict) -> PortableState:
     """The participant state stored in ``state`` (empty for a new participant)."""
-    arrays = state.array_records.get(ARRAYS_KEY)
-    meta = state.config_records.get(META_KEY)
+    arrays, meta = state.get(ARRAYS_KEY), state.get(META_KEY)
+    arrays = arrays if isinstance(arrays, ArrayRecord) else None
+    meta = meta if isinstance(meta, ConfigRecord) else None
     return PortableState(
         arrays=record_to_arrays(arrays) if arrays is not None else {},
         meta=json.loads(str(meta["json"])) if meta is not None else {},

@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
@@ -116,6 +116,7 @@ class GridTransport:
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
+        self._config_record: ConfigRecord | None = None  # the last instruction's, to share
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -169,7 +170,10 @@ class GridTransport:
             carried=layout.carried_names if layout else None,
             arrays_key=self.arrays_key,
             config_key=self.config_key,
+            reuse=self._config_record,
         )
+        shared = content[self.config_key]
+        self._config_record = shared if isinstance(shared, ConfigRecord) else None
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 
     def broadcast(self, message: ControlMessage) -> None:
@@ -358,7 +362,7 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, str(exc)))
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return
-        metrics = records.named_or_only(content.metric_records, records.METRICS)
+        metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
         if metrics is not None:
             self.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
@@ -445,4 +449,4 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
 
 def _content_bytes(content: RecordDict) -> int:
     """Bytes of the arrays in ``content`` (what dominates the wire)."""
-    return sum(record.count_bytes() for record in content.array_records.values())
+    return sum(record.count_bytes() for record in records.records_of(content, ArrayRecord).values())

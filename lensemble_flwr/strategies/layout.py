@@ -20,9 +20,10 @@ import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 
 from lensemble_flwr.errors import ParameterMismatch
+from lensemble_flwr.strategies.array_codec import from_array, to_array
 
 NamedArrays = dict[str, np.ndarray]
 
@@ -44,7 +45,7 @@ class ArrayLayout:
         carried: NamedArrays = {}
         federated: NamedArrays = {}
         for name in record:
-            array = record[name].numpy()
+            array = from_array(record[name])
             if np.issubdtype(array.dtype, np.floating):
                 federated[name] = array
             else:
@@ -75,9 +76,7 @@ class ArrayLayout:
             raise ParameterMismatch(f"arrays: missing {missing}, unexpected {extra}")
         return ArrayRecord(
             {
-                name: Array(
-                    np.asarray(self.carried[name] if name in self.carried else federated[name])
-                )
+                name: to_array(self.carried[name] if name in self.carried else federated[name])
                 for name in self.order
             }
         )

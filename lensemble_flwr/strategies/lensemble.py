@@ -720,7 +720,7 @@ def _weighted(content: RecordDict, key: str) -> bool:
     """A reply content FedAvg would aggregate: one MetricRecord, holding ``key`` as a
     finite, positive number (a zero or negative weight would divide by zero or flip the
     mean; such a reply's metrics are left out, never a crash)."""
-    records_ = list(content.metric_records.values())
+    records_ = list(records.records_of(content, MetricRecord).values())
     if len(records_) != 1:
         return False
     weight = records_[0].get(key)

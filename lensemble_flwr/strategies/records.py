@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from lensemble_flwr.protocol.messages import PARTICIPANT_KINDS, MessageKind, WirePayload, kind_of
+from lensemble_flwr.strategies.array_codec import from_array, to_array
 
 NODE_PREFIX = "node-"
 PREFIX = "lensemble."
@@ -48,6 +49,16 @@ INSTRUCTION_KINDS = frozenset({MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUES
 CARRIED = "carried-arrays"
 """Config field (under the ``lensemble.`` prefix) naming the instruction's arrays that are
 carried with the model, not federated (integer buffers): not part of the RoundOpen."""
+
+
+RecordT = TypeVar("RecordT", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def records_of(content: RecordDict, kind: type[RecordT]) -> dict[str, RecordT]:
+    """The records of type ``kind`` in ``content`` by name, in order: what
+    ``content.config_records`` (``array_records``, ``metric_records``) holds, as a plain dict
+    to read (Flower builds those views anew, re-checking every record, on each access)."""
+    return {name: record for name, record in content.items() if isinstance(record, kind)}
 
 
 def named_or_only(records_: Mapping[str, Any], key: str) -> Any:
@@ -72,13 +83,17 @@ def node_id_of(participant: str) -> int:
 
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Named numpy arrays → ArrayRecord (sorted names; arrays are copied by Flower)."""
-    return ArrayRecord({name: Array(np.asarray(arrays[name])) for name in sorted(arrays)})
+    """Named numpy arrays → ArrayRecord (sorted names; the arrays' bytes are copied, as
+    ``Array(ndarray)`` encodes them: :mod:`.array_codec`)."""
+    record = ArrayRecord()  # filled in place: ArrayRecord(dict) would copy every Array again
+    for name in sorted(arrays):
+        record[name] = to_array(arrays[name])
+    return record
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """ArrayRecord → named numpy arrays."""
-    return {name: record[name].numpy() for name in record}
+    """ArrayRecord → named numpy arrays (fresh copies, as ``Array.numpy()`` gives)."""
+    return {name: from_array(record[name]) for name in record}
 
 
 def _fields_to_config(payload: WirePayload, skip: str | None, prefix: str = "") -> dict[str, Any]:
@@ -124,6 +139,7 @@ def encode_instruction(
     carried: list[str] | None = None,
     arrays_key: str = ARRAYS,
     config_key: str = CONFIG,
+    reuse: ConfigRecord | None = None,
 ) -> RecordDict:
     """A RoundOpen (and a pending RoundClose) as a train instruction any ClientApp reads.
 
@@ -131,7 +147,9 @@ def encode_instruction(
     the ``carried`` arrays that travel with the model): the global params are the same for
     every recipient of an attempt, so encode them once and share them. Everything is in
     the one ``config`` record (a pending RoundClose under ``lensemble.close.``), as
-    Flower's mods expect a single ConfigRecord.
+    Flower's mods expect a single ConfigRecord. ``reuse`` is the config record of an
+    earlier instruction: it is shared (as FedAvg shares one record among its messages)
+    when it holds exactly this instruction's config, which saves validating it again.
     """
     config = dict(user_config or {})
     config["server-round"] = server_round
@@ -141,7 +159,8 @@ def encode_instruction(
     if round_close is not None:
         config.update(encode_close(round_close))
     arrays = params_record if params_record is not None else arrays_to_record(round_open["params"])
-    return RecordDict({arrays_key: arrays, config_key: ConfigRecord(config)})
+    same = reuse is not None and dict(reuse) == config
+    return RecordDict({arrays_key: arrays, config_key: reuse if same else ConfigRecord(config)})
 
 
 def encode_unmask(request: WirePayload) -> RecordDict:
@@ -158,19 +177,18 @@ def encode_close(round_close: WirePayload) -> dict[str, Any]:
 def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
     payloads: list[dict[str, Any]] = []
-    if UNMASK_RECORD in content.config_records:
-        return [_config_to_fields(content.config_records[UNMASK_RECORD])]
-    config = named_or_only(content.config_records, CONFIG)
+    config_records = records_of(content, ConfigRecord)
+    if UNMASK_RECORD in config_records:
+        return [_config_to_fields(config_records[UNMASK_RECORD])]
+    config = named_or_only(config_records, CONFIG)
     if config is None:
         return payloads
     if config.get(CLOSE_PREFIX + "kind") == MessageKind.ROUND_CLOSE.value:
         payloads.append(_config_to_fields(config, prefix=CLOSE_PREFIX))
     if config.get(PREFIX + "kind") == MessageKind.ROUND_OPEN.value:
-        fields = {
-            k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k
-        }
+        fields = {k: v for k, v in _config_to_fields(config, prefix=PREFIX).items() if "." not in k}
         carried = set(fields.pop(CARRIED, []))
-        arrays = named_or_only(content.array_records, ARRAYS)
+        arrays = named_or_only(records_of(content, ArrayRecord), ARRAYS)
         fields["params"] = (
             {n: a for n, a in record_to_arrays(arrays).items() if n not in carried}
             if arrays is not None
@@ -183,7 +201,7 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
 def instruction_user_config(content: RecordDict) -> dict[str, Any]:
     """The user's train config an instruction carries (``server-round`` included; none of
     lensemble's ``lensemble.*`` keys)."""
-    config = named_or_only(content.config_records, CONFIG)
+    config = named_or_only(records_of(content, ConfigRecord), CONFIG)
     if config is None:
         return {}
     return {k: v for k, v in config.items() if not k.startswith(PREFIX)}
@@ -192,7 +210,7 @@ def instruction_user_config(content: RecordDict) -> dict[str, Any]:
 def instruction_arrays(content: RecordDict) -> dict[str, np.ndarray]:
     """Every array of an instruction in the order the server gave them, carried ones
     included (what a NumPyClient's ``state_dict`` setter expects)."""
-    arrays = named_or_only(content.array_records, ARRAYS)
+    arrays = named_or_only(records_of(content, ArrayRecord), ARRAYS)
     return record_to_arrays(arrays) if arrays is not None else {}
 
 
@@ -213,13 +231,15 @@ def encode_reply(payloads: list[WirePayload], metrics: Mapping[str, float]) -> R
 
 def is_lensemble_reply(content: RecordDict) -> bool:
     """True if the reply came from a lensemble participant (not a stock ClientApp)."""
-    return any(PREFIX + kind.value in content.config_records for kind in _REPLY_KINDS)
+    config_records = records_of(content, ConfigRecord)
+    return any(PREFIX + kind.value in config_records for kind in _REPLY_KINDS)
 
 
 def claimed_sender(content: RecordDict) -> str | None:
     """The sender a lensemble participant's reply names (its first payload's), or None."""
+    config_records = records_of(content, ConfigRecord)
     for kind in _REPLY_KINDS:
-        record = content.config_records.get(PREFIX + kind.value)
+        record = config_records.get(PREFIX + kind.value)
         if record is not None:
             sender = record.get("sender")
             return sender if isinstance(sender, str) else None
@@ -229,14 +249,16 @@ def claimed_sender(content: RecordDict) -> str | None:
 def decode_reply(content: RecordDict) -> list[dict[str, Any]]:
     """A lensemble participant's payloads, in protocol order (commitment, then update)."""
     payloads = []
+    config_records = records_of(content, ConfigRecord)
+    array_records = records_of(content, ArrayRecord)
     for kind in _REPLY_KINDS:
-        record = content.config_records.get(PREFIX + kind.value)
+        record = config_records.get(PREFIX + kind.value)
         if record is None:
             continue
         fields = _config_to_fields(record)
         array_field = _ARRAY_FIELD.get(kind)
         if array_field is not None:
-            arrays = content.array_records.get(f"{PREFIX}{kind.value}.{array_field}")
+            arrays = array_records.get(f"{PREFIX}{kind.value}.{array_field}")
             fields[array_field] = record_to_arrays(arrays) if arrays is not None else None
         payloads.append(fields)
     return payloads
@@ -247,10 +269,11 @@ def stock_reply(
 ) -> tuple[dict[str, np.ndarray], int, dict[str, float]] | None:
     """(arrays, example count, metrics) of a stock Message-API train reply, or None; the
     count is the metric ``weight_key`` (FedAvg's ``weighted_by_key``)."""
-    arrays = content.array_records.get(ARRAYS)
-    if arrays is None and len(content.array_records) == 1:
-        arrays = next(iter(content.array_records.values()))
-    metric_records = list(content.metric_records.values())
+    array_records = records_of(content, ArrayRecord)
+    arrays = array_records.get(ARRAYS)
+    if arrays is None and len(array_records) == 1:
+        arrays = next(iter(array_records.values()))
+    metric_records = list(records_of(content, MetricRecord).values())
     if arrays is None or len(metric_records) != 1:
         return None
     metrics = dict(metric_records[0])
