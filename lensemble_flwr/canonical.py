@@ -91,6 +91,17 @@ def derive_seed(root_seed: int, *labels: str | int) -> int:
     return int(d[:16], 16) >> 1
 
 
+def poisson_sample(items: Iterable[str], rate: float, seed: int, domain: str) -> list[str]:
+    """Each of ``items`` kept independently with probability ``rate`` (sorted): an item is
+    kept when the first 52 bits of the SHA-256 of ``(seed, item)`` under ``domain``, as a
+    uniform in [0, 1), fall below ``rate``. Reproducible, and no one who fixed the seed
+    beforehand can choose who is kept afterwards."""
+    kept = [
+        item for item in items if int(digest_record(domain, [seed, item])[:13], 16) < rate * 2**52
+    ]
+    return sorted(kept)
+
+
 def seeded_sample(items: Iterable[str], count: int, seed: int, domain: str) -> list[str]:
     """``count`` of ``items``, the same for the same seed whatever the items' order: each
     item is ranked by the SHA-256 of ``(seed, item)`` under ``domain`` and the first

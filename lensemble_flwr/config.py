@@ -115,6 +115,12 @@ class FederationConfig(_Section):
         description="Share of the reachable participants each round attempt invites, drawn "
         "from a seed of the round (1: every reachable one, late joiners too).",
     )
+    sample_mode: Literal["fixed", "poisson"] = Field(
+        "fixed",
+        description="fixed: a sample of max(int(N * sample-fraction), sample-min, K); "
+        "poisson: each reachable participant independently with probability "
+        "sample-fraction (an attempt whose draw is below K aborts and is retried).",
+    )
     sample_min: int = Field(
         0, ge=0, description="Fewest participants a sampled attempt invites (and at least K)."
     )

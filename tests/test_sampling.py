@@ -162,3 +162,58 @@ def test_evaluation_is_a_seeded_sample_with_a_floor() -> None:
     assert len(first) == 3  # max(int(20 * 0.1), 3)
     assert [m.metadata.dst_node_id for m in first] == [m.metadata.dst_node_id for m in again]
     assert {m.metadata.dst_node_id for m in later} != {m.metadata.dst_node_id for m in first}
+
+
+# -- Poisson sampling ------------------------------------------------------------------
+def test_a_poisson_sample_keeps_each_item_independently_at_the_rate() -> None:
+    from lensemble_flwr.canonical import poisson_sample
+
+    items = [f"p{i:03d}" for i in range(200)]
+    draws = [set(poisson_sample(items, 0.1, seed, "sample")) for seed in range(400)]
+    sizes = [len(d) for d in draws]
+    mean, expected_sd = sum(sizes) / len(sizes), (200 * 0.1 * 0.9) ** 0.5
+    assert abs(mean - 20.0) < 6 * expected_sd / len(sizes) ** 0.5  # E|S| = qN
+    assert min(sizes) < 20 < max(sizes)  # the size varies: it is not a fixed-size sample
+    # two given items are kept together at rate q^2 (independence), within 6 SE
+    both = sum("p000" in d and "p001" in d for d in draws) / len(draws)
+    assert abs(both - 0.01) < 6 * (0.01 * 0.99 / len(draws)) ** 0.5
+    # reproducible, and independent of the order the items come in
+    assert poisson_sample(reversed(items), 0.1, 7, "sample") == poisson_sample(
+        items, 0.1, 7, "sample"
+    )
+
+
+def test_poisson_rounds_invite_the_seeded_draw_and_the_ledger_records_it(tmp_path: Path) -> None:
+    from lensemble_flwr.canonical import derive_seed, poisson_sample
+
+    coordinator, _, _ = sampled(tmp_path, sample_mode="poisson", sample_fraction=0.5)
+    coordinator.run(4)
+    records = verify(Store(tmp_path / "run"))
+    everyone = [f"p{i:02d}" for i in range(10)]
+    for record in records:
+        seed = derive_seed(7, "sample", record.round, record.attempt)
+        assert record.invited == tuple(poisson_sample(everyone, 0.5, seed, "sample"))
+    assert len({len(r.invited) for r in records}) > 1 or len(records) == 1
+
+
+def test_a_poisson_draw_below_the_quorum_aborts_at_once_and_is_retried(tmp_path: Path) -> None:
+    """No wait can make a short draw reach K: the attempt aborts without waiting for the
+    open timeout, and the retry draws again (the seed includes the attempt number)."""
+    from lensemble_flwr.canonical import derive_seed, poisson_sample
+
+    quorum, rate = 4, 0.25
+    everyone = [f"p{i:02d}" for i in range(10)]
+    draws = [len(poisson_sample(everyone, rate, derive_seed(7, "sample", 2, n), "sample"))
+             for n in range(1, 11)]  # fmt: skip
+    closing = next(n for n, size in enumerate(draws, start=1) if size >= quorum)
+    assert closing > 1  # the seeds at hand give round 2 short draws first
+    coordinator, _, _ = sampled(
+        tmp_path, sample_mode="poisson", sample_fraction=rate, min_participants=quorum,
+        max_round_attempts=10, retry_wait=0.0,
+    )  # fmt: skip
+    coordinator.run(2)
+    round_2 = [o for o in coordinator.outcomes if o.round == 2]
+    assert [o.state.value for o in round_2] == ["aborted"] * (closing - 1) + ["closed"]
+    for outcome in round_2[:-1]:
+        assert "the attempt's sample has" in (outcome.reason or "")
+        assert outcome.elapsed < coordinator.config.federation.open_timeout

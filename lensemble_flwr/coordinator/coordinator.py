@@ -38,7 +38,7 @@ import numpy as np
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator, FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import derive_seed, seeded_sample
+from lensemble_flwr.canonical import derive_seed, poisson_sample, seeded_sample
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
@@ -587,8 +587,11 @@ class Coordinator:
             if len(reachable) < max(fed.min_available, fed.quorum, 1):
                 return set()  # a sample below K could only abort: wait for more peers
             seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
-            size = fed.sample_size(len(reachable))
-            attempt.sample = frozenset(seeded_sample(reachable, size, seed, "sample"))
+            if fed.sample_mode == "poisson":
+                drawn = poisson_sample(reachable, fed.sample_fraction, seed, "sample")
+            else:
+                drawn = seeded_sample(reachable, fed.sample_size(len(reachable)), seed, "sample")
+            attempt.sample = frozenset(drawn)
             log.info(
                 "round %d attempt %d: sampled %d of %d reachable participants",
                 attempt.round,
@@ -669,6 +672,10 @@ class Coordinator:
             peers = set() if attempt.sample is None else set(reachable) & attempt.sample
         else:
             peers = set(reachable)
+        if attempt.sample is not None and len(attempt.sample) < quorum:
+            raise FaultToleranceExceeded(  # a Poisson draw below K: no wait can fix it
+                f"the attempt's sample has {len(attempt.sample)} participants, quorum {quorum}"
+            )
         if attempt.phase is RoundState.OPEN:
             self._mode.settle(attempt, peers, final=deadline_passed)
             ready = self._mode.ready(attempt, peers)

@@ -199,7 +199,16 @@ class LensembleStrategy(Strategy):
             fed.weighting,
             fed.require_binding,
         )
-        if fed.sampled:
+        if fed.sampled and fed.sample_mode == "poisson":
+            say(
+                INFO,
+                "\t└── sampling: each reachable node with probability %.3g per round "
+                "(Poisson; a draw below K = %d is retried), once %d are reachable",
+                fed.sample_fraction,
+                fed.quorum,
+                fed.min_available,
+            )
+        elif fed.sampled:
             say(
                 INFO,
                 "\t└── sampling: %.3g of the reachable nodes per round (at least %d), once "
