@@ -119,7 +119,8 @@ class FederationConfig(_Section):
         "fixed",
         description="fixed: a sample of max(int(N * sample-fraction), sample-min, K); "
         "poisson: each reachable participant independently with probability "
-        "sample-fraction (an attempt whose draw is below K aborts and is retried).",
+        "sample-fraction (a draw below K is redrawn before anyone is invited; sample-min "
+        "does not apply).",
     )
     sample_min: int = Field(
         0, ge=0, description="Fewest participants a sampled attempt invites (and at least K)."

@@ -271,3 +271,63 @@ def test_show_and_verify_name_the_external_step(
     attempts = json.loads(capsys.readouterr().out)["attempts"]
     assert [a["external_change"] for a in attempts] == [None, step.change_norm]
     assert main(["verify", run_dir]) == 0
+
+
+def test_a_lying_change_norm_or_a_round_of_two_models_is_a_finding(tmp_path: Path) -> None:
+    """The recorded norm is recomputed from the two checkpoints, by verify and the audit;
+    and a round's attempts must all train from the same model."""
+    from lensemble_flwr.provenance.ledger import ExternalStep
+
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(1)
+    committed = coordinator.global_state().params_hash
+    zeros = {n: np.zeros_like(a) for n, a in coordinator.global_state().params.items()}
+    step = coordinator.adopt(zeros)
+    coordinator.run(1)
+    network.flush()
+    assert verify(coordinator.store)[1].external_step.change_norm == step.change_norm > 0
+    # a coordinator that claims its swap moved the model by almost nothing
+    from lensemble_flwr.provenance.ledger import change_norm, record_checkpoint_breaks
+
+    records = Ledger(coordinator.store).records()
+    lying = records[1].model_copy(
+        update={"external_step": step.model_copy(update={"change_norm": 1e-9})}
+    )
+    breaks = list(record_checkpoint_breaks(coordinator.store, lying, records[0].checkpoint))
+    assert [b.field for b in breaks] == ["ledger.external_step.change_norm"]
+    assert breaks[0].expected == pytest.approx(step.change_norm)
+    assert change_norm(zeros, zeros) == 0.0
+    assert isinstance(step, ExternalStep) and step.committed_hash == committed
+
+
+def test_the_stock_loop_does_not_resume_a_run(tmp_path: Path) -> None:
+    """Flower's loop (and every wrapper) restarts at round 1 from the initial arrays; a
+    resumed coordinator would send the last committed, un-noised model."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from lensemble_flwr.errors import ConfigError
+    from lensemble_flwr.simulations.toy import initial_params
+    from lensemble_flwr.strategies import LensembleStrategy
+
+    strategy = LensembleStrategy(run_dir=tmp_path / "run", resume=True)
+    arrays = ArrayRecord({n: Array(a) for n, a in initial_params().items()})
+    with pytest.raises(ConfigError, match=r"resumed only by LensembleStrategy\.start"):
+        strategy.configure_train(1, arrays, ConfigRecord(), grid=None)  # type: ignore[arg-type]
+    assert strategy.coordinator is None and not (tmp_path / "run").exists()
+
+
+def test_a_joining_participant_gets_the_adopted_model_not_the_one_it_replaced(
+    tmp_path: Path,
+) -> None:
+    coordinator, network, nodes = federation(tmp_path)
+    coordinator.run(1)
+    committed = coordinator.global_state().params_hash
+    assert nodes[0].join(str(coordinator.store.root)).params_hash == committed
+    step = coordinator.adopt(noised(coordinator))
+    joined = nodes[1].join(str(coordinator.store.root))
+    assert joined.params_hash == step.adopted_hash
+    coordinator.run(1)  # once the round trained from it, the new head is what one joins
+    network.flush()
+    assert nodes[2].join(str(coordinator.store.root)).params_hash == (
+        coordinator.global_state().params_hash
+    )

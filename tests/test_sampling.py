@@ -18,7 +18,7 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import FederationConfig
-from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
 from lensemble_flwr.provenance.ledger import RunManifest, verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import LensembleStrategy
@@ -184,36 +184,49 @@ def test_a_poisson_sample_keeps_each_item_independently_at_the_rate() -> None:
 
 
 def test_poisson_rounds_invite_the_seeded_draw_and_the_ledger_records_it(tmp_path: Path) -> None:
-    from lensemble_flwr.canonical import derive_seed, poisson_sample
+    from lensemble_flwr.canonical import derive_seed
+    from lensemble_flwr.coordinator.coordinator import poisson_draw
 
     coordinator, _, _ = sampled(tmp_path, sample_mode="poisson", sample_fraction=0.5)
     coordinator.run(4)
     records = verify(Store(tmp_path / "run"))
-    everyone = [f"p{i:02d}" for i in range(10)]
+    everyone = {f"p{i:02d}" for i in range(10)}
     for record in records:
         seed = derive_seed(7, "sample", record.round, record.attempt)
-        assert record.invited == tuple(poisson_sample(everyone, 0.5, seed, "sample"))
-    assert len({len(r.invited) for r in records}) > 1 or len(records) == 1
+        assert record.invited == tuple(poisson_draw(everyone, 0.5, seed, 2))
+    assert len({len(r.invited) for r in records}) > 1
 
 
-def test_a_poisson_draw_below_the_quorum_aborts_at_once_and_is_retried(tmp_path: Path) -> None:
-    """No wait can make a short draw reach K: the attempt aborts without waiting for the
-    open timeout, and the retry draws again (the seed includes the attempt number)."""
+def test_a_poisson_draw_below_the_quorum_is_redrawn_before_anyone_trains(
+    tmp_path: Path,
+) -> None:
+    """A short draw could only abort the attempt after its members trained and spent their
+    budget: the attempt draws again (a seed per draw) until K are in; if no draw reaches
+    K, nobody is invited and the attempt aborts at once."""
     from lensemble_flwr.canonical import derive_seed, poisson_sample
+    from lensemble_flwr.coordinator.coordinator import poisson_draw
 
     quorum, rate = 4, 0.25
-    everyone = [f"p{i:02d}" for i in range(10)]
-    draws = [len(poisson_sample(everyone, rate, derive_seed(7, "sample", 2, n), "sample"))
-             for n in range(1, 11)]  # fmt: skip
-    closing = next(n for n, size in enumerate(draws, start=1) if size >= quorum)
-    assert closing > 1  # the seeds at hand give round 2 short draws first
+    everyone = {f"p{i:02d}" for i in range(10)}
+    seed = derive_seed(7, "sample", 2, 1)
+    first = poisson_sample(everyone, rate, derive_seed(seed, "draw", 0), "sample")
+    assert len(first) < quorum  # the seeds at hand give round 2 a short first draw
     coordinator, _, _ = sampled(
-        tmp_path, sample_mode="poisson", sample_fraction=rate, min_participants=quorum,
-        max_round_attempts=10, retry_wait=0.0,
-    )  # fmt: skip
+        tmp_path, sample_mode="poisson", sample_fraction=rate, min_participants=quorum
+    )
     coordinator.run(2)
     round_2 = [o for o in coordinator.outcomes if o.round == 2]
-    assert [o.state.value for o in round_2] == ["aborted"] * (closing - 1) + ["closed"]
-    for outcome in round_2[:-1]:
-        assert "the attempt's sample has" in (outcome.reason or "")
-        assert outcome.elapsed < coordinator.config.federation.open_timeout
+    assert [o.state.value for o in round_2] == ["closed"]  # no attempt was lost
+    invited = verify(Store(tmp_path / "run"))[1].invited
+    assert invited == tuple(poisson_draw(everyone, rate, seed, quorum))
+    assert len(invited) >= quorum
+    # no draw can reach K = 11 of 10: nobody is invited, and the attempt aborts at once
+    hopeless, _, nodes = sampled(
+        tmp_path, name="hopeless", sample_mode="poisson", sample_fraction=rate,
+        min_participants=10, max_round_attempts=1,
+    )  # fmt: skip
+    assert poisson_draw(everyone, rate, derive_seed(7, "sample", 1, 1), 10) != sorted(everyone)
+    with pytest.raises(FaultToleranceExceeded, match="the attempt's sample has"):
+        hopeless.run(1)
+    assert hopeless.outcomes[-1].elapsed < hopeless.config.federation.open_timeout
+    assert all(node._last_open is None for node in nodes)  # no RoundOpen went out

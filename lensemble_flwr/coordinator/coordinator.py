@@ -121,6 +121,23 @@ def fixed_point_aggregator(
     return FixedPointAggregator(template, config, check_seed=check_seed)
 
 
+POISSON_DRAWS = 100
+"""Poisson draws an attempt makes (each from its own seed) before it gives up on K."""
+
+
+def poisson_draw(reachable: set[str], rate: float, seed: int, quorum: int) -> list[str]:
+    """The first of up to :data:`POISSON_DRAWS` Poisson samples of ``reachable`` (seeds
+    derived from ``seed`` and the draw's number) with at least ``quorum`` participants: a
+    short draw could only abort the attempt after its members trained and spent budget.
+    The last draw if none is long enough."""
+    drawn: list[str] = []
+    for draw in range(POISSON_DRAWS):
+        drawn = poisson_sample(reachable, rate, derive_seed(seed, "draw", draw), "sample")
+        if len(drawn) >= quorum:
+            break
+    return drawn
+
+
 class Coordinator:
     """Drives rounds, holds the canonical global state, runs the outer optimizer.
 
@@ -588,10 +605,12 @@ class Coordinator:
                 return set()  # a sample below K could only abort: wait for more peers
             seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
             if fed.sample_mode == "poisson":
-                drawn = poisson_sample(reachable, fed.sample_fraction, seed, "sample")
+                drawn = poisson_draw(reachable, fed.sample_fraction, seed, fed.quorum)
             else:
                 drawn = seeded_sample(reachable, fed.sample_size(len(reachable)), seed, "sample")
             attempt.sample = frozenset(drawn)
+            if len(attempt.sample) < fed.quorum:
+                return set()  # nobody trains for an attempt that can only abort
             log.info(
                 "round %d attempt %d: sampled %d of %d reachable participants",
                 attempt.round,
@@ -673,7 +692,7 @@ class Coordinator:
         else:
             peers = set(reachable)
         if attempt.sample is not None and len(attempt.sample) < quorum:
-            raise FaultToleranceExceeded(  # a Poisson draw below K: no wait can fix it
+            raise FaultToleranceExceeded(  # every Poisson draw was below K: none was invited
                 f"the attempt's sample has {len(attempt.sample)} participants, quorum {quorum}"
             )
         if attempt.phase is RoundState.OPEN:

@@ -31,11 +31,27 @@ from pydantic import ValidationError
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError
-from lensemble_flwr.provenance.ledger import ExternalStep, RoundEntry
+from lensemble_flwr.provenance.ledger import (  # kept where a joining participant reads it
+    EXTERNAL_STEP,
+    RoundEntry,
+    load_external_step,
+    save_external_step,
+)
+
+__all__ = [
+    "ATTEMPTS",
+    "CLOSING",
+    "EXTERNAL_STEP",
+    "load_closing",
+    "load_external_step",
+    "mark_started",
+    "save_closing",
+    "save_external_step",
+    "started_attempts",
+]
 
 ATTEMPTS = "coordinator/attempts"
 CLOSING = "coordinator/closing"
-EXTERNAL_STEP = "coordinator/external-step"
 
 
 def _round_attempts(round: int) -> str:
@@ -73,23 +89,3 @@ def load_closing(store: Store) -> RoundEntry | None:
         return RoundEntry.model_validate_json(store.get(store.resolve(CLOSING)))
     except (ValidationError, ValueError):
         return None
-
-
-def save_external_step(store: Store, step: ExternalStep) -> None:
-    """Keep the external step the next round trains from (see the module doc)."""
-    store.bind(EXTERNAL_STEP, store.put(canonical_json(step.model_dump(mode="json"))))
-
-
-def load_external_step(store: Store) -> ExternalStep | None:
-    """The last external step kept, or None when none was.
-
-    Raises:
-        LedgerError: one was kept and does not parse (a restarted coordinator must not
-            guess which model the next round trains from).
-    """
-    if not store.bound(EXTERNAL_STEP):
-        return None
-    try:
-        return ExternalStep.model_validate_json(store.get(store.resolve(EXTERNAL_STEP)))
-    except (ValidationError, ValueError) as exc:
-        raise LedgerError(f"the kept external step does not parse: {exc}") from None

@@ -38,7 +38,7 @@ from lensemble_flwr.coordinator.outer_optimizer import momentum_after_external_s
 from lensemble_flwr.errors import CheckpointIntegrityError, ParameterMismatch
 from lensemble_flwr.params import NamedArrays, check_same_layout
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import ExternalStep
+from lensemble_flwr.provenance.ledger import ExternalStep, change_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,15 +65,6 @@ def check_adoptable(committed: Mapping[str, np.ndarray], adopted: Mapping[str, n
     non_finite = [n for n in sorted(adopted) if not np.isfinite(adopted[n]).all()]
     if non_finite:
         raise ParameterMismatch(f"adopted params: non-finite values in {non_finite[:5]}")
-
-
-def change_norm(committed: Mapping[str, np.ndarray], adopted: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm of ``adopted − committed`` over every array (in float64)."""
-    total = 0.0
-    for name in sorted(committed):
-        diff = np.asarray(adopted[name], np.float64) - np.asarray(committed[name], np.float64)
-        total += float(np.dot(diff.reshape(-1), diff.reshape(-1)))
-    return float(np.sqrt(total))
 
 
 def take_external_step(

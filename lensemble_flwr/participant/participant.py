@@ -59,6 +59,7 @@ from lensemble_flwr.provenance.ledger import (
     ContributionRecord,
     Ledger,
     RunManifest,
+    load_external_step,
     record_breaks,
     verify_chain,
 )
@@ -420,6 +421,11 @@ class Participant:
             digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
         else:
             digest, expected = head.checkpoint, head.new_global_hash
+        step = load_external_step(store)
+        if step is not None and step.committed_hash == expected:
+            # the next round trains from the model an external step adopted (a wrapper's
+            # central noise): a joiner gets that one, never the model it replaced
+            digest, expected = step.checkpoint, step.adopted_hash
         checkpoint = decode_checkpoint(store.get(digest))
         if checkpoint.params_hash != expected:
             raise CheckpointIntegrityError(

@@ -336,6 +336,16 @@ class _Walk:
                     )
                 )
             step = entry.external_step
+            if step != attempts[0].external_step:  # one model per round: one release
+                self.findings.append(
+                    Finding(
+                        f"{where} attempt {entry.attempt}",
+                        "manifest.external_step",
+                        "the round's one external step (that of its first attempt)",
+                        step.adopted_hash if step is not None else "none",
+                        t,
+                    )
+                )
             if step is not None and step.committed_hash != self.global_hash:
                 self.findings.append(
                     Finding(
@@ -407,7 +417,10 @@ class _Walk:
 
     def _record_checkpoint_breaks(self, rec: ContributionRecord) -> Iterable[LinkBreak]:
         self.checkpoints += 1 + (rec.external_step is not None)
-        return record_checkpoint_breaks(self.store, rec)
+        before = {r.round: r.checkpoint for r in self.records}
+        if self.header is not None:
+            before.setdefault(0, self.header.initial_checkpoint)
+        return record_checkpoint_breaks(self.store, rec, before.get(rec.round - 1))
 
     def _checkpoint_breaks(
         self, digest: str, *, params_hash: str, round: int | None

@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
@@ -70,6 +71,31 @@ class ExternalStep(_Frozen):
     change_norm: float = Field(
         ge=0, description="L2 norm of the change, over every floating-point array."
     )
+
+
+EXTERNAL_STEP = "coordinator/external-step"
+"""The store name of the external step the next round trains from (kept before any node
+is sent the adopted model)."""
+
+
+def save_external_step(store: Store, step: ExternalStep) -> None:
+    """Keep the external step the next round trains from."""
+    store.bind(EXTERNAL_STEP, store.put(canonical_json(step.model_dump(mode="json"))))
+
+
+def load_external_step(store: Store) -> ExternalStep | None:
+    """The last external step kept, or None when none was.
+
+    Raises:
+        LedgerError: one was kept and does not parse (nobody may guess which model the
+            next round trains from).
+    """
+    if not store.bound(EXTERNAL_STEP):
+        return None
+    try:
+        return ExternalStep.model_validate_json(store.get(store.resolve(EXTERNAL_STEP)))
+    except (ValidationError, ValueError) as exc:
+        raise LedgerError(f"the kept external step does not parse: {exc}") from None
 
 
 _ONLY_WHEN_SET = Field(None, exclude_if=lambda value: value is None)
@@ -333,11 +359,12 @@ def verify(store: Store) -> list[ContributionRecord]:
         )
     )
     records = Ledger(store).records()
+    committed = {0: manifest.initial_checkpoint, **{r.round: r.checkpoint for r in records}}
     _raise_first(
         link_breaks(
             records,
             manifest,
-            lambda rec: record_checkpoint_breaks(store, rec),
+            lambda rec: record_checkpoint_breaks(store, rec, committed.get(rec.round - 1)),
         )
     )
     verify_registry(store, records)
@@ -436,16 +463,52 @@ def checkpoint_breaks(
         yield LinkBreak(round, "checkpoint.round", round, ckpt.round, wrong)
 
 
-def record_checkpoint_breaks(store: Store, rec: ContributionRecord) -> Iterator[LinkBreak]:
+def change_norm(committed: Mapping[str, Any], adopted: Mapping[str, Any]) -> float:
+    """The L2 norm of ``adopted − committed`` over every array, in float64, name by name in
+    sorted order (what an external step records, and what verification recomputes)."""
+    total = 0.0
+    for name in sorted(committed):
+        diff = np.asarray(adopted[name], np.float64) - np.asarray(committed[name], np.float64)
+        total += float(np.dot(diff.reshape(-1), diff.reshape(-1)))
+    return float(np.sqrt(total))
+
+
+def record_checkpoint_breaks(
+    store: Store, rec: ContributionRecord, committed_checkpoint: str | None = None
+) -> Iterator[LinkBreak]:
     """The checkpoints a ledger record names: the one of the state it produced, and the
-    adopted model's when the round trained from a model changed by an external step."""
+    adopted model's when the round trained from a model changed by an external step —
+    whose recorded change norm is recomputed against ``committed_checkpoint`` (the
+    previous round's, or θ_0's; None: not recomputed)."""
     yield from checkpoint_breaks(
         store, rec.checkpoint, params_hash=rec.new_global_hash, round=rec.round
     )
     step = rec.external_step
-    if step is not None:
-        yield from checkpoint_breaks(
+    if step is None:
+        return
+    breaks = list(
+        checkpoint_breaks(
             store, step.checkpoint, params_hash=step.adopted_hash, round=rec.round - 1
+        )
+    )
+    yield from breaks
+    if breaks or committed_checkpoint is None:
+        return
+    try:
+        adopted = decode_checkpoint(store.get(step.checkpoint)).params
+        committed = decode_checkpoint(store.get(committed_checkpoint)).params
+        norm = change_norm(committed, adopted) if set(committed) == set(adopted) else None
+    except (CheckpointIntegrityError, StoreError) as exc:  # named by the chain's own checks
+        yield LinkBreak(rec.round, "external_step.checkpoint", "readable", str(exc), str(exc))
+        return
+    if norm != step.change_norm:
+        yield LinkBreak(
+            rec.round,
+            "ledger.external_step.change_norm",
+            norm,
+            step.change_norm,
+            f"round {rec.round}: its external step's change norm is not the distance "
+            "between the committed and the adopted model",
         )
 
 

@@ -203,7 +203,7 @@ class LensembleStrategy(Strategy):
             say(
                 INFO,
                 "\t└── sampling: each reachable node with probability %.3g per round "
-                "(Poisson; a draw below K = %d is retried), once %d are reachable",
+                "(Poisson; a draw below K = %d is redrawn), once %d are reachable",
                 fed.sample_fraction,
                 fed.quorum,
                 fed.min_available,
@@ -228,7 +228,8 @@ class LensembleStrategy(Strategy):
         Raises:
             ConfigError: the config asks for masked rounds, which need an unmask exchange
                 within the attempt that ``configure_train``/``aggregate_train`` cannot
-                make; run them with :meth:`start`.
+                make; run them with :meth:`start`. Or the strategy was made with
+                ``resume=True``: only :meth:`start` resumes a run.
         """
         if self.config.federation.secagg_threshold > 0:
             raise ConfigError(
@@ -236,6 +237,14 @@ class LensembleStrategy(Strategy):
                 "masked rounds need a second exchange (unmask requests) within each "
                 "attempt, which Flower's configure_train/aggregate_train loop cannot make; "
                 "call LensembleStrategy.start() instead",
+            )
+        if self.coordinator is None and self.resume:
+            raise ConfigError(
+                "resume",
+                "a run is resumed only by LensembleStrategy.start: Flower's stock loop "
+                "(Strategy.start, and every wrapper such as the central-DP ones) restarts "
+                "at round 1 from the initial arrays, and a wrapper's noise on the last "
+                "committed model would be lost (the un-noised model would be sent)",
             )
         coordinator = self._ensure_coordinator(grid, arrays)
         self._adopt_changes(server_round, arrays)
