@@ -209,7 +209,7 @@ def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg
         run_dir = runs_dir / f"flwr-{run_id}"
         assert run_dir.is_dir(), f"no run directory {run_dir}: {list(runs_dir.glob('*'))}"
         records = verify(Store(run_dir))
-        assert [r.round for r in records] == list(range(NUM_ROUNDS))
+        assert [r.round for r in records] == list(range(1, NUM_ROUNDS + 1))
         assert [r.count for r in records] == [NUM_NODES] * NUM_ROUNDS
 
         # (3) the ServerApp's per-round lines reached the streamed output; a steady-state

@@ -241,7 +241,7 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
         # (org-a is partition 0, org-b partition 1; the intruder never got a node id)
         expected = {"partition-id-0", "partition-id-1"}
         records = verify(Store(run_dir))
-        assert [r.round for r in records] == list(range(NUM_ROUNDS))
+        assert [r.round for r in records] == list(range(1, NUM_ROUNDS + 1))
         assert all(set(r.contributors) == expected for r in records)
         assert audit_run(run_dir).ok
         seen: set[str] = set()
