@@ -445,3 +445,21 @@ def test_the_first_rounds_instructions_live_as_long_as_its_grace(tmp_path: Path)
     ttl = {m.content["config"]["lensemble.round"]: m.metadata.ttl for m in grid.pushed()}
     assert ttl[2] == pytest.approx(20.0)  # open + collect timeouts
     assert 20.0 + 49.0 <= ttl[1] <= 20.0 + 50.0  # ... plus what the warm-up left
+
+
+def test_the_transports_per_round_bookkeeping_does_not_grow_with_the_run(
+    tmp_path: Path,
+) -> None:
+    """Client metrics and instruction counts are kept only until their round is reported."""
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    result = strategy.start(
+        grid=grid_of(quickstart_app(False)), initial_arrays=ArrayRecord(Net(False).state_dict()),
+        num_rounds=3, train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    assert [result.train_metrics_clientapp[r]["lensemble.exchanges"] for r in (1, 2, 3)] == [
+        1.0
+    ] * 3
+    assert "train_loss" in result.train_metrics_clientapp[3]  # read before it was dropped
+    transport = strategy.transport
+    assert transport is not None
+    assert transport.client_metrics == {} and transport.sent_per_round == {}

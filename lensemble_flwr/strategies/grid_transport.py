@@ -242,6 +242,13 @@ class GridTransport:
         is a single exchange)."""
         return max(self.sent_per_round.get(round, {}).values(), default=0)
 
+    def forget_through(self, round: int) -> None:
+        """Drop the per-round bookkeeping (client metrics, instruction counts) of ``round``
+        and every round before it, once the strategy reported it: kept, it grew with every
+        round of a long run."""
+        self.client_metrics = {k: m for k, m in self.client_metrics.items() if k[0] > round}
+        self.sent_per_round = {r: n for r, n in self.sent_per_round.items() if r > round}
+
     # -- internals ---------------------------------------------------------------------
     def _queue_message(
         self, peer: str, content: RecordDict, message_type: str, payload: WirePayload | None

@@ -483,6 +483,7 @@ class LensembleStrategy(Strategy):
             if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
                 result.evaluate_metrics_serverapp[r] = res
             self._report(closed, metrics, evaluation, aborted)
+            transport.forget_through(r)  # reported: its bookkeeping is no longer needed
             say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             if evaluation is not None:
                 say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
