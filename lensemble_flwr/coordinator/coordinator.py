@@ -446,7 +446,8 @@ class Coordinator:
             In every case nothing changes.
         """
         check_adoptable(self._global.params, params)
-        adopted_hash = self._pin(self._global.round, params).params_hash
+        state = self._pin(self._global.round, params)  # a copy, hashed once
+        adopted_hash = state.params_hash
         step = self._external_step
         if step is not None:
             if adopted_hash == step.adopted_hash:
@@ -469,8 +470,8 @@ class Coordinator:
             )
         if adopted_hash == self._global.params_hash:
             return None
-        state, momentum, step = take_external_step(
-            self.store, self._global, stepped_from, params, self.config.outer, self._pin
+        momentum, step = take_external_step(
+            self.store, self._global, stepped_from, state, self.config.outer
         )
         self._global, self._momentum, self._external_step = state, momentum, step
         log.info(

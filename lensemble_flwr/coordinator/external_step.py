@@ -26,7 +26,7 @@ its own generator, so a replay of the run must take θ̃ from the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -71,20 +71,17 @@ def take_external_step(
     store: Store,
     committed: GlobalState,
     stepped_from: SteppedFrom,
-    adopted: Mapping[str, np.ndarray],
+    state: GlobalState,
     config: OuterOptimizerConfig,
-    pin: Callable[[int, Mapping[str, np.ndarray]], GlobalState],
-) -> tuple[GlobalState, NamedArrays, ExternalStep]:
-    """Steps 1–3 of the module's order: the adopted state, its momentum and the step,
-    durable in ``store`` when this returns (steps 1 and 2 write nothing).
+) -> tuple[NamedArrays, ExternalStep]:
+    """Steps 2–3 of the module's order for ``state``, the adopted model already checked
+    (:func:`check_adoptable`) and pinned: its momentum and the step, durable in ``store``
+    when this returns.
 
     Raises:
-        ParameterMismatch: ``adopted`` does not fit the committed model.
         CheckpointIntegrityError: the stored checkpoint does not read back.
         StoreError: the store refused a write.
     """
-    check_adoptable(committed.params, adopted)
-    state = pin(committed.round, {n: np.array(a, copy=True) for n, a in adopted.items()})
     momentum = momentum_after_external_step(
         stepped_from.params,
         stepped_from.momentum,
@@ -104,5 +101,5 @@ def take_external_step(
         change_norm=change_norm(committed.params, state.params),
     )
     save_external_step(store, step)
-    return state, momentum, step
+    return momentum, step
 

@@ -238,6 +238,12 @@ class _Walk:
         )
         entries = self._entries()
         self.records = self._records()
+        # the checkpoint each round committed (θ_0's as round 0): an external step's
+        # change norm is recomputed against the one before it
+        self._checkpoint_of = {
+            0: self.header.initial_checkpoint,
+            **{r.round: r.checkpoint for r in self.records},
+        }
         by_round: dict[int, list[RoundEntry]] = {}
         for entry in entries:
             by_round.setdefault(entry.round, []).append(entry)
@@ -417,10 +423,7 @@ class _Walk:
 
     def _record_checkpoint_breaks(self, rec: ContributionRecord) -> Iterable[LinkBreak]:
         self.checkpoints += 1 + (rec.external_step is not None)
-        before = {r.round: r.checkpoint for r in self.records}
-        if self.header is not None:
-            before.setdefault(0, self.header.initial_checkpoint)
-        return record_checkpoint_breaks(self.store, rec, before.get(rec.round - 1))
+        return record_checkpoint_breaks(self.store, rec, self._checkpoint_of.get(rec.round - 1))
 
     def _checkpoint_breaks(
         self, digest: str, *, params_hash: str, round: int | None
