@@ -296,6 +296,49 @@ class ReleaseConfig(_Section):
     )
 
 
+class RetentionConfig(_Section):
+    """Which of the coordinator's checkpoints stay on disk (see docs/recovery.md). The
+    ledger keeps every round's hashes whatever is pruned; the newest checkpoint and a
+    pending external step's are never pruned (recovery and joining participants read
+    them). These keys are the coordinator's own storage policy, not something the
+    federation computes with: the run manifest does not record them, and a resumed run
+    may change them."""
+
+    keep_last_checkpoints: int = Field(
+        0,
+        ge=0,
+        description="Keep the checkpoints of the newest N rounds and prune older ones "
+        "(0: keep every checkpoint).",
+    )
+    keep_every_checkpoint: int = Field(
+        0,
+        ge=0,
+        description="With keep-last-checkpoints: also keep the checkpoint of every K-th "
+        "round (round 0, K, 2K, ...; 0: none beyond the newest N).",
+    )
+
+    @model_validator(mode="after")
+    def _every_needs_last(self) -> RetentionConfig:
+        if self.keep_every_checkpoint and not self.keep_last_checkpoints:
+            raise ValueError(
+                "keep-every-checkpoint needs keep-last-checkpoints > 0: without it every "
+                "checkpoint is kept"
+            )
+        return self
+
+    @property
+    def prunes(self) -> bool:
+        """Whether any checkpoint is ever pruned."""
+        return self.keep_last_checkpoints > 0
+
+    def keeps(self, round: int, head: int) -> bool:
+        """Whether the checkpoint of θ_``round`` stays while round ``head`` is the newest
+        committed one (θ_0 is round 0)."""
+        if not self.prunes or round > head - self.keep_last_checkpoints:
+            return True
+        return self.keep_every_checkpoint > 0 and round % self.keep_every_checkpoint == 0
+
+
 class GaugeConfig(_Section):
     """Gauge alignment: each participant rotates its latent frame onto the global one on a
     pinned public probe before it releases anything (see docs/gauge.md)."""
@@ -384,7 +427,11 @@ _SECTIONS: dict[str, tuple[str, type[_Section]]] = {
     "privacy": ("", PrivacyConfig),
     "release": ("", ReleaseConfig),
     "gauge": ("gauge-", GaugeConfig),
+    "retention": ("", RetentionConfig),
 }
+UNRECORDED_SECTIONS = frozenset({"retention"})
+"""Sections the run manifest does not record: how the coordinator keeps its own disk, not
+what the federation computes (a run's hashes do not depend on them)."""
 _GROUP_KEYS = {"shared": "shared-groups", "local": "local-groups", "averaged": "averaged-groups"}
 
 
@@ -398,6 +445,10 @@ def run_config_keys() -> dict[str, tuple[str, str]]:
             assert key not in keys, f"run_config key collision: {key}"
             keys[key] = (section, field)
     return keys
+
+
+def _unrecorded_keys() -> set[str]:
+    return {k for k, (section, _) in run_config_keys().items() if section in UNRECORDED_SECTIONS}
 
 
 _PROTECTIVE_FIELDS = {
@@ -432,14 +483,17 @@ class LensembleConfig(_Section):
     privacy: PrivacyConfig = PrivacyConfig()
     release: ReleaseConfig = ReleaseConfig()
     gauge: GaugeConfig = GaugeConfig()
+    retention: RetentionConfig = RetentionConfig()
 
     def check_recorded(self, recorded: Mapping[str, Any]) -> None:
-        """Refuse to continue a run recorded with another configuration.
+        """Refuse to continue a run recorded with another configuration (the keys of
+        :data:`UNRECORDED_SECTIONS` are not compared: a resumed run may change them).
 
         Raises:
             ConfigError: naming the run_config keys that differ.
         """
-        given = self.to_flat()
+        given = self.to_recorded()
+        recorded = {k: v for k, v in recorded.items() if k not in _unrecorded_keys()}
         if dict(recorded) != given:
             differ = sorted(
                 k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
@@ -588,6 +642,11 @@ class LensembleConfig(_Section):
             value = getattr(getattr(self, section), field)
             flat[key] = ",".join(value) if isinstance(value, tuple) else value
         return flat
+
+    def to_recorded(self) -> dict[str, Any]:
+        """:meth:`to_flat` without the keys of :data:`UNRECORDED_SECTIONS`: what the run
+        manifest records (and the ledger commits to through its header digest)."""
+        return {k: v for k, v in self.to_flat().items() if k not in _unrecorded_keys()}
 
     def to_run_config(self) -> dict[str, Any]:
         """The namespaced run_config (``lensemble.<key>``) that :meth:`from_run_config`

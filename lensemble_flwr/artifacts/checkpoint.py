@@ -4,6 +4,10 @@ A checkpoint holds the shared params θ_t and the outer optimizer's momentum, un
 ``params/<name>`` and ``momentum/<name>``, with the round and the hashes of both in
 the safetensors metadata. Decoding recomputes the hashes, so a checkpoint whose tensors
 were altered is refused even if its blob was re-addressed.
+
+:func:`checkpoint_parts` gives the bytes of :func:`encode_checkpoint` as parts that view
+the arrays (for :meth:`~lensemble_flwr.artifacts.store.Store.put_parts`, which streams
+them to disk and hashes them as it writes): a commit never holds a model-sized copy.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lensemble_flwr.artifacts.tensors import pack, unpack
+from lensemble_flwr.artifacts.tensors import pack, pack_parts, unpack
 from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.errors import CheckpointIntegrityError
 from lensemble_flwr.params import NamedArrays
@@ -43,6 +47,29 @@ def encode_checkpoint(
     ``params_hash`` may be passed when the caller already computed it (it must be
     ``digest_arrays(params, "params")``; decoding checks it).
     """
+    return pack(*_layout(round, params, momentum, params_hash=params_hash))
+
+
+def checkpoint_parts(
+    round: int,
+    params: Mapping[str, np.ndarray],
+    momentum: Mapping[str, np.ndarray],
+    *,
+    params_hash: str | None = None,
+) -> list[bytes | memoryview]:
+    """The bytes of :func:`encode_checkpoint` (same arguments) as consecutive parts: the
+    safetensors header, then views of the arrays' own buffers (no copy of a C-contiguous,
+    little-endian array). ``b"".join(checkpoint_parts(...)) == encode_checkpoint(...)``."""
+    return pack_parts(*_layout(round, params, momentum, params_hash=params_hash))
+
+
+def _layout(
+    round: int,
+    params: Mapping[str, np.ndarray],
+    momentum: Mapping[str, np.ndarray],
+    *,
+    params_hash: str | None,
+) -> tuple[dict[str, np.ndarray], dict[str, object]]:
     tensors = {f"params/{n}": np.ascontiguousarray(params[n]) for n in sorted(params)}
     tensors |= {f"momentum/{n}": np.ascontiguousarray(momentum[n]) for n in sorted(momentum)}
     info = {
@@ -51,7 +78,7 @@ def encode_checkpoint(
         "params_hash": params_hash or digest_arrays(params, "params"),
         "momentum_hash": digest_arrays(momentum, "momentum"),
     }
-    return pack(tensors, info)
+    return tensors, info
 
 
 def decode_checkpoint(data: bytes) -> Checkpoint:

@@ -11,6 +11,11 @@ Layout under ``root``:
   after which the destination directory is fsynced. Nothing half-written is ever
   visible under ``blobs/`` or ``names/``, and temp files are removed on every path.
 
+A large blob (a checkpoint) is written by :meth:`Store.put_parts` from its parts (views of
+the arrays it holds) and hashed as it is written, on a second thread: the blob is never
+assembled in memory, and its digest costs no pass of its own. A blob read back later
+(:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed.
+
 A write can be watched, or cut short, from outside: ``Store(root, on_write=hook)`` calls
 ``hook(kind, key, data)`` before each write is published (:data:`WriteHook`); the crash
 drill kills its process there, half-way through a checkpoint.
@@ -25,7 +30,8 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -36,14 +42,20 @@ _COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
 # A name path that collides with another name used as a prefix (or vice versa).
 _CONFLICT = (FileExistsError, IsADirectoryError, NotADirectoryError)
 
-WriteHook = Callable[[Literal["blob", "name"], str, bytes], None]
+WriteHook = Callable[[Literal["blob", "name", "delete"], str, bytes], None]
 """Called as ``hook(kind, key, data)`` before a write is published: a new blob (``kind``
-``"blob"``, ``key`` its digest, ``data`` its bytes) or a binding (``"name"``, ``key`` the
-name, ``data`` the digest line), by :meth:`Store.put`, :meth:`Store.bind` and
-:meth:`Store.claim` once their arguments are checked (a claim is reported before it is
+``"blob"``, ``key`` its digest, ``data`` its bytes), a binding (``"name"``, ``key`` the
+name, ``data`` the digest line) or the removal of a blob (``"delete"``, ``key`` its
+digest, ``data`` empty), by :meth:`Store.put`, :meth:`Store.bind`, :meth:`Store.claim`
+and :meth:`Store.delete` once their arguments are checked (a claim is reported before it is
 tried: it may find the name taken). Nothing of the write is visible yet: a hook that
 raises, or ends the process, leaves the store as it was. A put of a blob already stored
-writes nothing, so calls no hook."""
+writes nothing, so calls no hook. For :meth:`Store.put_parts` the hook is called once the
+temp file is written and hashed, with the blob's bytes read back from it (only when a
+hook is set)."""
+
+_SLICE = 1 << 24
+"""Bytes per write and per hash update of :meth:`Store.put_parts` (16 MiB)."""
 
 
 def _cause(exc: BaseException) -> str:
@@ -115,6 +127,66 @@ class Store:
             self._publish(data, path, exclusive=False)
         return digest
 
+    def put_parts(self, parts: Iterable[bytes | memoryview]) -> str:
+        """Store the concatenation of ``parts`` and return its SHA-256 hex digest, as
+        :meth:`put` does, without assembling it: each part is written to the temp file
+        and hashed at the same time (the hash on a second thread; hashlib releases the
+        GIL), so the digest is that of the bytes written. An existing blob is not
+        rewritten (its temp file is dropped).
+
+        Raises:
+            StoreError: the temp file or the blob cannot be written.
+        """
+        views = [memoryview(part).cast("B") for part in parts]
+        self._check_no_links(self._tmp)
+        try:
+            return self._stream_then_publish(views)
+        except OSError as exc:
+            raise StoreError(f"{self._blobs}: cannot write a blob: {_cause(exc)}") from None
+
+    def _stream_then_publish(self, views: list[memoryview]) -> str:
+        hasher = hashlib.sha256()
+        failed: list[BaseException] = []
+
+        def hash_all() -> None:
+            try:
+                for view in views:
+                    for lo in range(0, len(view), _SLICE):
+                        hasher.update(view[lo : lo + _SLICE])
+            except BaseException as exc:  # re-raised on the writing thread
+                failed.append(exc)
+
+        fd, tmp = tempfile.mkstemp(dir=self._tmp)
+        try:
+            hashing = threading.Thread(target=hash_all, name="lensemble-store-hash")
+            hashing.start()
+            try:
+                with os.fdopen(fd, "wb", buffering=0) as f:
+                    for view in views:
+                        for lo in range(0, len(view), _SLICE):
+                            chunk = view[lo : lo + _SLICE]
+                            while chunk:
+                                chunk = chunk[f.write(chunk) :]
+                    os.fsync(f.fileno())
+            finally:
+                hashing.join()
+            if failed:
+                raise failed[0]
+            digest = hasher.hexdigest()
+            path = self._blob_path(digest)
+            self._check_no_links(path)
+            if path.exists():
+                return digest
+            if self.on_write is not None:
+                self.on_write("blob", digest, Path(tmp).read_bytes())
+            self._ensure_dir(path.parent)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+            return digest
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
     def get(self, digest: str) -> bytes:
         """Return the bytes stored under ``digest``, re-hashed on read.
 
@@ -135,6 +207,33 @@ class Store:
         if actual != digest:
             raise CheckpointIntegrityError(f"blob {digest} hashes to {actual}")
         return data
+
+    def delete(self, digest: str) -> bool:
+        """Remove the blob ``digest`` (a checkpoint a retention policy prunes) and fsync
+        its folder; names bound to it are left as they are (the caller records why it is
+        gone first, so that a reader can tell a pruned blob from a lost one).
+
+        Returns:
+            Whether the blob was there.
+
+        Raises:
+            StoreError: ``digest`` is malformed, or the blob cannot be removed.
+        """
+        _check_digest(digest)
+        path = self._blob_path(digest)
+        self._check_no_links(path)
+        if not path.is_file():
+            return False
+        if self.on_write is not None:
+            self.on_write("delete", digest, b"")
+        try:
+            os.unlink(path)
+            _fsync_dir(path.parent)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot delete: {_cause(exc)}") from None
+        return True
 
     def has(self, digest: str) -> bool:
         """Return whether a blob is stored under ``digest`` (not re-hashed).

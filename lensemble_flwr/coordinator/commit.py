@@ -2,27 +2,35 @@
 
 A round commits in this order, and the ledger record is the commit point:
 
-1. the checkpoint of θ_r (round r's outcome) and its momentum, stored by content hash and read back;
+1. the checkpoint of θ_r (round r's outcome) and its momentum, streamed to the store and
+   hashed as it is written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it
+   is not read back: whoever reads it later — recovery, a joining participant, ``verify``
+   — re-hashes it);
 2. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
 3. the ledger record, chained to the previous one — from here on the round is committed;
 4. the manifest entry (by the caller, once the in-memory state moved).
 
 Only after all of that does the coordinator announce the round (RoundClose). Nothing
-before the record changes anything a reader of the run directory trusts.
+before the record changes anything a reader of the run directory trusts. Then
+:func:`retain` prunes the checkpoints the retention policy no longer keeps
+(:mod:`~lensemble_flwr.provenance.retention`); a failure there is logged, never undoes
+the commit, and the next commit tries again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
+from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import RetentionConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
-from lensemble_flwr.errors import CheckpointIntegrityError
+from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
 from lensemble_flwr.protocol.round import RoundState
@@ -36,6 +44,9 @@ from lensemble_flwr.provenance.ledger import (
     entries_digest,
     header_digest,
 )
+from lensemble_flwr.provenance.retention import prune_checkpoints
+
+log = logging.getLogger(__name__)
 
 _RECORDED_FROM_ENTRY = {
     "round",
@@ -114,15 +125,12 @@ def write_commit(
     """Steps 1–3 of the module's order; returns once the ledger holds the round.
 
     Raises:
-        CheckpointIntegrityError: the stored checkpoint does not read back.
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
-    digest = store.put(
-        encode_checkpoint(t, new_state.params, momentum, params_hash=new_state.params_hash)
+    digest = store.put_parts(
+        checkpoint_parts(t, new_state.params, momentum, params_hash=new_state.params_hash)
     )
-    if decode_checkpoint(store.get(digest)).params_hash != new_state.params_hash:
-        raise CheckpointIntegrityError(f"round {t}: stored checkpoint does not read back")
     entry = entry_of(
         attempt,
         result,
@@ -150,3 +158,17 @@ def write_commit(
         )
     )
     return Committed(state=new_state, momentum=momentum, entry=entry, record=record)
+
+
+def retain(
+    store: Store, policy: RetentionConfig, head: ContributionRecord, since: int
+) -> int:
+    """After the commit of ``head``'s round: prune what ``policy`` no longer keeps of the
+    rounds from ``since`` on, and return where the next call starts. A refused write is
+    logged and the same ``since`` returned: the round stays committed, and the next
+    commit prunes what this one could not."""
+    try:
+        return prune_checkpoints(store, policy, head, since=since)
+    except (LensembleError, OSError) as exc:
+        log.error("round %d committed; pruning old checkpoints failed: %r", head.round, exc)
+        return since

@@ -36,13 +36,13 @@ from typing import Literal
 import numpy as np
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator, FixedPointAggregator
-from lensemble_flwr.artifacts.checkpoint import encode_checkpoint
+from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, poisson_sample, seeded_sample
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
-from lensemble_flwr.coordinator.commit import entry_of, write_commit
+from lensemble_flwr.coordinator.commit import entry_of, retain, write_commit
 from lensemble_flwr.coordinator.durable import mark_started
 from lensemble_flwr.coordinator.external_step import (
     SteppedFrom,
@@ -205,10 +205,10 @@ class Coordinator:
         )  # fmt: skip
         self._global = self._pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
         self._momentum: NamedArrays = zero_momentum(self._global.params)
-        initial = store.put(encode_checkpoint(0, self._global.params, self._momentum))
+        initial = store.put_parts(checkpoint_parts(0, self._global.params, self._momentum))
         self._manifest = RunManifest(
             run_id=run_id,
-            config=config.to_flat(),
+            config=config.to_recorded(),
             root_seed=config.federation.root_seed,
             initial_params_hash=self._global.params_hash,
             initial_checkpoint=initial,
@@ -353,6 +353,7 @@ class Coordinator:
         self.outcomes: list[RoundOutcome] = []
         self._stepped_from: SteppedFrom | None = None  # the last commit's θ_t, m_t
         self._external_step: ExternalStep | None = None  # how _global replaced a commit
+        self._prune_from = 0  # the first round whose checkpoints retention still looks at
 
     # -- observability -----------------------------------------------------------------
     def round_state(self) -> RoundState:
@@ -749,9 +750,10 @@ class Coordinator:
             self._fire(attempt, RoundEvent.DIAGNOSED)
             groups = self.config.groups
             averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))
-            params, momentum = outer_step(
-                attempt.state.params, self._momentum, mean, self.config.outer, averaged
-            )
+            params, momentum = outer_step(  # m' is written over the mean (not used again)
+                attempt.state.params, self._momentum, mean, self.config.outer, averaged,
+                consume_mean=True,
+            )  # fmt: skip
             committed = write_commit(
                 self.store,
                 self._ledger,
@@ -788,6 +790,10 @@ class Coordinator:
         except Exception as exc:  # resume completes the entry from the kept closing one
             log.error("round %d committed; its manifest entry failed: %r", attempt.round, exc)
             stored_error = exc
+        else:  # the round's evidence is complete: prune what the policy keeps no more
+            self._prune_from = retain(
+                self.store, self.config.retention, committed.record, self._prune_from
+            )
         outcome = self._outcome(attempt, result, diagnostics, None)
         self.last_close = RoundClose(
             run_id=self.run_id,

@@ -35,8 +35,14 @@ def outer_step(
     mean_delta: Mapping[str, np.ndarray],
     config: OuterOptimizerConfig,
     averaged: Collection[str] = (),
+    *,
+    consume_mean: bool = False,
 ) -> tuple[NamedArrays, NamedArrays]:
-    """Return ``(new_params, new_momentum)``; the inputs are not modified.
+    """Return ``(new_params, new_momentum)``; the inputs are not modified, except that
+    with ``consume_mean`` the new momentum is written into ``mean_delta``'s own arrays
+    where it can be (a writeable, C-contiguous array of the parameter's dtype): for a
+    caller that does not use the mean again, one model-sized allocation fewer. The
+    results are bitwise the same either way.
 
     The ``averaged`` names (statistics such as BatchNorm's running mean and variance,
     which are not trained by gradients) take plain averaging, θ' = θ + Δ̄ (FedAvg's
@@ -64,7 +70,16 @@ def outer_step(
             continue
         p_in, m_in = p.reshape(-1), momentum[name].astype(p.dtype, copy=False).reshape(-1)
         g_in = mean_delta[name].astype(p.dtype, copy=False).reshape(-1)
-        p_out, m_out = np.empty_like(p_in), np.empty_like(p_in)
+        g = mean_delta[name]
+        in_place = (
+            consume_mean
+            and isinstance(g, np.ndarray)
+            and g.dtype == p.dtype
+            and g.flags.c_contiguous
+            and g.flags.writeable
+        )
+        p_out = np.empty_like(p_in)
+        m_out = g_in if in_place else np.empty_like(p_in)  # m' over Δ̄, chunk by chunk
 
         def kernel(
             lo: int,
@@ -78,9 +93,10 @@ def outer_step(
             mu=mu,
         ) -> None:
             tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
+            mtmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
             for s in range(lo, hi, CHUNK):
                 e = min(s + CHUNK, hi)
-                g, m, t = g_in[s:e], m_out[s:e], tmp[: e - s]
+                g, m, t = g_in[s:e], mtmp[: e - s], tmp[: e - s]
                 np.multiply(m_in[s:e], mu, out=m)
                 np.add(m, g, out=m)  # m' = mu*m + g
                 if config.nesterov:
@@ -90,6 +106,7 @@ def outer_step(
                     t[...] = m
                 np.multiply(t, lr, out=t)
                 np.add(p_in[s:e], t, out=p_out[s:e])
+                m_out[s:e] = m  # last: m_out may be g's own buffer
 
         run_ranges(p_in.size, kernel)
         new_params[name] = p_out.reshape(p.shape)

@@ -98,6 +98,22 @@ def load_external_step(store: Store) -> ExternalStep | None:
         raise LedgerError(f"the kept external step does not parse: {exc}") from None
 
 
+PRUNED = "pruned"
+"""Store names ``pruned/<digest>``: a checkpoint blob a retention policy removed, bound
+(before the blob goes) to a note of the round it held (:mod:`.retention`)."""
+
+
+def pruned_name(digest: str) -> str:
+    """The store name that records that the checkpoint blob ``digest`` was pruned."""
+    return f"{PRUNED}/{digest}"
+
+
+def is_pruned(store: Store, digest: str) -> bool:
+    """Whether the checkpoint blob ``digest`` is gone because it was pruned (a marker
+    records it, and the blob is absent); a blob that is merely missing is not."""
+    return not store.has(digest) and bool(store.bound(pruned_name(digest)))
+
+
 _ONLY_WHEN_SET = Field(None, exclude_if=lambda value: value is None)
 """An optional field left out of the stored and hashed form while it is unset (records
 and entries written before the field existed keep their hashes)."""
@@ -345,12 +361,16 @@ class Ledger:
 def verify(store: Store) -> list[ContributionRecord]:
     """Check a run's ledger chain, checkpoints and manifest against each other.
 
+    A checkpoint the retention policy pruned (:func:`is_pruned`) is not read; every kept
+    one is. The newest record's checkpoint must be kept.
+
     Returns:
         The verified records, in round order.
 
     Raises:
         LedgerError: naming the first broken link (a record hash, a chain link, a
-            checkpoint that does not match its record, a manifest that disagrees).
+            checkpoint that does not match its record or is missing without having been
+            pruned, a pruned newest checkpoint, a manifest that disagrees).
     """
     manifest = RunManifest.load(store)
     _raise_first(
@@ -367,6 +387,10 @@ def verify(store: Store) -> list[ContributionRecord]:
             lambda rec: record_checkpoint_breaks(store, rec, committed.get(rec.round - 1)),
         )
     )
+    if records and is_pruned(store, records[-1].checkpoint):
+        raise LedgerError(
+            f"round {records[-1].round}: the newest checkpoint was pruned (resuming needs it)"
+        )
     verify_registry(store, records)
     return records
 
@@ -444,6 +468,8 @@ def checkpoint_breaks(
             the checkpoint's own round is then ``round`` too); None for θ_0's.
     """
     label = "initial checkpoint" if round is None else f"round {round}: checkpoint"
+    if is_pruned(store, digest):
+        return  # pruned by the retention policy: the ledger still holds its hashes
     data = fetch_blob(store, digest, field="checkpoint", round=round, message=f"{label}: ")
     if isinstance(data, LinkBreak):
         yield data
@@ -494,6 +520,8 @@ def record_checkpoint_breaks(
     yield from breaks
     if breaks or committed_checkpoint is None:
         return
+    if is_pruned(store, step.checkpoint) or is_pruned(store, committed_checkpoint):
+        return  # one of the two models was pruned: the change norm cannot be recomputed
     try:
         adopted = decode_checkpoint(store.get(step.checkpoint)).params
         committed = decode_checkpoint(store.get(committed_checkpoint)).params

@@ -186,11 +186,7 @@ def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None =
             and kind == "blob"
             and _checkpoint_round(data) == round
         ):
-            fd, _ = tempfile.mkstemp(dir=run_dir / "tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data[: len(data) // 2])
-                f.flush()
-                os.fsync(f.fileno())
+            _half_written(run_dir / "tmp", data)
             blob = {"blob": key, "size": len(data), "written": len(data) // 2}
             _die(report, round, machines[-1].attempt, point, **blob)
 
@@ -200,6 +196,27 @@ def install_kill(run_dir: Path, round: int, point: str, *, report: Path | None =
         for aggregator in (FixedPointAggregator, SecureAggregator):
             aggregator.admit = _dying_admit(aggregator.admit, here, admitted, report, machines)
     return on_write
+
+
+def _half_written(tmp: Path, data: bytes) -> None:
+    """Leave half of ``data`` in a fsynced temp file under ``tmp``, as a write cut short
+    would. A blob streamed to the store (``Store.put_parts``) is already whole in its own
+    temp file when the hook sees it: that file is cut to half; otherwise a new one is
+    written."""
+    streamed = [p for p in tmp.iterdir() if p.is_file() and p.stat().st_size == len(data)]
+    if streamed:
+        fd = os.open(streamed[0], os.O_WRONLY)
+        try:
+            os.ftruncate(fd, len(data) // 2)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    fd, _ = tempfile.mkstemp(dir=tmp)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _dying_admit(
