@@ -22,9 +22,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "verify",
         help="check a run directory's ledger, checkpoints and manifest against each other",
         description=(
-            "Recompute the ledger's hash chain, re-hash every checkpoint, and check that "
-            "the manifest and the ledger agree round by round. Exits 0 when every link "
-            "holds, 1 naming the first broken link."
+            "Recompute the ledger's hash chain, re-hash every kept checkpoint (listing "
+            "those a retention policy pruned), and check that the manifest and the "
+            "ledger agree round by round. Exits 0 when every link holds, 1 naming the "
+            "first broken link."
         ),
     )
     parser.add_argument("run_dir", metavar="RUN_DIR")
@@ -59,6 +60,11 @@ def _print(report: AuditReport, *, every: bool) -> None:
     out.print(f"  attempts aborted   {report.attempts_aborted}")
     out.print(f"  ledger records     {report.records}, head {report.head_record_hash or '-'}")
     out.print(f"  checkpoints        {report.checkpoints}")
+    if report.pruned:
+        out.print(
+            f"  pruned             {len(report.pruned)} (rounds {_rounds(report.pruned)}; "
+            "the ledger keeps their hashes)"
+        )
     out.print(f"  final global hash  {report.final_global_hash or '-'}")
     if report.ok:
         out.print("verified: hash chain, checkpoints and manifest agree", style="green")
@@ -70,3 +76,14 @@ def _print(report: AuditReport, *, every: bool) -> None:
             out.print(f"  also: {finding}")
     elif rest:
         out.print(f"  ({len(rest)} more finding{'s' if len(rest) != 1 else ''}; --all lists them)")
+
+
+def _rounds(rounds: tuple[int, ...]) -> str:
+    """``0-3, 5, 7-8``: ascending rounds as ranges."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -12,6 +12,10 @@ auditor needs on top:
 * a :class:`Finding` per broken link that names the round, the field, and the expected
   and found values, in the order a reader walks the run (round by round), so the first
   finding is the first broken link; a missing record does not hide the rounds after it;
+* the checkpoints a retention policy pruned (:mod:`.retention`): reported by round in
+  :attr:`AuditReport.pruned`, not findings — the ledger still holds their hashes — while
+  a kept checkpoint that is wrong, one that is missing without a pruning marker, and a
+  pruned newest checkpoint (resuming needs it) are findings;
 * optionally, the ledger head an auditor got from elsewhere (every participant hears the
   head's ``record_hash`` in the round's ``RoundClose``): without it, the newest record
   can be rewritten and resealed without breaking any link in the directory.
@@ -43,6 +47,7 @@ from lensemble_flwr.provenance.ledger import (
     evidence_breaks,
     fetch_blob,
     header_digest,
+    is_pruned,
     ledger_name,
     manifest_entry_name,
     parse_document,
@@ -108,6 +113,9 @@ class AuditReport:
     head_record_hash: str | None
     final_global_hash: str | None
     findings: tuple[Finding, ...]
+    pruned: tuple[int, ...] = ()
+    """The rounds whose checkpoint (θ_round; 0 is θ_0) the retention policy pruned, in
+    order; ``checkpoints`` counts the ones read and verified."""
 
     @property
     def ok(self) -> bool:
@@ -180,6 +188,7 @@ def audit_run(
         head_record_hash=walk.records[-1].record_hash if walk.records else None,
         final_global_hash=walk.global_hash,
         findings=tuple(findings),
+        pruned=tuple(sorted(walk.pruned)),
     )
 
 
@@ -202,6 +211,7 @@ class _Walk:
         self.rounds_closed = 0
         self.attempts_aborted = 0
         self.checkpoints = 0
+        self.pruned: set[int] = set()
         self.global_hash: str | None = None
         self._entries_of: dict[int, list[RoundEntry]] = {}
 
@@ -286,6 +296,9 @@ class _Walk:
             self._check_record(record, prev_record, closed)
             prev_record = record.record_hash
             self.global_hash = record.new_global_hash
+        if self.records and is_pruned(self.store, self.records[-1].checkpoint):
+            t = self.records[-1].round
+            self.findings.append(Finding(f"round {t}", "checkpoint", "kept (newest)", "pruned", t))
         self._breaks("participant registry", registry_breaks(self.store, self.records))
         if expected_head is not None:
             head = self.records[-1].record_hash if self.records else None
@@ -422,14 +435,23 @@ class _Walk:
             self._breaks(where, evidence_breaks(rec, entries, header_digest(self.header)))
 
     def _record_checkpoint_breaks(self, rec: ContributionRecord) -> Iterable[LinkBreak]:
-        self.checkpoints += 1 + (rec.external_step is not None)
+        self._count(rec.checkpoint, rec.round)
+        if rec.external_step is not None:
+            self._count(rec.external_step.checkpoint, rec.round - 1)
         return record_checkpoint_breaks(self.store, rec, self._checkpoint_of.get(rec.round - 1))
 
     def _checkpoint_breaks(
         self, digest: str, *, params_hash: str, round: int | None
     ) -> Iterable[LinkBreak]:
-        self.checkpoints += 1
+        self._count(digest, round or 0)
         return checkpoint_breaks(self.store, digest, params_hash=params_hash, round=round)
+
+    def _count(self, digest: str, round: int) -> None:
+        """Count a checkpoint read, or note the round of one that was pruned."""
+        if is_pruned(self.store, digest):
+            self.pruned.add(round)
+        else:
+            self.checkpoints += 1
 
     def _check_checkpoint(
         self, where: str, digest: str, *, params_hash: str, round: int | None

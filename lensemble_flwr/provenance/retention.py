@@ -37,21 +37,26 @@ from lensemble_flwr.provenance.ledger import (
 
 def checkpoints_of(store: Store, round: int) -> list[str]:
     """The checkpoint blobs that hold θ_``round``: the round's own (θ_0's is the
-    manifest's initial checkpoint) and, when the next round trained from a model an
-    external step adopted after it, the adopted model's.
+    manifest's initial checkpoint) and the model an external step adopted after it, if
+    any: the one the next round's record names or, for the newest round, the pending
+    one (kept under ``coordinator/external-step``) the next round will train from.
 
     Raises:
         StoreError, LedgerError: a record or the manifest header cannot be read.
     """
     if round == 0:
         header = RunManifest.from_header(store.get(store.resolve(MANIFEST_HEADER)))
-        digests = [header.initial_checkpoint]
+        digests, state = [header.initial_checkpoint], header.initial_params_hash
     else:
-        digests = [_record(store, round).checkpoint]
+        record = _record(store, round)
+        digests, state = [record.checkpoint], record.new_global_hash
     if store.bound(ledger_name(round + 1)):
         step = _record(store, round + 1).external_step
-        if step is not None:
-            digests.append(step.checkpoint)
+    else:
+        step = load_external_step(store)
+        step = step if step is not None and step.committed_hash == state else None
+    if step is not None:
+        digests.append(step.checkpoint)
     return digests
 
 
@@ -90,15 +95,12 @@ def prune_checkpoints(
     """
     if not policy.prunes:
         return since
-    last = head.round - policy.keep_last_checkpoints  # θ_last is the newest candidate
-    protected = {head.checkpoint}
-    pending = load_external_step(store)
-    if pending is not None and pending.committed_hash == head.new_global_hash:
-        protected.add(pending.checkpoint)  # the next round trains from it
-    for round in range(since, last + 1):
+    protected = set(checkpoints_of(store, head.round))  # what resuming and joiners read
+    for round in range(since, head.round + 1):
         if policy.keeps(round, head.round):
             continue
         for digest in checkpoints_of(store, round):
             if digest not in protected:
                 prune(store, digest, round)
-    return max(since, last + 1)
+    # the rounds before the newest N are decided for good: the next call starts after them
+    return max(since, head.round - policy.keep_last_checkpoints + 1)
