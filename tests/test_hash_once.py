@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lensemble_flwr.artifacts.store as store_module
+from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import (
     checkpoint_parts,
     decode_checkpoint,
@@ -22,12 +24,14 @@ from lensemble_flwr.artifacts.checkpoint import (
 )
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.artifacts.tensors import pack, pack_parts
+from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.config import LensembleConfig, OuterOptimizerConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import StoreError
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.provenance.ledger import Ledger, verify
 
 _DTYPES = ["<f4", "<f8", "<f2", ">f4", ">f8", "<i8", "|i1", "|b1"]
@@ -287,3 +291,37 @@ def test_a_round_hashes_each_model_sized_buffer_once(
         feed_round(coordinator, rng)
         per_round = _CountingSha256.hashed / model
         assert len(PEERS) + 6 <= per_round < len(PEERS) + 6.2, per_round
+
+
+def test_checkpoint_parts_take_a_precomputed_momentum_hash() -> None:
+    params, momentum = _model(3), _model(4)
+    given = checkpoint_parts(2, params, momentum, momentum_hash=digest_arrays(momentum, "momentum"))
+    assert b"".join(given) == encode_checkpoint(2, params, momentum)
+
+
+def test_the_sums_hashed_in_the_background_have_the_same_digest() -> None:
+    sums = {"w": np.arange(10, dtype=np.int64), "b": np.full(3, -7, np.int64)}
+    fields = {"total_weight": 3, "contributors": ("a", "b", "c"), "fraction_bits": 16}
+    background = AggregateSum(sums=sums, checksum=0, **fields)
+    background.hash_in_background()
+    background.hash_in_background()  # once is enough: a second call starts nothing
+    assert background.digest == AggregateSum(sums=sums, checksum=0, **fields).digest
+    broken = AggregateSum(sums={"w": object()}, checksum=0, **fields)  # type: ignore[dict-item]
+    broken.hash_in_background()
+    with pytest.raises(AttributeError):  # the thread's error is raised where it is read
+        broken.digest  # noqa: B018
+
+
+def test_l2_norm_is_the_old_float64_sum_bit_for_bit() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        arrays = {
+            f"a{i}": rng.standard_normal(int(rng.integers(0, 5000))).astype(dtype)
+            for i, dtype in enumerate(rng.choice([np.float32, np.float64], size=4))
+        }
+        old = 0.0
+        for name in sorted(arrays):
+            flat = np.asarray(arrays[name], dtype=np.float64).ravel()
+            old += float(np.dot(flat, flat))
+        assert l2_norm(arrays) == math.sqrt(old)
+    assert l2_norm({}) == 0.0

@@ -23,9 +23,11 @@ not modify them after ``admit`` (messages validated at ingress own their arrays)
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -68,12 +70,34 @@ class AggregateSum:
         return digest_record(
             "aggregate",
             {
-                "sums": digest_arrays(self.sums, "aggregate-sums"),
+                "sums": self._sums_digest(),
                 "total_weight": self.total_weight,
                 "contributors": list(self.contributors),
                 "fraction_bits": self.fraction_bits,
             },
         )
+
+    def hash_in_background(self) -> None:
+        """Start hashing the sums (two model sizes of int64) on a thread of its own, so
+        that the hash overlaps the mean and the outer step; :attr:`digest` waits for it.
+        The digest is the same either way."""
+        if "_sums_pending" not in self.__dict__ and "digest" not in self.__dict__:
+            pending: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    pending.set_result(digest_arrays(self.sums, "aggregate-sums"))
+                except BaseException as exc:  # re-raised where the digest is read
+                    pending.set_exception(exc)
+
+            self.__dict__["_sums_pending"] = pending
+            threading.Thread(target=run, name="lensemble-sums-digest", daemon=True).start()
+
+    def _sums_digest(self) -> str:
+        pending = self.__dict__.get("_sums_pending")
+        if pending is not None:
+            return pending.result()
+        return digest_arrays(self.sums, "aggregate-sums")
 
     def mean(self) -> NamedArrays:
         """The weighted mean update, float32: ``sums / (total_weight * 2**F)``."""
@@ -301,6 +325,7 @@ class FixedPointAggregator:
                 fraction_bits=self._config.fraction_bits,
                 checksum=self._checksum,
             )
+            self._revealed.hash_in_background()
         return self._revealed
 
     def verify(self, result: AggregateSum) -> None:

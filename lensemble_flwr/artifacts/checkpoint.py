@@ -56,11 +56,18 @@ def checkpoint_parts(
     momentum: Mapping[str, np.ndarray],
     *,
     params_hash: str | None = None,
+    momentum_hash: str | None = None,
 ) -> list[bytes | memoryview]:
     """The bytes of :func:`encode_checkpoint` (same arguments) as consecutive parts: the
     safetensors header, then views of the arrays' own buffers (no copy of a C-contiguous,
-    little-endian array). ``b"".join(checkpoint_parts(...)) == encode_checkpoint(...)``."""
-    return pack_parts(*_layout(round, params, momentum, params_hash=params_hash))
+    little-endian array). ``b"".join(checkpoint_parts(...)) == encode_checkpoint(...)``.
+    ``momentum_hash``, like ``params_hash``, may be passed when already computed (it
+    must be ``digest_arrays(momentum, "momentum")``; decoding checks it)."""
+    return pack_parts(
+        *_layout(
+            round, params, momentum, params_hash=params_hash, momentum_hash=momentum_hash
+        )
+    )
 
 
 def _layout(
@@ -69,6 +76,7 @@ def _layout(
     momentum: Mapping[str, np.ndarray],
     *,
     params_hash: str | None,
+    momentum_hash: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, object]]:
     tensors = {f"params/{n}": np.ascontiguousarray(params[n]) for n in sorted(params)}
     tensors |= {f"momentum/{n}": np.ascontiguousarray(momentum[n]) for n in sorted(momentum)}
@@ -76,7 +84,7 @@ def _layout(
         "format": FORMAT,
         "round": round,
         "params_hash": params_hash or digest_arrays(params, "params"),
-        "momentum_hash": digest_arrays(momentum, "momentum"),
+        "momentum_hash": momentum_hash or digest_arrays(momentum, "momentum"),
     }
     return tensors, info
 

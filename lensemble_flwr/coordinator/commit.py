@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.config import RetentionConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
@@ -114,7 +116,7 @@ def write_commit(
     attempt: Attempt,
     result: AggregateSum,
     diagnostics: Mapping[str, float],
-    new_state: GlobalState,
+    new_state: GlobalState | Callable[[], GlobalState],
     momentum: NamedArrays,
     *,
     head_hash: str,
@@ -124,12 +126,24 @@ def write_commit(
 ) -> Committed:
     """Steps 1–3 of the module's order; returns once the ledger holds the round.
 
+    ``new_state`` may be given as the call that pins (and hashes) it: it then runs while
+    the momentum is hashed on another thread (two model-sized hashes at once).
+
     Raises:
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
+    if callable(new_state):
+        with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
+            momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
+            new_state = new_state()
+            hashed = momentum_hash.result()
+    else:
+        hashed = None
     digest = store.put_parts(
-        checkpoint_parts(t, new_state.params, momentum, params_hash=new_state.params_hash)
+        checkpoint_parts(
+            t, new_state.params, momentum, params_hash=new_state.params_hash, momentum_hash=hashed
+        )
     )
     entry = entry_of(
         attempt,

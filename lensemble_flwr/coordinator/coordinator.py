@@ -459,15 +459,15 @@ class Coordinator:
             )
         stepped_from = self._stepped_from
         attempt = self._attempt
+        if attempt is not None and attempt.round == self._global.next_round:
+            raise IllegalTransition(
+                f"adopt: round {attempt.round} attempt {attempt.number} already started "
+                "from the committed model"
+            )
         if stepped_from is None or attempt is None:
             raise IllegalTransition(
                 "adopt: this coordinator committed no round since it started; only the "
                 "model a round just committed can be changed"
-            )
-        if attempt.round == self._global.next_round:
-            raise IllegalTransition(
-                f"adopt: round {attempt.round} attempt {attempt.number} already started "
-                "from the committed model"
             )
         if adopted_hash == self._global.params_hash:
             return None
@@ -574,6 +574,7 @@ class Coordinator:
         )
         self._grace = 0.0
         self._attempt = attempt
+        self._stepped_from = None  # adopt() is refused from now on: θ_{t-1}, m_{t-1} can go
         self._mode.begin(attempt)
         return attempt
 
@@ -760,7 +761,7 @@ class Coordinator:
                 attempt,
                 result,
                 diagnostics,
-                self._pin(attempt.round, params, copy=False),  # θ_r; outer_step's are fresh
+                lambda: self._pin(attempt.round, params, copy=False),  # θ_r: fresh arrays
                 momentum,
                 head_hash=self._head_hash,
                 secure_sum=self._mode.secure_sum,

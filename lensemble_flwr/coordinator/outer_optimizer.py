@@ -93,10 +93,9 @@ def outer_step(
             mu=mu,
         ) -> None:
             tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
-            mtmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
             for s in range(lo, hi, CHUNK):
                 e = min(s + CHUNK, hi)
-                g, m, t = g_in[s:e], mtmp[: e - s], tmp[: e - s]
+                g, m, t = g_in[s:e], tmp[: e - s], p_out[s:e]  # t: θ' is built in place
                 np.multiply(m_in[s:e], mu, out=m)
                 np.add(m, g, out=m)  # m' = mu*m + g
                 if config.nesterov:
@@ -105,7 +104,7 @@ def outer_step(
                 else:
                     t[...] = m
                 np.multiply(t, lr, out=t)
-                np.add(p_in[s:e], t, out=p_out[s:e])
+                np.add(p_in[s:e], t, out=t)
                 m_out[s:e] = m  # last: m_out may be g's own buffer
 
         run_ranges(p_in.size, kernel)

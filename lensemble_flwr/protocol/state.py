@@ -84,10 +84,16 @@ class GlobalState:
 
 
 def l2_norm(arrays: Mapping[str, np.ndarray]) -> float:
-    """Global L2 norm over all arrays, accumulated in float64 in canonical order."""
+    """Global L2 norm over all arrays, accumulated in float64 in canonical order (one
+    float64 buffer, as large as the largest array, holds each array's copy in turn: its
+    pages are faulted in once, not once per array)."""
     total = 0.0
+    largest = max((np.asarray(a).size for a in arrays.values()), default=0)
+    buffer = np.empty(largest, np.float64)
     for name in sorted(arrays):
-        flat = np.asarray(arrays[name], dtype=np.float64).ravel()
+        source = np.asarray(arrays[name]).reshape(-1)
+        flat = buffer[: source.size]
+        np.copyto(flat, source)
         total += float(np.dot(flat, flat))
     return math.sqrt(total)
 
