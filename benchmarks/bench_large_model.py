@@ -133,9 +133,8 @@ def build(
         "retry_wait": 0.0,
         "root_seed": 7,
     }
-    config = LensembleConfig(
-        federation=fed, inner={"steps": 1}, retention={"keep_last_checkpoints": keep_last}
-    )
+    retention = {"retention": {"keep_last_checkpoints": keep_last}} if keep_last else {}
+    config = LensembleConfig(federation=fed, inner={"steps": 1}, **retention)
     theta = {name: np.zeros(size, np.float32) for name, size in shapes.items()}
     return Coordinator(config, initial_params=theta, store=Store(run_dir), run_id="bench")
 
