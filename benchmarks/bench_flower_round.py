@@ -8,7 +8,10 @@ the same federation, blocks of rounds of up to four variants:
 
 * ``FedAvg``: Flower's stock ``flwr.serverapp.strategy.FedAvg`` (``fraction_evaluate=0``,
   ``min_available_nodes = min_train_nodes = N``) driving a stock Message-API train
-  function (``arrays + 1``, replying ``arrays`` and ``metrics{"num-examples"}``);
+  function (``arrays + 1``, replying ``arrays`` and ``metrics{"num-examples"}``; with
+  ``--stock-train torch``, one that trains as the lensemble participant does: a fresh
+  model loads the arrays, one AdamW step, its state dict back, quickstart-pytorch's
+  shape);
 * ``LensembleStrategy`` (``fraction_evaluate=0``, ``min-participants = N``, collect
   timeout 120 s) driving ``make_client_app`` participants whose Trainer is a tiny
   ``nn.Module`` with one parameter ``w`` (groups ``shared="*"``, ``local=""``), loss
@@ -173,14 +176,39 @@ def stock_train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def stock_torch_train(msg: Message, context: Context) -> Message:
+    """A stock Message-API train function shaped like quickstart-pytorch's, doing the same
+    training as a lensemble participant here: a fresh :class:`TinyModel` loads the arrays,
+    one AdamW step (lr 1e-3, lensemble's inner default) on ``-w.sum()``, the model's
+    state dict back, one example."""
+    arrays = msg.content["arrays"]
+    model = TinyModel(int(arrays["w"].shape[0]))
+    model.load_state_dict(arrays.to_torch_state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.zero_grad()
+    (-model.w.sum()).backward()
+    optimizer.step()
+    out = ArrayRecord(model.state_dict())
+    content = RecordDict({"arrays": out, "metrics": MetricRecord({"num-examples": 1})})
+    return Message(content=content, reply_to=msg)
+
+
+STOCK_TRAINS = {"add-one": stock_train, "torch": stock_torch_train}
+"""What FedAvg's train function does (``--stock-train``)."""
+
+
 def is_lensemble_instruction(content: RecordDict) -> bool:
     config = content.config_records.get("config")
     return config is not None and PREFIX + "kind" in config
 
 
-def bench_client_app(size: int, config: LensembleConfig) -> ClientApp:
+def bench_client_app(
+    size: int, config: LensembleConfig, stock: str = "add-one"
+) -> ClientApp:
     """Routes a train instruction to a lensemble participant (``make_client_app``) or to
-    :func:`stock_train`, and stamps the reply with the seconds that took."""
+    the stock train function ``STOCK_TRAINS[stock]``, and stamps the reply with the
+    seconds that took."""
+    stock_fn = STOCK_TRAINS[stock]
     lensemble = make_client_app(
         lambda ctx: TinyTrainer(int(ctx.node_config["partition-id"]), size),
         config_fn=lambda ctx: config,
@@ -194,7 +222,7 @@ def bench_client_app(size: int, config: LensembleConfig) -> ClientApp:
         if is_lensemble_instruction(msg.content):
             reply = lensemble(msg, context)
         else:
-            reply = stock_train(msg, context)
+            reply = stock_fn(msg, context)
         if not reply.has_error():
             reply.content[CLIENT_RECORD] = ConfigRecord(
                 {"seconds": time.perf_counter() - t0, "start": start, "end": time.time()}
@@ -744,7 +772,8 @@ def run_one(args: argparse.Namespace) -> dict | None:
     import ray
 
     print(
-        f"== Flower simulation round time: {args.n} supernodes, model = one float32 "
+        f"== Flower simulation round time: {args.n} supernodes, FedAvg train: {args.stock_train}, "
+        f"model = one float32 "
         f"array of {args.size}, {args.blocks} blocks x {args.rounds} rounds per variant "
         f"({args.discard} discarded per block), polls {args.polls}, num_cpus="
         f"{args.num_cpus:g} per ClientApp ({args.actors} actors on {cores} cores); flwr "
@@ -768,7 +797,7 @@ def run_one(args: argparse.Namespace) -> dict | None:
     try:
         run_simulation(
             server_app=bench_server_app(args, variants, out),
-            client_app=bench_client_app(args.size, bench_config(args.n)),
+            client_app=bench_client_app(args.size, bench_config(args.n), args.stock_train),
             num_supernodes=args.n,
             backend_config={"client_resources": {"num_cpus": args.num_cpus, "num_gpus": 0.0}},
         )
@@ -841,6 +870,13 @@ def main(argv: list[str] | None = None) -> int:
         "--blocks", type=int, default=None, help="blocks of each variant (default: by N)"
     )
     parser.add_argument("--size", type=int, default=100, help="float32 values in the model")
+    parser.add_argument(
+        "--stock-train",
+        choices=sorted(STOCK_TRAINS),
+        default="add-one",
+        help="FedAvg's train function: add-one (arrays + 1, no training) or torch (the "
+        "same one AdamW step as the lensemble participant, quickstart-pytorch's shape)",
+    )
     parser.add_argument(
         "--num-cpus",
         type=float,
