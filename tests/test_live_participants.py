@@ -14,12 +14,19 @@ from flwr.app import Context, Message, RecordDict
 from test_participant_state import NODE, next_process, released_update, train_message
 from test_records import _serverapp_identity  # noqa: F401  (autouse: the ServerApp identity)
 
+from lensemble_flwr.clients import live as live_module
 from lensemble_flwr.clients.app import make_client_app
-from lensemble_flwr.clients.live import LiveParticipants, size_of
+from lensemble_flwr.clients.live import LiveParticipants, process_participants, size_of
 from lensemble_flwr.clients.state import META_KEY, TOKEN_FIELD, load_state, saved_token
 from lensemble_flwr.simulations.toy import ToyTrainer
 
 ROUNDS = 4
+
+
+@pytest.fixture(autouse=True)
+def _a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a new process does: no participant kept."""
+    monkeypatch.setattr(live_module, "_PROCESS", {})
 
 
 class Counting:
@@ -86,8 +93,8 @@ def test_a_kept_participant_releases_what_a_rebuilt_one_releases() -> None:
     kept, kept_context = run_rounds(kept_app, new_context(), range(ROUNDS))
     fresh, fresh_context = run_rounds(fresh_app, new_context(), range(ROUNDS))
     assert (kept_fn.built, fresh_fn.built) == (1, ROUNDS)
-    assert kept_app.live_participants.hits == ROUNDS - 1
-    assert fresh_app.live_participants.hits == 0 and len(fresh_app.live_participants) == 0
+    assert process_participants().hits == ROUNDS - 1
+    assert process_participants(0).hits == 0 and len(process_participants(0)) == 0
     assert_same_updates(kept, fresh)
     # and the state each leaves in context.state is the same but for its token
     a, b = load_state(kept_context.state), load_state(fresh_context.state)
@@ -127,7 +134,7 @@ def test_a_participant_that_failed_half_way_is_not_reused() -> None:
     trainer_fn.fail = True
     with pytest.raises(RuntimeError, match="the user's loss failed"):
         app(train_message(1), context)  # the state is the one round 1 left
-    assert len(app.live_participants) == 0
+    assert len(process_participants()) == 0
     trainer_fn.fail = False
     reply = app(train_message(1), context)  # retried: a participant built afresh
     assert not reply.has_error(), reply.error
@@ -146,7 +153,7 @@ def test_nodes_of_one_process_keep_their_own_participants() -> None:
             assert not reply.has_error(), reply.error
             contexts[node] = next_process(contexts[node])
     assert trainer_fn.built == 2
-    assert len(app.live_participants) == 2
+    assert len(process_participants()) == 2
 
 
 def test_participants_are_kept_by_size_least_recently_used_out() -> None:
@@ -166,8 +173,26 @@ def test_participants_are_kept_by_size_least_recently_used_out() -> None:
     none = LiveParticipants(capacity_bytes=0)
     none.keep("a", "t", "A", 0 + 1)
     assert none.take("a", "t") is None
-    with pytest.raises(ValueError, match="capacity_bytes must be >= 0"):
-        LiveParticipants(capacity_bytes=-1)
+    for bad in (lambda: LiveParticipants(capacity_bytes=-1), lambda: process_participants(-1)):
+        with pytest.raises(ValueError, match="capacity_bytes must be >= 0"):
+            bad()
+
+
+def test_copies_of_an_app_share_the_participants_of_their_process() -> None:
+    """The simulation engine hands its actors a new copy of the ClientApp (cloudpickled,
+    closures by value) with every message; a copy carries none of the kept participants."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    app = app_for(Counting())
+    context = new_context()
+    sizes = []
+    for rnd in range(3):
+        data = cloudpickle.dumps(app)
+        sizes.append(len(data))
+        copy = cloudpickle.loads(data)
+        assert not copy(train_message(rnd), context).has_error()
+        context = next_process(context)
+    assert process_participants().hits == 2
+    assert sizes[0] == sizes[1] == sizes[2]  # what is kept does not travel with the app
 
 
 def test_a_participants_size_counts_its_state_and_its_model() -> None:

@@ -18,7 +18,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lensemble_flwr.clients.live import DEFAULT_KEEP_BYTES, LiveParticipants, new_token, size_of
+from lensemble_flwr.clients.live import (
+    DEFAULT_KEEP_BYTES,
+    new_token,
+    process_participants,
+    size_of,
+)
 from lensemble_flwr.clients.state import load_state, save_state, saved_token
 from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.errors import ConfigError
@@ -260,8 +265,9 @@ def make_client_app(
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
     A process that handles several train messages (an actor of the simulation engine, a
-    long-lived ClientApp process) keeps the participants it built alive between them, up
-    to ``keep_live_bytes`` (their saved state's arrays plus their model's tensors; least
+    long-lived ClientApp process) keeps the participants it built alive between them (in
+    the process, whichever copy of the app handles the message), up to
+    ``keep_live_bytes`` (their saved state's arrays plus their model's tensors; least
     recently used out; 0 keeps none). A kept participant is reused only while
     ``context.state`` holds the state it saved last (a token says so); any other state is
     loaded into a participant built afresh, which is what a process that lives for one
@@ -286,8 +292,7 @@ def make_client_app(
         keep_live_bytes: bytes of participants this process keeps between messages.
     """
     app = ClientApp()
-    live = LiveParticipants(keep_live_bytes)
-    app.live_participants = live  # type: ignore[attr-defined]  (for tests and benchmarks)
+    process_participants(keep_live_bytes)  # a negative size fails here, not per message
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
@@ -295,6 +300,7 @@ def make_client_app(
         if not payloads:
             refusal = Error(code=REFUSED, reason="not a lensemble instruction")
             return Message(refusal, reply_to=message)
+        live = process_participants(keep_live_bytes)  # not captured: the app is pickled
         key = (context.run_id, context.node_id)
         participant = live.take(key, saved_token(context.state))
         if participant is None:

@@ -11,7 +11,9 @@ another process, rolled back, or replaced carries another token (or none), and t
 participant is rebuilt from it.
 
 The participants kept are bounded by their size (their saved state's arrays and their
-model's parameters), least recently used first out.
+model's parameters), least recently used first out. They are kept per process
+(:func:`process_participants`), not per ClientApp object: Flower's simulation engine hands
+its actors a new copy of the ClientApp with every message.
 """
 
 from __future__ import annotations
@@ -96,3 +98,16 @@ class LiveParticipants:
         self._kept[key] = _Kept(token, participant, size)
         while self.size > self.capacity_bytes:
             self._kept.popitem(last=False)
+
+
+_PROCESS: dict[int, LiveParticipants] = {}
+
+
+def process_participants(capacity_bytes: int = DEFAULT_KEEP_BYTES) -> LiveParticipants:
+    """This process's participants kept with ``capacity_bytes`` (one set per capacity)."""
+    if capacity_bytes < 0:
+        raise ValueError(f"capacity_bytes must be >= 0, not {capacity_bytes}")
+    live = _PROCESS.get(capacity_bytes)
+    if live is None:
+        live = _PROCESS[capacity_bytes] = LiveParticipants(capacity_bytes)
+    return live
