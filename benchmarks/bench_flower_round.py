@@ -116,6 +116,7 @@ from torch import nn
 import lensemble_flwr.artifacts.store as store_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients.app import make_client_app
+from lensemble_flwr.clients.live import process_participants
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.records import PREFIX
@@ -221,13 +222,19 @@ def bench_client_app(
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         start, t0 = time.time(), time.perf_counter()
+        hits = process_participants().hits
         if is_lensemble_instruction(msg.content):
             reply = lensemble(msg, context)
         else:
             reply = stock_fn(msg, context)
         if not reply.has_error():
             reply.content[CLIENT_RECORD] = ConfigRecord(
-                {"seconds": time.perf_counter() - t0, "start": start, "end": time.time()}
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "start": start,
+                    "end": time.time(),
+                    "reused": int(process_participants().hits > hits),  # a kept participant
+                }
             )
         return reply
 
@@ -279,6 +286,7 @@ class RoundMarks:
     store_calls: int  # same moment, StoreWrites.calls
     replies: int = 0
     client_seconds: float = 0.0  # the train calls' seconds inside the actors, summed
+    reused: int = 0  # train calls answered by a participant kept alive in the actor
     first_start: float = float("inf")  # earliest train call start (inside an actor)
     last_end: float = 0.0  # latest train call end
     last_pull: float = 0.0  # when the last train reply reached the ServerApp thread
@@ -316,6 +324,7 @@ class TimedGrid:
             stamp, marks = reply.content.config_records[CLIENT_RECORD], self.rounds[-1]
             marks.replies += 1
             marks.client_seconds += float(stamp["seconds"])  # type: ignore[arg-type]
+            marks.reused += int(stamp["reused"])  # type: ignore[arg-type]
             start, stop = float(stamp["start"]), float(stamp["end"])  # type: ignore[arg-type]
             marks.first_start = min(marks.first_start, start)
             marks.last_end = max(marks.last_end, stop)
@@ -371,6 +380,7 @@ class Measured:
         default_factory=lambda: {name: [] for name in PHASES}
     )
     coordinator_seconds: list[float] = dataclasses.field(default_factory=list)
+    reused: int = 0
 
 
 def run_block(
@@ -456,6 +466,7 @@ def record_block(
         measured.wall.append(nxt.perf - m.perf)
         measured.server_cpu.append(nxt.cpu - m.cpu)
         measured.client.append(m.client_seconds)
+        measured.reused += m.reused
         measured.messages.append(m.replies)
         measured.store_seconds.append(nxt.store_seconds - m.store_seconds)
         measured.store_calls.append(nxt.store_calls - m.store_calls)
@@ -639,7 +650,9 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
             own = median(measured[v].coordinator_seconds)
             print(
                 f"  {v.name}: the strategy's own 'seconds' metric (RoundOpen to commit, "
-                f"excl. the manifest write), median {own:.3f}"
+                f"excl. the manifest write), median {own:.3f}; train calls answered by "
+                f"a participant kept alive in its actor: {measured[v].reused} of "
+                f"{sum(measured[v].messages)}"
             )
 
     by = {(v.strategy, v.poll): measured[v] for v in variants}
