@@ -61,7 +61,8 @@ Targets (issue 13), printed as one PASS/FAIL line each per N after a summary tab
   inside the actors over every measured round of a strategy, divided by their number.
 
 Diagnostics, not part of the targets: ``--profile`` (cProfile of the ServerApp
-thread), ``--no-fsync`` (the coordinator's Store skips fsync), ``--extractor-tick``
+thread), ``--durable-writes`` (the coordinator's Store fsyncs as on a deployment;
+by default it does not on the simulation engine), ``--extractor-tick``
 (patches the engine's 0.1 s tick). It is a report, not a test: the exit code is 0
 whatever the outcome.
 """
@@ -113,7 +114,6 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 from torch import nn
 
-import lensemble_flwr.artifacts.store as store_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients.app import make_client_app
 from lensemble_flwr.clients.live import process_participants
@@ -393,6 +393,7 @@ def run_block(
     run_id: str,
     profiler: cProfile.Profile | None = None,
     stock: str = "add-one",
+    durable_writes: bool | None = None,
 ) -> tuple[TimedGrid, RoundMarks, list[float]]:
     """``rounds`` rounds of ``variant``; (proxy with the push marks, end mark, the
     coordinator's own per-round seconds for LensembleStrategy)."""
@@ -429,7 +430,10 @@ def run_block(
                 fraction_evaluate=0.0,
                 poll_interval=variant.poll,
                 warmup_timeout=timeout_for(nodes),
+                durable_writes=durable_writes,
             )
+            # the proxy is no InMemoryGrid: decide as the strategy does on the real grid
+            lens.durable_writes = lens.writes_durably(grid)
             result = lens.start(
                 grid=proxy,
                 initial_arrays=initial,  # type: ignore[arg-type]
@@ -522,6 +526,7 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                         Path(tmp) / f"warm-{strategy}",
                         f"warm-{strategy}",
                         stock=args.stock_train,
+                        durable_writes=args.durable_writes,
                     )
                 out["warm-blocks"] = time.perf_counter() - t0
                 measured = {v: Measured() for v in variants}
@@ -541,6 +546,7 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                             run_id,
                             profilers.get(v),
                             stock=args.stock_train,
+                            durable_writes=args.durable_writes,
                         )
                         record_block(measured[v], proxy, end, own, args.discard)
                 out["blocks"] = time.perf_counter() - t0
@@ -750,17 +756,6 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-class _OsWithoutFsync:
-    """``os`` as the Store module sees it under ``--no-fsync``: fsync does nothing."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def fsync(fd: int) -> None:
-        return None
-
-
 SCHEDULE = {10: (12, 4, [0.1, 0.05]), 50: (8, 3, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
@@ -807,9 +802,8 @@ def run_one(args: argparse.Namespace) -> dict | None:
             f"!! diagnostic run: the engine's dispatch tick is patched to "
             f"{args.extractor_tick:g} s (stock {ENGINE_TICK} s)"
         )
-    if args.no_fsync:
-        store_module.os = _OsWithoutFsync()  # type: ignore[assignment]
-        print("!! diagnostic run: the coordinator's Store does not fsync (writes not durable)")
+    if args.durable_writes:
+        print("LensembleStrategy(durable_writes=True): the run directory's writes are fsynced")
     out: dict = {}
     t0 = time.perf_counter()
     restore = StoreWrites.install()
@@ -926,9 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(stock: {ENGINE_TICK} s, hard-coded in flwr's vce_api)",
     )
     parser.add_argument(
-        "--no-fsync",
-        action="store_true",
-        help="diagnostic: the coordinator's Store skips its fsyncs (not durable)",
+        "--durable-writes",
+        action="store_const",
+        const=True,
+        default=None,
+        help="LensembleStrategy(durable_writes=True): fsync every write to the run "
+        "directory, as on a deployment (default: the strategy's default on the engine, "
+        "no fsync)",
     )
     parser.add_argument(
         "--profile",

@@ -11,6 +11,13 @@ Layout under ``root``:
   after which the destination directory is fsynced. Nothing half-written is ever
   visible under ``blobs/`` or ``names/``, and temp files are removed on every path.
 
+``Store(root, sync=False)`` skips the fsyncs and keeps everything else: a write is still
+published whole or not at all, so a killed *process* leaves the store as it was after its
+last completed write (the kernel keeps what was written); only a power loss or a kernel
+crash may lose the latest writes, or leave one of them empty (which :meth:`Store.get`
+then refuses as an integrity error). It is for runs that cannot outlive their machine
+anyway, such as a Flower simulation, whose participants' state lives in the engine's memory.
+
 A write can be watched, or cut short, from outside: ``Store(root, on_write=hook)`` calls
 ``hook(kind, key, data)`` before each write is published (:data:`WriteHook`); the crash
 drill kills its process there, half-way through a checkpoint.
@@ -81,6 +88,7 @@ class Store:
         *,
         on_write: WriteHook | None = None,
         create: bool = True,
+        sync: bool = True,
     ) -> None:
         """Open (creating if needed) the store at ``root``.
 
@@ -89,8 +97,12 @@ class Store:
             on_write: called before every write is published (tests and drills).
             create: False opens an existing store to read it, creating nothing (an
                 audit of a read-only copy); a write then fails with StoreError.
+            sync: fsync every write and the folder it is published in (durable across a
+                power loss); False publishes as atomically but without fsync (see the
+                module's docstring).
         """
         self.root: Path = Path(root)
+        self.sync = sync
         self.on_write = on_write
         self._blobs = self.root / "blobs"
         self._names = self.root / "names"
@@ -258,7 +270,8 @@ class Store:
             folder = folder.parent
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
-            _fsync_dir(new.parent)
+            if self.sync:
+                _fsync_dir(new.parent)
 
     def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
@@ -282,7 +295,8 @@ class Store:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.sync:
+                    os.fsync(f.fileno())
             if not exclusive:
                 os.replace(tmp, dest)
             else:
@@ -292,7 +306,8 @@ class Store:
                     if dest.is_dir():
                         raise
                     return False
-            _fsync_dir(dest.parent)
+            if self.sync:
+                _fsync_dir(dest.parent)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):

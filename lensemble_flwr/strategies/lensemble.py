@@ -35,6 +35,7 @@ from flwr.serverapp.strategy.strategy_utils import (
     aggregate_metricrecords,
     log_strategy_start_info,
 )
+from flwr.superlink.grid import InMemoryGrid
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
@@ -111,6 +112,11 @@ class LensembleStrategy(Strategy):
         train_metrics_aggr_fn, evaluate_metrics_aggr_fn: ``(replies' contents,
             weighted_by_key) -> MetricRecord``, as FedAvg's (default: the weighted mean of
             every numeric metric, Flower's ``aggregate_metricrecords``).
+        durable_writes: fsync every write to the run directory, so that what was
+            committed survives a power loss (True), or only a killed process (False:
+            writes are still published whole or not at all). None (the default): True on
+            a deployment, False on Flower's simulation engine, whose participants' state
+            lives in the engine's memory and cannot outlive the machine anyway.
 
     ``result.train_metrics_clientapp[r]`` holds the contributors' own metrics aggregated
     so, plus lensemble's bookkeeping under ``lensemble.`` (``lensemble.C_t``,
@@ -139,6 +145,7 @@ class LensembleStrategy(Strategy):
         weighted_by_key: str = "num-examples",
         train_metrics_aggr_fn: MetricsAggregation | None = None,
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+        durable_writes: bool | None = None,
     ) -> None:
         self.config = with_sampling(
             config or LensembleConfig(),
@@ -157,6 +164,7 @@ class LensembleStrategy(Strategy):
         self.gauge = gauge
         self.identities = identities
         self.resume = resume
+        self.durable_writes = durable_writes
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_id = run_id
         self.warmup_timeout = warmup_timeout
@@ -492,6 +500,13 @@ class LensembleStrategy(Strategy):
         return result
 
     # -- helpers -----------------------------------------------------------------------
+    def writes_durably(self, grid: Grid) -> bool:
+        """Whether the run directory's writes are fsynced on ``grid`` (``durable_writes``;
+        by default, everywhere but on the simulation engine)."""
+        if self.durable_writes is not None:
+            return self.durable_writes
+        return not isinstance(grid, InMemoryGrid)
+
     def _ensure_coordinator(
         self, grid: Grid, arrays: ArrayRecord, *, transport: Any = None
     ) -> Coordinator:
@@ -499,7 +514,7 @@ class LensembleStrategy(Strategy):
             if self.run_dir is None:
                 self.run_dir = Path(tempfile.mkdtemp(prefix="lensemble-run-"))
             run_id = self.run_id or f"flwr-{_flower_run_id(grid)}"
-            store = Store(self.run_dir)
+            store = Store(self.run_dir, sync=self.writes_durably(grid))
             common: dict[str, Any] = {
                 "transport": transport,
                 "store": store,
