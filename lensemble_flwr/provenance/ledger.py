@@ -232,6 +232,23 @@ class RunManifest(_Frozen):
         self._store_entry(store, entry)
         return self.model_copy(update={"rounds": (*self.rounds, entry)})
 
+    def since(self, round: int) -> RunManifest:
+        """This manifest with only the entries of rounds ``round`` and later (what a
+        coordinator keeps in memory: the rest stays in the store, see :meth:`entry`)."""
+        return self.model_copy(update={"rounds": tuple(e for e in self.rounds if e.round >= round)})
+
+    @staticmethod
+    def entry(store: Store, round: int, attempt: int) -> RoundEntry | None:
+        """The stored entry of ``attempt`` of ``round``; None when none is recorded.
+
+        Raises:
+            StoreError: the entry cannot be read; UnreadableDocument: it does not parse.
+        """
+        name = manifest_entry_name(round, attempt)
+        if not store.bound(name):
+            return None
+        return parse_document(RoundEntry, store.get(store.resolve(name)), name)
+
     @staticmethod
     def _store_entry(store: Store, entry: RoundEntry) -> None:
         name = manifest_entry_name(entry.round, entry.attempt)
