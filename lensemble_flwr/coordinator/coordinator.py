@@ -58,7 +58,12 @@ from lensemble_flwr.coordinator.modes import (
 )
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.coordinator.reach import ReachMemo
-from lensemble_flwr.coordinator.recovery import INTERRUPTED, record_interrupted, recover
+from lensemble_flwr.coordinator.recovery import (
+    INTERRUPTED,
+    record_interrupted,
+    recover,
+    recover_following,
+)
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
@@ -93,6 +98,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
 from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport
 
@@ -241,6 +247,7 @@ class Coordinator:
         check: Literal["full", "chain"] = "full",
         clock: Callable[[], float] | None = None,
         on_transition: Callable[[RoundMachine], None] | None = None,
+        follower: LedgerFollower | None = None,
     ) -> Coordinator:
         """Continue the run held in ``store`` after the coordinator stopped (or crashed).
 
@@ -254,7 +261,9 @@ class Coordinator:
         as :func:`~lensemble_flwr.provenance.ledger.verify`); ``check="chain"`` verifies
         the records' hash chain and only the checkpoint it resumes from — for a caller
         that resumes every round (the shared-folder runner), where a full check would make
-        a run cost quadratic time.
+        a run cost quadratic time. With ``follower`` (kept by the caller between resumes of
+        the same run), only what was stored since its last resume is read and checked, as
+        ``check="chain"`` checks it: a resume then costs the same in every round.
 
         Raises:
             StoreError: ``store`` holds no run.
@@ -262,14 +271,18 @@ class Coordinator:
             LedgerError: the stored ledger, manifest or registry is inconsistent (the
                 run is not resumed: ``lensemble-flwr verify`` names the broken link).
         """
-        manifest = RunManifest.load(store)
+        manifest = follower.manifest_header() if follower else RunManifest.load(store)
         config.check_recorded(manifest.config)
         self = cls.__new__(cls)
         self._setup(
             config, transport, store, manifest.run_id, aggregator_factory, on_round,
             update_transform, gauge, identities, clock, on_transition,
         )  # fmt: skip
-        recovered = recover(store, manifest, check)
+        if follower is not None:
+            recovered = recover_following(store, follower)
+            self._ledger = Ledger(store, head=follower.head)
+        else:
+            recovered = recover(store, manifest, check)
         self._global = self._pin(recovered.round, recovered.params, copy=False)
         self._momentum = recovered.momentum
         self._head_hash = recovered.head_hash

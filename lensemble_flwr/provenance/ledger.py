@@ -314,9 +314,11 @@ def first_error(exc: ValidationError) -> str:
 class Ledger:
     """The append-only, hash-chained list of ContributionRecords in a store."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, head: ContributionRecord | None = None) -> None:
+        """The ledger in ``store``; ``head``: its newest record, when the caller already
+        checked it (:mod:`.follow`), so that :meth:`head` need not list the ledger."""
         self.store = store
-        self._head: ContributionRecord | None = None
+        self._head: ContributionRecord | None = head
 
     def records(self) -> list[ContributionRecord]:
         """All records in round order (as stored; :func:`verify` checks them)."""
@@ -691,7 +693,14 @@ def _registry_commitments(store: Store, digest: str, what: str) -> Mapping[str, 
         return LinkBreak(None, "registry", "a participant registry", str(exc), f"{what}: {exc}")
 
 
-def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator[LinkBreak]:
+def registry_breaks(
+    store: Store,
+    records: list[ContributionRecord],
+    known: dict[str, tuple[Any, Any]] | None = None,
+    read: dict[str, Mapping[str, Any] | LinkBreak] | None = None,
+    *,
+    current: bool = True,
+) -> Iterator[LinkBreak]:
     """The registries the records committed to, and the current one.
 
     Each record's registry must be stored intact and bind every bound contributor to the
@@ -699,9 +708,14 @@ def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator
     change once registered: not from one record's registry to the next, and not in the
     current registry (which may have gained participants since the newest record: a
     later round that has not closed yet).
+
+    ``known`` (participant -> identity key, dataset root) and ``read`` (registry digest ->
+    its commitments) carry what earlier records established, for a caller that checks a
+    growing ledger a few records at a time (:mod:`.follow`); both are updated.
+    ``current=False`` leaves the current registry out.
     """
-    known: dict[str, tuple[Any, Any]] = {}  # pid -> (identity key, dataset root)
-    read: dict[str, Mapping[str, Any] | LinkBreak] = {}  # each registry blob read once
+    known = {} if known is None else known  # pid -> (identity key, dataset root)
+    read = {} if read is None else read  # each registry blob read once
     for rec in records:
         if rec.registry_digest is None:
             continue
@@ -724,7 +738,7 @@ def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator
                     f"round {rec.round}: the registry it used binds {pid} to another root",
                 )
         yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
-    if not known or not store.bound(REGISTRY):
+    if not current or not known or not store.bound(REGISTRY):
         return
     try:
         digest = store.resolve(REGISTRY)
