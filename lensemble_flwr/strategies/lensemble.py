@@ -707,7 +707,10 @@ class LensembleStrategy(Strategy):
                 for k, v in evaluation.items()
                 if k != "num-examples" and isinstance(v, (int, float))
             ]
-        for key in ("train-loss", "train_loss"):
+        # a stock client's own train loss; lensemble participants report their last inner
+        # mini-batch as last-batch-loss, which is not comparable with an evaluation, so
+        # it stays out of the line (it is in the round's MetricRecord)
+        for key in ("train_loss",):
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{key}={float(metrics[key]):.4f}")
         if BOOKKEEPING + "frame-drift" in metrics:
