@@ -20,6 +20,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.round_metrics import read_round_metrics
 from lensemble_flwr.simulations import flower_app, world
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
@@ -97,6 +98,10 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         assert 0 <= metrics["nodes-beating-local"] <= 3
     assert "node  global-train-loss  global-val-loss  local-only-val-loss" in out
     assert len(list((tmp_path / "c" / "world-local-only").glob("*.json"))) == 3  # one per node
+    # the strategy keeps the round's metrics for `lensemble-flwr report`'s curves
+    kept = read_round_metrics(tmp_path / "flwr-7")
+    assert sorted(kept) == [1, 2] and "global-val-loss" in kept[2]["evaluate"]
+    assert "last-batch-loss" in kept[2]["train"]
     # the server evaluates the probe moment gap of the initial and every committed model
     gaps = result.evaluate_metrics_serverapp
     assert sorted(gaps) == [0, 1, 2]
