@@ -50,9 +50,9 @@ def test_bad_data_settings_are_refused(kwargs: dict[str, object], key: str) -> N
 def test_baselines_refuse_negative_rounds_and_no_nodes() -> None:
     datas = [participant_data(0, **DATA)]
     for baseline in (local_only, centralized):
-        with pytest.raises(ConfigError, match="^num-server-rounds"):
+        with pytest.raises(ConfigError, match=r"^num-server-rounds"):
             baseline(datas, CONFIG, rounds=-1)
-        with pytest.raises(ConfigError, match="^num-partitions"):
+        with pytest.raises(ConfigError, match=r"^num-partitions"):
             baseline([], CONFIG, rounds=1)
 
 
@@ -78,7 +78,7 @@ def test_the_local_only_cache_computes_once(
     monkeypatch.setattr(cache, "local_only", lambda *a, **k: calls.append(a))
     assert cache.local_only_curve(1, DATA, CONFIG, **args) == first  # from the file
     assert calls == []
-    with pytest.raises(ConfigError, match="^num-server-rounds"):
+    with pytest.raises(ConfigError, match=r"^num-server-rounds"):
         cache.local_only_curve(1, DATA, CONFIG, **{**args, "rounds": -1})
     monkeypatch.undo()
     # a corrupt entry is recomputed; other settings get another entry

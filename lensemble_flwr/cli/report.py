@@ -123,9 +123,10 @@ def render_png(summary: RunSummary, metrics: RoundMetrics | None = None) -> byte
 
 
 def render_figure(summary: RunSummary, metrics: RoundMetrics | None = None) -> Any:
-    """The report's matplotlib ``Figure`` (Agg, no pyplot state): one panel per series against the round index, after the loss and accuracy panels
-    of ``metrics`` (the run's ``round-metrics.json``) when there are any; aborted
-    attempts marked on C_t (integer ticks)."""
+    """The report's matplotlib ``Figure`` (Agg, no pyplot state): the loss and accuracy
+    panels of ``metrics`` (the run's ``round-metrics.json``) when there are any, then one
+    panel per ledger series against the round index; aborted attempts marked on C_t
+    (integer ticks)."""
     try:
         from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
     except ImportError as exc:
