@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 TrainerFn = Callable[[Context], "Trainer | LocalTraining"]
 EvaluateFn = Callable[[Any, NamedArrays, Mapping[str, Any]], Mapping[str, float]]
 REFUSED = 3201
+LAST_BATCH_LOSS = "last-batch-loss"
+"""The train reply's metric: the loss of the inner loop's last mini-batch, on the node's
+locally trained model (not the global model, and not its whole data)."""
 """Error code of a train reply when the participant released nothing (see its log)."""
 
 
@@ -209,8 +212,8 @@ def train_participant(
     if releases_metrics(config):
         own = getattr(participant.training, "last_metrics", None) or {}
         metrics.update({k: v for k, v in own.items() if k != "num-examples"})
-        if participant.last_loss is not None:
-            metrics["train-loss"] = float(participant.last_loss)
+        if participant.last_loss is not None:  # the local model's, on one mini-batch
+            metrics[LAST_BATCH_LOSS] = float(participant.last_loss)
     content = records.encode_reply(collector.take(), metrics)
     return Message(content=content, reply_to=message), saved
 

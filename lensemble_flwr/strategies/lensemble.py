@@ -15,6 +15,7 @@ rounds only: masked rounds need :meth:`LensembleStrategy.start`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -47,6 +48,12 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
+from lensemble_flwr.provenance.round_metrics import (
+    METRICS_NAME,
+    RoundMetrics,
+    read_round_metrics,
+    write_round_metrics,
+)
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
@@ -174,6 +181,7 @@ class LensembleStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
+        self._round_metrics: RoundMetrics = {}
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
@@ -395,9 +403,7 @@ class LensembleStrategy(Strategy):
         valid = [c for c in contents if _weighted(c, self.weighted_by_key)]
         if not valid:
             return None
-        return _aggregated(
-            self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation"
-        )
+        return _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
 
     # -- the round loop ----------------------------------------------------------------
     def start(
@@ -491,6 +497,7 @@ class LensembleStrategy(Strategy):
             if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
                 result.evaluate_metrics_serverapp[r] = res
             self._report(closed, metrics, evaluation, aborted)
+            self._keep_metrics(r, metrics, evaluation)
             transport.forget_through(r)  # reported: its bookkeeping is no longer needed
             say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             if evaluation is not None:
@@ -506,6 +513,27 @@ class LensembleStrategy(Strategy):
         if self.durable_writes is not None:
             return self.durable_writes
         return not isinstance(grid, InMemoryGrid)
+
+    def _keep_metrics(
+        self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
+    ) -> None:
+        """Rewrite ``RUN_DIR/round-metrics.json`` with this round's metrics (the curves of
+        ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
+        if self.run_dir is None:
+            return
+        if not self._round_metrics:  # a resumed run keeps the rounds it reported before
+            with contextlib.suppress(ConfigError):
+                self._round_metrics = read_round_metrics(self.run_dir)
+        self._round_metrics[server_round] = {
+            "train": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "evaluate": {
+                k: v for k, v in (evaluation or {}).items() if isinstance(v, (int, float))
+            },
+        }
+        try:
+            write_round_metrics(self.run_dir, self._round_metrics)
+        except OSError as exc:
+            log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
 
     def _ensure_coordinator(
         self, grid: Grid, arrays: ArrayRecord, *, transport: Any = None
@@ -722,7 +750,10 @@ class LensembleStrategy(Strategy):
                 for k, v in evaluation.items()
                 if k != "num-examples" and isinstance(v, (int, float))
             ]
-        for key in ("train-loss", "train_loss"):
+        # a stock client's own train loss; lensemble participants report their last inner
+        # mini-batch as last-batch-loss, which is not comparable with an evaluation, so
+        # it stays out of the line (it is in the round's MetricRecord)
+        for key in ("train_loss",):
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{key}={float(metrics[key]):.4f}")
         if BOOKKEEPING + "frame-drift" in metrics:
