@@ -8,7 +8,10 @@ the same federation, blocks of rounds of up to four variants:
 
 * ``FedAvg``: Flower's stock ``flwr.serverapp.strategy.FedAvg`` (``fraction_evaluate=0``,
   ``min_available_nodes = min_train_nodes = N``) driving a stock Message-API train
-  function (``arrays + 1``, replying ``arrays`` and ``metrics{"num-examples"}``);
+  function (``arrays + 1``, replying ``arrays`` and ``metrics{"num-examples"}``; with
+  ``--stock-train torch``, one that trains as the lensemble participant does: a fresh
+  model loads the arrays, one AdamW step, its state dict back, quickstart-pytorch's
+  shape);
 * ``LensembleStrategy`` (``fraction_evaluate=0``, ``min-participants = N``, collect
   timeout 120 s) driving ``make_client_app`` participants whose Trainer is a tiny
   ``nn.Module`` with one parameter ``w`` (groups ``shared="*"``, ``local=""``), loss
@@ -58,7 +61,8 @@ Targets (issue 13), printed as one PASS/FAIL line each per N after a summary tab
   inside the actors over every measured round of a strategy, divided by their number.
 
 Diagnostics, not part of the targets: ``--profile`` (cProfile of the ServerApp
-thread), ``--no-fsync`` (the coordinator's Store skips fsync), ``--extractor-tick``
+thread), ``--durable-writes`` (the coordinator's Store fsyncs as on a deployment;
+by default it does not on the simulation engine), ``--extractor-tick``
 (patches the engine's 0.1 s tick). It is a report, not a test: the exit code is 0
 whatever the outcome.
 """
@@ -110,9 +114,9 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 from torch import nn
 
-import lensemble_flwr.artifacts.store as store_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients.app import make_client_app
+from lensemble_flwr.clients.live import process_participants
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.records import PREFIX
@@ -173,14 +177,41 @@ def stock_train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def stock_torch_train(msg: Message, context: Context) -> Message:
+    """A stock Message-API train function shaped like quickstart-pytorch's, doing the same
+    training as a lensemble participant here: a fresh :class:`TinyModel` loads the arrays,
+    one AdamW step (lr 1e-3, lensemble's inner default) on ``-w.sum()``, the model's
+    state dict back, one example."""
+    arrays = msg.content["arrays"]
+    model = TinyModel(int(arrays["w"].shape[0]))
+    model.load_state_dict(arrays.to_torch_state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.zero_grad()
+    (-model.w.sum()).backward()
+    optimizer.step()
+    out = ArrayRecord(model.state_dict())
+    content = RecordDict({"arrays": out, "metrics": MetricRecord({"num-examples": 1})})
+    return Message(content=content, reply_to=msg)
+
+
+STOCK_TRAINS = {"add-one": stock_train, "torch": stock_torch_train}
+"""What FedAvg's train function does (``--stock-train``)."""
+STOCK_STEP = {"add-one": 1.0, "torch": 1e-3}
+"""How far each stock train function moves ``w`` per round (one AdamW step: lr)."""
+
+
 def is_lensemble_instruction(content: RecordDict) -> bool:
     config = content.config_records.get("config")
     return config is not None and PREFIX + "kind" in config
 
 
-def bench_client_app(size: int, config: LensembleConfig) -> ClientApp:
+def bench_client_app(
+    size: int, config: LensembleConfig, stock: str = "add-one"
+) -> ClientApp:
     """Routes a train instruction to a lensemble participant (``make_client_app``) or to
-    :func:`stock_train`, and stamps the reply with the seconds that took."""
+    the stock train function ``STOCK_TRAINS[stock]``, and stamps the reply with the
+    seconds that took."""
+    stock_fn = STOCK_TRAINS[stock]
     lensemble = make_client_app(
         lambda ctx: TinyTrainer(int(ctx.node_config["partition-id"]), size),
         config_fn=lambda ctx: config,
@@ -191,13 +222,19 @@ def bench_client_app(size: int, config: LensembleConfig) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         start, t0 = time.time(), time.perf_counter()
+        hits = process_participants().hits
         if is_lensemble_instruction(msg.content):
             reply = lensemble(msg, context)
         else:
-            reply = stock_train(msg, context)
+            reply = stock_fn(msg, context)
         if not reply.has_error():
             reply.content[CLIENT_RECORD] = ConfigRecord(
-                {"seconds": time.perf_counter() - t0, "start": start, "end": time.time()}
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "start": start,
+                    "end": time.time(),
+                    "reused": int(process_participants().hits > hits),  # a kept participant
+                }
             )
         return reply
 
@@ -249,6 +286,7 @@ class RoundMarks:
     store_calls: int  # same moment, StoreWrites.calls
     replies: int = 0
     client_seconds: float = 0.0  # the train calls' seconds inside the actors, summed
+    reused: int = 0  # train calls answered by a participant kept alive in the actor
     first_start: float = float("inf")  # earliest train call start (inside an actor)
     last_end: float = 0.0  # latest train call end
     last_pull: float = 0.0  # when the last train reply reached the ServerApp thread
@@ -286,6 +324,7 @@ class TimedGrid:
             stamp, marks = reply.content.config_records[CLIENT_RECORD], self.rounds[-1]
             marks.replies += 1
             marks.client_seconds += float(stamp["seconds"])  # type: ignore[arg-type]
+            marks.reused += int(stamp["reused"])  # type: ignore[arg-type]
             start, stop = float(stamp["start"]), float(stamp["end"])  # type: ignore[arg-type]
             marks.first_start = min(marks.first_start, start)
             marks.last_end = max(marks.last_end, stop)
@@ -341,6 +380,7 @@ class Measured:
         default_factory=lambda: {name: [] for name in PHASES}
     )
     coordinator_seconds: list[float] = dataclasses.field(default_factory=list)
+    reused: int = 0
 
 
 def run_block(
@@ -352,6 +392,8 @@ def run_block(
     run_dir: Path,
     run_id: str,
     profiler: cProfile.Profile | None = None,
+    stock: str = "add-one",
+    durable_writes: bool | None = None,
 ) -> tuple[TimedGrid, RoundMarks, list[float]]:
     """``rounds`` rounds of ``variant``; (proxy with the push marks, end mark, the
     coordinator's own per-round seconds for LensembleStrategy)."""
@@ -377,8 +419,9 @@ def run_block(
                 grid.pull_interval = saved  # type: ignore[attr-defined]
             end = now_marks()
             final = result.arrays["w"].numpy()
-            if not np.allclose(final, rounds):
-                raise RuntimeError(f"FedAvg: w = {final[:3]}..., expected {rounds}")
+            expected = rounds * STOCK_STEP[stock]
+            if not np.allclose(final, expected, rtol=1e-3):
+                raise RuntimeError(f"FedAvg: w = {final[:3]}..., expected {expected:g}")
         else:
             lens = LensembleStrategy(
                 bench_config(nodes),
@@ -387,7 +430,10 @@ def run_block(
                 fraction_evaluate=0.0,
                 poll_interval=variant.poll,
                 warmup_timeout=timeout_for(nodes),
+                durable_writes=durable_writes,
             )
+            # the proxy is no InMemoryGrid: decide as the strategy does on the real grid
+            lens.durable_writes = lens.writes_durably(grid)
             result = lens.start(
                 grid=proxy,
                 initial_arrays=initial,  # type: ignore[arg-type]
@@ -424,6 +470,7 @@ def record_block(
         measured.wall.append(nxt.perf - m.perf)
         measured.server_cpu.append(nxt.cpu - m.cpu)
         measured.client.append(m.client_seconds)
+        measured.reused += m.reused
         measured.messages.append(m.replies)
         measured.store_seconds.append(nxt.store_seconds - m.store_seconds)
         measured.store_calls.append(nxt.store_calls - m.store_calls)
@@ -478,6 +525,8 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                         args.size,
                         Path(tmp) / f"warm-{strategy}",
                         f"warm-{strategy}",
+                        stock=args.stock_train,
+                        durable_writes=args.durable_writes,
                     )
                 out["warm-blocks"] = time.perf_counter() - t0
                 measured = {v: Measured() for v in variants}
@@ -496,6 +545,8 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                             Path(tmp) / run_id,
                             run_id,
                             profilers.get(v),
+                            stock=args.stock_train,
+                            durable_writes=args.durable_writes,
                         )
                         record_block(measured[v], proxy, end, own, args.discard)
                 out["blocks"] = time.perf_counter() - t0
@@ -605,7 +656,9 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
             own = median(measured[v].coordinator_seconds)
             print(
                 f"  {v.name}: the strategy's own 'seconds' metric (RoundOpen to commit, "
-                f"excl. the manifest write), median {own:.3f}"
+                f"excl. the manifest write), median {own:.3f}; train calls answered by "
+                f"a participant kept alive in its actor: {measured[v].reused} of "
+                f"{sum(measured[v].messages)}"
             )
 
     by = {(v.strategy, v.poll): measured[v] for v in variants}
@@ -703,17 +756,6 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-class _OsWithoutFsync:
-    """``os`` as the Store module sees it under ``--no-fsync``: fsync does nothing."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def fsync(fd: int) -> None:
-        return None
-
-
 SCHEDULE = {10: (12, 4, [0.1, 0.05]), 50: (8, 3, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
@@ -744,7 +786,8 @@ def run_one(args: argparse.Namespace) -> dict | None:
     import ray
 
     print(
-        f"== Flower simulation round time: {args.n} supernodes, model = one float32 "
+        f"== Flower simulation round time: {args.n} supernodes, FedAvg train: {args.stock_train}, "
+        f"model = one float32 "
         f"array of {args.size}, {args.blocks} blocks x {args.rounds} rounds per variant "
         f"({args.discard} discarded per block), polls {args.polls}, num_cpus="
         f"{args.num_cpus:g} per ClientApp ({args.actors} actors on {cores} cores); flwr "
@@ -759,16 +802,15 @@ def run_one(args: argparse.Namespace) -> dict | None:
             f"!! diagnostic run: the engine's dispatch tick is patched to "
             f"{args.extractor_tick:g} s (stock {ENGINE_TICK} s)"
         )
-    if args.no_fsync:
-        store_module.os = _OsWithoutFsync()  # type: ignore[assignment]
-        print("!! diagnostic run: the coordinator's Store does not fsync (writes not durable)")
+    if args.durable_writes:
+        print("LensembleStrategy(durable_writes=True): the run directory's writes are fsynced")
     out: dict = {}
     t0 = time.perf_counter()
     restore = StoreWrites.install()
     try:
         run_simulation(
             server_app=bench_server_app(args, variants, out),
-            client_app=bench_client_app(args.size, bench_config(args.n)),
+            client_app=bench_client_app(args.size, bench_config(args.n), args.stock_train),
             num_supernodes=args.n,
             backend_config={"client_resources": {"num_cpus": args.num_cpus, "num_gpus": 0.0}},
         )
@@ -842,6 +884,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size", type=int, default=100, help="float32 values in the model")
     parser.add_argument(
+        "--stock-train",
+        choices=sorted(STOCK_TRAINS),
+        default="add-one",
+        help="FedAvg's train function: add-one (arrays + 1, no training) or torch (the "
+        "same one AdamW step as the lensemble participant, quickstart-pytorch's shape)",
+    )
+    parser.add_argument(
         "--num-cpus",
         type=float,
         default=1.0,
@@ -871,9 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(stock: {ENGINE_TICK} s, hard-coded in flwr's vce_api)",
     )
     parser.add_argument(
-        "--no-fsync",
-        action="store_true",
-        help="diagnostic: the coordinator's Store skips its fsyncs (not durable)",
+        "--durable-writes",
+        action="store_const",
+        const=True,
+        default=None,
+        help="LensembleStrategy(durable_writes=True): fsync every write to the run "
+        "directory, as on a deployment (default: the strategy's default on the engine, "
+        "no fsync)",
     )
     parser.add_argument(
         "--profile",

@@ -142,7 +142,7 @@ def test_under_dp_no_train_loss_leaves_a_node_unless_opted_in(tmp_path: Path, op
     assert replies and not any(r.has_error() for r in replies)
     metrics = [dict(r.content.metric_records[records.METRICS]) for r in replies]
     assert all("num-examples" in m for m in metrics)
-    assert all(("train-loss" in m) is opt_in for m in metrics)
+    assert all(("last-batch-loss" in m) is opt_in for m in metrics)
 
 
 def evaluate_message() -> Message:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -325,3 +326,20 @@ def test_l2_norm_is_the_old_float64_sum_bit_for_bit() -> None:
             old += float(np.dot(flat, flat))
         assert l2_norm(arrays) == math.sqrt(old)
     assert l2_norm({}) == 0.0
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_put_parts_and_delete_fsync_only_a_syncing_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    store = Store(tmp_path / "run", sync=sync)
+    digest = store.put_parts([b"a ", memoryview(b"checkpoint")])
+    assert (len(fsyncs) > 0) is sync and store.get(digest) == b"a checkpoint"
+    fsyncs.clear()
+    assert store.delete(digest) and not store.has(digest)
+    assert (len(fsyncs) > 0) is sync
+    assert store.delete(digest) is False  # gone already
+    assert not any((tmp_path / "run" / "tmp").iterdir())

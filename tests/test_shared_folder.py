@@ -555,7 +555,7 @@ def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
 
 
 def test_a_closed_round_missing_from_the_ledger_is_refused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(Ledger, "head", lambda self: None)
+    monkeypatch.setattr(SharedFolderParticipant, "_committed_record", lambda self, r: None)
     with pytest.raises(LedgerError, match="does not hold the closed round"):
         node(tmp_path, "p00", ["p00"]).run(1)
 

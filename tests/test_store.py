@@ -269,3 +269,29 @@ def test_a_full_disk_is_a_store_error_naming_the_path(
     monkeypatch.undo()
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing half-written
     assert not store.has(hashlib.sha256(b"y" * 100).hexdigest())
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_sync_false_publishes_as_atomically_without_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    store = Store(tmp_path / "run", sync=sync)
+    digest = store.put(b"a checkpoint")  # a new blob prefix folder, the blob
+    store.bind("round/1/ledger", digest)  # new name folders, the name
+    assert store.claim("round/1/claimed", digest) is True
+    assert (len(fsyncs) > 0) is sync
+    assert store.get(digest) == b"a checkpoint"
+    assert store.resolve("round/1/ledger") == digest
+    assert list((tmp_path / "run" / "tmp").iterdir()) == []  # no temp file left either way
+
+    # and a write cut short before it is published leaves nothing, as with fsync
+    def cut(kind: str, key: str, data: bytes) -> None:
+        raise OSError("killed")
+
+    store.on_write = cut
+    with pytest.raises(OSError, match="killed"):
+        store.put(b"never published")
+    assert not store.has(hashlib.sha256(b"never published").hexdigest())

@@ -181,3 +181,29 @@ def test_aggregate_train_without_configure_train_is_refused(tmp_path: Path) -> N
     strategy, _grid = stock_loop_federation(tmp_path)
     with pytest.raises(RuntimeError, match="configure_train"):
         strategy.aggregate_train(1, [])
+
+
+def test_run_directory_writes_are_fsynced_except_on_the_simulation_engine(
+    tmp_path: Path,
+) -> None:
+    """By default a deployment's run directory survives a power loss (every write
+    fsynced); on the simulation engine, whose participants' state lives in its memory, it
+    survives a killed process only. ``durable_writes`` decides either way."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    class SimulationGrid(InMemoryGrid):
+        def __init__(self) -> None:  # no LinkState: only its type is asked
+            pass
+
+    deployment = FakeGrid(FakeClock(), {})
+    assert LensembleStrategy(small_config()).writes_durably(deployment) is True
+    assert LensembleStrategy(small_config()).writes_durably(SimulationGrid()) is False
+    for durable in (True, False):
+        strategy = LensembleStrategy(small_config(), durable_writes=durable)
+        assert strategy.writes_durably(SimulationGrid()) is durable
+        assert strategy.writes_durably(deployment) is durable
+    # and the coordinator's store is opened so
+    strategy, grid = stock_loop_federation(tmp_path)
+    Strategy.start(strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()),
+                   num_rounds=1)
+    assert strategy.coordinator is not None and strategy.coordinator.store.sync is True

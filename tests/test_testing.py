@@ -89,7 +89,7 @@ def test_a_participant_taken_offline_neither_sends_nor_receives_until_it_is_back
     network.inject(COORDINATOR, "p01", {"kind": "round-close", "round": 1})  # in flight
     network.take_offline("p01")
     assert network.online() == ["p02"]
-    assert network.coordinator.peers() == ["p02"]
+    assert network.coordinator.peers() == ("p02",)
     network.inject("p01", COORDINATOR, update("p01"))
     assert drain(network) == [] and nodes["p01"].got == []  # both lost
     network.bring_online("p01")

@@ -20,6 +20,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.round_metrics import read_round_metrics
 from lensemble_flwr.simulations import flower_app, world
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
@@ -68,7 +69,7 @@ def world_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]
 def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_config = {**RUN_CONFIG, "run-dir": str(tmp_path)}
+    run_config = {**RUN_CONFIG, "run-dir": str(tmp_path), "baseline-cache": str(tmp_path / "c")}
     grid, contexts = world_grid(run_config)
     server = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     results = []
@@ -81,9 +82,27 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
     monkeypatch.setattr(LensembleStrategy, "start", keep_result)
     world.main(grid, server)
     out = capsys.readouterr().out
-    assert "final validation loss (nodes' own action heads): {'loss'" in out
-    # the server evaluates the probe moment gap of the initial and every committed model
+    assert "final losses (mean over nodes, global model with each node's own head): {" in out
+    # every round's evaluation: the global model on each node's training and validation
+    # data, and the node's local-only baseline after as many steps; then a per-node table
     (result,) = results
+    evaluation = result.evaluate_metrics_clientapp
+    assert sorted(evaluation) == [1, 2]
+    for metrics in evaluation.values():
+        assert set(metrics) == {
+            "global-train-loss",
+            "global-val-loss",
+            "local-only-val-loss",
+            "nodes-beating-local",
+        }
+        assert 0 <= metrics["nodes-beating-local"] <= 3
+    assert "node  global-train-loss  global-val-loss  local-only-val-loss" in out
+    assert len(list((tmp_path / "c" / "world-local-only").glob("*.json"))) == 3  # one per node
+    # the strategy keeps the round's metrics for `lensemble-flwr report`'s curves
+    kept = read_round_metrics(tmp_path / "flwr-7")
+    assert sorted(kept) == [1, 2] and "global-val-loss" in kept[2]["evaluate"]
+    assert "last-batch-loss" in kept[2]["train"]
+    # the server evaluates the probe moment gap of the initial and every committed model
     gaps = result.evaluate_metrics_serverapp
     assert sorted(gaps) == [0, 1, 2]
     assert all(
@@ -117,7 +136,7 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         initial = world.trainer_fn(fresh).trainer.model.action_head.weight.detach()
         assert kept.shape == initial.shape and not kept.equal(initial)
     dims = {world.trainer_fn(c).trainer.data.embodiment.action_dim for c in contexts.values()}
-    assert dims == {2, 3, 4}
+    assert dims == {4, 5, 6}  # the main job's world: actuation 'full'
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,7 @@ class FixedPointAggregator:
         self._r = _checksum_vector(check_seed)
         self._pending: list[_Pending] = []
         self._contributors: list[str] = []
+        self._contributed: set[str] = set()  # the same ids: membership in O(1)
         self._weight = 0
         self._bound = 0
         self._checksum = 0
@@ -230,7 +231,7 @@ class FixedPointAggregator:
             raise RoundError(f"{pid}: a masked update has no place in a plaintext sum")
         if self._revealed is not None:
             raise RoundError(f"{pid}: the contributing set is frozen; update not admitted")
-        if pid in self._contributors:
+        if pid in self._contributed:
             raise RoundError(f"{pid}: already contributed to this round")
         if not 1 <= weight <= self._config.max_weight:
             raise RoundError(f"{pid}: weight {weight} outside [1, {self._config.max_weight}]")
@@ -246,6 +247,7 @@ class FixedPointAggregator:
         self._bound += bound
         self._weight += weight
         self._contributors.append(pid)
+        self._contributed.add(pid)
         factor = np.float64(weight) * self._scale_unit
         scale = {n: factor * np.float64(update.scale_of(n)) for n in self._template}
         self._pending.append(_Pending(pid, update.delta, scale, bound))

@@ -16,6 +16,13 @@ the arrays it holds) and hashed as it is written, on a second thread: the blob i
 assembled in memory, and its digest costs no pass of its own. A blob read back later
 (:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed.
 
+``Store(root, sync=False)`` skips the fsyncs and keeps everything else: a write is still
+published whole or not at all, so a killed *process* leaves the store as it was after its
+last completed write (the kernel keeps what was written); only a power loss or a kernel
+crash may lose the latest writes, or leave one of them empty (which :meth:`Store.get`
+then refuses as an integrity error). It is for runs that cannot outlive their machine
+anyway, such as a Flower simulation, whose participants' state lives in the engine's memory.
+
 A write can be watched, or cut short, from outside: ``Store(root, on_write=hook)`` calls
 ``hook(kind, key, data)`` before each write is published (:data:`WriteHook`); the crash
 drill kills its process there, half-way through a checkpoint.
@@ -93,6 +100,7 @@ class Store:
         *,
         on_write: WriteHook | None = None,
         create: bool = True,
+        sync: bool = True,
     ) -> None:
         """Open (creating if needed) the store at ``root``.
 
@@ -101,8 +109,12 @@ class Store:
             on_write: called before every write is published (tests and drills).
             create: False opens an existing store to read it, creating nothing (an
                 audit of a read-only copy); a write then fails with StoreError.
+            sync: fsync every write and the folder it is published in (durable across a
+                power loss); False publishes as atomically but without fsync (see the
+                module's docstring).
         """
         self.root: Path = Path(root)
+        self.sync = sync
         self.on_write = on_write
         self._blobs = self.root / "blobs"
         self._names = self.root / "names"
@@ -167,7 +179,8 @@ class Store:
                             chunk = view[lo : lo + _SLICE]
                             while chunk:
                                 chunk = chunk[f.write(chunk) :]
-                    os.fsync(f.fileno())
+                    if self.sync:
+                        os.fsync(f.fileno())
             finally:
                 hashing.join()
             if failed:
@@ -181,7 +194,8 @@ class Store:
                 self.on_write("blob", digest, Path(tmp).read_bytes())
             self._ensure_dir(path.parent)
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            if self.sync:
+                _fsync_dir(path.parent)
             return digest
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -210,8 +224,9 @@ class Store:
 
     def delete(self, digest: str) -> bool:
         """Remove the blob ``digest`` (a checkpoint a retention policy prunes) and fsync
-        its folder; names bound to it are left as they are (the caller records why it is
-        gone first, so that a reader can tell a pruned blob from a lost one).
+        its folder (when the store syncs); names bound to it are left as they are (the
+        caller records why it is gone first, so that a reader can tell a pruned blob from
+        a lost one).
 
         Returns:
             Whether the blob was there.
@@ -228,7 +243,8 @@ class Store:
             self.on_write("delete", digest, b"")
         try:
             os.unlink(path)
-            _fsync_dir(path.parent)
+            if self.sync:
+                _fsync_dir(path.parent)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -357,7 +373,8 @@ class Store:
             folder = folder.parent
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
-            _fsync_dir(new.parent)
+            if self.sync:
+                _fsync_dir(new.parent)
 
     def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
@@ -381,7 +398,8 @@ class Store:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.sync:
+                    os.fsync(f.fileno())
             if not exclusive:
                 os.replace(tmp, dest)
             else:
@@ -391,7 +409,8 @@ class Store:
                     if dest.is_dir():
                         raise
                     return False
-            _fsync_dir(dest.parent)
+            if self.sync:
+                _fsync_dir(dest.parent)
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import io
 from pathlib import Path
+from typing import Any
 
 from lensemble_flwr.cli.output import EXIT_OK, status, stderr, stdout, write_atomically
 from lensemble_flwr.provenance.audit import AuditReport, audit_run
 from lensemble_flwr.provenance.ledger import FRAME_DRIFT
+from lensemble_flwr.provenance.round_metrics import RoundMetrics, read_round_metrics
 from lensemble_flwr.provenance.summary import RunSummary, summarize_run
 
 PNG_NAME = "rounds.png"
@@ -22,7 +24,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = commands.add_parser(
         "report",
         help="write per-round curves (PNG) and a markdown summary of a run",
-        description=f"Write {PNG_NAME} (C_t, every numeric diagnostic and epsilon per round) "
+        description=f"Write {PNG_NAME} (training and validation loss and accuracy from the "
+        "run's round-metrics.json when it has one, C_t, every numeric diagnostic and "
+        "epsilon per round) "
         f"and {MARKDOWN_NAME} (outcome, aborts and their reasons, final hashes, epsilon "
         "spent, the audit's verdict).",
     )
@@ -61,7 +65,7 @@ def write_report(run_dir: str | Path, out_dir: Path) -> tuple[ReportFiles, Audit
     """
     summary = summarize_run(run_dir)
     audit = audit_run(run_dir)
-    png = render_png(summary)
+    png = render_png(summary, read_round_metrics(run_dir))
     markdown = render_markdown(summary, audit, PNG_NAME)
     files = ReportFiles(out_dir / PNG_NAME, out_dir / MARKDOWN_NAME)
     write_atomically(files.png, png)
@@ -89,8 +93,40 @@ def _series(summary: RunSummary) -> list[tuple[str, list[int], list[float]]]:
     return panels
 
 
-def render_png(summary: RunSummary) -> bytes:
-    """One panel per series against the round index; aborted attempts marked on C_t."""
+Curve = tuple[str, list[int], list[float]]
+LOSS_PANEL, ACCURACY_PANEL = "loss (training and validation)", "accuracy"
+
+
+def metric_panels(metrics: RoundMetrics) -> list[tuple[str, list[Curve]]]:
+    """The loss and accuracy panels of the run's per-round metrics: every metric whose
+    name holds ``loss`` (or ``accuracy``), labelled ``evaluate: <name>`` or ``train
+    replies: <name>``; a panel with no series is left out."""
+    panels: list[tuple[str, list[Curve]]] = []
+    for title, word in ((LOSS_PANEL, "loss"), (ACCURACY_PANEL, "accuracy")):
+        curves: list[Curve] = []
+        for kind, label in (("evaluate", "evaluate"), ("train", "train replies")):
+            names = sorted({n for r in metrics.values() for n in r.get(kind, {}) if word in n})
+            for name in names:
+                points = [(r, m[kind][name]) for r, m in metrics.items() if name in m.get(kind, {})]
+                curves.append((f"{label}: {name}", [r for r, _ in points], [v for _, v in points]))
+        if curves:
+            panels.append((title, curves))
+    return panels
+
+
+def render_png(summary: RunSummary, metrics: RoundMetrics | None = None) -> bytes:
+    """:func:`render_figure` as PNG bytes."""
+    fig = render_figure(summary, metrics)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def render_figure(summary: RunSummary, metrics: RoundMetrics | None = None) -> Any:
+    """The report's matplotlib ``Figure`` (Agg, no pyplot state): the loss and accuracy
+    panels of ``metrics`` (the run's ``round-metrics.json``) when there are any, then one
+    panel per ledger series against the round index; aborted attempts marked on C_t
+    (integer ticks)."""
     try:
         from matplotlib.figure import Figure  # Agg canvas, no pyplot state, no display
     except ImportError as exc:
@@ -100,8 +136,17 @@ def render_png(summary: RunSummary) -> bytes:
         ) from exc
 
     panels = _series(summary)
-    fig = Figure(figsize=(7.0, 1.9 * len(panels) + 0.6), layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    curves = metric_panels(metrics or {})
+    count = len(curves) + len(panels)
+    fig = Figure(figsize=(7.0, 1.9 * count + 0.6), layout="constrained")
+    all_axes = fig.subplots(count, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, series) in zip(all_axes, curves, strict=False):
+        for label, rounds, values in series:
+            ax.plot(rounds, values, marker="o", markersize=3, linewidth=1.2, label=label)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes = all_axes[len(curves) :]
     for ax, (title, rounds, values) in zip(axes, panels, strict=True):
         ax.plot(rounds, values, marker="o", markersize=3, linewidth=1.2)
         ax.set_title(title, fontsize=9, loc="left")
@@ -115,15 +160,16 @@ def render_png(summary: RunSummary) -> bytes:
             color="tab:red",
             label=f"aborted attempts ({len(aborted)})",
             zorder=3,
+            clip_on=False,  # an aborted attempt has C_t = 0: on the axis, drawn whole
         )
         axes[0].legend(fontsize=8, loc="best")
-    axes[0].set_ylim(bottom=0)
-    axes[-1].set_xlabel("round")
-    axes[-1].xaxis.get_major_locator().set_params(integer=True)
+    # C_t counts contributors: integer ticks, and room below 0 for the aborted attempts
+    axes[0].set_ylim(bottom=-0.5, top=max([a.count for a in summary.attempts] + [1]) + 0.5)
+    axes[0].yaxis.get_major_locator().set_params(integer=True)
+    all_axes[-1].set_xlabel("round")
+    all_axes[-1].xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(f"run {summary.run_id}", fontsize=10)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    return buf.getvalue()
+    return fig
 
 
 def _cell(text: object) -> str:

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from lensemble_flwr.clients.state import load_state, save_state
+from lensemble_flwr.clients.live import (
+    DEFAULT_KEEP_BYTES,
+    new_token,
+    process_participants,
+    size_of,
+)
+from lensemble_flwr.clients.state import load_state, save_state, saved_token
 from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -34,6 +42,9 @@ log = logging.getLogger(__name__)
 TrainerFn = Callable[[Context], "Trainer | LocalTraining"]
 EvaluateFn = Callable[[Any, NamedArrays, Mapping[str, Any]], Mapping[str, float]]
 REFUSED = 3201
+LAST_BATCH_LOSS = "last-batch-loss"
+"""The train reply's metric: the loss of the inner loop's last mini-batch, on the node's
+locally trained model (not the global model, and not its whole data)."""
 """Error code of a train reply when the participant released nothing (see its log)."""
 
 
@@ -115,15 +126,42 @@ def handle_train(
     ``pipeline`` is the participant's release pipeline (None: the one the config asks
     for); its stages' state is restored from and saved to ``context.state`` with the rest
     of the participant's state."""
+    payloads = instruction_payloads(message)
+    if not payloads:
+        return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
+    built = build_participant(
+        context, trainer, config, gauge=gauge, identity=identity, pipeline=pipeline
+    )
+    if isinstance(built, Error):
+        return Message(built, reply_to=message)
+    return train_participant(message, payloads, context, built)[0]
+
+
+def instruction_payloads(message: Message) -> list[dict[str, Any]]:
+    """The lensemble payloads of ``message`` (RoundClose first), or [] if it carries no
+    lensemble instruction (a RoundOpen, RoundClose or UnmaskRequest)."""
     payloads = records.decode_instruction(message.content)
     if not any(kind_of(p) in records.INSTRUCTION_KINDS for p in payloads):
-        return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
-    collector = ReplyCollector()
+        return []
+    return payloads
+
+
+def build_participant(
+    context: Context,
+    trainer: Trainer | LocalTraining,
+    config: LensembleConfig,
+    *,
+    gauge: GaugeSetup | None = None,
+    identity: IdentityKey | None = None,
+    pipeline: ReleaseTransform | None = None,
+) -> Participant | Error:
+    """This node's Participant with the state kept in ``context.state``, or the Error
+    saying why it cannot be built."""
     try:
         participant = Participant(
             config,
             participant_id=participant_name(context, identity),
-            transport=collector,
+            transport=ReplyCollector(),
             trainer=trainer,
             gauge=gauge,
             identity=identity,
@@ -131,8 +169,29 @@ def handle_train(
             stable_id=stable_identity(context, config, identity),
         )
     except ConfigError as exc:  # no stable identity under DP, an unusable state dir
-        return Message(Error(code=REFUSED, reason=str(exc)), reply_to=message)
+        return Error(code=REFUSED, reason=str(exc))
     participant.import_state(load_state(context.state))
+    return participant
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """The state a participant saved to ``context.state``, and the token it is under."""
+
+    token: str
+    arrays: Mapping[str, np.ndarray]
+
+
+def train_participant(
+    message: Message,
+    payloads: list[dict[str, Any]],
+    context: Context,
+    participant: Participant,
+) -> tuple[Message, SavedState]:
+    """Let ``participant`` handle ``payloads``, the instruction in ``message``; save its
+    state to ``context.state`` under a new token. The reply, and what was saved."""
+    collector = ReplyCollector()
+    participant.transport = collector
     use_arrays = getattr(participant.training, "use_instruction_arrays", None)
     if callable(use_arrays):  # a NumPyClient gets the arrays in the server's order
         use_arrays(records.instruction_arrays(message.content))
@@ -142,20 +201,21 @@ def handle_train(
         use_config(records.instruction_user_config(message.content))
     for payload in payloads:
         participant.handle(payload)
-    save_state(context.state, participant.export_state())
+    portable = participant.export_state()
+    saved = SavedState(token=new_token(), arrays=portable.arrays)
+    save_state(context.state, portable, saved.token)
     if not collector.sent:  # it did not even accept the round (e.g. a tampered state)
-        return Message(
-            Error(code=REFUSED, reason=f"{participant.participant_id} refused the round"),
-            reply_to=message,
-        )
+        refusal = Error(code=REFUSED, reason=f"{participant.participant_id} refused the round")
+        return Message(refusal, reply_to=message), saved
+    config = participant.config
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
     if releases_metrics(config):
         own = getattr(participant.training, "last_metrics", None) or {}
         metrics.update({k: v for k, v in own.items() if k != "num-examples"})
-        if participant.last_loss is not None:
-            metrics["train-loss"] = float(participant.last_loss)
+        if participant.last_loss is not None:  # the local model's, on one mini-batch
+            metrics[LAST_BATCH_LOSS] = float(participant.last_loss)
     content = records.encode_reply(collector.take(), metrics)
-    return Message(content=content, reply_to=message)
+    return Message(content=content, reply_to=message), saved
 
 
 def releases_metrics(config: LensembleConfig) -> bool:
@@ -203,13 +263,24 @@ def make_client_app(
     gauge_fn: Callable[[Context], GaugeSetup | None] | None = None,
     identity_fn: Callable[[Context], IdentityKey | None] = identity_from_node_config,
     pipeline_fn: Callable[[Context], ReleaseTransform | None] | None = None,
+    keep_live_bytes: int = DEFAULT_KEEP_BYTES,
 ) -> ClientApp:
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
+    A process that handles several train messages (an actor of the simulation engine, a
+    long-lived ClientApp process) keeps the participants it built alive between them (in
+    the process, whichever copy of the app handles the message), up to
+    ``keep_live_bytes`` (their saved state's arrays plus their model's tensors; least
+    recently used out; 0 keeps none). A kept participant is reused only while
+    ``context.state`` holds the state it saved last (a token says so); any other state is
+    loaded into a participant built afresh, which is what a process that lives for one
+    message does every time.
+
     Args:
         trainer_fn: builds this node's Trainer (torch model + private data) or
-            LocalTraining; called for every message (a SuperNode may use a new process
-            per message), so it should be cheap and deterministic.
+            LocalTraining; called whenever a participant is built (for every message in
+            a process that lives for one message), so it should be deterministic: the
+            same node must get the same model and data every time.
         config_fn: the federation config on this node (default: from the run config).
         evaluate_fn: ``(trainer, global_arrays, config) -> metrics`` with ``num-examples``;
             None to refuse evaluate instructions.
@@ -221,20 +292,35 @@ def make_client_app(
             for every train message, so it must build the same stages every time: the
             state of every stage is kept in ``context.state`` between messages (see
             :mod:`lensemble_flwr.release.state_codec` for what a state may hold).
+        keep_live_bytes: bytes of participants this process keeps between messages.
     """
     app = ClientApp()
+    process_participants(keep_live_bytes)  # a negative size fails here, not per message
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        return handle_train(
-            message,
-            context,
-            trainer_fn(context),
-            config_fn(context),
-            gauge=gauge_fn(context) if gauge_fn is not None else None,
-            identity=identity_fn(context),
-            pipeline=pipeline_fn(context) if pipeline_fn is not None else None,
-        )
+        payloads = instruction_payloads(message)
+        if not payloads:
+            refusal = Error(code=REFUSED, reason="not a lensemble instruction")
+            return Message(refusal, reply_to=message)
+        live = process_participants(keep_live_bytes)  # not captured: the app is pickled
+        key = (context.run_id, context.node_id)
+        participant = live.take(key, saved_token(context.state))
+        if participant is None:
+            built = build_participant(
+                context,
+                trainer_fn(context),
+                config_fn(context),
+                gauge=gauge_fn(context) if gauge_fn is not None else None,
+                identity=identity_fn(context),
+                pipeline=pipeline_fn(context) if pipeline_fn is not None else None,
+            )
+            if isinstance(built, Error):
+                return Message(built, reply_to=message)
+            participant = built
+        reply, saved = train_participant(message, payloads, context, participant)
+        live.keep(key, saved.token, participant, size_of(saved.arrays, participant.trainer))
+        return reply
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:

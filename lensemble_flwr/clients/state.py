@@ -18,6 +18,8 @@ from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 ARRAYS_KEY = "lensemble.state.arrays"
 META_KEY = "lensemble.state.meta"
+TOKEN_FIELD = "token"
+"""The field of the meta record naming the saved state (:mod:`lensemble_flwr.clients.live`)."""
 
 
 def load_state(state: RecordDict) -> PortableState:
@@ -31,7 +33,18 @@ def load_state(state: RecordDict) -> PortableState:
     )
 
 
-def save_state(state: RecordDict, portable: PortableState) -> None:
-    """Store ``portable`` in ``state``, replacing what was there."""
+def saved_token(state: RecordDict) -> str | None:
+    """The token the state in ``state`` was saved under (None: none, or no state)."""
+    meta = state.get(META_KEY)
+    token = meta.get(TOKEN_FIELD) if isinstance(meta, ConfigRecord) else None
+    return token if isinstance(token, str) else None
+
+
+def save_state(state: RecordDict, portable: PortableState, token: str | None = None) -> None:
+    """Store ``portable`` in ``state``, replacing what was there (under ``token``, if
+    given: see :func:`saved_token`)."""
     state[ARRAYS_KEY] = arrays_to_record(portable.arrays) if portable.arrays else ArrayRecord()
-    state[META_KEY] = ConfigRecord({"json": canonical_json(portable.meta).decode("ascii")})
+    meta: dict[str, str] = {"json": canonical_json(portable.meta).decode("ascii")}
+    if token is not None:
+        meta[TOKEN_FIELD] = token
+    state[META_KEY] = ConfigRecord(meta)

@@ -49,9 +49,21 @@ from lensemble_flwr.coordinator.external_step import (
     check_adoptable,
     take_external_step,
 )
-from lensemble_flwr.coordinator.modes import AggregatorFactory, Exchange, RoundMode, mode_for
+from lensemble_flwr.coordinator.modes import (
+    AggregatorFactory,
+    Exchange,
+    PlaintextMode,
+    RoundMode,
+    mode_for,
+)
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
-from lensemble_flwr.coordinator.recovery import INTERRUPTED, record_interrupted, recover
+from lensemble_flwr.coordinator.reach import ReachMemo
+from lensemble_flwr.coordinator.recovery import (
+    INTERRUPTED,
+    record_interrupted,
+    recover,
+    recover_following,
+)
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
@@ -86,6 +98,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
 from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport
 
@@ -112,6 +125,10 @@ _UNTYPED_INPUT_ERRORS = (
 
 _DISCOVERY_INTERVAL = 1.0
 """Seconds between looks for newly reachable participants while a round is OPEN."""
+
+_OLDER_ENTRIES_KEPT = 4
+"""Update digests of earlier rounds' attempts kept in memory once read from the store (to
+recognise replays of late updates without reading their entry again for each)."""
 
 
 def fixed_point_aggregator(
@@ -230,6 +247,7 @@ class Coordinator:
         check: Literal["full", "chain"] = "full",
         clock: Callable[[], float] | None = None,
         on_transition: Callable[[RoundMachine], None] | None = None,
+        follower: LedgerFollower | None = None,
     ) -> Coordinator:
         """Continue the run held in ``store`` after the coordinator stopped (or crashed).
 
@@ -243,7 +261,9 @@ class Coordinator:
         as :func:`~lensemble_flwr.provenance.ledger.verify`); ``check="chain"`` verifies
         the records' hash chain and only the checkpoint it resumes from — for a caller
         that resumes every round (the shared-folder runner), where a full check would make
-        a run cost quadratic time.
+        a run cost quadratic time. With ``follower`` (kept by the caller between resumes of
+        the same run), only what was stored since its last resume is read and checked, as
+        ``check="chain"`` checks it: a resume then costs the same in every round.
 
         Raises:
             StoreError: ``store`` holds no run.
@@ -251,14 +271,18 @@ class Coordinator:
             LedgerError: the stored ledger, manifest or registry is inconsistent (the
                 run is not resumed: ``lensemble-flwr verify`` names the broken link).
         """
-        manifest = RunManifest.load(store)
+        manifest = follower.manifest_header() if follower else RunManifest.load(store)
         config.check_recorded(manifest.config)
         self = cls.__new__(cls)
         self._setup(
             config, transport, store, manifest.run_id, aggregator_factory, on_round,
             update_transform, gauge, identities, clock, on_transition,
         )  # fmt: skip
-        recovered = recover(store, manifest, check)
+        if follower is not None:
+            recovered = recover_following(store, follower)
+            self._ledger = Ledger(store, head=follower.head)
+        else:
+            recovered = recover(store, manifest, check)
         self._global = self._pin(recovered.round, recovered.params, copy=False)
         self._momentum = recovered.momentum
         self._head_hash = recovered.head_hash
@@ -266,7 +290,7 @@ class Coordinator:
         self.registry.restore()
         self._manifest = record_interrupted(
             store, recovered.manifest, self._global, recovered.external_step
-        )
+        ).since(self._global.next_round)
         log.info(
             "resumed run %s at round %d (%d participants registered)",
             self.run_id,
@@ -348,6 +372,8 @@ class Coordinator:
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
         self._attempt: Attempt | None = None
+        self._reach = ReachMemo()  # what invite and advance derived from the peers
+        self._older_digests: dict[tuple[int, int], Mapping[str, str] | None] = {}
         self.last_close: RoundClose | None = None
         self._grace = 0.0
         self.outcomes: list[RoundOutcome] = []
@@ -375,7 +401,9 @@ class Coordinator:
 
     @property
     def manifest(self) -> RunManifest:
-        return self._manifest
+        """The run's manifest, every attempt of every round, as stored (read from the
+        store: the coordinator keeps only the current round's entries in memory)."""
+        return RunManifest.load(self.store)
 
     @property
     def mode(self) -> RoundMode:
@@ -585,16 +613,23 @@ class Coordinator:
         attempt = self._current()
         if attempt.phase not in (RoundState.OPEN, RoundState.COLLECTING):
             raise IllegalTransition(f"the round is {attempt.phase.value}: nobody to invite")
-        peers = self._sampled(attempt, set(reachable))
+        peers = self._sampled(attempt, self._reach.peer_set(reachable))
         self._mode.settle(attempt, peers, final=False)
+        # a plaintext call that invited nobody invites nobody again on the same inputs
+        key = self._reach.invite_key(attempt, peers)
+        plaintext = isinstance(self._mode, PlaintextMode)
+        if plaintext and self._reach.invite_idle(key):
+            return []
         invitations = []
         for peer in sorted(peers):
             message = self._mode.invitation(attempt, peer)
             if message is not None:
                 invitations.append((peer, message))
+        if plaintext and not invitations:
+            self._reach.invited_nobody(key)
         return invitations
 
-    def _sampled(self, attempt: Attempt, reachable: set[str]) -> set[str]:
+    def _sampled(self, attempt: Attempt, reachable: frozenset[str]) -> frozenset[str]:
         """The reachable participants the attempt may invite: all of them, or — when rounds
         are sampled — its sample. The sample is drawn once per attempt, when at least
         ``min-available`` participants are reachable (none are invited before), from a
@@ -605,7 +640,7 @@ class Coordinator:
             return reachable
         if attempt.sample is None:
             if len(reachable) < max(fed.min_available, fed.quorum, 1):
-                return set()  # a sample below K could only abort: wait for more peers
+                return frozenset()  # a sample below K could only abort: wait for more peers
             seed = derive_seed(fed.root_seed, "sample", attempt.round, attempt.number)
             if fed.sample_mode == "poisson":
                 drawn = poisson_draw(reachable, fed.sample_fraction, seed, fed.quorum)
@@ -613,7 +648,7 @@ class Coordinator:
                 drawn = seeded_sample(reachable, fed.sample_size(len(reachable)), seed, "sample")
             attempt.sample = frozenset(drawn)
             if len(attempt.sample) < fed.quorum:
-                return set()  # nobody trains for an attempt that can only abort
+                return frozenset()  # nobody trains for an attempt that can only abort
             log.info(
                 "round %d attempt %d: sampled %d of %d reachable participants",
                 attempt.round,
@@ -621,7 +656,7 @@ class Coordinator:
                 len(attempt.sample),
                 len(reachable),
             )
-        return reachable & attempt.sample
+        return self._reach.sampled(reachable, attempt.sample)
 
     def rename(self, address: str, participant: str) -> bool:
         """The transport learnt that the peer it addressed as ``address`` (a Flower node
@@ -640,9 +675,8 @@ class Coordinator:
                 participant,
             )
             return False
-        if address in attempt.invited:
-            attempt.invited.discard(address)
-            attempt.invited.add(participant)
+        if address in attempt.invited:  # a new set: what was derived from the old one is stale
+            attempt.invited = (attempt.invited - {address}) | {participant}
         if attempt.sample is not None and address in attempt.sample:
             attempt.sample = (attempt.sample - {address}) | {participant}
         log.info("round %d: %s is participant %s", attempt.round, address, participant)
@@ -690,10 +724,9 @@ class Coordinator:
             IllegalTransition: the attempt is in neither phase.
         """
         attempt, quorum = self._current(), self.config.federation.quorum
+        peers: set[str] | frozenset[str] = self._reach.peer_set(reachable)
         if self.config.federation.sampled:  # only the sample counts (none before it is drawn)
-            peers = set() if attempt.sample is None else set(reachable) & attempt.sample
-        else:
-            peers = set(reachable)
+            peers = set() if attempt.sample is None else self._reach.sampled(peers, attempt.sample)
         if attempt.sample is not None and len(attempt.sample) < quorum:
             raise FaultToleranceExceeded(  # every Poisson draw was below K: none was invited
                 f"the attempt's sample has {len(attempt.sample)} participants, quorum {quorum}"
@@ -712,7 +745,7 @@ class Coordinator:
             return False
         if attempt.phase is RoundState.COLLECTING:
             eligible = self._mode.eligible(attempt)
-            outstanding = (eligible & peers) - attempt.admitted - set(attempt.refused)
+            outstanding = self._reach.outstanding(attempt, eligible, peers)
             if outstanding and len(attempt.admitted) + len(outstanding) < quorum:
                 raise FaultToleranceExceeded(
                     f"{len(attempt.admitted)} updates and {len(outstanding)} reachable "
@@ -787,7 +820,10 @@ class Coordinator:
             )
         stored_error: BaseException | None = None
         try:
-            self._manifest = self._manifest.with_round(self.store, committed.entry)
+            # the closed round's entries stay in the store only: memory does not grow
+            self._manifest = self._manifest.with_round(self.store, committed.entry).since(
+                self._global.next_round
+            )
         except Exception as exc:  # resume completes the entry from the kept closing one
             log.error("round %d committed; its manifest entry failed: %r", attempt.round, exc)
             stored_error = exc
@@ -922,10 +958,18 @@ class Coordinator:
             self._on_round(outcome)
 
     def _admitted_digests(self, round: int, attempt: int) -> Mapping[str, str] | None:
-        for entry in self._manifest.rounds:
+        for entry in self._manifest.rounds:  # the current round's entries
             if (entry.round, entry.attempt) == (round, attempt):
                 return entry.update_digests
-        return None
+        if round >= self._global.next_round:
+            return None  # not recorded yet, so not in the store either
+        key = (round, attempt)
+        if key not in self._older_digests:  # read once; the last few are kept
+            if len(self._older_digests) >= _OLDER_ENTRIES_KEPT:
+                del self._older_digests[next(iter(self._older_digests))]
+            entry = RunManifest.entry(self.store, round, attempt)
+            self._older_digests[key] = entry.update_digests if entry is not None else None
+        return self._older_digests[key]
 
     def _round_open(self, attempt: int) -> RoundOpen:
         state = self._global

@@ -43,6 +43,7 @@ from lensemble_flwr.coordinator.admission import (
     fold_update,
 )
 from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.coordinator.reach import ReachMemo
 from lensemble_flwr.errors import NonDeterministicAggregation, RoundError, SecureAggregationError
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
@@ -122,6 +123,7 @@ class PlaintextMode:
         self.registry = registry
         self.aggregator_factory = aggregator_factory
         self.readiness = "invited and bound" if config.federation.require_binding else "invited"
+        self._memo = ReachMemo()  # ready is asked after every message: O(1) if unchanged
 
     def begin(self, attempt: Attempt) -> None:
         """Build the attempt's exact aggregator (its self-check seed derives from the root
@@ -140,10 +142,8 @@ class PlaintextMode:
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
         """The invited participants that are reachable (and bound, when the federation
         requires binding)."""
-        present = attempt.invited & reachable
-        if self.config.federation.require_binding:
-            return {p for p in present if self.registry.is_bound(p)}
-        return present
+        bound = self.registry.commitments if self.config.federation.require_binding else None
+        return self._memo.ready(attempt, reachable, bound)  # remembered: do not modify
 
     def eligible(self, attempt: Attempt) -> set[str]:
         """Every invited participant."""

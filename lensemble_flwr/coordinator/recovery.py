@@ -26,8 +26,10 @@ from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
+    ContributionRecord,
     ExternalStep,
     Ledger,
     RoundEntry,
@@ -64,25 +66,65 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
     records = Ledger(store).records()
     closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
     if records and records[-1].round not in closed:
-        rec = records[-1]  # committed, but the crash came before its manifest entry
-        log.warning("round %d: completing the manifest after a crash", rec.round)
-        kept = load_closing(store)
-        if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
-            rec.round,
-            rec.attempt,
-            rec.new_global_hash,
-        ):
-            raise LedgerError(
-                f"round {rec.round} is in the ledger but not in the manifest, and the "
-                "manifest entry kept before its commit is missing or is another round's"
-            )
-        manifest = manifest.with_round(store, kept)
+        # committed, but the crash came before its manifest entry
+        manifest = _complete_cut_commit(store, manifest, records[-1])
     if check == "full":
         verify(store)  # the registry too
     else:
         verify_chain(records, manifest)
         verify_registry(store, records)
     head = records[-1] if records else None
+    return _resume_point(store, manifest, head)
+
+
+def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
+    """:func:`recover` with ``check="chain"`` for a process that resumes the run again and
+    again: only what was stored since ``follower`` last checked is read and checked (the
+    same link rules), so a resume costs the same in round 1000 as in round 2.
+
+    Raises:
+        LedgerError: the ledger, manifest or checkpoint is inconsistent.
+    """
+    header = follower.manifest_header()
+    records = follower.unchecked()
+    if records and not any(
+        e.state is RoundState.CLOSED for e in follower.entries(records[-1].round)
+    ):
+        _complete_cut_commit(store, header, records[-1])
+    follower.check(records)
+    current = follower.entries(follower.through + 1)
+    if any(e.state is RoundState.CLOSED for e in current):
+        raise LedgerError(
+            f"round {follower.through + 1} is closed in the manifest but not in the ledger"
+        )
+    follower.check_registry()
+    return _resume_point(store, header.model_copy(update={"rounds": current}), follower.head)
+
+
+def _complete_cut_commit(
+    store: Store, manifest: RunManifest, rec: ContributionRecord
+) -> RunManifest:
+    """Write the manifest entry of ``rec``'s round from the closing entry kept before its
+    commit (the crash came between the ledger record and the entry)."""
+    log.warning("round %d: completing the manifest after a crash", rec.round)
+    kept = load_closing(store)
+    if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
+        rec.round,
+        rec.attempt,
+        rec.new_global_hash,
+    ):
+        raise LedgerError(
+            f"round {rec.round} is in the ledger but not in the manifest, and the "
+            "manifest entry kept before its commit is missing or is another round's"
+        )
+    return manifest.with_round(store, kept)
+
+
+def _resume_point(
+    store: Store, manifest: RunManifest, head: ContributionRecord | None
+) -> Recovered:
+    """The checkpoint to resume from: the head's (or θ_0's), or the external step kept
+    after it."""
     ckpt = decode_checkpoint(store.get(head.checkpoint if head else manifest.initial_checkpoint))
     expected = head.new_global_hash if head else manifest.initial_params_hash
     if ckpt.params_hash != expected:

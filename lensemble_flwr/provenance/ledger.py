@@ -248,6 +248,23 @@ class RunManifest(_Frozen):
         self._store_entry(store, entry)
         return self.model_copy(update={"rounds": (*self.rounds, entry)})
 
+    def since(self, round: int) -> RunManifest:
+        """This manifest with only the entries of rounds ``round`` and later (what a
+        coordinator keeps in memory: the rest stays in the store, see :meth:`entry`)."""
+        return self.model_copy(update={"rounds": tuple(e for e in self.rounds if e.round >= round)})
+
+    @staticmethod
+    def entry(store: Store, round: int, attempt: int) -> RoundEntry | None:
+        """The stored entry of ``attempt`` of ``round``; None when none is recorded.
+
+        Raises:
+            StoreError: the entry cannot be read; UnreadableDocument: it does not parse.
+        """
+        name = manifest_entry_name(round, attempt)
+        if not store.bound(name):
+            return None
+        return parse_document(RoundEntry, store.get(store.resolve(name)), name)
+
     @staticmethod
     def _store_entry(store: Store, entry: RoundEntry) -> None:
         name = manifest_entry_name(entry.round, entry.attempt)
@@ -313,9 +330,11 @@ def first_error(exc: ValidationError) -> str:
 class Ledger:
     """The append-only, hash-chained list of ContributionRecords in a store."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, head: ContributionRecord | None = None) -> None:
+        """The ledger in ``store``; ``head``: its newest record, when the caller already
+        checked it (:mod:`.follow`), so that :meth:`head` need not list the ledger."""
         self.store = store
-        self._head: ContributionRecord | None = None
+        self._head: ContributionRecord | None = head
 
     def records(self) -> list[ContributionRecord]:
         """All records in round order (as stored; :func:`verify` checks them)."""
@@ -702,7 +721,14 @@ def _registry_commitments(store: Store, digest: str, what: str) -> Mapping[str, 
         return LinkBreak(None, "registry", "a participant registry", str(exc), f"{what}: {exc}")
 
 
-def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator[LinkBreak]:
+def registry_breaks(
+    store: Store,
+    records: list[ContributionRecord],
+    known: dict[str, tuple[Any, Any]] | None = None,
+    read: dict[str, Mapping[str, Any] | LinkBreak] | None = None,
+    *,
+    current: bool = True,
+) -> Iterator[LinkBreak]:
     """The registries the records committed to, and the current one.
 
     Each record's registry must be stored intact and bind every bound contributor to the
@@ -710,9 +736,14 @@ def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator
     change once registered: not from one record's registry to the next, and not in the
     current registry (which may have gained participants since the newest record: a
     later round that has not closed yet).
+
+    ``known`` (participant -> identity key, dataset root) and ``read`` (registry digest ->
+    its commitments) carry what earlier records established, for a caller that checks a
+    growing ledger a few records at a time (:mod:`.follow`); both are updated.
+    ``current=False`` leaves the current registry out.
     """
-    known: dict[str, tuple[Any, Any]] = {}  # pid -> (identity key, dataset root)
-    read: dict[str, Mapping[str, Any] | LinkBreak] = {}  # each registry blob read once
+    known = {} if known is None else known  # pid -> (identity key, dataset root)
+    read = {} if read is None else read  # each registry blob read once
     for rec in records:
         if rec.registry_digest is None:
             continue
@@ -735,7 +766,7 @@ def registry_breaks(store: Store, records: list[ContributionRecord]) -> Iterator
                     f"round {rec.round}: the registry it used binds {pid} to another root",
                 )
         yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
-    if not known or not store.bound(REGISTRY):
+    if not current or not known or not store.bound(REGISTRY):
         return
     try:
         digest = store.resolve(REGISTRY)

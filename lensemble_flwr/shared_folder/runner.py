@@ -75,9 +75,9 @@ from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import MessageKind, RoundOpen, WirePayload, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
+from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import (
     ContributionRecord,
-    Ledger,
     RunManifest,
     ledger_name,
     parse_document,
@@ -265,6 +265,7 @@ class SharedFolderParticipant:
         self._aggregator_factory = aggregator_factory
         self._on_outcome = on_outcome
         self._answer: tuple[tuple[int, int], list[WirePayload]] | None = None
+        self._follower = LedgerFollower(self.store)  # what this process checked of the run
         self.decisions: list[Decision] = []
         """The sittings this process decided (at most one process decides each)."""
         self.deposits: list[SittingKey] = []
@@ -492,8 +493,8 @@ class SharedFolderParticipant:
             store=self.store,
             aggregator_factory=self._aggregator_factory,
             identities=self.identities,
-            check="chain",  # every sitting resumes: reading every checkpoint each time
-        )  # would make a run quadratic (the head checkpoint is still verified)
+            follower=self._follower,  # every sitting resumes: checking the whole run each
+        )  # time would make it quadratic; each record is checked once per process
         state = coordinator.global_state()
         expected_attempt = announcement.round_opens[self.participant_id]["attempt"]
         if (state.next_round, state.params_hash, coordinator.next_attempt()) != (
@@ -526,7 +527,7 @@ class SharedFolderParticipant:
             )
             result = closed
         if result.state is RoundState.CLOSED:
-            head = Ledger(self.store).head()
+            head = self._committed_record(state.next_round)
             if head is None or head.new_global_hash != result.global_hash:
                 raise LedgerError(f"{key}: the ledger does not hold the closed round")
             nxt = Announcement.of(
@@ -560,6 +561,13 @@ class SharedFolderParticipant:
             error=result.error,
             next=nxt,
         )
+
+    def _committed_record(self, round: int) -> ContributionRecord | None:
+        """The ledger record of ``round``, read back by its name (None: there is none)."""
+        name = ledger_name(round)
+        if not self.store.bound(name):
+            return None
+        return parse_document(ContributionRecord, self.store.get(self.store.resolve(name)), name)
 
     def _readable(self, snapshot: Snapshot) -> list[FolderRecord]:
         """The snapshot's records that parse, speak for the participant they are filed

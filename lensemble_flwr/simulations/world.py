@@ -12,15 +12,28 @@ needs ``lensemble.shared-groups = "encoder,predictor"`` and ``lensemble.local-gr
 "action_head"``) and the app's own keys (``num-server-rounds``, ``init-seed``, ...).
 ``rotate-start = true`` makes every node train in its own randomly rotated latent frame
 (the experiment of ``docs/gauge.md``).
+
+The data keys (``trajectories``, ``trajectory-steps``, ``validation-trajectories``,
+``actuation``) set each node's data; the defaults are the main job's setting, in which
+every node has too little data to learn the shared groups alone (48 transitions) and the
+embodiments drive one shared world (``actuation = "full"``). Every evaluation reports, per
+node and averaged: the global model's loss on the node's training data
+(``global-train-loss``) and on its validation data (``global-val-loss``), both with the
+node's own head, and the node's local-only baseline after the same number of AdamW steps
+(``local-only-val-loss``, from :mod:`world_baseline_cache`; ``baseline-cache = "off"``
+skips it). The run ends with a per-node table of the last round.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
@@ -31,6 +44,7 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.params import is_local, is_shared
 from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations import flower_app
+from lensemble_flwr.simulations.world_baseline_cache import local_only_curve
 from lensemble_flwr.simulations.world_data import participant_data
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import (
@@ -38,7 +52,22 @@ from lensemble_flwr.simulations.world_model import (
     WorldTraining,
     initial_params,
 )
-from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays, records_of
+
+DEFAULT_ROUNDS = 5  # start_and_report's default
+DATA_DEFAULTS: dict[str, Any] = {
+    "trajectories": 2,
+    "trajectory-steps": 24,
+    "validation-trajectories": 8,
+    "actuation": "full",
+}
+"""The app's data keys and their defaults (the main job's setting)."""
+NODE, GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL = (
+    "node",
+    "global-train-loss",
+    "global-val-loss",
+    "local-only-val-loss",
+)
 
 
 def check_groups(config: LensembleConfig) -> None:
@@ -59,6 +88,27 @@ def _seeds(context: Context) -> tuple[int, int]:
     return int(run.get("data-seed", 0)), int(run.get("init-seed", 0))
 
 
+def data_settings(context: Context) -> dict[str, Any]:
+    """:func:`participant_data`'s keyword arguments from the run config's data keys."""
+    run = context.run_config
+    get = {k: run.get(k, v) for k, v in DATA_DEFAULTS.items()}
+    return {
+        "trajectories": int(get["trajectories"]),
+        "steps": int(get["trajectory-steps"]),
+        "validation_trajectories": int(get["validation-trajectories"]),
+        "actuation": str(get["actuation"]),
+    }
+
+
+def baseline_cache(context: Context) -> Path | bool | None:
+    """The ``baseline-cache`` key: False for ``"off"``, None for the user-level default
+    (empty), else the folder it names."""
+    value = str(context.run_config.get("baseline-cache", ""))
+    if value == "off":
+        return False
+    return Path(value) if value else None
+
+
 def trainer_fn(context: Context) -> WorldTraining:
     """This node's world model and embodiment, with its local state (action head, inner
     optimizer) restored from ``context.state`` so that evaluation uses its own head."""
@@ -66,10 +116,23 @@ def trainer_fn(context: Context) -> WorldTraining:
     check_groups(config)
     data_seed, init_seed = _seeds(context)
     partition, _count = flower_app.partition_of(context, default_count=6)
-    trainer = WorldTrainer(participant_data(partition, seed=data_seed), init_seed=init_seed)
-    training = WorldTraining(
+    trainer = WorldTrainer(
+        participant_data(partition, seed=data_seed, **data_settings(context)), init_seed=init_seed
+    )
+    cache = baseline_cache(context)
+    baseline = None
+    if cache is not False:
+        baseline = LocalOnlyBaseline(
+            data=data_settings(context),
+            rounds=int(context.run_config.get("num-server-rounds", DEFAULT_ROUNDS)),
+            data_seed=data_seed,
+            init_seed=init_seed,
+            cache_dir=cache,
+        )
+    training = NodeTraining(
         trainer,
         config,
+        baseline=baseline,
         rotate_start=bool(context.run_config.get("rotate-start", False)),
         rotation_seed=data_seed,
     )
@@ -82,16 +145,70 @@ def gauge_fn(context: Context) -> GaugeSetup:
     return world_gauge(_seeds(context)[0])
 
 
+class NodeTraining(WorldTraining):
+    """A node's :class:`WorldTraining` with what its local-only baseline depends on."""
+
+    def __init__(
+        self,
+        trainer: WorldTrainer,
+        config: LensembleConfig,
+        *,
+        baseline: LocalOnlyBaseline | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(trainer, config, **kwargs)
+        self.baseline = baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOnlyBaseline:
+    """The run's settings of a node's local-only curve (``world_baseline_cache``)."""
+
+    data: Mapping[str, Any]
+    rounds: int
+    data_seed: int
+    init_seed: int
+    cache_dir: Path | None
+
+    def validation_at(self, index: int, config: LensembleConfig, at: int) -> float | None:
+        """Node ``index``'s local-only validation loss after round ``at`` (None past the
+        run's rounds)."""
+        if not 0 <= at <= self.rounds:
+            return None
+        curve = local_only_curve(
+            index,
+            self.data,
+            config,
+            rounds=self.rounds,
+            data_seed=self.data_seed,
+            init_seed=self.init_seed,
+            cache_dir=self.cache_dir,
+        )
+        return curve["validation"][at]
+
+
 def evaluate_fn(
     training: WorldTraining, params: Mapping[str, np.ndarray], config: Mapping[str, Any]
 ) -> dict[str, float]:
-    """The node's validation loss of the global shared weights with its own action head."""
+    """The node's losses of the global shared weights with its own action head: on its
+    whole training set and on its validation set (no inner mini-batch), and, when the
+    run keeps one, its local-only baseline at the evaluated round."""
     trainer = training.trainer
     assert isinstance(trainer, WorldTrainer)
-    return {
-        "loss": trainer.validation_loss(params),
-        "num-examples": len(trainer.data.validation),
+    index = trainer.data.embodiment.index
+    metrics = {
+        NODE: float(index),
+        GLOBAL_TRAIN: trainer.train_loss(params),
+        GLOBAL_VAL: trainer.validation_loss(params),
+        "num-examples": float(len(trainer.data.validation)),
     }
+    baseline = getattr(training, "baseline", None)
+    if baseline is not None:
+        at = int(config.get("server-round", -1))
+        local = baseline.validation_at(index, training.config, at)
+        if local is not None:
+            metrics[LOCAL_VAL] = local
+    return metrics
 
 
 client_app = make_client_app(trainer_fn, evaluate_fn=evaluate_fn, gauge_fn=gauge_fn)
@@ -107,12 +224,63 @@ def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> flo
     return float(np.sum((z.T @ z / len(z) - np.eye(d)) ** 2) / d)
 
 
+class PerNodeEvaluation:
+    """The world App's ``evaluate_metrics_aggr_fn``: each metric's mean over the nodes
+    that replied (each node counts once), and how many of them the federation serves
+    better than local-only; the last round's per-node metrics stay in :attr:`by_node`
+    for the final table."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[int, dict[str, float]] = {}
+
+    def __call__(self, contents: list[RecordDict], weighting_key: str) -> MetricRecord:
+        nodes: dict[int, dict[str, float]] = {}
+        for content in contents:
+            for record in records_of(content, MetricRecord).values():
+                values = {
+                    k: float(v)
+                    for k, v in record.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                }
+                if NODE in values:
+                    nodes[int(values[NODE])] = values
+        self.by_node = dict(sorted(nodes.items()))
+        out: dict[str, float] = {}
+        for key in (GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL):
+            values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
+            if values:
+                out[key] = float(np.mean(values))
+        compared = [m for m in nodes.values() if LOCAL_VAL in m and GLOBAL_VAL in m]
+        if compared:
+            out["nodes-beating-local"] = float(sum(m[GLOBAL_VAL] < m[LOCAL_VAL] for m in compared))
+        return MetricRecord(out)
+
+
+def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:
+    """The per-node table of federated against local-only validation loss."""
+    lines = [
+        "node  global-train-loss  global-val-loss  local-only-val-loss  federated better",
+    ]
+    for node, m in by_node.items():
+        local = m.get(LOCAL_VAL)
+        better = "-" if local is None else ("yes" if m[GLOBAL_VAL] < local else "no")
+        local_text = "-" if local is None else f"{local:.4f}"
+        lines.append(
+            f"{node:4d}  {m[GLOBAL_TRAIN]:17.4f}  {m[GLOBAL_VAL]:15.4f}  {local_text:>19}  {better}"
+        )
+    return "\n".join(lines)
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the federation (one line per round through Flower's logger)."""
+    """Run the federation (one line per round through Flower's logger), then print the
+    per-node table of the last round."""
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
-    config, strategy = flower_app.strategy_from_context(context, gauge=gauge)
+    per_node = PerNodeEvaluation()
+    config, strategy = flower_app.strategy_from_context(
+        context, gauge=gauge, evaluate_metrics_aggr_fn=per_node
+    )
     check_groups(config)
 
     def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -125,6 +293,8 @@ def main(grid: Grid, context: Context) -> None:
         config,
         initial_arrays=arrays_to_record(initial_params(init_seed)),
         evaluate_fn=server_evaluate,
-        final_label="final validation loss (nodes' own action heads)",
+        final_label="final losses (mean over nodes, global model with each node's own head)",
         final_metrics=lambda result: result.evaluate_metrics_clientapp,
     )
+    if per_node.by_node:
+        print(node_table(per_node.by_node), flush=True)

@@ -10,10 +10,19 @@ rendered into ``OBS_DIM`` = 24 sensor channels by a fixed nonlinear map
 world seed alone.
 
 A participant is an *embodiment* of that world: it acts through its own number of action
-dimensions (2 to 5, ``u = M_c a``), sees the world through its own miscalibrated sensors
+dimensions (``u = M_c a``), sees the world through its own miscalibrated sensors
 (per-channel gain and offset, its own noise level) and explores its own region of the
 latent space (its own initial-state mean). Its trajectories are private. The public probe
 is the noise-free rendering of latent states drawn from a public seed.
+
+Two kinds of actuation. ``"subspace"`` (the gauge experiment's world, the default): 2 to
+5 action dimensions, a random ``M_c``, so an embodiment with fewer than ``CONTROL_DIM``
+actuators drives only a subspace of the control and explores its own part of the latent
+space: the embodiments' latent distributions differ, and one shared encoder cannot whiten
+them all. ``"full"`` (the main job's world): 4 to 7 action dimensions and an ``M_c`` with
+orthonormal rows (redundant actuators), so every embodiment drives the whole control with
+the same statistics; the embodiments differ in their actuators, sensors and start states,
+and share the dynamics and the latent distribution that the shared groups learn.
 
 Every function here is a pure function of its seeds and takes milliseconds.
 """
@@ -32,6 +41,9 @@ from lensemble_flwr.gauge.probe import Probe
 
 LATENT_DIM, CONTROL_DIM, OBS_DIM = 8, 4, 24
 ACTION_DIMS = (2, 3, 4, 5)
+FULL_ACTION_DIMS = (4, 5, 6, 7)
+ACTUATIONS = ("subspace", "full")
+"""How an embodiment's actions reach the world's control (see :func:`make_embodiment`)."""
 DAMPING = 0.9
 PROCESS_NOISE = 0.05
 PROBE_SIZE, PROBE_LANDMARKS = 256, 16
@@ -100,19 +112,26 @@ class Embodiment:
         return int(self.control_map.shape[1])
 
 
-def make_embodiment(index: int, seed: int = 0) -> Embodiment:
+def make_embodiment(index: int, seed: int = 0, *, actuation: str = "subspace") -> Embodiment:
     """Participant ``index``'s embodiment in the world of ``seed``.
 
     Raises:
-        ConfigError: a negative index.
+        ConfigError: a negative index, or an ``actuation`` not in ``ACTUATIONS``.
     """
     if index < 0:
         raise ConfigError("participant index", f"must be >= 0, got {index}")
+    if actuation not in ACTUATIONS:
+        raise ConfigError("actuation", f"must be one of {ACTUATIONS}, got {actuation!r}")
     rng = _rng(seed, "embodiment", index)
-    action_dim = ACTION_DIMS[index % len(ACTION_DIMS)]
+    dims = FULL_ACTION_DIMS if actuation == "full" else ACTION_DIMS
+    action_dim = dims[index % len(dims)]
+    control_map = rng.standard_normal((CONTROL_DIM, action_dim)) / np.sqrt(action_dim)
+    if actuation == "full":  # orthonormal rows: u = M a ~ N(0, I) for a ~ N(0, I)
+        q, r = np.linalg.qr(control_map.T)  # (action_dim, CONTROL_DIM), orthonormal columns
+        control_map = (q * np.sign(np.diag(r))).T
     return Embodiment(
         index=index,
-        control_map=rng.standard_normal((CONTROL_DIM, action_dim)) / np.sqrt(action_dim),
+        control_map=control_map,
         gain=1.0 + 0.05 * rng.standard_normal(OBS_DIM),
         offset=0.05 * rng.standard_normal(OBS_DIM),
         sensor_noise=float(rng.uniform(0.01, 0.05)),
@@ -174,10 +193,24 @@ def participant_data(
     trajectories: int = 16,
     steps: int = 32,
     validation_trajectories: int = 8,
+    actuation: str = "subspace",
 ) -> ParticipantData:
-    """Participant ``index``'s data in the world of ``seed`` (a pure function of both)."""
+    """Participant ``index``'s data in the world of ``seed`` (a pure function of its
+    arguments): ``trajectories`` rollouts of ``steps`` transitions to train on, and
+    ``validation_trajectories`` more to validate on.
+
+    Raises:
+        ConfigError: a negative index, a count below 1, or an unknown ``actuation``.
+    """
+    for name, count in (
+        ("trajectories", trajectories),
+        ("steps", steps),
+        ("validation_trajectories", validation_trajectories),
+    ):
+        if count < 1:
+            raise ConfigError(name, f"must be >= 1, got {count}")
     world = make_world(seed)
-    body = make_embodiment(index, seed)
+    body = make_embodiment(index, seed, actuation=actuation)
     train = rollout(world, body, _rng(seed, "train", index), trajectories=trajectories, steps=steps)
     validation = rollout(
         world,

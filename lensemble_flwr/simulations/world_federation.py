@@ -60,6 +60,9 @@ def build_world(
     init_seed: int = 0,
     rotate_start: bool = False,
     trajectories: int = 16,
+    steps: int = 32,
+    validation_trajectories: int = 8,
+    actuation: str = "subspace",
     faults: FaultPlan | None = None,
     on_round: Callable[[RoundOutcome], None] | None = None,
 ) -> WorldFederation:
@@ -74,7 +77,8 @@ def build_world(
         init_seed: the initial global model.
         rotate_start: every participant trains in its own randomly rotated latent frame
             (see :class:`~lensemble_flwr.simulations.world_model.WorldTraining`).
-        trajectories: training trajectories per participant.
+        trajectories, steps, validation_trajectories, actuation: each participant's data
+            (:func:`~lensemble_flwr.simulations.world_data.participant_data`).
         faults: scripted faults of the in-process network.
         on_round: called with every round outcome.
     """
@@ -83,9 +87,15 @@ def build_world(
     nodes, trainers = [], []
     for i in range(participants):
         pid = f"p{i:02d}"
-        trainer = WorldTrainer(
-            participant_data(i, seed=data_seed, trajectories=trajectories), init_seed=init_seed
+        data = participant_data(
+            i,
+            seed=data_seed,
+            trajectories=trajectories,
+            steps=steps,
+            validation_trajectories=validation_trajectories,
+            actuation=actuation,
         )
+        trainer = WorldTrainer(data, init_seed=init_seed)
         training = WorldTraining(
             trainer, config, rotate_start=rotate_start, rotation_seed=data_seed
         )

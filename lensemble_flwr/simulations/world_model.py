@@ -238,12 +238,26 @@ class WorldTrainer:
         Raises:
             ParameterMismatch: ``params`` are not exactly the model's shared tensors.
         """
+        return self._full_loss(self._validation, params)
+
+    def train_loss(self, params: Mapping[str, np.ndarray] | None = None) -> float:
+        """The loss on the whole training set (not a mini-batch), with this participant's
+        action head and the given shared ``params`` (default: the model's own).
+
+        Raises:
+            ParameterMismatch: ``params`` are not exactly the model's shared tensors.
+        """
+        return self._full_loss(self._train, params)
+
+    def _full_loss(
+        self, data: tuple[torch.Tensor, ...], params: Mapping[str, np.ndarray] | None
+    ) -> float:
         model = self.model
         if params is not None:
             model = copy.deepcopy(self.model)
             load_shared(model, params, WORLD_GROUPS)
         with torch.no_grad():
-            return float(model.loss(*self._validation))
+            return float(model.loss(*data))
 
 
 class WorldTraining(TorchTraining):

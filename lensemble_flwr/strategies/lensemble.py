@@ -15,6 +15,7 @@ rounds only: masked rounds need :meth:`LensembleStrategy.start`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -35,6 +36,7 @@ from flwr.serverapp.strategy.strategy_utils import (
     aggregate_metricrecords,
     log_strategy_start_info,
 )
+from flwr.superlink.grid import InMemoryGrid
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
@@ -46,6 +48,12 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
+from lensemble_flwr.provenance.round_metrics import (
+    METRICS_NAME,
+    RoundMetrics,
+    read_round_metrics,
+    write_round_metrics,
+)
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
@@ -111,6 +119,11 @@ class LensembleStrategy(Strategy):
         train_metrics_aggr_fn, evaluate_metrics_aggr_fn: ``(replies' contents,
             weighted_by_key) -> MetricRecord``, as FedAvg's (default: the weighted mean of
             every numeric metric, Flower's ``aggregate_metricrecords``).
+        durable_writes: fsync every write to the run directory, so that what was
+            committed survives a power loss (True), or only a killed process (False:
+            writes are still published whole or not at all). None (the default): True on
+            a deployment, False on Flower's simulation engine, whose participants' state
+            lives in the engine's memory and cannot outlive the machine anyway.
 
     ``result.train_metrics_clientapp[r]`` holds the contributors' own metrics aggregated
     so, plus lensemble's bookkeeping under ``lensemble.`` (``lensemble.C_t``,
@@ -139,6 +152,7 @@ class LensembleStrategy(Strategy):
         weighted_by_key: str = "num-examples",
         train_metrics_aggr_fn: MetricsAggregation | None = None,
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+        durable_writes: bool | None = None,
     ) -> None:
         self.config = with_sampling(
             config or LensembleConfig(),
@@ -157,6 +171,7 @@ class LensembleStrategy(Strategy):
         self.gauge = gauge
         self.identities = identities
         self.resume = resume
+        self.durable_writes = durable_writes
         self.run_dir = Path(run_dir) if run_dir else None
         self.run_id = run_id
         self.warmup_timeout = warmup_timeout
@@ -166,6 +181,7 @@ class LensembleStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
+        self._round_metrics: RoundMetrics = {}
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
@@ -387,9 +403,7 @@ class LensembleStrategy(Strategy):
         valid = [c for c in contents if _weighted(c, self.weighted_by_key)]
         if not valid:
             return None
-        return _aggregated(
-            self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation"
-        )
+        return _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
 
     # -- the round loop ----------------------------------------------------------------
     def start(
@@ -483,6 +497,7 @@ class LensembleStrategy(Strategy):
             if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
                 result.evaluate_metrics_serverapp[r] = res
             self._report(closed, metrics, evaluation, aborted)
+            self._keep_metrics(r, metrics, evaluation)
             transport.forget_through(r)  # reported: its bookkeeping is no longer needed
             say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             if evaluation is not None:
@@ -492,6 +507,34 @@ class LensembleStrategy(Strategy):
         return result
 
     # -- helpers -----------------------------------------------------------------------
+    def writes_durably(self, grid: Grid) -> bool:
+        """Whether the run directory's writes are fsynced on ``grid`` (``durable_writes``;
+        by default, everywhere but on the simulation engine)."""
+        if self.durable_writes is not None:
+            return self.durable_writes
+        return not isinstance(grid, InMemoryGrid)
+
+    def _keep_metrics(
+        self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
+    ) -> None:
+        """Rewrite ``RUN_DIR/round-metrics.json`` with this round's metrics (the curves of
+        ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
+        if self.run_dir is None:
+            return
+        if not self._round_metrics:  # a resumed run keeps the rounds it reported before
+            with contextlib.suppress(ConfigError):
+                self._round_metrics = read_round_metrics(self.run_dir)
+        self._round_metrics[server_round] = {
+            "train": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "evaluate": {
+                k: v for k, v in (evaluation or {}).items() if isinstance(v, (int, float))
+            },
+        }
+        try:
+            write_round_metrics(self.run_dir, self._round_metrics)
+        except OSError as exc:
+            log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
+
     def _ensure_coordinator(
         self, grid: Grid, arrays: ArrayRecord, *, transport: Any = None
     ) -> Coordinator:
@@ -499,7 +542,7 @@ class LensembleStrategy(Strategy):
             if self.run_dir is None:
                 self.run_dir = Path(tempfile.mkdtemp(prefix="lensemble-run-"))
             run_id = self.run_id or f"flwr-{_flower_run_id(grid)}"
-            store = Store(self.run_dir)
+            store = Store(self.run_dir, sync=self.writes_durably(grid))
             common: dict[str, Any] = {
                 "transport": transport,
                 "store": store,
@@ -707,7 +750,10 @@ class LensembleStrategy(Strategy):
                 for k, v in evaluation.items()
                 if k != "num-examples" and isinstance(v, (int, float))
             ]
-        for key in ("train-loss", "train_loss"):
+        # a stock client's own train loss; lensemble participants report their last inner
+        # mini-batch as last-batch-loss, which is not comparable with an evaluation, so
+        # it stays out of the line (it is in the round's MetricRecord)
+        for key in ("train_loss",):
             if isinstance(metrics.get(key), (int, float)):
                 parts.append(f"{key}={float(metrics[key]):.4f}")
         if BOOKKEEPING + "frame-drift" in metrics:

@@ -11,7 +11,7 @@ An instruction (server → node) is a Flower ``RecordDict`` that any ClientApp c
 A reply (node → server) from a lensemble participant carries one ConfigRecord per
 message it sends (``"lensemble.commitment"``, ``"lensemble.update"``), the update's
 delta as the ArrayRecord ``"lensemble.update.delta"``, and a ``"metrics"``
-MetricRecord (``num-examples``, and ``train-loss`` when known). A reply from a stock
+MetricRecord (``num-examples``, and ``last-batch-loss`` when known). A reply from a stock
 ClientApp (``"arrays"`` + a MetricRecord with ``num-examples``) is turned into an
 *unbound* update by the receiver, which knows what it sent.
 

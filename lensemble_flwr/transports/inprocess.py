@@ -15,6 +15,8 @@ coming back. What a test does by hand goes through public seams too:
 :meth:`~InProcessNetwork.take_offline` / :meth:`~InProcessNetwork.bring_online`,
 :meth:`~InProcessNetwork.call_at` (act at a simulated time) and
 :meth:`~InProcessNetwork.on_deliver` (watch every delivery).
+:attr:`InProcessNetwork.delivered` keeps the most recent deliveries (a bounded log: a long
+run does not grow it without end).
 :mod:`lensemble_flwr.testing` gathers them for tests and users.
 """
 
@@ -44,6 +46,12 @@ log = logging.getLogger(__name__)
 
 DeliveryObserver = Callable[[str, str, WirePayload], None]
 """Called as ``observer(source, dest, payload)`` for every payload the network delivers."""
+
+DELIVERY_LOG = 10_000
+"""How many of the latest deliveries :attr:`InProcessNetwork.delivered` keeps by default."""
+
+Delivery = tuple[float, str, str, str, "int | None"]
+"""One logged delivery: ``(time, source, dest, kind, round)`` (kind as the wire's string)."""
 
 
 @dataclasses.dataclass
@@ -77,10 +85,11 @@ class InProcessTransport:
             self._network._post(self.party, peer, payload)
 
     def peers(self) -> Sequence[str]:
-        """The coordinator's side: the participants online, sorted; a participant's side:
-        the coordinator."""
+        """The coordinator's side: the participants online, sorted, as a tuple that stays
+        the same object until one of them comes or goes (so a caller may remember what it
+        derived from it); a participant's side: the coordinator."""
         if self.party == COORDINATOR:
-            return self._network.online()
+            return self._network._online_tuple()
         return [COORDINATOR]
 
     def now(self) -> float:
@@ -114,6 +123,11 @@ class InProcessNetwork:
         declared_size: how many participants the federation has in all, when that is
             fixed (a coordinator then refuses a quorum above it before any attempt);
             None (the default) lets participants attach at any time.
+        delivery_log: how many of the latest deliveries :attr:`delivered` keeps (0: none;
+            None: every one, for a short run that needs its whole history).
+
+    Raises:
+        ValueError: ``delivery_log`` is negative.
     """
 
     def __init__(
@@ -124,7 +138,10 @@ class InProcessNetwork:
         faults: FaultPlan | None = None,
         join_endpoint: str = "",
         declared_size: int | None = None,
+        delivery_log: int | None = DELIVERY_LOG,
     ) -> None:
+        if delivery_log is not None and delivery_log < 0:
+            raise ValueError(f"delivery_log must be >= 0 or None, not {delivery_log}")
         self.clock = SimClock()
         self.declared_size = declared_size
         self.latency_s = latency_s
@@ -136,13 +153,15 @@ class InProcessNetwork:
         self._transports: dict[str, InProcessTransport] = {}
         self._compute: dict[str, float] = {}
         self._offline: set[str] = set()
+        self._online: tuple[str, ...] | None = None  # sorted; None once it changed
         self._queue: list[tuple[float, int, str, str, WirePayload]] = []
         self._calls: list[tuple[float, int, Callable[[], None]]] = []
         self._observers: list[DeliveryObserver] = []
         self._opened: set[tuple[Any, Any]] = set()
         self._seq = itertools.count()
         self.crashes: list[tuple[str, BaseException]] = []
-        self.delivered: list[tuple[float, str, str, str, int]] = []
+        self.delivered: deque[Delivery] = deque(maxlen=delivery_log)
+        """The latest deliveries, oldest first (at most ``delivery_log``)."""
 
     # -- wiring ------------------------------------------------------------------------
     def transport_for(self, participant_id: str) -> InProcessTransport:
@@ -155,6 +174,7 @@ class InProcessNetwork:
         """Register a participant so the network delivers its messages to it."""
         self.transport_for(handler.participant_id)
         self._handlers[handler.participant_id] = handler
+        self._online = None
 
     def set_compute_time(self, participant_id: str, seconds: float) -> None:
         """Simulate ``seconds`` between RoundOpen and this participant's update leaving,
@@ -163,7 +183,23 @@ class InProcessNetwork:
 
     def online(self) -> list[str]:
         """The attached participants that are not offline, sorted."""
-        return sorted(p for p in self._handlers if p not in self._offline)
+        return list(self._online_tuple())
+
+    def _online_tuple(self) -> tuple[str, ...]:
+        """:meth:`online` as a tuple, sorted once per change of who is online."""
+        if self._online is None:
+            self._online = tuple(sorted(p for p in self._handlers if p not in self._offline))
+        return self._online
+
+    def _go_offline(self, participant_id: str) -> None:
+        if participant_id not in self._offline:
+            self._offline.add(participant_id)
+            self._online = None
+
+    def _go_online(self, participant_id: str) -> None:
+        if participant_id in self._offline:
+            self._offline.discard(participant_id)
+            self._online = None
 
     # -- what a test does by hand --------------------------------------------------------
     def inject(self, source: str, dest: str, payload: WirePayload) -> None:
@@ -180,12 +216,12 @@ class InProcessNetwork:
         longer sees it among its peers."""
         if participant_id == COORDINATOR:
             raise ValueError("the coordinator cannot be taken offline; stop calling recv")
-        self._offline.add(participant_id)
+        self._go_offline(participant_id)
 
     def bring_online(self, participant_id: str) -> None:
         """Undo :meth:`take_offline`: the participant is reachable again, as it was when
         it vanished (it is not rejoined: ``join`` is not called)."""
-        self._offline.discard(participant_id)
+        self._go_online(participant_id)
 
     def call_at(self, time_s: float, action: Callable[[], None]) -> None:
         """Run ``action()`` when the simulated clock reaches ``time_s`` (e.g. attach a
@@ -220,7 +256,7 @@ class InProcessNetwork:
             delay += self.faults.delays.pop((source, rnd), 0.0)  # type: ignore[arg-type]
             if self._take_drop(source, rnd, RoundState.COLLECTING):
                 log.info("fault: %s drops in round %s before its update", source, rnd)
-                self._offline.add(source)
+                self._go_offline(source)
                 return
         sent = payload
         for c in list(self.faults.corruptions):
@@ -247,7 +283,7 @@ class InProcessNetwork:
         for pid in sorted(self._handlers):
             if pid in self._offline and rnd in self.faults.rejoins.get(pid, []):
                 self.faults.rejoins[pid].remove(rnd)
-                self._offline.discard(pid)
+                self._go_online(pid)
                 join = getattr(self._handlers[pid], "join", None)
                 if join is not None:
                     log.info("fault: %s rejoins at round %s", pid, rnd)
@@ -255,15 +291,16 @@ class InProcessNetwork:
                         join(self.join_endpoint)
                     except LensembleError as exc:  # e.g. a tampered checkpoint: it stays out
                         log.warning("%s cannot rejoin: %r", pid, exc)
-                        self._offline.add(pid)
+                        self._go_offline(pid)
             if self._take_drop(pid, rnd, RoundState.OPEN):
                 log.info("fault: %s drops in round %s before RoundOpen", pid, rnd)
-                self._offline.add(pid)
+                self._go_offline(pid)
 
     def _deliver(self, source: str, dest: str, payload: WirePayload) -> None:
         kind = kind_of(payload) if isinstance(payload, dict) else None
         rnd = payload.get("round") if isinstance(payload, dict) else None
-        self.delivered.append((self.clock.time, source, dest, str(kind), rnd))  # type: ignore[arg-type]
+        if self.delivered.maxlen != 0:
+            self.delivered.append((self.clock.time, source, dest, str(kind), rnd))  # type: ignore[arg-type]
         for observer in self._observers:
             observer(source, dest, payload)
         if dest == COORDINATOR:
@@ -281,7 +318,7 @@ class InProcessNetwork:
             except Exception as exc:  # a participant bug is its crash, not the federation's
                 log.exception("participant %s crashed handling %s", dest, kind)
                 self.crashes.append((dest, exc))
-                self._offline.add(dest)
+                self._go_offline(dest)
                 return
 
     def flush(self) -> None:

@@ -1,0 +1,465 @@
+"""Benchmark: does lensemble's default learn as well as Flower's own strategies, tuned alike?
+
+Run ``.venv/bin/python benchmarks/bench_learning.py`` (``--help``; ``--quick`` for a smoke
+run of a minute or two). It needs the ``examples`` extra (scikit-learn's digits).
+
+The task is the digits example's (``apps/digits``, :mod:`lensemble_flwr.simulations.digits_data`):
+10 nodes, a Dirichlet(``--alpha``, default 0.5) label-skew split per seed, a 64-32-10 MLP,
+accuracy and loss of the global model on the union of the nodes' held-out splits after
+every round. Four arms, each driven by a Flower strategy object over the same in-process
+Grid (:class:`LoopbackGrid`: instructions are answered by the nodes' ClientApps at once,
+so a round costs its training and the strategy, not the simulation engine's ticks):
+
+* ``FedAvg``: Flower's ``FedAvg``;
+* ``FedAvgM``: Flower's ``FedAvgM(server_momentum=0.9, server_learning_rate=η)``;
+* ``FedAdam``: Flower's ``FedAdam(eta=η)`` (its other defaults: beta 0.9/0.99, tau 1e-3);
+* ``lensemble``: ``LensembleStrategy`` with lensemble's default outer step (Nesterov
+  momentum 0.9, outer lr η; 0.7 is the default), updates weighted by example count as the
+  digits app ships it, in plaintext rounds.
+
+Local training is the same in every arm: ``--steps`` AdamW steps (betas 0.9/0.95, no
+weight decay) of batch ``--batch`` on the node's own split. The three Flower arms run a
+stock Message-API ClientApp that builds a fresh AdamW every round (as a Flower quickstart
+does); lensemble's participant keeps its AdamW state between rounds (DiLoCo's inner
+optimizer), which is part of what is compared.
+
+Tuning: every arm gets the same grid of inner learning rates (``--inner-lrs``), and every
+arm with a server step (all but FedAvg) a grid of its server learning rate
+(``--fedavgm-lrs``, ``--fedadam-lrs``, ``--outer-lrs``). For each arm the setting with the
+best mean final accuracy over the seeds is selected (the same selection for every arm),
+and reported over ``--seeds`` seeds (default 5) with the spread: final accuracy and loss
+(mean, std, min, max), and rounds to reach ``--target`` accuracy (median and range over
+the seeds; "-" when a seed never reaches it). The per-round accuracy of each selected arm
+is written with the whole grid to ``benchmarks/results/learning*.json`` and plotted to the
+PNG beside it. A report, not a test: the exit code is 0 whatever the outcome.
+
+Claims it checks (printed as PASS/FAIL lines): lensemble's selected setting reaches the
+target in no more rounds than the best tuned Flower arm (median over seeds), and its
+final accuracy is within one standard deviation of the best tuned Flower arm's.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="bench-learning-flwr-"))
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.clients.app import make_client_app
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.participant.local_training import run_inner_loop
+from lensemble_flwr.simulations.digits_data import (
+    DigitsNet,
+    DigitsTrainer,
+    centralized_evaluate,
+    load_partition,
+)
+from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.records import record_to_arrays
+
+NODES = 10
+BETAS = (0.9, 0.95)  # lensemble's inner AdamW betas; the stock arms use the same
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- an in-process Grid ------------------------------------------------------------------
+class LoopbackGrid(Grid):
+    """A Grid whose nodes are ClientApps in this process, answering at once.
+
+    ``push_messages`` names each message (as a SuperLink does), hands it to the
+    destination node's ClientApp with that node's Context, and keeps the reply for
+    ``pull_messages``. Nothing is faked in the replies: they are what the ClientApps
+    returned (``Message(content, reply_to=instruction)``).
+    """
+
+    def __init__(self, apps: dict[int, tuple[ClientApp, Context]]) -> None:
+        self.apps = apps
+        self._replies: dict[str, Message] = {}
+        self._run = Run.create_empty(run_id=1)
+
+    def set_run(self, run_id: int) -> None:
+        self._run = Run.create_empty(run_id=run_id)
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.apps)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            app, context = self.apps[message.metadata.dst_node_id]
+            self._replies[message.metadata.message_id] = app(message, context)
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+def as_server_app() -> None:
+    """Messages read the sending process's identity, which Flower sets when it starts a
+    ServerApp; this script is the ServerApp's process, so it sets it the same way."""
+    TaskIdentity._run_id = 1  # type: ignore[attr-defined]
+    TaskIdentity._node_id = SUPERLINK_NODE_ID  # type: ignore[attr-defined]
+    TaskIdentity._task_id = 1  # type: ignore[attr-defined]
+
+
+# -- the nodes ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    arm: str
+    inner_lr: float
+    server_lr: float | None  # None: FedAvg (no server step)
+
+    @property
+    def label(self) -> str:
+        server = "" if self.server_lr is None else f", server lr {self.server_lr:g}"
+        return f"{self.arm} (inner lr {self.inner_lr:g}{server})"
+
+
+def partition(context: Context, data_seed: int, alpha: float) -> DigitsTrainer:
+    part = int(context.node_config["partition-id"])
+    return DigitsTrainer(load_partition(part, NODES, seed=data_seed, alpha=alpha))
+
+
+def stock_app(data_seed: int, alpha: float, steps: int, batch: int) -> ClientApp:
+    """A stock Message-API ClientApp: load the arrays, ``steps`` AdamW steps with a fresh
+    optimizer, reply the arrays and ``num-examples``."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        trainer = partition(context, data_seed, alpha)
+        trainer.model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        config = msg.content["config"]
+        optimizer = torch.optim.AdamW(
+            trainer.model.parameters(), lr=float(config["lr"]), betas=BETAS, weight_decay=0.0
+        )
+        seed = derive_seed(data_seed, "stock", int(config["server-round"]), context.node_id)
+        loss = run_inner_loop(trainer, optimizer, steps=steps, seed=seed, batch_size=batch)
+        metrics = MetricRecord({"train_loss": loss, "num-examples": trainer.num_examples()})
+        arrays = ArrayRecord(trainer.model.state_dict())
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def lensemble_config(setting: Setting, data_seed: int, steps: int, batch: int) -> LensembleConfig:
+    return LensembleConfig(
+        federation={"min_participants": NODES, "weighting": "num-examples", "root_seed": data_seed},
+        inner={"steps": steps, "lr": setting.inner_lr, "weight_decay": 0.0, "batch_size": batch},
+        outer={"lr": setting.server_lr},
+        groups={"shared": "*", "local": ""},
+    )
+
+
+def initial_arrays() -> ArrayRecord:
+    """θ_0 as a Flower user writes it: the model's state dict, in its order (FedAvgM and
+    FedAdam pair the replies' arrays with these by position)."""
+    return ArrayRecord(DigitsNet(seed=0).state_dict())
+
+
+def run_setting(setting: Setting, seed: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """One run: the global model's centralized accuracy and loss after every round."""
+    contexts = {
+        100 + i: Context(
+            run_id=1,
+            node_id=100 + i,
+            node_config={"partition-id": i, "num-partitions": NODES},
+            state=RecordDict(),
+            run_config={},
+        )
+        for i in range(NODES)
+    }
+    accuracy: list[float] = []
+    loss: list[float] = []
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if server_round > 0:
+            value_loss, value_acc = centralized_evaluate(
+                record_to_arrays(arrays), seed=seed, num_partitions=NODES, alpha=args.alpha
+            )
+            accuracy.append(value_acc)
+            loss.append(value_loss)
+        return MetricRecord({})
+
+    common = {"fraction_evaluate": 0.0}
+    if setting.arm == "lensemble":
+        config = lensemble_config(setting, seed, args.steps, args.batch)
+        app = make_client_app(
+            lambda context: partition(context, seed, args.alpha),
+            config_fn=lambda context: config,
+            identity_fn=lambda context: None,
+            evaluate_fn=None,
+        )
+        with tempfile.TemporaryDirectory(prefix="bench-learning-") as run_dir:
+            strategy = LensembleStrategy(
+                config, run_dir=run_dir, durable_writes=False, **common
+            )  # a simulation: its writes need not survive a power loss
+            grid = LoopbackGrid({n: (app, c) for n, c in contexts.items()})
+            strategy.start(
+                grid, initial_arrays(), num_rounds=args.rounds, evaluate_fn=evaluate
+            )
+    else:
+        app = stock_app(seed, args.alpha, args.steps, args.batch)
+        sizes = {"min_available_nodes": NODES, "min_train_nodes": NODES}
+        strategy_of: dict[str, Callable[[], Any]] = {
+            "FedAvg": lambda: FedAvg(**common, **sizes),
+            "FedAvgM": lambda: FedAvgM(
+                **common, **sizes, server_learning_rate=setting.server_lr, server_momentum=0.9
+            ),
+            "FedAdam": lambda: FedAdam(**common, **sizes, eta=setting.server_lr),
+        }
+        grid = LoopbackGrid({n: (app, c) for n, c in contexts.items()})
+        strategy_of[setting.arm]().start(
+            grid=grid,
+            initial_arrays=initial_arrays(),
+            num_rounds=args.rounds,
+            train_config=ConfigRecord({"lr": setting.inner_lr}),
+            evaluate_fn=evaluate,
+        )
+    if len(accuracy) != args.rounds:
+        raise RuntimeError(f"{setting.label}, seed {seed}: {len(accuracy)} rounds evaluated")
+    return {"accuracy": accuracy, "loss": loss}
+
+
+# -- the report --------------------------------------------------------------------------
+def rounds_to(curve: list[float], target: float) -> int | None:
+    return next((r + 1 for r, value in enumerate(curve) if value >= target), None)
+
+
+def summary(runs: list[dict[str, list[float]]], target: float) -> dict[str, Any]:
+    final = [r["accuracy"][-1] for r in runs]
+    final_loss = [r["loss"][-1] for r in runs]
+    reached = [rounds_to(r["accuracy"], target) for r in runs]
+    hits = sorted(x for x in reached if x is not None)
+    return {
+        "final_accuracy": {
+            "mean": statistics.fmean(final),
+            "std": statistics.pstdev(final),
+            "min": min(final),
+            "max": max(final),
+        },
+        "final_loss": {"mean": statistics.fmean(final_loss), "std": statistics.pstdev(final_loss)},
+        "rounds_to_target": reached,
+        # a seed that never reaches the target counts as never (the median is then
+        # None once half the seeds miss it)
+        "median_rounds_to_target": (
+            statistics.median([x if x is not None else float("inf") for x in reached])
+            if len(hits) * 2 > len(reached) or len(hits) == len(reached)
+            else None
+        ),
+    }
+
+
+def fmt_rounds(value: float | None) -> str:
+    return "-" if value is None or value == float("inf") else f"{value:g}"
+
+
+def grid_of(args: argparse.Namespace) -> list[Setting]:
+    server = {
+        "FedAvg": [None],
+        "FedAvgM": args.fedavgm_lrs,
+        "FedAdam": args.fedadam_lrs,
+        "lensemble": args.outer_lrs,
+    }
+    return [
+        Setting(arm, inner, lr)
+        for arm in args.arms
+        for inner, lr in itertools.product(args.inner_lrs, server[arm])
+    ]
+
+
+def plot(path: Path, selected: dict[str, dict[str, Any]], target: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for chosen in selected.values():
+        curves = np.array([run["accuracy"] for run in chosen["runs"]])
+        rounds = np.arange(1, curves.shape[1] + 1)
+        mean = curves.mean(axis=0)
+        (line,) = ax.plot(rounds, mean, label=chosen["label"])
+        ax.fill_between(rounds, curves.min(axis=0), curves.max(axis=0), alpha=0.15,
+                        color=line.get_color())  # fmt: skip
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy of the global model (held-out union)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="local AdamW steps per round")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew")
+    parser.add_argument("--target", type=float, default=0.9, help="accuracy to reach")
+    parser.add_argument("--inner-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 3e-2])
+    parser.add_argument("--fedavgm-lrs", type=float, nargs="+", default=[0.3, 1.0])
+    parser.add_argument("--fedadam-lrs", type=float, nargs="+", default=[0.01, 0.03, 0.1])
+    parser.add_argument("--outer-lrs", type=float, nargs="+", default=[0.3, 0.7, 1.0])
+    parser.add_argument(
+        "--arms", nargs="+", default=["FedAvg", "FedAvgM", "FedAdam", "lensemble"],
+        choices=["FedAvg", "FedAvgM", "FedAdam", "lensemble"],
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="2 seeds, 10 rounds, 2 inner lrs")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: results/)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seeds, args.rounds, args.inner_lrs = 2, 10, [1e-2, 3e-2]
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    as_server_app()
+    torch.set_num_threads(1)
+    settings = grid_of(args)
+    print(
+        f"== learning on digits: {NODES} nodes, Dirichlet alpha {args.alpha:g}, "
+        f"{args.rounds} rounds, {args.steps} AdamW steps of {args.batch} per round, "
+        f"{args.seeds} seeds, {len(settings)} settings; torch {torch.__version__}",
+        flush=True,
+    )
+    results: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for setting in settings:
+        started = time.perf_counter()
+        runs = [run_setting(setting, seed, args) for seed in range(args.seeds)]
+        entry = {**dataclasses.asdict(setting), "label": setting.label, "runs": runs,
+                 **summary(runs, args.target)}  # fmt: skip
+        results.append(entry)
+        acc = entry["final_accuracy"]
+        print(
+            f"  {setting.label:<46} final accuracy {acc['mean']:.3f} ± {acc['std']:.3f} "
+            f"(min {acc['min']:.3f}), rounds to {args.target:g}: "
+            f"{fmt_rounds(entry['median_rounds_to_target'])} "
+            f"[{', '.join(fmt_rounds(r) for r in entry['rounds_to_target'])}] "
+            f"({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    selected = {
+        arm: max((r for r in results if r["arm"] == arm), key=lambda r: r["final_accuracy"]["mean"])
+        for arm in args.arms
+    }
+    print(f"\nselected per arm (best mean final accuracy over {args.seeds} seeds):")
+    print(f"  {'arm':<46} {'final acc mean ± std':>21} {'[min, max]':>15} "
+          f"{'final loss':>11} {'rounds to target (median)':>26}")  # fmt: skip
+    for chosen in selected.values():
+        acc, lossv = chosen["final_accuracy"], chosen["final_loss"]
+        print(
+            f"  {chosen['label']:<46} {acc['mean']:>13.3f} ± {acc['std']:.3f} "
+            f"[{acc['min']:.3f}, {acc['max']:.3f}] {lossv['mean']:>11.3f} "
+            f"{fmt_rounds(chosen['median_rounds_to_target']):>26}"
+        )
+    verdicts = []
+    flower = {a: s for a, s in selected.items() if a != "lensemble"}
+    if "lensemble" in selected and flower:
+        lens = selected["lensemble"]
+        best_acc = max(flower.values(), key=lambda s: s["final_accuracy"]["mean"])
+        inf = float("inf")
+        best_rounds = min(
+            flower.values(),
+            key=lambda s: s["median_rounds_to_target"] if s["median_rounds_to_target"] else inf,
+        )
+        lr = lens["median_rounds_to_target"] or inf
+        br = best_rounds["median_rounds_to_target"] or inf
+        verdicts.append(
+            f"{'PASS' if lr <= br else 'FAIL'}: rounds to {args.target:g} (median over seeds): "
+            f"lensemble {fmt_rounds(lr)} vs the fastest tuned Flower arm, "
+            f"{best_rounds['label']}, {fmt_rounds(br)}"
+        )
+        gap = best_acc["final_accuracy"]["mean"] - lens["final_accuracy"]["mean"]
+        spread = best_acc["final_accuracy"]["std"]
+        verdicts.append(
+            f"{'PASS' if gap <= spread else 'FAIL'}: final accuracy: lensemble "
+            f"{lens['final_accuracy']['mean']:.3f} vs the best tuned Flower arm, "
+            f"{best_acc['label']}, {best_acc['final_accuracy']['mean']:.3f} ± {spread:.3f}"
+        )
+    for line in verdicts:
+        print(line)
+    out = args.out or RESULTS / ("learning-quick.json" if args.quick else "learning.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "task": {
+            "nodes": NODES,
+            "alpha": args.alpha,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "batch": args.batch,
+            "seeds": args.seeds,
+            "target": args.target,
+        },
+        "grid": {
+            "inner_lrs": args.inner_lrs,
+            "fedavgm_lrs": args.fedavgm_lrs,
+            "fedadam_lrs": args.fedadam_lrs,
+            "outer_lrs": args.outer_lrs,
+        },
+        "results": results,
+        "selected": {arm: s["label"] for arm, s in selected.items()},
+        "verdicts": verdicts,
+        "seconds": time.perf_counter() - t0,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    plot(out.with_suffix(".png"), selected, args.target,
+         f"digits, {NODES} nodes, alpha {args.alpha:g}: each arm at its best setting; "
+         f"band = min..max over {args.seeds} seeds")  # fmt: skip
+    print(f"wrote {out.name} and {out.with_suffix('.png').name} under benchmarks/results/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

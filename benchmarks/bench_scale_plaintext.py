@@ -1,0 +1,287 @@
+"""Benchmark: plaintext rounds in process up to C = 10,000 participants, and the
+coordinator's memory across rounds.
+
+Run ``python benchmarks/bench_scale_plaintext.py`` (``--quick`` for small C, ``--help``).
+A Coordinator and C participants run on an :class:`InProcessNetwork` (simulated clock);
+every participant trains a no-op model of P = 10,100 parameters (``nn.Linear(100, 100)``
+named ``encoder``, loss ``(p * 0).sum()``, H = 1 step, batch 1), so what grows with C is
+the runtime: messages, validation, hashing, the release pipeline, the exact sum, commit.
+Torch runs on one thread (the model is tiny; more threads only contend).
+
+Targets (each ends with a PASS/FAIL line; the exit code is 0 either way):
+
+1. Time per round linear in C: the least-squares slope of log(wall per round) against
+   log(C) over C = 1000, 2000, 5000, 10000 is <= 1.1. Also printed: the coordinator's
+   share of the wall time (everything outside the participants' ``handle``: the
+   coordinator and the network that carries its messages) and the same slope for that
+   share alone (informational).
+2. Coordinator memory O(model) + O(1) per participant, flat across rounds:
+   a. at fixed C, the memory the coordinator retains after round 10 and after round 200
+      (``tracemalloc``, after a garbage collection; the network's bounded delivery log
+      switched off, so what remains is the coordinator's and the participants' own): growth
+      per participant-round <= 1 byte (it was ~420 bytes: the in-memory manifest's update
+      digests and the network's log);
+   b. the bytes the coordinator's object graph holds while a round aggregates (every
+      participant's update admitted), at C = 250, 1000, 4000: the bytes per participant
+      added from 250 to 1000 and from 250 to 4000 agree within 50% (O(1) per participant,
+      not growing with C; hash tables grow in doublings, hence the slack); the fixed part
+      is printed as a multiple of the model's size.
+
+The default run takes about 10 minutes on 2 cores; ``--quick`` runs C = 250 … 2000 and a
+shorter memory pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import tempfile
+import time
+import tracemalloc
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.protocol.round import RoundMachine, RoundState
+from lensemble_flwr.transports.inprocess import InProcessNetwork
+
+
+class NoOpModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(100, 100)  # P = 10,100
+
+
+class NoOpTrainer:
+    """A Trainer whose batches are nothing and whose loss is a constant zero."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.model = NoOpModel()
+
+    def num_examples(self) -> int:
+        return 1
+
+    def dataset_records(self) -> Iterator[bytes]:
+        yield self.index.to_bytes(4, "little")
+
+    def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
+        return None
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return sum((p * 0).sum() for p in model.parameters())  # type: ignore[return-value]
+
+
+class TimedParticipant(Participant):
+    """A Participant that adds the wall time of its ``handle`` to a shared counter."""
+
+    spent: ClassVar[list[float]] = [0.0]
+
+    def handle(self, payload: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            super().handle(payload)
+        finally:
+            TimedParticipant.spent[0] += time.perf_counter() - t0
+
+
+def build(
+    config: LensembleConfig, run_dir: Path, participants: int, *, delivery_log: int | None
+) -> tuple[Coordinator, InProcessNetwork]:
+    network = InProcessNetwork(join_endpoint=str(run_dir), delivery_log=delivery_log)
+    for i in range(participants):
+        pid = f"p{i:05d}"
+        node = TimedParticipant(
+            config, participant_id=pid, transport=network.transport_for(pid), trainer=NoOpTrainer(i)
+        )
+        network.attach(node)
+    initial = {n: t.detach().numpy().copy() for n, t in NoOpModel().state_dict().items()}
+    coordinator = Coordinator(
+        config, transport=network.coordinator, initial_params=initial, store=Store(run_dir)
+    )
+    return coordinator, network
+
+
+def run_rounds(coordinator: Coordinator, rounds: int, participants: int) -> None:
+    start = len(coordinator.outcomes)
+    coordinator.run(rounds)
+    for o in coordinator.outcomes[start:]:
+        if o.state is not RoundState.CLOSED or o.count != participants:
+            raise RuntimeError(f"round {o.round} ended {o.state.value} with C_t={o.count}")
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x)."""
+    lx, ly = np.log(xs), np.log(ys)
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+# -- target 1 ------------------------------------------------------------------------------
+def time_per_round(config: LensembleConfig, c: int, rounds: int) -> tuple[float, float]:
+    """(wall seconds per round, the coordinator side's share of it), after one warm-up."""
+    with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
+        coordinator, network = build(config, Path(tmp), c, delivery_log=0)
+        run_rounds(coordinator, 1, c)
+        network.flush()
+        gc.collect()
+        TimedParticipant.spent[0] = 0.0
+        t0 = time.perf_counter()
+        run_rounds(coordinator, rounds, c)
+        wall = time.perf_counter() - t0
+        participants = TimedParticipant.spent[0]
+        del coordinator, network
+        gc.collect()
+    return wall / rounds, (wall - participants) / wall
+
+
+# -- target 2 ------------------------------------------------------------------------------
+_SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+
+
+def graph_bytes(root: object, exclude: tuple[object, ...]) -> int:
+    """Bytes of every object reachable from ``root`` (each counted once), not entering
+    ``exclude``, classes, modules or functions."""
+    seen = {id(x) for x in exclude}
+    stack, total = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _SKIP):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, np.ndarray):
+            continue  # getsizeof counts the data it owns
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def during_round(config: LensembleConfig, c: int) -> int:
+    """Bytes the coordinator's object graph holds once every update of round 2 is in."""
+    with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
+        coordinator, _ = build(config, Path(tmp), c, delivery_log=0)
+        run_rounds(coordinator, 1, c)
+        measured: list[int] = []
+
+        def watch(machine: RoundMachine, coordinator: Coordinator = coordinator) -> None:
+            if machine.state is RoundState.AGGREGATING and not measured:
+                skip = (coordinator.transport, coordinator.on_transition)
+                measured.append(graph_bytes(coordinator, skip))
+
+        coordinator.on_transition = watch
+        run_rounds(coordinator, 1, c)
+    gc.collect()
+    return measured[0]
+
+
+def retained_growth(config: LensembleConfig, c: int, early: int, late: int) -> tuple[int, int]:
+    """Traced bytes after round ``early`` and after round ``late`` (after a collection)."""
+    with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
+        coordinator, network = build(config, Path(tmp), c, delivery_log=0)
+        run_rounds(coordinator, 1, c)
+        tracemalloc.start()
+        run_rounds(coordinator, early - 1, c)
+        network.flush()
+        gc.collect()
+        at_early = tracemalloc.get_traced_memory()[0]
+        run_rounds(coordinator, late - early, c)
+        network.flush()
+        gc.collect()
+        at_late = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del coordinator, network
+        gc.collect()
+    return at_early, at_late
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="C = 250 … 2000, shorter passes")
+    parser.add_argument("--sizes", type=int, nargs="*", default=None, help="C for target 1")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per C")
+    parser.add_argument("--memory-c", type=int, default=None, help="C for target 2a")
+    parser.add_argument("--early", type=int, default=10)
+    parser.add_argument("--late", type=int, default=200)
+    parser.add_argument("--max-slope", type=float, default=1.1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    sizes = args.sizes or ([250, 500, 1000, 2000] if args.quick else [1000, 2000, 5000, 10000])
+    memory_c = args.memory_c or (50 if args.quick else 100)
+    late = min(args.late, 60) if args.quick else args.late
+    trio = (100, 400, 1600) if args.quick else (250, 1000, 4000)
+    config = LensembleConfig(
+        federation={"min_participants": 1, "open_timeout": 60, "collect_timeout": 60},
+        inner={"steps": 1, "batch_size": 1},
+        groups={"shared": ("encoder",), "local": ()},
+    )
+    print(
+        f"== plaintext rounds in process: C = {sizes}, {args.rounds} timed rounds each after "
+        f"one warm-up; no-op trainer, P = 10,100; {os.cpu_count()} cores, Python "
+        f"{sys.version.split()[0]}, torch {torch.__version__} (1 thread)"
+    )
+    print(f"{'C':>7}{'s/round':>10}{'ms/participant':>16}{'coordinator share':>19}")
+    walls, coords = [], []
+    for c in sizes:
+        wall, share = time_per_round(config, c, args.rounds)
+        walls.append(wall)
+        coords.append(wall * share)
+        print(f"{c:>7}{wall:>10.3f}{wall / c * 1e3:>16.3f}{share:>19.1%}")
+    k_wall, k_coord = slope(sizes, walls), slope(sizes, coords)
+    print(f"log-log slope of wall per round: {k_wall:.3f}; of the coordinator side: {k_coord:.3f}")
+
+    print(f"\n== coordinator memory while a round aggregates (C = {trio})")
+    model_bytes = sum(p.numel() * 4 for p in NoOpModel().parameters())
+    held = [during_round(config, c) for c in trio]
+    per = [(held[i] - held[0]) / (trio[i] - trio[0]) for i in (1, 2)]
+    fixed = held[0] - per[0] * trio[0]
+    for c, h in zip(trio, held, strict=True):
+        print(f"C = {c:>5}: {h / 1e6:8.2f} MB")
+    print(
+        f"{per[0]:.0f} B per participant from C = {trio[0]} to {trio[1]}, {per[1]:.0f} B from "
+        f"{trio[0]} to {trio[2]}; fixed part {fixed / 1e6:.2f} MB = {fixed / model_bytes:.1f} x "
+        f"the model's {model_bytes / 1e3:.0f} kB"
+    )
+    spread = max(per) / min(per) - 1
+
+    print(f"\n== retained memory across rounds (C = {memory_c}, rounds {args.early} and {late})")
+    at_early, at_late = retained_growth(config, memory_c, args.early, late)
+    growth = (at_late - at_early) / ((late - args.early) * memory_c)
+    print(
+        f"traced {at_early / 1e6:.2f} MB after round {args.early}, {at_late / 1e6:.2f} MB "
+        f"after round {late}: {growth:.2f} B per participant-round"
+    )
+
+    verdict = "PASS" if k_wall <= args.max_slope else "FAIL"
+    print(
+        f"\n{verdict}: time per round linear in C: slope {k_wall:.3f} over C = {sizes} "
+        f"(target <= {args.max_slope}); coordinator side {k_coord:.3f}, "
+        f"{coords[-1] / walls[-1]:.0%} of the wall at C = {sizes[-1]}"
+    )
+    verdict = "PASS" if growth <= 1.0 else "FAIL"
+    print(
+        f"{verdict}: retained memory flat across rounds: {growth:.2f} B per participant-round "
+        f"between rounds {args.early} and {late} at C = {memory_c} (target <= 1)"
+    )
+    verdict = "PASS" if spread <= 0.5 else "FAIL"
+    print(
+        f"{verdict}: coordinator memory in a round O(model) + O(1) per participant: "
+        f"{per[0]:.0f} and {per[1]:.0f} B per participant over C = {trio} differ by "
+        f"{spread:.0%} (target <= 50%); fixed part {fixed / model_bytes:.1f} x the model"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""``lensemble-flwr report``'s curves: training and validation loss and accuracy from the
+run's round-metrics.json, beside the audit panels; C_t with integer ticks and aborted
+attempts drawn whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lensemble_flwr.cli.report import (
+    ACCURACY_PANEL,
+    LOSS_PANEL,
+    metric_panels,
+    render_figure,
+    write_report,
+)
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.provenance.round_metrics import (
+    METRICS_NAME,
+    read_round_metrics,
+    write_round_metrics,
+)
+from lensemble_flwr.provenance.summary import summarize_run
+
+METRICS = {
+    r: {
+        "train": {"last-batch-loss": 1.0 / r, "lensemble.C_t": 2.0},
+        "evaluate": {
+            "global-train-loss": 0.9 / r,
+            "global-val-loss": 1.1 / r,
+            "accuracy": 0.5 + 0.1 * r,
+            "bad": float("nan"),
+        },
+    }
+    for r in (1, 2, 3)
+}
+
+
+def test_round_metrics_round_trip_and_drop_what_is_not_a_finite_number(tmp_path: Path) -> None:
+    write_round_metrics(tmp_path, METRICS)
+    back = read_round_metrics(tmp_path)
+    assert sorted(back) == [1, 2, 3]
+    assert back[2]["evaluate"]["global-val-loss"] == pytest.approx(0.55)
+    assert "bad" not in back[1]["evaluate"]
+    assert read_round_metrics(tmp_path / "none") == {}
+    assert [p.name for p in tmp_path.iterdir()] == [METRICS_NAME]  # no temp file left
+
+
+def test_a_broken_round_metrics_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / METRICS_NAME).write_text(json.dumps({"rounds": {"x": {}}}))
+    with pytest.raises(ConfigError, match=METRICS_NAME):
+        read_round_metrics(tmp_path)
+
+
+def test_the_report_plots_training_and_validation_curves_beside_the_audit_panels(
+    run: Path, tmp_path: Path
+) -> None:
+    write_round_metrics(run, METRICS)
+    summary = summarize_run(run)
+    fig = render_figure(summary, read_round_metrics(run))
+    axes = fig.axes
+    titles = [ax.get_title(loc="left") for ax in axes]
+    assert titles[:3] == [LOSS_PANEL, ACCURACY_PANEL, "C_t (contributors)"]
+    loss_labels = [line.get_label() for line in axes[0].get_lines()]
+    assert loss_labels == [
+        "evaluate: global-train-loss",
+        "evaluate: global-val-loss",
+        "train replies: last-batch-loss",
+    ]
+    val = axes[0].get_lines()[1]
+    assert list(val.get_xdata()) == [1, 2, 3]
+    assert list(val.get_ydata()) == pytest.approx([1.1, 0.55, 1.1 / 3])
+    assert [line.get_label() for line in axes[1].get_lines()] == ["evaluate: accuracy"]
+    # C_t: integer ticks, and the aborted attempt (C_t = 0) is inside the axis, drawn whole
+    c_t = axes[2]
+    ticks = [t for t in c_t.get_yticks() if c_t.get_ylim()[0] <= t <= c_t.get_ylim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    (aborted,) = c_t.collections
+    assert len(summary.aborted) == 1 and aborted.get_offsets()[0][1] == 0
+    assert c_t.get_ylim()[0] < 0 and not aborted.get_clip_on()
+    # the written report: the curves panels make a taller PNG than the audit panels alone
+    with_curves, _ = write_report(run, tmp_path / "with")
+    (run / METRICS_NAME).unlink()
+    without, _ = write_report(run, tmp_path / "without")
+    assert with_curves.png.stat().st_size > without.png.stat().st_size
+
+
+def test_no_metrics_no_curve_panels() -> None:
+    assert metric_panels({}) == []
+    only_train = {1: {"train": {"last-batch-loss": 0.5}, "evaluate": {}}}
+    ((title, curves),) = metric_panels(only_train)
+    assert title == LOSS_PANEL and [c[0] for c in curves] == ["train replies: last-batch-loss"]

@@ -1,0 +1,96 @@
+"""The main job's world and its baselines: full actuation, local-only and centralized
+curves, and the local-only cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.simulations import world_baseline_cache as cache
+from lensemble_flwr.simulations.world_baselines import centralized, local_only
+from lensemble_flwr.simulations.world_data import (
+    CONTROL_DIM,
+    FULL_ACTION_DIMS,
+    make_embodiment,
+    participant_data,
+)
+
+CONFIG = LensembleConfig(inner={"steps": 2, "lr": 0.002, "batch_size": 8})
+DATA = {"trajectories": 1, "steps": 6, "validation_trajectories": 1, "actuation": "full"}
+
+
+def test_full_actuation_drives_the_whole_control_with_identity_covariance() -> None:
+    for index in range(4):
+        body = make_embodiment(index, actuation="full")
+        assert body.action_dim == FULL_ACTION_DIMS[index]
+        m = body.control_map
+        assert np.allclose(m @ m.T, np.eye(CONTROL_DIM))
+    # the default world (the gauge experiment's) is unchanged: a subspace actuation
+    assert make_embodiment(0).action_dim == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"actuation": "both"}, "actuation"),
+        ({"trajectories": 0}, "trajectories"),
+        ({"steps": 0}, "steps"),
+        ({"validation_trajectories": 0}, "validation_trajectories"),
+    ],
+)
+def test_bad_data_settings_are_refused(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        participant_data(0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_baselines_refuse_negative_rounds_and_no_nodes() -> None:
+    datas = [participant_data(0, **DATA)]
+    for baseline in (local_only, centralized):
+        with pytest.raises(ConfigError, match=r"^num-server-rounds"):
+            baseline(datas, CONFIG, rounds=-1)
+        with pytest.raises(ConfigError, match=r"^num-partitions"):
+            baseline([], CONFIG, rounds=1)
+
+
+def test_local_only_is_per_node_and_centralized_shares_the_encoder() -> None:
+    datas = [participant_data(i, **DATA) for i in range(2)]
+    both = local_only(datas, CONFIG, rounds=2)
+    alone = local_only(datas[1:], CONFIG, rounds=2)
+    assert both.validation[1] == alone.validation[0]  # a node's curve ignores the others
+    assert len(both.validation[0]) == 3 and len(both.train[0]) == 3
+    assert both.validation[0][-1] != both.validation[0][0]  # it trained
+    central = centralized(datas, CONFIG, rounds=2)
+    assert central.validation[0][0] == both.validation[0][0]  # the same initial model
+    assert central.validation[0][-1] != both.validation[0][-1]
+
+
+def test_the_local_only_cache_computes_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = {"rounds": 2, "data_seed": 0, "init_seed": 0, "cache_dir": tmp_path}
+    first = cache.local_only_curve(1, DATA, CONFIG, **args)
+    assert len(list((tmp_path / cache.SUBFOLDER).iterdir())) == 1
+    calls = []
+    monkeypatch.setattr(cache, "local_only", lambda *a, **k: calls.append(a))
+    assert cache.local_only_curve(1, DATA, CONFIG, **args) == first  # from the file
+    assert calls == []
+    with pytest.raises(ConfigError, match=r"^num-server-rounds"):
+        cache.local_only_curve(1, DATA, CONFIG, **{**args, "rounds": -1})
+    monkeypatch.undo()
+    # a corrupt entry is recomputed; other settings get another entry
+    (path,) = (tmp_path / cache.SUBFOLDER).iterdir()
+    path.write_text("{not json")
+    assert cache.local_only_curve(1, DATA, CONFIG, **args) == first
+    cache.local_only_curve(1, DATA, CONFIG, **{**args, "rounds": 3})
+    assert len(list((tmp_path / cache.SUBFOLDER).iterdir())) == 2
+
+
+def test_the_default_cache_is_user_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.default_cache_dir() == tmp_path / "lensemble-flwr"
