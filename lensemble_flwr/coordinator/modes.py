@@ -203,8 +203,12 @@ MASKED_ADMISSION: Table = MappingProxyType(
 their next mask key and the unmask responses of AGGREGATING."""
 
 
-def _member_ids(attempt: Attempt) -> set[str]:
-    return {m.pid for m in attempt.members or []}
+def _member_ids(attempt: Attempt) -> frozenset[str]:
+    """The attempt's member ids: its secure aggregator's set, built once when the members
+    were fixed (the invitation asks for every reachable peer, each time it is called)."""
+    if isinstance(attempt.aggregator, SecureAggregator):
+        return attempt.aggregator.member_ids
+    return frozenset(m.pid for m in attempt.members or [])
 
 
 def admission_tables() -> dict[str, Table]:
@@ -256,11 +260,11 @@ class MaskedMode:
 
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
         """The members that are invited and reachable (none before the members are fixed)."""
-        return _member_ids(attempt) & attempt.invited & reachable
+        return attempt.invited & reachable & _member_ids(attempt)
 
     def eligible(self, attempt: Attempt) -> set[str]:
         """The members."""
-        return _member_ids(attempt)
+        return set(_member_ids(attempt))
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
         """The RoundOpen with the masking parameters: once per participant, and again to

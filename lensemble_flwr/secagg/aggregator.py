@@ -70,7 +70,7 @@ class SecureAggregator:
         self._sum = MaskedSum(
             template, members, threshold=threshold, context=context, degree=degree
         )
-        self._member_ids = {m.pid for m in members}
+        self._member_ids = frozenset(m.pid for m in members)
         self._holder_x = {pid: i + 1 for i, pid in enumerate(sorted(self._member_ids))}
         self._self_shares: dict[str, dict[str, bytes]] = {}
         self._weights: dict[str, int] = {}
@@ -148,6 +148,11 @@ class SecureAggregator:
                     f"(x = {x}, its own is {position})"
                 )
         self._disclosures[holder] = disclosure
+
+    @property
+    def member_ids(self) -> frozenset[str]:
+        """The round's member ids (built once: asked for every message of the round)."""
+        return self._member_ids
 
     @property
     def dropped(self) -> list[str]:
