@@ -318,3 +318,66 @@ def test_masked_rounds_with_dropouts_reproduce_the_recorded_ledger(
     ]
     assert [r.new_global_hash for r in verify(Store(tmp_path / "run"))] == RECORDED
     assert coordinator.global_state().params_hash == RECORDED[-1]
+
+
+# -- the coordinator's side: shares read once, forwarded as they came -------------------------
+@settings(max_examples=40, deadline=None)
+@given(secret=st.binary(min_size=32, max_size=32), count=st.integers(1, 20), data=st.data())
+def test_combining_points_by_holder_is_combining_shares(
+    secret: bytes, count: int, data: st.DataObject
+) -> None:
+    threshold = data.draw(st.integers(1, count))
+    shares = shamir.split(secret, threshold, count)
+    subset = data.draw(st.lists(st.sampled_from(shares), unique=True))
+    shift = data.draw(st.sampled_from([0, shamir.PRIME]))  # x beyond the field: the slow path
+    points = {x + shift: y for x, y in subset}
+    try:
+        expected: bytes | str = shamir.combine(list(points.items()), threshold)
+    except SecureAggregationError as exc:
+        expected = str(exc)
+    try:
+        got: bytes | str = shamir.combine_points(points, threshold)
+    except SecureAggregationError as exc:
+        got = str(exc)
+    assert got == expected
+    if len(subset) >= threshold:
+        assert got == secret
+
+
+def test_sealed_shares_go_out_as_bytes_hex_writes_them() -> None:
+    from test_secagg_guards import masked_update
+
+    trio_keys = {p: SecAggKeys.generate() for p in "abc"}
+    trio = [Member(p, k.mask_public, k.enc_public) for p, k in trio_keys.items()]
+    agg = SecureAggregator({"w": np.zeros(6, np.float32)}, AggregationConfig(), members=trio,
+                           threshold=2, context=b"run|1|1")  # fmt: skip
+    honest = masked_update("a", trio_keys, trio)
+    shouting = masked_update("b", trio_keys, trio)
+    loud = {h: c.upper() for h, c in (shouting.sealed_shares or {}).items()}
+    shouting = shouting.model_copy(update={"sealed_shares": loud})
+    agg.admit(honest, weight=1)
+    agg.admit(shouting, weight=1)
+    requests = agg.disclosure_requests()
+    for holder, request in requests.items():
+        assert request.sealed_hex["a"] is (honest.sealed_shares or {})[holder]  # not copied
+        assert request.sealed_hex["b"] == loud[holder].lower()  # re-encoded, as always
+        assert request.self_mask_shares["b"] == bytes.fromhex(loud[holder])
+    assert not agg.all_disclosed()
+
+
+def test_an_unmask_response_with_malformed_shares_is_refused() -> None:
+    from lensemble_flwr.coordinator.modes import _parse_shares
+    from lensemble_flwr.errors import RoundError
+    from lensemble_flwr.protocol.messages import UnmaskResponse
+
+    def response(b_shares: dict[str, str]) -> UnmaskResponse:
+        return UnmaskResponse(run_id="run", round=1, attempt=1, sender="a",
+                              participant_id="a", b_shares=b_shares, pair_seeds={})  # fmt: skip
+
+    assert _parse_shares(response({"b": "2:ff", "c": "2:10:x"})).self_mask == {
+        "b": (2, 255),
+        "c": (2, 16),  # fields after the second were always ignored
+    }
+    for bad in ("2", "x:ff", "2:zz", ""):
+        with pytest.raises(RoundError, match="malformed shares"):
+            _parse_shares(response({"b": bad}))

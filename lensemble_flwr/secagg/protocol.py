@@ -381,13 +381,13 @@ class MaskedSum:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
             )
-        self_mask: dict[str, dict[int, shamir.Share]] = {}
+        self_mask: dict[str, dict[int, int]] = {}  # sender -> x -> y (one y per holder x)
         for answer in disclosures.values():
-            for sender, share in answer.self_mask.items():
-                self_mask.setdefault(sender, {})[share[0]] = share
+            for sender, (x, y) in answer.self_mask.items():
+                self_mask.setdefault(sender, {})[x] = y
         total = self._sum.copy()
         streams = [
-            (shamir.combine(list(self_mask.get(pid, {}).values()), self.threshold), -1)
+            (shamir.combine_points(self_mask.get(pid, {}), self.threshold), -1)
             for pid in self.survivors
         ]
         survivors = set(self.survivors)

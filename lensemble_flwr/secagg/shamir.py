@@ -7,8 +7,9 @@ reveal nothing. Shares are (x, y) with x = 1..n; coefficients come from ``secret
 from __future__ import annotations
 
 import functools
+import operator
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -60,16 +61,33 @@ def combine(shares: Sequence[Share], threshold: int) -> bytes:
     Raises:
         SecureAggregationError: fewer than ``threshold`` distinct shares.
     """
-    distinct = {x % PRIME: y for x, y in shares}
-    if 0 in distinct or any(not 0 <= y < PRIME for y in distinct.values()):
+    return _combine_distinct({x % PRIME: y for x, y in shares}, threshold)
+
+
+def combine_points(points: Mapping[int, int], threshold: int) -> bytes:
+    """:func:`combine` of the shares ``points`` maps x to y for (what the aggregator
+    gathers per sender: one y per holder), without copying them first when every x is
+    already a field element's representative.
+
+    Raises:
+        SecureAggregationError: as :func:`combine`.
+    """
+    if points and min(points) > 0 and max(points) < PRIME:
+        return _combine_distinct(points, threshold)
+    return combine(list(points.items()), threshold)
+
+
+def _combine_distinct(distinct: Mapping[int, int], threshold: int) -> bytes:
+    ys = distinct.values()
+    if 0 in distinct or (ys and (min(ys) < 0 or max(ys) >= PRIME)):
         raise SecureAggregationError("a share is not a point of the field (x = 0, or y too big)")
     if len(distinct) < threshold:
         raise SecureAggregationError(
             f"{len(distinct)} shares, {threshold} needed to recover a mask secret"
         )
-    points = sorted(distinct.items())[:threshold]
-    weights = _lagrange_at_zero(tuple(x for x, _ in points))
-    secret = sum(y * w for (_, y), w in zip(points, weights, strict=True)) % PRIME
+    xs = sorted(distinct)[:threshold]
+    weights = _lagrange_at_zero(tuple(xs))
+    secret = sum(map(operator.mul, map(distinct.__getitem__, xs), weights)) % PRIME
     if secret >= 2 ** (8 * SECRET_BYTES):
         raise SecureAggregationError("shares do not combine to a valid secret")
     return secret.to_bytes(SECRET_BYTES, "big")
