@@ -18,7 +18,7 @@ int64, which the secure aggregator refuses). The trainer costs almost nothing
 masking, messaging and aggregation are what is measured, at P = ``--params`` float32
 parameters (default 100k, one array). Each federation runs one warm-up round (the
 masked ones commit their keys in it), then ``--rounds`` rounds of each federation
-interleaved (plain, sparse, full, plain, ...; ``--large-rounds`` above C = 200); every
+interleaved (plain, sparse, full, plain, ...; ``--large-rounds`` above C = 100); every
 round must close with all C contributors, and the global states must stay bitwise
 equal across the federations (checked).
 
@@ -233,7 +233,7 @@ class Federation:
 
 
 def measure(c: int, variants: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    rounds = args.rounds if c <= 200 else args.large_rounds
+    rounds = args.rounds if c <= 100 else args.large_rounds
     with tempfile.TemporaryDirectory(prefix="bench-scale-masked-") as tmp:
         feds: dict[str, Federation] = {}
         build: dict[str, float] = {}
@@ -305,13 +305,11 @@ def report(c_results: list[dict[str, Any]], args: argparse.Namespace) -> list[st
                 (f"{'PASS' if ratio <= args.wall_target else 'FAIL'}: " if variant == "sparse"
                  else "info: ") + line
             )  # fmt: skip
-    if len(sparse_cs) >= 2:
-        lo, hi = sparse_cs[0], sparse_cs[-1]
-        for variant in ("sparse", "full"):
-            cs = [c for c in (lo, hi) if variant in by_c[c]["bytes"]]
-            if len(cs) < 2:
-                continue
-            a, b = (by_c[c]["bytes"][variant] for c in cs)
+    for variant in ("sparse", "full"):
+        cs = sorted(r["c"] for r in c_results if variant in r["bytes"])
+        if len(cs) >= 2:
+            lo, hi = cs[0], cs[-1]
+            a, b = by_c[lo]["bytes"][variant], by_c[hi]["bytes"][variant]
             exp_protocol = math.log(b["protocol"] / a["protocol"]) / math.log(hi / lo)
             exp_total = math.log(b["total"] / a["total"]) / math.log(hi / lo)
             line = (
@@ -337,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--full-sizes", type=int, nargs="*", default=[100, 200], help="C, full graph too"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds, C <= 200")
-    parser.add_argument("--large-rounds", type=int, default=1, help="measured rounds, C > 200")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds, C <= 100")
+    parser.add_argument("--large-rounds", type=int, default=1, help="measured rounds, C > 100")
     parser.add_argument("--ratio-c", type=int, default=100, help="C of the wall-ratio target")
     parser.add_argument("--coord-target", type=float, default=3.0)
     parser.add_argument("--wall-target", type=float, default=2.0)
