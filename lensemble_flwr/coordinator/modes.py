@@ -50,7 +50,7 @@ from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskRes
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.participant_role import encode_member
-from lensemble_flwr.secagg.protocol import Disclosure, context_of
+from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of
 from lensemble_flwr.transports.base import COORDINATOR
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,12 @@ MASKED_ADMISSION: Table = MappingProxyType(
 their next mask key and the unmask responses of AGGREGATING."""
 
 
-def _member_ids(attempt: Attempt) -> set[str]:
-    return {m.pid for m in attempt.members or []}
+def _member_ids(attempt: Attempt) -> frozenset[str]:
+    """The attempt's member ids: its secure aggregator's set, built once when the members
+    were fixed (the invitation asks for every reachable peer, each time it is called)."""
+    if isinstance(attempt.aggregator, SecureAggregator):
+        return attempt.aggregator.member_ids
+    return frozenset(m.pid for m in attempt.members or [])
 
 
 def admission_tables() -> dict[str, Table]:
@@ -224,6 +228,16 @@ class MaskedMode:
         self.config = config
         self.registry = registry
         self.run_id = run_id
+        self._encoded: tuple[list[Member] | None, tuple[str, ...]] = (None, ())
+
+    def _encoded_members(self, attempt: Attempt) -> tuple[str, ...]:
+        """The member list as RoundOpen carries it, encoded once per member set (every
+        member's invitation carries all of it)."""
+        members, encoded = self._encoded
+        if members is not attempt.members:
+            encoded = tuple(encode_member(m) for m in attempt.members or [])
+            self._encoded = (attempt.members, encoded)
+        return encoded
 
     def begin(self, attempt: Attempt) -> None:
         """Nothing yet: the aggregator needs the member set (:meth:`settle`)."""
@@ -256,15 +270,17 @@ class MaskedMode:
 
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
         """The members that are invited and reachable (none before the members are fixed)."""
-        return _member_ids(attempt) & attempt.invited & reachable
+        return attempt.invited & reachable & _member_ids(attempt)
 
     def eligible(self, attempt: Attempt) -> set[str]:
         """The members."""
-        return _member_ids(attempt)
+        return set(_member_ids(attempt))
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
         """The RoundOpen with the masking parameters: once per participant, and again to
         each member, with the member list, once the members are fixed."""
+        if peer in attempt.invited and (attempt.members is None or peer in attempt.members_sent):
+            return None  # the common answer: asked for every reachable peer, many times
         members = _member_ids(attempt)
         resend = peer in members and peer not in attempt.members_sent
         if peer in attempt.invited and not resend:
@@ -279,7 +295,7 @@ class MaskedMode:
             "secagg_neighbours": fed.secagg_neighbours,
         }
         if peer in members:
-            changes["secagg_members"] = tuple(encode_member(m) for m in attempt.members or [])
+            changes["secagg_members"] = self._encoded_members(attempt)
             attempt.members_sent.add(peer)
         return attempt.round_open.model_copy(update=changes)
 
@@ -299,21 +315,21 @@ class MaskedMode:
                 sender=COORDINATOR,
                 survivors=request.survivors,
                 dropped=request.dropped,
-                sealed={s: c.hex() for s, c in request.self_mask_shares.items()},
+                sealed=request.sealed_hex,
             )
             for holder, request in requests.items()
         }
-        exchange(messages, lambda: set(requests) <= set(aggregator.disclosed))
+        exchange(messages, aggregator.all_disclosed)  # the requests go to every survivor
         return revealed_and_checked(aggregator)
 
 
 def _parse_shares(response: UnmaskResponse) -> Disclosure:
     """An UnmaskResponse as a Disclosure ('x:y_hex' shares as (x, y); seeds as bytes)."""
+    self_mask = {}
     try:
-        self_mask = {
-            s: (int(v.split(":")[0]), int(v.split(":")[1], 16))
-            for s, v in response.b_shares.items()
-        }
+        for s, v in response.b_shares.items():
+            parts = v.split(":")  # once (fields after the second are ignored, as always)
+            self_mask[s] = (int(parts[0]), int(parts[1], 16))
     except (ValueError, IndexError):
         raise RoundError(f"{response.participant_id}: malformed shares") from None
     pair_seeds = {d: bytes.fromhex(h) for d, h in response.pair_seeds.items()}  # hex: checked

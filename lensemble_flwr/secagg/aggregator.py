@@ -30,11 +30,18 @@ from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member
 @dataclasses.dataclass(frozen=True)
 class DisclosureRequest:
     """What one surviving member is asked: its share of each survivor's self mask
-    (sealed for it by that survivor) and its pairwise seed with each dropped neighbour."""
+    (sealed for it by that survivor) and its pairwise seed with each dropped neighbour.
+    The shares stay in the hex they arrived in (checked then): the request carries them
+    so, with no second conversion of C x C shares."""
 
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
-    self_mask_shares: dict[str, bytes]
+    sealed_hex: dict[str, str]  # survivor -> its share sealed for this holder, as it came
+
+    @property
+    def self_mask_shares(self) -> dict[str, bytes]:
+        """The sealed shares as bytes (``sealed_hex`` decoded)."""
+        return {s: bytes.fromhex(c) for s, c in self.sealed_hex.items()}
 
 
 class SecureAggregator:
@@ -70,19 +77,21 @@ class SecureAggregator:
         self._sum = MaskedSum(
             template, members, threshold=threshold, context=context, degree=degree
         )
-        self._member_ids = {m.pid for m in members}
+        self._member_ids = frozenset(m.pid for m in members)
         self._holder_x = {pid: i + 1 for i, pid in enumerate(sorted(self._member_ids))}
-        self._self_shares: dict[str, dict[str, bytes]] = {}
+        self._self_shares: dict[str, Mapping[str, str]] = {}  # sender -> its sealed (hex)
         self._weights: dict[str, int] = {}
         self._disclosures: dict[str, Disclosure] = {}
         self._revealed: AggregateSum | None = None
+        self._parsed: tuple[Update, dict[str, bytes], Mapping[str, str]] | None = None
 
     def admit(self, update: Update, *, weight: int) -> None:
         """Fold a member's masked update into the sum, or raise and change nothing."""
-        shares = self.check(update, weight=weight)
+        self.check(update, weight=weight)
         pid = update.participant_id
         self._sum.add(pid, update.delta)  # checks again: cheap, and add stands alone
-        self._self_shares[pid] = shares
+        assert self._parsed is not None and self._parsed[0] is update  # check just read it
+        self._self_shares[pid] = self._parsed[2]
         self._weights[pid] = weight
 
     def check(self, update: Update, *, weight: int) -> dict[str, bytes]:
@@ -101,24 +110,43 @@ class SecureAggregator:
             raise RoundError(f"{pid}: already contributed, or the round is revealed")
         if not 1 <= weight <= self._config.max_weight:
             raise RoundError(f"{pid}: weight {weight} outside [1, {self._config.max_weight}]")
-        try:
-            shares = {h: bytes.fromhex(c) for h, c in update.sealed_shares.items()}
-        except ValueError:
-            raise RoundError(f"{pid}: sealed shares are not hex") from None
-        if set(shares) != self._member_ids:
-            raise RoundError(f"{pid}: self-mask shares must go to every member")
+        shares = self._shares_of(update)
         self._sum.check(pid, update.delta)
         return shares
+
+    def _shares_of(self, update: Update) -> dict[str, bytes]:
+        """The update's sealed shares as bytes, one to every member; read once per update
+        (messages are immutable: the coordinator's check and admit share the reading)."""
+        if self._parsed is not None and self._parsed[0] is update:
+            return dict(self._parsed[1])
+        pid, sealed = update.participant_id, update.sealed_shares or {}
+        try:
+            shares = {h: bytes.fromhex(c) for h, c in sealed.items()}
+        except ValueError:
+            raise RoundError(f"{pid}: sealed shares are not hex") from None
+        if shares.keys() != self._member_ids:
+            raise RoundError(f"{pid}: self-mask shares must go to every member")
+        canonical = all(
+            len(c) == 2 * len(b) and c == c.lower()
+            for c, b in zip(sealed.values(), shares.values(), strict=True)
+        )  # as bytes.hex() writes them (else forwarded re-encoded, as they always were)
+        self._parsed = (
+            update,
+            shares,
+            sealed if canonical else {h: b.hex() for h, b in shares.items()},
+        )
+        return dict(shares)
 
     def disclosure_requests(self) -> dict[str, DisclosureRequest]:
         """What to ask each survivor once the contributing set is frozen."""
         survivors = tuple(sorted(self._sum.survivors))
         dropped = tuple(self._sum.dropped)
+        columns = [(s, self._self_shares[s]) for s in survivors]
         return {
             holder: DisclosureRequest(
                 survivors=survivors,
                 dropped=dropped,
-                self_mask_shares={s: self._self_shares[s][holder] for s in survivors},
+                sealed_hex={s: sealed[holder] for s, sealed in columns},
             )
             for holder in survivors
         }
@@ -150,6 +178,11 @@ class SecureAggregator:
         self._disclosures[holder] = disclosure
 
     @property
+    def member_ids(self) -> frozenset[str]:
+        """The round's member ids (built once: asked for every message of the round)."""
+        return self._member_ids
+
+    @property
     def dropped(self) -> list[str]:
         return self._sum.dropped
 
@@ -157,6 +190,11 @@ class SecureAggregator:
     def disclosed(self) -> list[str]:
         """The survivors whose disclosures arrived."""
         return list(self._disclosures)
+
+    def all_disclosed(self) -> bool:
+        """Whether every survivor's disclosure arrived (only survivors disclose, and once
+        each: a count, asked after every message of the exchange)."""
+        return len(self._disclosures) == len(self._weights)
 
     def reveal(self) -> AggregateSum:
         """Unmask the survivors' sum from the disclosures recorded so far, as read-only

@@ -65,12 +65,49 @@ def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
 
 
+class BoxKeys:
+    """The share boxes (ChaCha20-Poly1305 keyed by HKDF of X25519) of one sealing key:
+    one exchange per peer, however many shares are sealed for it or opened from it.
+    The sealing key is long-lived, and so are its boxes: a participant keeps one
+    ``BoxKeys`` across rounds (in memory, never on disk)."""
+
+    def __init__(self, enc_private: bytes) -> None:
+        self.enc_private = enc_private
+        self._boxes: dict[bytes, ChaCha20Poly1305] = {}
+
+    def box(self, peer_enc_public: bytes) -> ChaCha20Poly1305:
+        """The box shared with the peer (the same from both sides).
+
+        Raises:
+            SecureAggregationError: the peer's key is not a usable X25519 public key.
+        """
+        found = self._boxes.get(peer_enc_public)
+        if found is None:
+            found = ChaCha20Poly1305(_box_key(self.enc_private, peer_enc_public))
+            self._boxes[peer_enc_public] = found
+        return found
+
+
 @dataclasses.dataclass(frozen=True)
 class SecAggKeys:
-    """The private halves of a round's mask key and of the sealing key (raw, 32 bytes)."""
+    """The private halves of a round's mask key and of the sealing key (raw, 32 bytes).
+
+    Every X25519 agreement it makes is made once: its pair seeds (per peer and context)
+    are kept with it, its boxes in ``boxes`` (give the participant's long-lived
+    :class:`BoxKeys` to keep them across rounds)."""
 
     mask_private: bytes
     enc_private: bytes
+    boxes: BoxKeys | None = dataclasses.field(default=None, repr=False, compare=False)
+    _seeds: dict[tuple[bytes, bytes], bytes] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if self.boxes is None:
+            object.__setattr__(self, "boxes", BoxKeys(self.enc_private))
+        elif self.boxes.enc_private != self.enc_private:
+            raise ValueError("the boxes belong to another sealing key")
 
     @classmethod
     def generate(cls) -> SecAggKeys:
@@ -84,6 +121,23 @@ class SecAggKeys:
     @property
     def enc_public(self) -> bytes:
         return public_key(self.enc_private)
+
+    def box(self, peer_enc_public: bytes) -> ChaCha20Poly1305:
+        """The share box shared with the peer (:meth:`BoxKeys.box`)."""
+        assert self.boxes is not None  # __post_init__
+        return self.boxes.box(peer_enc_public)
+
+    def pair_seed(self, peer_mask_public: bytes, context: bytes) -> bytes:
+        """:func:`pair_seed` of the mask key with the peer's, computed once.
+
+        Raises:
+            SecureAggregationError: the peer's key is not a usable X25519 public key.
+        """
+        found = self._seeds.get((peer_mask_public, context))
+        if found is None:
+            found = pair_seed(self.mask_private, peer_mask_public, context)
+            self._seeds[(peer_mask_public, context)] = found
+        return found
 
 
 def _exchange(private: bytes, peer_public: bytes) -> bytes:
@@ -129,8 +183,12 @@ hundred bytes) and a 16-byte tag."""
 
 def seal(enc_private: bytes, peer_enc_public: bytes, plaintext: bytes, aad: bytes) -> bytes:
     """Encrypt ``plaintext`` for the peer (nonce || ciphertext with tag)."""
+    return seal_in(ChaCha20Poly1305(_box_key(enc_private, peer_enc_public)), plaintext, aad)
+
+
+def seal_in(box: ChaCha20Poly1305, plaintext: bytes, aad: bytes) -> bytes:
+    """:func:`seal` with the peer's box (:meth:`BoxKeys.box`): a fresh random nonce."""
     nonce = os.urandom(12)
-    box = ChaCha20Poly1305(_box_key(enc_private, peer_enc_public))
     return nonce + box.encrypt(nonce, plaintext, aad)
 
 
@@ -140,11 +198,25 @@ def open_sealed(enc_private: bytes, peer_enc_public: bytes, sealed: bytes, aad: 
     Raises:
         SecureAggregationError: the ciphertext or its associated data was altered.
     """
+    _check_sealed_size(sealed)
+    return open_in(ChaCha20Poly1305(_box_key(enc_private, peer_enc_public)), sealed, aad)
+
+
+def _check_sealed_size(sealed: bytes) -> None:
     if not SEALED_MIN <= len(sealed) <= SEALED_MAX:
         raise SecureAggregationError(
             f"a sealed share is {len(sealed)} bytes, not {SEALED_MIN}..{SEALED_MAX}"
         )
-    box = ChaCha20Poly1305(_box_key(enc_private, peer_enc_public))
+
+
+def open_in(box: ChaCha20Poly1305, sealed: bytes, aad: bytes) -> bytes:
+    """:func:`open_sealed` with the peer's box (:meth:`BoxKeys.box`).
+
+    Raises:
+        SecureAggregationError: the size is not a sealed share's, or the ciphertext or its
+            associated data was altered.
+    """
+    _check_sealed_size(sealed)
     try:
         return box.decrypt(sealed[:12], sealed[12:], aad)
     except InvalidTag:

@@ -22,7 +22,7 @@ from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.protocol.state import PseudoGradient
-from lensemble_flwr.secagg.keys import SecAggKeys, new_private_key, public_key
+from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
 from lensemble_flwr.secagg.protocol import Member, context_of, disclose, mask
 
 ANNOUNCED_KEYS_KEPT = 4
@@ -56,6 +56,8 @@ class MaskingRole:
         self.members: list[Member] = []
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
+        self._boxes: BoxKeys | None = None  # the sealing key's boxes (memory only)
+        self._round_keys: SecAggKeys | None = None  # the round's agreements (memory only)
 
     def _announce(self) -> str:
         """A fresh mask key: keep its private half, return its public half (hex)."""
@@ -157,7 +159,7 @@ class MaskingRole:
         masked = mask(
             values,
             me=self.participant_id,
-            keys=SecAggKeys(self.round_key, self.enc_private),
+            keys=self._keys(),
             members=members,
             threshold=msg.secagg_threshold,
             context=self.context,
@@ -170,6 +172,20 @@ class MaskingRole:
             "sealed_shares": {h: c.hex() for h, c in masked.sealed.items()},
             "next_mask_key": self._announce(),
         }
+
+    def _keys(self) -> SecAggKeys:
+        """The round's keys, the same object from masking to disclosing, so that every
+        X25519 agreement is made once per peer: a pair seed with each neighbour (masking,
+        and disclosing it for a dropped one), a box with each member (sealing a share for
+        it, and opening its share); boxes are kept across rounds with the sealing key."""
+        assert self.round_key is not None and self.enc_private is not None  # callers check
+        if self._boxes is None or self._boxes.enc_private != self.enc_private:
+            self._boxes = BoxKeys(self.enc_private)
+        keys = self._round_keys
+        if keys is None or keys.mask_private != self.round_key or keys.boxes is not self._boxes:
+            keys = SecAggKeys(self.round_key, self.enc_private, boxes=self._boxes)
+            self._round_keys = keys
+        return keys
 
     def _with_noise_share(
         self, values: NamedArrays, transforms: tuple[str, ...], config: LensembleConfig
@@ -231,7 +247,7 @@ class MaskingRole:
             raise SecureAggregationError(f"{me}: sealed shares are not hex") from None
         answer = disclose(
             me=me,
-            keys=SecAggKeys(self.round_key, self.enc_private),
+            keys=self._keys(),
             members=self.members,
             context=self.context,
             survivors=request.survivors,
@@ -245,6 +261,7 @@ class MaskingRole:
         }
         self.answered = {"partition": partition, "reply": reply}
         self.round_key = None  # answered: the round's mask key is of no further use
+        self._round_keys = None  # and neither are its pair seeds
         return dict(reply)
 
     def export(self) -> dict[str, Any]:
@@ -268,6 +285,7 @@ class MaskingRole:
             str(pub): bytes.fromhex(priv) for pub, priv in (meta.get("announced") or {}).items()
         }
         self.round_key = bytes.fromhex(round_key) if round_key else None
+        self._round_keys = None
         answered = meta.get("answered")
         self.answered = dict(answered) if isinstance(answered, dict) else None
         self.members = parse_members(tuple(meta.get("members", ())))

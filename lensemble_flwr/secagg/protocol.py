@@ -32,7 +32,9 @@ instead of with ``threshold`` members.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -42,7 +44,7 @@ import numpy as np
 from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.secagg import prg, shamir
-from lensemble_flwr.secagg.keys import SecAggKeys, open_sealed, pair_seed, seal
+from lensemble_flwr.secagg.keys import SecAggKeys, open_in, seal_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,21 +107,82 @@ class MaskedRelease:
     sealed: dict[str, bytes]  # holder -> this round's self-mask share, sealed for it
 
 
+class NeighbourGraph:
+    """The neighbour graph of one round attempt, built once: the ring is hashed and sorted
+    once (C SHA-256), each member's neighbours are read off it (``degree`` ring steps),
+    and :meth:`isolated` checks a survivor set in O(C k). :func:`graph_of` caches it per
+    (member ids, degree, context), so every call of a round shares one."""
+
+    def __init__(self, pids: Sequence[str], degree: int, context: bytes) -> None:
+        self.pids = tuple(pids)
+        self.degree = degree
+        self._sorted = sorted(self.pids)
+        self._count = collections.Counter(self.pids)
+        self._near: dict[str, frozenset[str]] = {}
+        self._ring: list[str] = []
+        self._at: dict[str, int] = {}
+        if degree > 0:
+            self._ring = sorted(
+                self.pids,
+                key=lambda pid: hashlib.sha256(context + b"|ring|" + pid.encode()).digest(),
+            )
+            for at, pid in enumerate(self._ring):
+                self._at.setdefault(pid, at)  # the first place, as list.index finds it
+
+    def _sparse_for(self, me: str) -> bool:
+        others = len(self.pids) - self._count.get(me, 0)
+        return 0 < self.degree < others
+
+    def near(self, me: str) -> frozenset[str]:
+        """``me``'s neighbours, as a set (see :func:`neighbours`).
+
+        Raises:
+            ValueError: the graph is sparse and ``me`` is not a member.
+        """
+        if not self._sparse_for(me):  # every other member (not kept: C of them)
+            return frozenset(p for p in self.pids if p != me)
+        found = self._near.get(me)
+        if found is None:
+            if me not in self._at:
+                raise ValueError(f"{me!r} is not in the ring")
+            at, half, size = self._at[me], self.degree // 2, len(self._ring)
+            found = frozenset(
+                self._ring[(at + step) % size] for step in range(-half, half + 1) if step != 0
+            )
+            self._near[me] = found
+        return found
+
+    def neighbours(self, me: str) -> list[str]:
+        """``me``'s neighbours, sorted (see :func:`neighbours`)."""
+        if not self._sparse_for(me):
+            return [p for p in self._sorted if p != me]
+        return sorted(self.near(me))
+
+    def isolated(self, survivors: Sequence[str]) -> list[str]:
+        """The survivors none of whose neighbours survived, sorted (see
+        :func:`isolated_survivors`); none with the full graph."""
+        if self.degree <= 0:
+            return []
+        alive = set(survivors)
+        return sorted(s for s in alive if alive.isdisjoint(self.near(s)))
+
+
+@functools.lru_cache(maxsize=32)
+def _graph(pids: tuple[str, ...], degree: int, context: bytes) -> NeighbourGraph:
+    return NeighbourGraph(pids, degree, context)
+
+
+def graph_of(members: Sequence[Member], degree: int, context: bytes) -> NeighbourGraph:
+    """The round attempt's neighbour graph over ``members`` (built once, then cached)."""
+    return _graph(tuple(m.pid for m in members), degree, context)
+
+
 def neighbours(me: str, members: Sequence[Member], degree: int, context: bytes) -> list[str]:
     """The members ``me`` exchanges pairwise masks with, sorted: every other member when
     ``degree`` is 0 or reaches them all; otherwise the ``degree // 2`` members on either
     side of ``me`` in the ring ordered by SHA-256(context, pid). The relation is
     symmetric: u is v's neighbour exactly when v is u's."""
-    others = sorted(m.pid for m in members if m.pid != me)
-    if degree <= 0 or degree >= len(others):
-        return others
-    ring = sorted(
-        (m.pid for m in members),
-        key=lambda pid: hashlib.sha256(context + b"|ring|" + pid.encode()).digest(),
-    )
-    at, half = ring.index(me), degree // 2
-    near = {ring[(at + step) % len(ring)] for step in range(-half, half + 1) if step != 0}
-    return sorted(near)
+    return graph_of(members, degree, context).neighbours(me)
 
 
 def isolated_survivors(
@@ -131,10 +194,7 @@ def isolated_survivors(
     govern how few survivors a sum may have, as before."""
     if degree <= 0:
         return []
-    alive = set(survivors)
-    return sorted(
-        s for s in alive if not alive.intersection(neighbours(s, members, degree, context))
-    )
+    return graph_of(members, degree, context).isolated(survivors)
 
 
 def _seal_shares(
@@ -148,8 +208,8 @@ def _seal_shares(
     ordered = _ordered(members)
     shares = shamir.split(secret, threshold, len(ordered))
     return {
-        holder.pid: seal(
-            keys.enc_private, holder.enc_public, f"{x}:{y:x}".encode(), _aad(aad, me, holder.pid)
+        holder.pid: seal_in(
+            keys.box(holder.enc_public), f"{x}:{y:x}".encode(), _aad(aad, me, holder.pid)
         )
         for holder, (x, y) in zip(ordered, shares, strict=True)
     }
@@ -179,7 +239,7 @@ def mask(
     masked = np.empty(base.size, np.int64)  # fresh: the values are not modified
     self_seed = os.urandom(prg.SEED_BYTES)
     streams = [(self_seed, +1)] + [
-        (pair_seed(keys.mask_private, peer.mask_public, context), +1 if me < peer.pid else -1)
+        (keys.pair_seed(peer.mask_public, context), +1 if me < peer.pid else -1)
         for peer in ordered
         if peer.pid in near
     ]
@@ -191,7 +251,7 @@ def mask(
 def _open_share(
     keys: SecAggKeys, sender: Member, me: str, sealed: bytes, aad: bytes
 ) -> shamir.Share:
-    plain = open_sealed(keys.enc_private, sender.enc_public, sealed, _aad(aad, sender.pid, me))
+    plain = open_in(keys.box(sender.enc_public), sealed, _aad(aad, sender.pid, me))
     try:
         x, y = plain.decode("ascii").split(":")
         return (int(x), int(y, 16))
@@ -246,9 +306,7 @@ def disclose(
     }
     near = set(neighbours(me, members, degree, context))
     pair_seeds = {
-        peer: pair_seed(keys.mask_private, by_id[peer].mask_public, context)
-        for peer in dropped
-        if peer in near
+        peer: keys.pair_seed(by_id[peer].mask_public, context) for peer in dropped if peer in near
     }
     return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
 
@@ -276,10 +334,12 @@ class MaskedSum:
         self._template = {n: template[n] for n in sorted(template)}
         self._sum = np.zeros(sum(int(a.size) for a in self._template.values()), np.int64)
         self.survivors: list[str] = []
+        self._member_ids = frozenset(m.pid for m in self.members)
+        self._added: set[str] = set()  # the survivors, as a set (O(1) per check)
 
     def check(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
         """Raise SecureAggregationError if :meth:`add` would refuse this input."""
-        if pid not in {m.pid for m in self.members} or pid in self.survivors:
+        if pid not in self._member_ids or pid in self._added:
             raise SecureAggregationError(f"{pid}: not a member, or a second masked input")
         if set(masked) != set(self._template) or any(
             np.shape(masked[n]) != self._template[n].shape for n in self._template
@@ -297,10 +357,12 @@ class MaskedSum:
                 self._sum[offset : offset + part.size] += part
                 offset += part.size
         self.survivors.append(pid)
+        self._added.add(pid)
 
     @property
     def dropped(self) -> list[str]:
-        return [m.pid for m in self.members if m.pid not in self.survivors]
+        alive = set(self.survivors)
+        return [m.pid for m in self.members if m.pid not in alive]
 
     def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
         """The sum of the survivors' values, from the survivors' disclosures.
@@ -319,13 +381,13 @@ class MaskedSum:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
             )
-        self_mask: dict[str, dict[int, shamir.Share]] = {}
+        self_mask: dict[str, dict[int, int]] = {}  # sender -> x -> y (one y per holder x)
         for answer in disclosures.values():
-            for sender, share in answer.self_mask.items():
-                self_mask.setdefault(sender, {})[share[0]] = share
+            for sender, (x, y) in answer.self_mask.items():
+                self_mask.setdefault(sender, {})[x] = y
         total = self._sum.copy()
         streams = [
-            (shamir.combine(list(self_mask.get(pid, {}).values()), self.threshold), -1)
+            (shamir.combine_points(self_mask.get(pid, {}), self.threshold), -1)
             for pid in self.survivors
         ]
         survivors = set(self.survivors)
