@@ -79,11 +79,13 @@ def sleepy_client_app(marker: Path, slow_partition: int, release: Path) -> Clien
     the machine is (no race between a sleep and the deadline)."""
 
     class SleepyToy(ToyTrainer):
-        checked = False
+        fit_generator = None  # each fit draws its batches from a generator of its own
 
         def sample_batch(self, generator, batch_size):  # type: ignore[no-untyped-def]
-            if not self.checked and self.pid == slow_partition:
-                self.checked = True
+            # a new fit, whether the trainer is new (a process per message) or kept alive
+            # with its participant between messages (make_client_app's keep_live_bytes)
+            if generator is not self.fit_generator and self.pid == slow_partition:
+                self.fit_generator = generator
                 fits = marker.read_text().count("x") if marker.exists() else 0
                 marker.write_text("x" * (fits + 1))
                 if fits == 1:
