@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = verdicts({int(s): v for s, v in per_seed.items()}, tuned)
     results = {
         "command": "python benchmarks/bench_gauge.py " + " ".join(argv or sys.argv[1:]),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # (not --out: no path of the machine goes into the results)
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "outer": OUTER,
         "arms": ARMS,
         "seeds": args.seeds,
