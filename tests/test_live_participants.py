@@ -169,7 +169,7 @@ def test_participants_are_kept_by_size_least_recently_used_out() -> None:
     assert live.take("c", "wrong token") is None  # and c is no longer kept
     assert live.take("a", "ta2") == "A"
     live.keep("big", "t", "BIG", 101)  # larger than the capacity: not kept
-    assert len(live) == 0
+    assert len(live) == 0 and live.size == 0  # the running total follows every take
     none = LiveParticipants(capacity_bytes=0)
     none.keep("a", "t", "A", 0 + 1)
     assert none.take("a", "t") is None

@@ -65,6 +65,7 @@ class LiveParticipants:
             raise ValueError(f"capacity_bytes must be >= 0, not {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()
+        self._bytes = 0  # the sum of the kept participants' sizes
         self.hits = 0
         self.misses = 0
 
@@ -74,7 +75,7 @@ class LiveParticipants:
     @property
     def size(self) -> int:
         """Bytes currently kept."""
-        return sum(k.size for k in self._kept.values())
+        return self._bytes
 
     def take(self, key: Hashable, token: str | None) -> Any | None:
         """The participant kept under ``key`` if its state was saved under ``token``, else
@@ -82,6 +83,8 @@ class LiveParticipants:
         kept again (:meth:`keep`) only after its next state was saved, so one that failed
         half-way through a message is never reused."""
         kept = self._kept.pop(key, None)
+        if kept is not None:
+            self._bytes -= kept.size
         if kept is not None and token is not None and kept.token == token:
             self.hits += 1
             return kept.participant
@@ -92,12 +95,15 @@ class LiveParticipants:
         """Keep ``participant``, whose state was just saved under ``token``; drop the least
         recently used ones beyond the capacity (a participant larger than the capacity is
         not kept)."""
-        self._kept.pop(key, None)
+        replaced = self._kept.pop(key, None)
+        if replaced is not None:
+            self._bytes -= replaced.size
         if size > self.capacity_bytes:
             return
         self._kept[key] = _Kept(token, participant, size)
-        while self.size > self.capacity_bytes:
-            self._kept.popitem(last=False)
+        self._bytes += size
+        while self._bytes > self.capacity_bytes:
+            self._bytes -= self._kept.popitem(last=False)[1].size
 
 
 _PROCESS: dict[int, LiveParticipants] = {}
