@@ -196,7 +196,7 @@ def run_arm(
 
         spent = [planned_epsilon(sigma, args.rounds, 1e-5)]
     noise_multiplier = (
-        sigma if arm == "central" else noise_multiplier_of(config.privacy) if spent else 0.0
+        sigma if arm == "central" else noise_multiplier_of(config) if spent else 0.0
     )
     count = records[-1].count
     if arm == "local":

@@ -251,6 +251,15 @@ class PrivacyConfig(_Section):
         "is calibrated to spend dp-epsilon over them; with a noise multiplier, a plan the "
         "budget cannot cover is refused before any round (0: no plan).",
     )
+    dp_overrun: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="Under sampling (sample-fraction < 1), the chance a participant is asked "
+        "for more releases than the plan pays for: the plan covers the releases of "
+        "dp-rounds rounds up to this tail (a participant asked more often refuses the "
+        "extra ones; its budget holds).",
+    )
     dp_state_dir: str = Field(
         "",
         description="Participant-side directory of budgets and commitment secrets "

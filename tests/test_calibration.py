@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from federation_helpers import dp_config, federation
+from federation_helpers import dp_config, federation, small_config
 
 from lensemble_flwr.config import LensembleConfig, PrivacyConfig
 from lensemble_flwr.errors import ConfigError
@@ -18,6 +20,8 @@ from lensemble_flwr.privacy.calibration import (
     max_rounds,
     noise_multiplier_of,
     planned_epsilon,
+    planned_releases,
+    releases_of,
 )
 from lensemble_flwr.provenance.ledger import Ledger
 
@@ -63,7 +67,7 @@ def test_a_run_longer_than_its_plan_is_refused_before_round_one(tmp_path: Path) 
     config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=8.0, dp_rounds=2)
     assert config.privacy.calibrated and config.privacy.noised
     with pytest.raises(ConfigError, match="plans 3 rounds but the noise is planned for dp-rou"):
-        noise_multiplier_of(config.privacy, rounds=3)
+        noise_multiplier_of(config, rounds=3)
     coordinator, _, _ = federation(tmp_path, config=config)
     with pytest.raises(ConfigError, match="dp-rounds"):
         coordinator.run(3)
@@ -85,7 +89,7 @@ def test_a_calibrated_federation_spends_its_budget_over_its_plan(tmp_path: Path)
 def test_a_given_noise_that_the_budget_cannot_cover_names_the_way_out() -> None:
     privacy = PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0, dp_epsilon=8.0, dp_rounds=40)
     with pytest.raises(ConfigError) as caught:
-        noise_multiplier_of(privacy)
+        noise_multiplier_of(LensembleConfig(privacy=privacy.model_dump()))
     message = str(caught.value)
     needed = float(re.search(r"noise-multiplier >= ([\d.]+)", message).group(1))
     assert needed == pytest.approx(calibrated_noise_multiplier(8.0, 1e-5, 40), rel=1e-3)
@@ -113,7 +117,7 @@ def test_the_privacy_pages_examples_run_as_written(tmp_path: Path, index: int) -
     states, and a federation runs its planned rounds within the budget."""
     run_config = privacy_page_run_configs()[index]
     config = LensembleConfig.from_run_config(run_config)
-    sigma = noise_multiplier_of(config.privacy)
+    sigma = noise_multiplier_of(config)
     assert f"calibrated (here {sigma:.2f})" in (REPO / "docs" / "privacy.md").read_text()
     planned = config.privacy.dp_rounds
     base = dp_config(tmp_path)  # the test federation, with the page's settings
@@ -153,3 +157,95 @@ def test_the_ingress_bound_admits_the_noises_reach(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(ConfigError, match="does not fit the int64 accumulator"):
         ingress_bound(tight)
+
+
+def _binomial_tail(rounds: int, rate: Fraction, k: int) -> Fraction:
+    """P(Binomial(rounds, rate) > k), exactly (an independent recomputation)."""
+    terms = (
+        math.comb(rounds, j) * rate**j * (1 - rate) ** (rounds - j)
+        for j in range(k + 1, rounds + 1)
+    )
+    return sum(terms, Fraction(0))
+
+
+@pytest.mark.parametrize(
+    ("rounds", "rate", "overrun"),
+    [(20, "0.1", 0.01), (40, "0.25", 0.05), (100, "0.01", 0.001), (7, "0.5", 0.3), (3, "0.9", 0.5)],
+)
+def test_planned_releases_is_the_binomial_quantile(rounds: int, rate: str, overrun: float) -> None:
+    k = planned_releases(rounds, float(rate), overrun)
+    assert _binomial_tail(rounds, Fraction(rate), k) <= overrun
+    assert k == 0 or _binomial_tail(rounds, Fraction(rate), k - 1) > overrun
+    assert planned_releases(rounds, 1.0, overrun) == rounds  # every round: every release
+
+
+def test_planned_releases_refuses_a_nonsense_plan() -> None:
+    for args in ((-1, 0.5, 0.01), (10, 0.0, 0.01), (10, 1.5, 0.01), (10, 0.5, 0.0), (10, 0.5, 1.0)):
+        with pytest.raises(ValueError, match="planned_releases needs"):
+            planned_releases(*args)
+
+
+def test_sampling_calibrates_for_the_likely_releases_not_every_round(tmp_path: Path) -> None:
+    """Issue 14, item 1: the sampling rate enters the calibration. At q = 0.1 over 20 rounds
+    a participant is asked 2 times on average and more than 6 times with probability below
+    1 %, so the noise pays for 6 releases, not 20."""
+    plan = {"noise_multiplier": 0.0, "dp_epsilon": 8.0, "dp_rounds": 20}
+    every = dp_config(tmp_path, **plan)
+    base = small_config()
+    sampled = LensembleConfig(
+        federation={**base.federation.model_dump(), "sample_fraction": 0.1},
+        privacy=every.privacy.model_dump(),
+    )
+    assert releases_of(every, 20) == 20 and releases_of(sampled, 20) == 6
+    assert noise_multiplier_of(every) == calibrated_noise_multiplier(8.0, 1e-5, 20)
+    assert noise_multiplier_of(sampled) == calibrated_noise_multiplier(8.0, 1e-5, 6)
+    assert noise_multiplier_of(sampled) < 0.6 * noise_multiplier_of(every)
+    tight = sampled.model_copy(
+        update={"privacy": sampled.privacy.model_copy(update={"dp_overrun": 1e-6})}
+    )
+    assert releases_of(tight, 20) > 6  # a smaller tail plans more releases (more noise)
+    # a given noise is checked against the same plan: sigma 3.2 pays for 6 releases, not 20
+    given = sampled.model_copy(
+        update={"privacy": sampled.privacy.model_copy(update={"noise_multiplier": 3.2})}
+    )
+    assert noise_multiplier_of(given) == 3.2
+    with pytest.raises(ConfigError, match=r"20 rounds at noise-multiplier 3.2 would spend"):
+        noise_multiplier_of(every.model_copy(
+            update={"privacy": every.privacy.model_copy(update={"noise_multiplier": 3.2})}
+        ))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\d+ releases \(20 rounds at sample-fraction 0.1"):
+        noise_multiplier_of(tight.model_copy(
+            update={"privacy": tight.privacy.model_copy(update={"noise_multiplier": 3.2})}
+        ))  # fmt: skip
+
+
+def test_a_participant_sampled_past_its_plan_refuses_and_the_federation_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a plan of fewer releases than rounds, the participants the sample asks most
+    run out of budget: each refuses (its budget holds), and, under sampling, that stops
+    nothing. Without sampling a spent budget still stops the federation."""
+    base = small_config(sample_fraction=0.5, max_round_attempts=3)
+    config = LensembleConfig(
+        federation=base.federation.model_dump(),
+        inner=base.inner.model_dump(),
+        privacy={
+            "clip_norm": 0.5, "dp_epsilon": 20.0, "dp_rounds": 8, "dp_overrun": 0.4,
+            "dp_state_dir": str(tmp_path / "budgets"),
+        },
+    )  # fmt: skip
+    planned = releases_of(config, 8)
+    assert planned < 8
+    coordinator, network, _ = federation(tmp_path, participants=10, config=config)
+    coordinator.run(8)
+    network.flush()
+    records = Ledger(coordinator.store).records()
+    assert records[-1].round == 8
+    spent = [r for r in caplog.records if "has spent its privacy budget" in r.getMessage()]
+    assert spent  # somebody was asked past the plan, refused, and stopped nothing
+    releases: dict[str, int] = {}
+    for record in records:
+        for pid, eps in record.epsilon.items():
+            assert eps is not None and eps <= 20.0
+            releases[pid] = releases.get(pid, 0) + 1
+    assert max(releases.values()) <= planned

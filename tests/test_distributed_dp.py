@@ -154,7 +154,7 @@ def test_the_epsilon_in_the_ledger_is_an_independent_recomputation(tmp_path: Pat
     masked.run(3)
     network.flush()
     dim = sum(a.size for a in masked.global_state().params.values())
-    share = distributed_noise_for(noise_multiplier_of(config.privacy), CLIP, 32, 3, dim)
+    share = distributed_noise_for(noise_multiplier_of(config), CLIP, 32, 3, dim)
     for r, record in enumerate(Ledger(masked.store).records(), start=1):
         accountant = RDPAccountant()
         accountant.history = [(share.equivalent_noise_multiplier, 1.0, r)]

@@ -457,8 +457,9 @@ def test_every_private_run_config_in_the_docs_can_release(
     from lensemble_flwr.privacy.budget import PrivacyBudget
     from lensemble_flwr.privacy.calibration import noise_multiplier_of
 
-    privacy = LensembleConfig.from_run_config(run_config).privacy
-    noise = noise_multiplier_of(privacy)  # a plan the budget cannot cover raises here
+    config = LensembleConfig.from_run_config(run_config)
+    privacy = config.privacy
+    noise = noise_multiplier_of(config)  # a plan the budget cannot cover raises here
     budget = PrivacyBudget(
         tmp_path, where, epsilon=privacy.dp_epsilon, delta=privacy.dp_delta,
         accountant=privacy.dp_accountant,

@@ -32,6 +32,7 @@ from lensemble_flwr.errors import (
     DuplicateMessage,
     ForgedMessage,
     IllegalMessage,
+    PrivacyBudgetExceeded,
     ReplayedMessage,
     Response,
     RoundError,
@@ -138,11 +139,23 @@ def record_refusal(
 ) -> Verdict:
     """The sender releases nothing this attempt. An error whose response is to stop the
     federation (a spent privacy budget, a residency violation) stops it: raised after it
-    is recorded, since it is the participant's word, not a fault of the message."""
+    is recorded, since it is the participant's word, not a fault of the message.
+
+    Under sampling a spent budget stops nothing: the noise was planned for the releases
+    a participant is *likely* asked for (``privacy.calibration.releases_of``), so one
+    asked more often than that is expected to refuse the rest, and the others go on."""
     pid = msg.participant_id
     attempt.refused[pid] = f"{msg.error}: {msg.reason}"
     log.warning("round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
     error = reported(msg.error, f"{pid}: {msg.reason}")
+    if isinstance(error, PrivacyBudgetExceeded) and ingress.config.federation.sampled:
+        log.warning(
+            "round %d: %s has spent its privacy budget: it is sampled past the planned "
+            "releases (dp-overrun) and refuses from now on; the federation goes on",
+            attempt.round,
+            pid,
+        )
+        return Verdict.REFUSED
     if error is not None and response_to(error) is Response.STOP_FEDERATION:
         if not ingress.registry.is_bound(pid):
             # only a registered participant may stop the federation

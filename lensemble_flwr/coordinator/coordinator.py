@@ -84,7 +84,11 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.params import NamedArrays, check_initial_groups
-from lensemble_flwr.privacy.calibration import noise_multiplier_of, with_ingress_bound
+from lensemble_flwr.privacy.calibration import (
+    noise_multiplier_of,
+    releases_of,
+    with_ingress_bound,
+)
 from lensemble_flwr.privacy.guarantee import guarantee_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -327,7 +331,7 @@ class Coordinator:
                 "participants protect; transform before release, on the participant",
             )
         self.config = config
-        self.noise_multiplier = noise_multiplier_of(config.privacy)  # refuses a bad plan
+        self.noise_multiplier = noise_multiplier_of(config)  # refuses a bad plan
         self._privacy = (
             guarantee_of(
                 config.privacy.dp_mode,
@@ -340,10 +344,11 @@ class Coordinator:
         if config.privacy.calibrated:
             log.info(
                 "noise-multiplier %.4g, calibrated to spend epsilon %g (delta %g) over "
-                "dp-rounds %d",
+                "%d releases (dp-rounds %d)",
                 self.noise_multiplier,
                 config.privacy.dp_epsilon,
                 config.privacy.dp_delta,
+                releases_of(config, config.privacy.dp_rounds),
                 config.privacy.dp_rounds,
             )
         self.transport = transport
@@ -442,7 +447,7 @@ class Coordinator:
         if num_rounds < 0:
             raise ValueError("num_rounds must be >= 0")
         target = self._global.round + num_rounds
-        noise_multiplier_of(self.config.privacy, rounds=target)
+        noise_multiplier_of(self.config, rounds=target)
         while self._global.round < target:
             outcome = self.run_attempt()
             if outcome.state is RoundState.CLOSED:

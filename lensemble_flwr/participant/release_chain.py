@@ -64,7 +64,7 @@ def release_pipeline(
             delta=privacy.dp_delta,
             accountant=privacy.dp_accountant,
         )
-        noise = noise_multiplier_of(privacy)  # explicit, or calibrated to the plan
+        noise = noise_multiplier_of(config)  # explicit, or calibrated to the plan
         if privacy.dp_mode == "distributed":  # a share, added in the masks' integer domain
             stages.append(
                 distributed_noise(

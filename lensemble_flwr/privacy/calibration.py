@@ -11,10 +11,20 @@ three questions a plan asks, with that same accountant:
   ``get_noise_multiplier``);
 * how many rounds a σ affords (:func:`max_rounds`).
 
+A plan counts *releases*, not rounds. Without sampling a participant releases once a round,
+so R rounds plan R releases. With ``sample-fraction`` q < 1 a participant is asked in a
+round with probability q, independently across rounds (Poisson sampling exactly; a fixed
+sample of ⌊Nq⌋ of N nearly so), so over R rounds it releases Binomial(R, q) times: the
+plan is the smallest k with P(Binomial(R, q) > k) <= ``dp-overrun``
+(:func:`planned_releases`). A participant asked more often than k refuses the extra
+releases: its budget, charged before every release, holds whatever the draw. The
+epsilon figures claim no amplification by sampling (the coordinator knows the sample);
+sampling only means fewer releases to pay for, hence less noise on each.
+
 :func:`noise_multiplier_of` is what the release chain and the coordinator use: the
 explicit ``noise-multiplier``, or, with ``noise-multiplier = 0`` and ``dp-rounds`` set,
 the calibrated one; a plan the budget cannot cover is a ``ConfigError`` before any round,
-saying the smallest noise and the most rounds that would fit.
+saying the smallest noise and the most releases that would fit.
 """
 
 from __future__ import annotations
@@ -22,12 +32,49 @@ from __future__ import annotations
 import functools
 import math
 
-from lensemble_flwr.config import LensembleConfig, PrivacyConfig
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import ACCOUNTANTS, SENSITIVITY_FACTOR, Mechanism
 
 _MAX_ROUNDS = 10**7
 """The largest plan :func:`max_rounds` searches (a bound for the bisection)."""
+
+
+@functools.lru_cache(maxsize=256)
+def planned_releases(rounds: int, sample_rate: float = 1.0, overrun: float = 0.01) -> int:
+    """How many releases a participant's budget must pay for over ``rounds`` rounds when
+    each round asks it with probability ``sample_rate``: the smallest k with
+    P(Binomial(rounds, sample_rate) > k) <= ``overrun`` (``rounds`` itself at rate 1).
+
+    Raises:
+        ValueError: a negative plan, a rate outside (0, 1] or an overrun outside (0, 1).
+    """
+    if rounds < 0 or not 0 < sample_rate <= 1 or not 0 < overrun < 1:
+        raise ValueError(
+            f"planned_releases needs rounds >= 0, 0 < sample_rate <= 1 and 0 < overrun < 1, "
+            f"not {rounds}, {sample_rate}, {overrun}"
+        )
+    if sample_rate == 1 or rounds == 0:
+        return rounds
+    log_q, log_p = math.log(sample_rate), math.log1p(-sample_rate)
+    log_comb = 0.0  # log C(rounds, k), updated as k grows
+    at_most = 0.0  # P(Binomial <= k), summed term by term
+    for k in range(rounds + 1):
+        if k:
+            log_comb += math.log(rounds - k + 1) - math.log(k)
+        at_most += math.exp(log_comb + k * log_q + (rounds - k) * log_p)
+        if 1.0 - at_most <= overrun:
+            return k
+    return rounds
+
+
+def releases_of(config: LensembleConfig, rounds: int) -> int:
+    """The releases ``rounds`` rounds of ``config``'s federation plan for one participant
+    (:func:`planned_releases` at its ``sample-fraction`` and ``dp-overrun``)."""
+    fed = config.federation
+    rate = fed.sample_fraction if fed.sampled else 1.0
+    releases = planned_releases(rounds, rate, config.privacy.dp_overrun)
+    return max(releases, 1) if rounds > 0 else 0  # a plan pays for one release at least
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,42 +147,51 @@ def max_rounds(
     return low
 
 
-def check_plan(privacy: PrivacyConfig, noise_multiplier: float, rounds: int) -> None:
-    """Refuse a plan of ``rounds`` releases at ``noise_multiplier`` that the budget cannot
-    cover, before any of them.
+def check_plan(config: LensembleConfig, noise_multiplier: float, rounds: int) -> None:
+    """Refuse a plan of ``rounds`` rounds at ``noise_multiplier`` whose releases
+    (:func:`releases_of`) the budget cannot cover, before any of them.
 
     Raises:
         ConfigError: naming the plan's epsilon, the smallest noise multiplier that would fit
-            and the most rounds the given one affords.
+            and the most releases the given one affords.
     """
     if not noise_multiplier > 0 or rounds <= 0:
         return
+    privacy = config.privacy
     eps, delta, mech = privacy.dp_epsilon, privacy.dp_delta, privacy.dp_accountant
-    spent = planned_epsilon(noise_multiplier, rounds, delta, mech)
+    releases = releases_of(config, rounds)
+    spent = planned_epsilon(noise_multiplier, releases, delta, mech)
     if spent <= eps:
         return
-    needed = calibrated_noise_multiplier(eps, delta, rounds, mech)
+    needed = calibrated_noise_multiplier(eps, delta, releases, mech)
     affords = max_rounds(noise_multiplier, eps, delta, mech)
+    unit = "rounds" if releases == rounds else "releases"
+    plan = f"{rounds} rounds" if releases == rounds else (
+        f"{releases} releases ({rounds} rounds at sample-fraction "
+        f"{config.federation.sample_fraction:g}, dp-overrun {privacy.dp_overrun:g})"
+    )
     raise ConfigError(
         "noise-multiplier",
-        f"{rounds} rounds at noise-multiplier {noise_multiplier:g} would spend epsilon "
+        f"{plan} at noise-multiplier {noise_multiplier:g} would spend epsilon "
         f"{spent:.4g} > dp-epsilon {eps:g} (delta {delta:g}, {mech}): use noise-multiplier "
-        f">= {needed:.4g}, or plan at most {affords} rounds, or set noise-multiplier = 0 "
+        f">= {needed:.4g}, or plan at most {affords} {unit}, or set noise-multiplier = 0 "
         "with dp-rounds to calibrate the noise to the budget",
     )
 
 
-def noise_multiplier_of(privacy: PrivacyConfig, rounds: int | None = None) -> float:
-    """The noise multiplier every release uses (0: none).
+def noise_multiplier_of(config: LensembleConfig, rounds: int | None = None) -> float:
+    """The noise multiplier every release of ``config``'s federation uses (0: none).
 
     The explicit ``noise-multiplier`` if set, else, with ``dp-rounds``, the one
-    calibrated to spend ``dp-epsilon`` over them. The plan checked is ``dp-rounds``, or
-    ``rounds`` (the run's) when ``dp-rounds`` is 0.
+    calibrated to spend ``dp-epsilon`` over the releases they plan (:func:`releases_of`:
+    every round, or under sampling the releases a participant is likely asked for). The
+    plan checked is ``dp-rounds``, or ``rounds`` (the run's) when ``dp-rounds`` is 0.
 
     Raises:
         ConfigError: the plan exceeds the budget, or the run plans more rounds than
             ``dp-rounds`` (before any round: nothing is released).
     """
+    privacy = config.privacy
     planned = privacy.dp_rounds or (rounds or 0)
     if privacy.dp_rounds and rounds is not None and rounds > privacy.dp_rounds:
         raise ConfigError(
@@ -144,11 +200,14 @@ def noise_multiplier_of(privacy: PrivacyConfig, rounds: int | None = None) -> fl
             f"{privacy.dp_rounds}: raise dp-rounds (more noise) or run fewer rounds",
         )
     if privacy.noise_multiplier > 0:
-        check_plan(privacy, privacy.noise_multiplier, planned)
+        check_plan(config, privacy.noise_multiplier, planned)
         return privacy.noise_multiplier
     if privacy.calibrated:
         return calibrated_noise_multiplier(
-            privacy.dp_epsilon, privacy.dp_delta, privacy.dp_rounds, privacy.dp_accountant
+            privacy.dp_epsilon,
+            privacy.dp_delta,
+            releases_of(config, privacy.dp_rounds),
+            privacy.dp_accountant,
         )
     return 0.0
 
@@ -170,7 +229,7 @@ def ingress_bound(config: LensembleConfig) -> float:
     agg, privacy = config.aggregation, config.privacy
     bound = agg.max_abs_update
     if privacy.noised and privacy.dp_mode == "local":
-        reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(privacy))
+        reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(config))
         bound = max(bound, reach)
     if bound * agg.max_weight * 2.0**agg.fraction_bits >= 2.0**62:
         raise ConfigError(

@@ -203,7 +203,7 @@ class MaskingRole:
             )
         privacy = config.privacy
         share = distributed_noise_for(
-            noise_multiplier_of(privacy),
+            noise_multiplier_of(config),
             privacy.clip_norm,
             config.aggregation.fraction_bits,
             config.federation.secagg_threshold,

@@ -423,7 +423,7 @@ class LensembleStrategy(Strategy):
         and collect timeouts. A round whose attempts abort is retried as configured; an
         error that stops the federation is raised (the result so far is in the run dir).
         """
-        noise_multiplier_of(self.config.privacy, rounds=num_rounds)  # a plan that fits
+        noise_multiplier_of(self.config, rounds=num_rounds)  # a plan that fits
         say(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
