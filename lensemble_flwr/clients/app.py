@@ -42,10 +42,16 @@ log = logging.getLogger(__name__)
 TrainerFn = Callable[[Context], "Trainer | LocalTraining"]
 EvaluateFn = Callable[[Any, NamedArrays, Mapping[str, Any]], Mapping[str, float]]
 REFUSED = 3201
+"""Error code of a reply when the participant released nothing (its reason says why)."""
 LAST_BATCH_LOSS = "last-batch-loss"
 """The train reply's metric: the loss of the inner loop's last mini-batch, on the node's
 locally trained model (not the global model, and not its whole data)."""
-"""Error code of a train reply when the participant released nothing (see its log)."""
+NOT_AN_INSTRUCTION = "not a lensemble instruction"
+
+
+def refusal(message: Message, reason: str) -> Message:
+    """The reply to ``message`` saying the participant released nothing, and why."""
+    return Message(Error(code=REFUSED, reason=reason), reply_to=message)
 
 
 def config_from_context(context: Context) -> LensembleConfig:
@@ -128,7 +134,7 @@ def handle_train(
     of the participant's state."""
     payloads = instruction_payloads(message)
     if not payloads:
-        return Message(Error(code=REFUSED, reason="not a lensemble instruction"), reply_to=message)
+        return refusal(message, NOT_AN_INSTRUCTION)
     built = build_participant(
         context, trainer, config, gauge=gauge, identity=identity, pipeline=pipeline
     )
@@ -205,8 +211,7 @@ def train_participant(
     saved = SavedState(token=new_token(), arrays=portable.arrays)
     save_state(context.state, portable, saved.token)
     if not collector.sent:  # it did not even accept the round (e.g. a tampered state)
-        refusal = Error(code=REFUSED, reason=f"{participant.participant_id} refused the round")
-        return Message(refusal, reply_to=message), saved
+        return refusal(message, f"{participant.participant_id} refused the round"), saved
     config = participant.config
     metrics: dict[str, float] = {"num-examples": participant.training.num_examples()}
     if releases_metrics(config):
@@ -235,17 +240,14 @@ def handle_evaluate(
     """Evaluate the instruction's global arrays on the participant's local data (refused
     under DP unless ``dp-release-metrics`` opts in: the metrics are not noised)."""
     if config is not None and not releases_metrics(config):
-        return Message(
-            Error(
-                code=REFUSED,
-                reason="under DP or secure aggregation, evaluation metrics are not released "
-                "(dp-release-metrics is off: they are per node and not noised)",
-            ),
-            reply_to=message,
+        return refusal(
+            message,
+            "under DP or secure aggregation, evaluation metrics are not released "
+            "(dp-release-metrics is off: they are per node and not noised)",
         )
     arrays = records.named_or_only(message.content.array_records, records.ARRAYS)
     if arrays is None:
-        return Message(Error(code=REFUSED, reason="evaluate without arrays"), reply_to=message)
+        return refusal(message, "evaluate without arrays")
     config = dict(
         records.named_or_only(message.content.config_records, records.CONFIG) or ConfigRecord()
     )
@@ -301,8 +303,7 @@ def make_client_app(
     def train(message: Message, context: Context) -> Message:
         payloads = instruction_payloads(message)
         if not payloads:
-            refusal = Error(code=REFUSED, reason="not a lensemble instruction")
-            return Message(refusal, reply_to=message)
+            return refusal(message, NOT_AN_INSTRUCTION)
         live = process_participants(keep_live_bytes)  # not captured: the app is pickled
         key = (context.run_id, context.node_id)
         participant = live.take(key, saved_token(context.state))
@@ -325,7 +326,7 @@ def make_client_app(
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         if evaluate_fn is None:
-            return Message(Error(code=REFUSED, reason="no evaluate_fn"), reply_to=message)
+            return refusal(message, "no evaluate_fn")
         return handle_evaluate(
             message, context, trainer_fn(context), evaluate_fn, config_fn(context)
         )
