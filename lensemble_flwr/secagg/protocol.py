@@ -133,6 +133,12 @@ class NeighbourGraph:
         others = len(self.pids) - self._count.get(me, 0)
         return 0 < self.degree < others
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the members' graph is sparse (0 < ``degree`` < C - 1): then every
+        member deals its self-mask shares to its neighbours only (:func:`holders`)."""
+        return 0 < self.degree < len(self._count) - 1
+
     def near(self, me: str) -> frozenset[str]:
         """``me``'s neighbours, as a set (see :func:`neighbours`).
 
@@ -166,6 +172,21 @@ class NeighbourGraph:
         alive = set(survivors)
         return sorted(s for s in alive if alive.isdisjoint(self.near(s)))
 
+    def short_of(self, survivors: Sequence[str], need: int) -> list[str]:
+        """The survivors with fewer than ``need`` surviving neighbours, sorted (O(C k));
+        none with the full graph."""
+        if not self.sparse:
+            return []
+        alive = set(survivors)
+        return sorted(s for s in alive if len(alive.intersection(self.near(s))) < need)
+
+    def holders(self, sender: str) -> list[str]:
+        """Who holds a share of ``sender``'s self mask, in the order of their points x =
+        1, 2, ...: its neighbours (sorted) in a sparse graph, every member otherwise."""
+        if self.sparse:
+            return self.neighbours(sender)
+        return list(self._sorted)
+
 
 @functools.lru_cache(maxsize=32)
 def _graph(pids: tuple[str, ...], degree: int, context: bytes) -> NeighbourGraph:
@@ -197,21 +218,46 @@ def isolated_survivors(
     return graph_of(members, degree, context).isolated(survivors)
 
 
+def share_threshold(member_count: int, degree: int, threshold: int) -> int:
+    """How many shares recover a member's self mask: ``threshold`` (t) with the full
+    graph, where every member holds one; in a sparse graph, where only the ``degree`` = k
+    neighbours do, t_k = ceil(k * t / C) clipped to [1, k], so that the share of a
+    member's holders that must answer, t_k / k, is the share of all members that must
+    survive, t / C. Everyone computes it from what the round announces (C, k, t)."""
+    if not 0 < degree < member_count - 1:
+        return threshold
+    return min(degree, max(1, -(-degree * threshold // member_count)))
+
+
+def short_of_shares(
+    members: Sequence[Member], survivors: Sequence[str], degree: int, threshold: int,
+    context: bytes,
+) -> list[str]:  # fmt: skip
+    """In a sparse graph, the survivors whose self mask cannot be removed: fewer than
+    :func:`share_threshold` of their neighbours (its holders) survived to disclose a
+    share of it (this covers the isolated ones). None with the full graph."""
+    graph = graph_of(members, degree, context)
+    if not graph.sparse:
+        return []
+    return graph.short_of(survivors, share_threshold(len(members), degree, threshold))
+
+
 def _seal_shares(
     secret: bytes,
     keys: SecAggKeys,
     me: str,
-    members: Sequence[Member],
+    holders: Sequence[Member],
     threshold: int,
     aad: bytes,
 ) -> dict[str, bytes]:
-    ordered = _ordered(members)
-    shares = shamir.split(secret, threshold, len(ordered))
+    """One Shamir share of ``secret`` for each of ``holders`` (the i-th gets x = i + 1),
+    sealed for it."""
+    shares = shamir.split(secret, threshold, len(holders))
     return {
         holder.pid: seal_in(
             keys.box(holder.enc_public), f"{x}:{y:x}".encode(), _aad(aad, me, holder.pid)
         )
-        for holder, (x, y) in zip(ordered, shares, strict=True)
+        for holder, (x, y) in zip(holders, shares, strict=True)
     }
 
 
@@ -230,7 +276,8 @@ def mask(
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
-    near = set(neighbours(me, ordered, degree, context))
+    graph = graph_of(ordered, degree, context)
+    near = graph.near(me)
     names = sorted(values)
     if len(names) == 1:  # one array: read it where it is (a view, not a copy)
         base = np.asarray(values[names[0]], np.int64).reshape(-1)
@@ -244,7 +291,12 @@ def mask(
         if peer.pid in near
     ]
     prg.add_streams(streams, masked, base=base)
-    sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
+    if graph.sparse:  # SecAgg+: the self mask is shared among the neighbours only
+        holders = [m for m in ordered if m.pid in near]
+        threshold = share_threshold(len(ordered), degree, threshold)
+    else:
+        holders = ordered
+    sealed = _seal_shares(self_seed, keys, me, holders, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
 
 
@@ -268,19 +320,24 @@ def disclose(
     survivors: Sequence[str],
     dropped: Sequence[str],
     self_mask_shares: Mapping[str, bytes],
+    threshold: int,
     degree: int = 0,
 ) -> Disclosure:
     """A member's answer to the unmask request: for each sender one thing, never two.
 
     Args:
         keys: this round attempt's mask key and the member's sealing key.
-        self_mask_shares: survivor -> its self-mask share sealed for me (this round).
+        self_mask_shares: survivor -> its self-mask share sealed for me (this round); in a
+            sparse graph only my neighbours dealt me one.
+        threshold: the round's threshold t (in a sparse graph, every survivor must keep
+            :func:`share_threshold` surviving neighbours).
 
     Raises:
         SecureAggregationError: a sender is named both survivor and dropped (disclosing
             both would unmask its individual input), the survivors and the dropped are
             not the members, I am not a survivor, a survivor would be left with no
-            surviving neighbour (in a sparse graph), or a sealed share does not
+            surviving neighbour, or (in a sparse graph) with fewer than t_k, a share comes
+            from a member that is not my neighbour, or a sealed share does not
             authenticate.
     """
     both = set(survivors) & set(dropped)
@@ -299,12 +356,26 @@ def disclose(
         raise SecureAggregationError(
             f"refusing to disclose: {alone} would have no surviving neighbour"
         )
+    graph = graph_of(members, degree, context)
+    near = graph.near(me)
+    if graph.sparse:
+        short = short_of_shares(members, survivors, degree, threshold, context)
+        if short:
+            need = share_threshold(len(members), degree, threshold)
+            raise SecureAggregationError(
+                f"refusing to disclose: {short} would have fewer than {need} surviving "
+                "neighbours to disclose their self mask"
+            )
+        strangers = sorted(set(self_mask_shares) - near)
+        if strangers:
+            raise SecureAggregationError(
+                f"refusing to disclose: shares from {strangers}, who are not my neighbours"
+            )
     self_mask = {
         sender: _open_share(keys, by_id[sender], me, self_mask_shares[sender], context)
         for sender in survivors
         if sender in self_mask_shares
     }
-    near = set(neighbours(me, members, degree, context))
     pair_seeds = {
         peer: keys.pair_seed(by_id[peer].mask_public, context) for peer in dropped if peer in near
     }
@@ -336,6 +407,8 @@ class MaskedSum:
         self.survivors: list[str] = []
         self._member_ids = frozenset(m.pid for m in self.members)
         self._added: set[str] = set()  # the survivors, as a set (O(1) per check)
+        self.graph = graph_of(self.members, degree, context)
+        self.share_threshold = share_threshold(len(self.members), degree, threshold)
 
     def check(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
         """Raise SecureAggregationError if :meth:`add` would refuse this input."""
@@ -364,13 +437,14 @@ class MaskedSum:
         alive = set(self.survivors)
         return [m.pid for m in self.members if m.pid not in alive]
 
-    def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
-        """The sum of the survivors' values, from the survivors' disclosures.
+    def check_revealable(self) -> None:
+        """Raise unless the survivors' sum can be revealed without exposing anyone: at
+        least ``threshold`` survivors, none without a surviving neighbour and, in a
+        sparse graph, each with ``share_threshold`` surviving neighbours (the holders of
+        its self mask). Asked before anyone is asked to disclose, and again at reveal.
 
         Raises:
-            SecureAggregationError: fewer survivors, or fewer shares of a self mask, than
-                the threshold; a survivor with no surviving neighbour; or a survivor
-                that did not disclose its pairwise seed with a dropped neighbour.
+            SecureAggregationError: one of these does not hold.
         """
         if len(self.survivors) < self.threshold:
             raise SecureAggregationError(
@@ -381,18 +455,34 @@ class MaskedSum:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
             )
+        short = self.graph.short_of(self.survivors, self.share_threshold)
+        if short:
+            raise SecureAggregationError(
+                f"{short} have fewer than {self.share_threshold} surviving neighbours: "
+                "their self masks cannot be removed"
+            )
+
+    def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
+        """The sum of the survivors' values, from the survivors' disclosures.
+
+        Raises:
+            SecureAggregationError: what :meth:`check_revealable` refuses; fewer shares
+                of a self mask than :attr:`share_threshold`; or a survivor that did not
+                disclose its pairwise seed with a dropped neighbour.
+        """
+        self.check_revealable()
         self_mask: dict[str, dict[int, int]] = {}  # sender -> x -> y (one y per holder x)
         for answer in disclosures.values():
             for sender, (x, y) in answer.self_mask.items():
                 self_mask.setdefault(sender, {})[x] = y
         total = self._sum.copy()
         streams = [
-            (shamir.combine_points(self_mask.get(pid, {}), self.threshold), -1)
+            (shamir.combine_points(self_mask.get(pid, {}), self.share_threshold), -1)
             for pid in self.survivors
         ]
         survivors = set(self.survivors)
         for pid in self.dropped:
-            near = survivors.intersection(neighbours(pid, self.members, self.degree, self.context))
+            near = survivors.intersection(self.graph.near(pid))
             for survivor in sorted(near):
                 answer = disclosures.get(survivor)
                 if answer is None or pid not in answer.pair_seeds:
