@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from federation_helpers import federation, small_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
@@ -347,3 +349,20 @@ def test_the_full_graph_round_open_lists_every_member_with_its_keys(tmp_path: Pa
         assert all(len(members) == n for members in parsed)
         keyed = [sum(bool(m.mask_public) for m in members) for members in parsed]
         assert keyed == ([n] if degree == 0 else [degree + 1] * n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(3, 14), degree=st.sampled_from([2, 4, 6]), need=st.integers(1, 6), data=st.data()
+)
+def test_counting_short_survivors_from_the_dropped_side_is_counting_them_directly(
+    n: int, degree: int, need: int, data: st.DataObject
+) -> None:
+    _keys, members = members_of(n)
+    survivors = sorted(data.draw(st.sets(st.sampled_from([m.pid for m in members]))))
+    graph = graph_of(members, degree, CONTEXT)
+    near = {m.pid: set(neighbours(m.pid, members, degree, CONTEXT)) for m in members}
+    alive = set(survivors)
+    direct = sorted(s for s in alive if len(alive & near[s]) < need) if graph.sparse else []
+    assert graph.short_of(survivors, need) == direct
+    assert graph.isolated(survivors) == sorted(s for s in alive if not alive & near[s])

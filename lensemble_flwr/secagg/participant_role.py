@@ -37,6 +37,9 @@ def parse_members(encoded: tuple[str, ...]) -> list[Member]:
     ring and the partition, without their keys): Members with empty keys."""
     members = []
     for item in encoded:
+        if item.endswith("::"):  # named only: nothing to decode
+            members.append(Member(item[:-2], b"", b""))
+            continue
         pid, mask_hex, enc_hex = item.rsplit(":", 2)
         members.append(Member(pid, bytes.fromhex(mask_hex), bytes.fromhex(enc_hex)))
     return members
@@ -71,6 +74,7 @@ class MaskingRole:
         self.threshold = 0  # the round's threshold t (0: no round masked)
         self._boxes: BoxKeys | None = None  # the sealing key's boxes (memory only)
         self._round_keys: SecAggKeys | None = None  # the round's agreements (memory only)
+        self._members_read: tuple[tuple[str, ...] | None, list[Member]] = (None, [])
 
     def _announce(self) -> str:
         """A fresh mask key: keep its private half, return its public half (hex)."""
@@ -86,6 +90,13 @@ class MaskingRole:
         if self.enc_private is None:
             self.enc_private = new_private_key()
         return {"mask_key": self._announce(), "enc_key": public_key(self.enc_private).hex()}
+
+    def _parsed(self, encoded: tuple[str, ...]) -> list[Member]:
+        """:func:`parse_members`, once per member list (a round's list is checked before
+        the participant trains and again when it masks)."""
+        if self._members_read[0] is not encoded:
+            self._members_read = (encoded, parse_members(encoded))
+        return list(self._members_read[1])
 
     def is_member(self, msg: RoundOpen) -> bool:
         """Whether ``msg``'s member list names this participant."""
@@ -117,7 +128,7 @@ class MaskingRole:
                 f"participant agreed to {fed.secagg_threshold}"
             )
         try:
-            members = parse_members(msg.secagg_members)
+            members = self._parsed(msg.secagg_members)
         except ValueError as exc:
             raise SecureAggregationError(
                 f"{me}: a member list that does not parse: {exc}"

@@ -169,16 +169,26 @@ class NeighbourGraph:
         :func:`isolated_survivors`); none with the full graph."""
         if self.degree <= 0:
             return []
+        if self.sparse:
+            return self.short_of(survivors, 1)
         alive = set(survivors)
         return sorted(s for s in alive if alive.isdisjoint(self.near(s)))
 
     def short_of(self, survivors: Sequence[str], need: int) -> list[str]:
-        """The survivors with fewer than ``need`` surviving neighbours, sorted (O(C k));
-        none with the full graph."""
+        """The survivors with fewer than ``need`` surviving neighbours, sorted; none with
+        the full graph. Counted from the dropped side: every survivor has ``degree``
+        neighbours (the ring has more than ``degree`` + 1 places), so only those next to
+        a dropped member can fall short: O(C + dropped x k), not O(C k)."""
         if not self.sparse:
             return []
         alive = set(survivors)
-        return sorted(s for s in alive if len(alive.intersection(self.near(s))) < need)
+        if need > self.degree:  # nobody has that many neighbours
+            return sorted(alive)
+        lost: collections.Counter[str] = collections.Counter()
+        for pid in self._ring:
+            if pid not in alive:
+                lost.update(alive.intersection(self.near(pid)))
+        return sorted(s for s, n in lost.items() if self.degree - n < need)
 
     def holders(self, sender: str) -> list[str]:
         """Who holds a share of ``sender``'s self mask, in the order of their points x =
