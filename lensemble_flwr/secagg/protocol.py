@@ -8,8 +8,8 @@ accumulator, so a revealed sum is bitwise the plaintext sum. Participant u sends
 where b_u is a fresh self-mask seed and s_uv = HKDF(X25519(u, v), context) the pairwise
 seed of the round attempt; pairwise masks cancel in the sum of all members. Every mask
 key pair is used for one round attempt only: a member announces the key of its next round
-with this round's update. Along with y_u it sends, sealed for each member v, a Shamir
-share of b_u. To reveal, each surviving member discloses, for every sender, exactly one
+with this round's update. Along with y_u it sends, sealed for each member v (each
+neighbour, in a sparse graph: below), a Shamir share of b_u. To reveal, each surviving member discloses, for every sender, exactly one
 thing: the b-share if the sender's masked input was received; its own pairwise seed with
 the sender, *for this context only*, if it was not. The aggregator then removes the self
 masks of the survivors and the dangling pairwise masks of the dropped members. No private
@@ -20,14 +20,21 @@ survivor with a dropped neighbour must answer the unmask request (its seed with 
 neighbour is known to the two of them only); if one does not, the sum cannot be revealed
 and the attempt is retried. Self masks still need only ``threshold`` answers.
 
-With ``degree`` > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise masks
-only with its ``degree`` neighbours in a ring of the members ordered by a hash of the
-round attempt's context — a fresh order every attempt, which nobody chooses — instead of
-with every other member. A survivor's input stays hidden in the sum as long as one of its
-neighbours survives too; the aggregator refuses to reveal, and every member refuses to
-disclose, when a survivor would be left with none. The price is collusion resistance: a
-member's input is exposed to a coordinator colluding with all its ``degree`` neighbours,
-instead of with ``threshold`` members.
+With ``degree`` = k > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise
+masks only with its k neighbours in a ring of the members ordered by a hash of the round
+attempt's context — a fresh order every attempt, which nobody chooses — instead of with
+every other member. When that graph is sparse (0 < k < C - 1) the self mask follows it:
+a member deals its Shamir shares of b_u to its k neighbours only, any
+:func:`share_threshold` t_k = ceil(k t / C) of which recover it, and a survivor discloses
+shares for its neighbours only; per member, the traffic and the work are O(k), not O(C).
+The threshold t keeps its other meaning: no sum of fewer than t survivors is revealed. A
+survivor's input stays hidden in the sum as long as one of its neighbours survives too,
+and its self mask needs t_k of them: the aggregator refuses (before it asks anyone to
+disclose), and every member refuses to disclose, when a survivor would be left with fewer.
+The price is collusion resistance: a survivor's b is recoverable by a coordinator
+colluding with t_k of its neighbours (its input, with all its surviving neighbours),
+instead of with t members. With the full graph (k = 0 or k >= C - 1) every member holds a
+share of every self mask, threshold t, as above.
 """
 
 from __future__ import annotations
