@@ -43,8 +43,8 @@ Targets (PASS/FAIL lines; figures are best-of-rounds ratios within this run):
 
 It is a report, not a test: the exit code is 0 whatever the outcome. With the defaults
 (C = 100, 300, 1000 sparse; 100, 200 full) it takes about 10 minutes on 2 cores, most of
-it the participants of C = 1000 (all serialized on one core: each seals a share for
-every member).
+it the participants of C = 1000 (all serialized on one core: each masks with k + 1
+keystreams of P words). ``--out FILE`` writes the figures as JSON (per C and round).
 """
 
 from __future__ import annotations

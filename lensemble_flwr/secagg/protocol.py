@@ -9,9 +9,10 @@ where b_u is a fresh self-mask seed and s_uv = HKDF(X25519(u, v), context) the p
 seed of the round attempt; pairwise masks cancel in the sum of all members. Every mask
 key pair is used for one round attempt only: a member announces the key of its next round
 with this round's update. Along with y_u it sends, sealed for each member v (each
-neighbour, in a sparse graph: below), a Shamir share of b_u. To reveal, each surviving member discloses, for every sender, exactly one
-thing: the b-share if the sender's masked input was received; its own pairwise seed with
-the sender, *for this context only*, if it was not. The aggregator then removes the self
+neighbour, in a sparse graph: below), a Shamir share of b_u. To reveal, each surviving
+member discloses, for every sender, exactly one thing: the b-share if the sender's
+masked input was received; its own pairwise seed with the sender, *for this context
+only*, if it was not. The aggregator then removes the self
 masks of the survivors and the dangling pairwise masks of the dropped members. No private
 key is ever reconstructed, so nothing disclosed in one round says anything about another.
 
