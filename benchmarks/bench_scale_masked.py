@@ -43,8 +43,8 @@ Targets (PASS/FAIL lines; figures are best-of-rounds ratios within this run):
 
 It is a report, not a test: the exit code is 0 whatever the outcome. With the defaults
 (C = 100, 300, 1000 sparse; 100, 200 full) it takes about 10 minutes on 2 cores, most of
-it the participants of C = 1000 (all serialized on one core: each seals a share for
-every member).
+it the participants of C = 1000 (all serialized on one core: each masks with k + 1
+keystreams of P words). ``--out FILE`` writes the figures as JSON (per C and round).
 """
 
 from __future__ import annotations
@@ -252,7 +252,15 @@ def measure(c: int, variants: list[str], args: argparse.Namespace) -> dict[str, 
     if len(set(hashes.values())) != 1:
         raise RuntimeError(f"C={c}: the global states differ: {hashes}")
     best = {v: {key: min(s[key] for s in samples[v]) for key in samples[v][0]} for v in variants}
-    return {"c": c, "rounds": rounds, "setup_s": build, "best": best, "bytes": sizes}
+    return {
+        "c": c,
+        "k": sparse_degree(c),
+        "rounds": rounds,
+        "setup_s": build,
+        "per_round": samples,  # variant -> one {wall, cpu, participants, coordinator} a round
+        "best": best,
+        "bytes": sizes,
+    }
 
 
 HEADER = (
@@ -344,7 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="C = 50, 100, 200 (full graph 50, 100), P = 10k"
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument(
+        "--out",
+        "--json",
+        type=Path,
+        default=None,
+        help="write the figures as JSON here: per C, wall and CPU seconds of every measured "
+        "round of each variant (plain, sparse, full), their best, bytes per participant",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.full_sizes, args.params = [50, 100, 200], [50, 100], 10_000
@@ -380,8 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     for line in verdicts:
         print(line)
     print(f"total wall {time.perf_counter() - t_start:.0f} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"params": args.params, "results": results}, indent=1))
+    if args.out is not None:  # the figures only: no path of this machine
+        summary = {
+            "benchmark": "bench_scale_masked",
+            "params": args.params,
+            "sizes": args.sizes,
+            "full_sizes": args.full_sizes,
+            "cores": cores,
+            "results": results,
+            "verdicts": verdicts,
+        }
+        args.out.write_text(json.dumps(summary, indent=1))
     return 0
 
 

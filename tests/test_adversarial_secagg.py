@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ from lensemble_flwr.secagg.protocol import (
     isolated_survivors,
     mask,
     neighbours,
+    share_threshold,
+    short_of_shares,
 )
 from lensemble_flwr.testing import DeliveryLog, FaultPlan
 
@@ -71,9 +73,12 @@ def hex_secrets(value: Any) -> set[bytes]:
     return found
 
 
-def combined_shares(transcript: Iterable[Mapping[str, Any]]) -> dict[tuple, bytes]:
+def combined_shares(
+    transcript: Iterable[Mapping[str, Any]], threshold: Mapping[int, int] | None = None
+) -> dict[tuple, bytes]:
     """(round, attempt, sender) -> the secret its disclosed Shamir shares recover, for
-    every sender with enough of them in the transcript."""
+    every sender with enough of them in the transcript (``threshold``: round -> shares
+    needed, as ``share_threshold`` says; THRESHOLD when a round is not named)."""
     shares: dict[tuple, dict[int, tuple[int, int]]] = {}
     for p in transcript:
         if kind_of(p) is MessageKind.UNMASK_RESPONSE:
@@ -86,7 +91,8 @@ def combined_shares(transcript: Iterable[Mapping[str, Any]]) -> dict[tuple, byte
     out = {}
     for key, found in shares.items():
         try:
-            out[key] = shamir.combine(list(found.values()), THRESHOLD)
+            needed = (threshold or {}).get(key[0], THRESHOLD)
+            out[key] = shamir.combine(list(found.values()), needed)
         except SecureAggregationError:
             continue
     return out
@@ -103,7 +109,12 @@ def unmask_with(
 
 
 def recover(
-    transcript: list[Mapping[str, Any]], target: str, round: int, attempt: int, *extra: bytes
+    transcript: list[Mapping[str, Any]],
+    target: str,
+    round: int,
+    attempt: int,
+    *extra: bytes,
+    degree: int = 0,
 ) -> np.ndarray | None:
     """The coordinator's attack on ``target``'s masked update of one round attempt, with
     everything in the transcript (and ``extra`` candidate keys): its self mask from the
@@ -116,16 +127,24 @@ def recover(
         if kind_of(p) is MessageKind.UPDATE
         and (p["participant_id"], p["round"], p["attempt"]) == (target, round, attempt)
     ]
-    (opened,) = {
+    opened = {
         tuple(p["secagg_members"])
         for p in transcript
         if kind_of(p) is MessageKind.ROUND_OPEN
         and (p["round"], p["attempt"]) == (round, attempt)
         and p["secagg_members"]
-    }
-    members = parse_members(opened)
-    peers = [m for m in members if m.pid != target]
-    secrets = combined_shares(transcript)
+    }  # one list (full graph), or one per member (sparse: its neighbours' keys only)
+    keyed: dict[str, Member] = {}
+    for listed in opened:
+        for m in parse_members(listed):
+            if m.mask_public:
+                keyed[m.pid] = m  # every member's keys, from whichever list carries them
+    members = sorted(keyed.values(), key=lambda m: m.pid)
+    near = set(neighbours(target, members, degree, context_of(update["run_id"], round, attempt)))
+    peers = [m for m in members if m.pid in near]
+    secrets = combined_shares(
+        transcript, {round: share_threshold(len(members), degree, THRESHOLD)}
+    )
     self_seed = secrets.get((round, attempt, target))
     if self_seed is None:
         return None  # the self mask was never disclosed: nothing to start from
@@ -159,22 +178,30 @@ def release_integers(update: Mapping[str, Any], config) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "later",
-    [
-        FaultPlan().drop("p02", round=2, at=RoundState.COLLECTING).rejoin("p02", round=3),
-        FaultPlan().delay("p02", round=2, seconds=1e4),  # late: declared dropped, arrives
+    [  # made per test: a FaultPlan is spent as its faults happen
+        lambda: FaultPlan().drop("p02", round=2, at=RoundState.COLLECTING).rejoin("p02", round=3),
+        lambda: FaultPlan().delay("p02", round=2, seconds=1e4),  # late: declared dropped
     ],
     ids=["drops-later", "late-later"],
 )
+@pytest.mark.parametrize(
+    ("degree", "n"), [(0, 4), (2, 6)], ids=["full", "sparse"]
+)  # sparse: t_k = ceil(2 * 3 / 6) = 1 share of the 2 neighbours'
 def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
-    tmp_path: Path, later: FaultPlan
+    tmp_path: Path, later: Callable[[], FaultPlan], degree: int, n: int
 ) -> None:
-    config = small_config(secagg_threshold=THRESHOLD, min_participants=THRESHOLD)
+    later = later()
+    config = small_config(
+        secagg_threshold=THRESHOLD, min_participants=THRESHOLD, secagg_neighbours=degree
+    )
     plain, plain_net, _ = federation(
-        tmp_path, config=small_config(min_participants=THRESHOLD), name="plain"
+        tmp_path, config=small_config(min_participants=THRESHOLD), name="plain", participants=n
     )
     plain_seen = DeliveryLog(plain_net)
     plain.run(1)
-    coordinator, network, nodes = federation(tmp_path, config=config, name="masked", faults=later)
+    coordinator, network, nodes = federation(
+        tmp_path, config=config, name="masked", faults=later, participants=n
+    )
     seen = DeliveryLog(network)  # the coordinator's whole transcript, both directions
     p02 = next(n for n in nodes if n.participant_id == "p02")
     used: list[bytes | None] = []  # ground truth, for the positive control only
@@ -201,25 +228,25 @@ def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
 
     (plain_update,) = plain_seen.payloads(MessageKind.UPDATE, round=1, source="p02")
     truth = release_integers(plain_update, config)
-    candidates = recover(transcript, "p02", 1, 1)
+    candidates = recover(transcript, "p02", 1, 1, degree=degree)
     assert candidates is not None  # its round-1 self mask is known: the attack can start
     assert not (candidates == truth).all(axis=1).any()  # ...and gets nowhere
 
     # positive control: with p02's round-1 mask key the same attack succeeds
-    controlled = recover(transcript, "p02", 1, 1, round_key)
+    controlled = recover(transcript, "p02", 1, 1, round_key, degree=degree)
     assert controlled is not None and (controlled == truth).all(axis=1).any()
 
     # the round p02 was late in: its masked input reached the coordinator, filed late,
     # and its self mask of that round was never disclosed
     if late_update:
         assert "p02" in coordinator.manifest.rounds[1].late
-        assert recover(transcript, "p02", 2, 1) is None
+        assert recover(transcript, "p02", 2, 1, degree=degree) is None
 
 
 # -- the property, over random drop and late patterns -----------------------------------
 @settings(max_examples=25, deadline=None)
 @given(
-    n=st.integers(3, 6),
+    n=st.integers(3, 9),
     rounds=st.integers(2, 4),
     sparse=st.booleans(),
     data=st.data(),
@@ -231,9 +258,12 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
     drop before sending and random ones that are late (their masked input arrives after
     the set froze). For every (member, round): the transcript never discloses both its
     self mask and every pairwise mask of that round, no key in the transcript derives the
-    missing ones, and the revealed sum is bitwise the plaintext sum of the survivors."""
+    missing ones, and the revealed sum is bitwise the plaintext sum of the survivors. With
+    a sparse graph the self-mask shares go to the neighbours only (t_k of them recover
+    one): the same must hold."""
     threshold = data.draw(st.integers(2, n - 1))
-    degree = 2 if sparse and n >= 5 else 0
+    degree = data.draw(st.sampled_from([2, 4] if n >= 7 else [2])) if sparse and n >= 5 else 0
+    thresholds: dict[int, int] = {}  # round -> shares that recover a self mask
     pids = [f"p{i}" for i in range(n)]
     transcript: list[dict[str, Any]] = []
     views = []  # (round, member, masked input, its round key)
@@ -244,8 +274,11 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
         missing = data.draw(st.sets(st.sampled_from(pids), max_size=n - threshold))
         late = data.draw(st.sets(st.sampled_from(sorted(missing)))) if missing else set()
         survivors = [p for p in pids if p not in missing]
-        if isolated_survivors(members, survivors, degree, context):
+        if isolated_survivors(members, survivors, degree, context) or short_of_shares(
+            members, survivors, degree, threshold, context
+        ):
             continue  # refused by both sides: tested in test_secagg
+        thresholds[rnd] = share_threshold(n, degree, threshold)
         rng = np.random.default_rng(rnd)
         values = {p: {"w": rng.integers(-(2**40), 2**40, 7, dtype=np.int64)} for p in pids}
         releases = {
@@ -273,7 +306,9 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
                 context=context,
                 survivors=survivors,
                 dropped=summed.dropped,
-                self_mask_shares={s: releases[s].sealed[h] for s in survivors},
+                self_mask_shares={s: releases[s].sealed[h] for s in survivors
+                                  if h in releases[s].sealed},  # sparse: neighbours only
+                threshold=threshold,
                 degree=degree,
             )
             for h in survivors
@@ -286,7 +321,7 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
             transcript.append(
                 {"kind": "update", "round": rnd, "participant_id": p, "masked": releases[p]}
             )
-            views.append((rnd, p, members, context, keys[p].mask_private))
+            views.append((rnd, p, members, context, keys[p].mask_private, p in late))
         for h, answer in answers.items():
             transcript.append(
                 {
@@ -300,7 +335,7 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
             )
         transcript.append({"kind": "round-open", "members": [m.mask_public.hex() for m in members]})
 
-    disclosed_b = combined_shares(transcript)
+    disclosed_b = combined_shares(transcript, thresholds)
     disclosed_seeds = {
         bytes.fromhex(h)
         for p in transcript
@@ -310,8 +345,10 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
     keys_in_transcript = set().union(*(hex_secrets(p) for p in transcript)) | set(
         disclosed_b.values()
     )
-    for rnd, pid, members, context, true_key in views:
+    for rnd, pid, members, context, true_key, was_late in views:
         assert true_key not in keys_in_transcript  # no private key is ever disclosed
+        # the attack's own control: it recovers every survivor's self mask, a late one's never
+        assert ((rnd, 1, pid) in disclosed_b) is not was_late
         if (rnd, 1, pid) not in disclosed_b:
             continue  # its self mask is hidden: its input is
         near = neighbours(pid, members, degree, context)

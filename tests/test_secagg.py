@@ -18,6 +18,7 @@ from lensemble_flwr.secagg.protocol import (
     isolated_survivors,
     mask,
     neighbours,
+    short_of_shares,
 )
 
 CONTEXT = context_of("run", 3, 1)
@@ -64,7 +65,12 @@ def secure_sum(
             context=CONTEXT,
             survivors=aggregator.survivors,
             dropped=aggregator.dropped,
-            self_mask_shares={s: releases[s].sealed[holder] for s in aggregator.survivors},
+            self_mask_shares={
+                s: releases[s].sealed[holder]
+                for s in aggregator.survivors
+                if holder in releases[s].sealed  # sparse: its neighbours' only
+            },
+            threshold=threshold,
             degree=degree,
         )
         for holder in sorted(answer)
@@ -157,6 +163,7 @@ def test_a_member_discloses_only_for_a_consistent_request(
             survivors=survivors,
             dropped=dropped,
             self_mask_shares={},
+            threshold=2,
         )
 
 
@@ -288,7 +295,7 @@ def test_a_sparse_graph_reveals_the_exact_sum_with_dropouts(
     drop = data.draw(st.sets(st.sampled_from(sorted(values)), max_size=2))
     survivors = set(values) - drop
     _keys, members = federation(n)
-    if isolated_survivors(members, sorted(survivors), degree, CONTEXT):
+    if short_of_shares(members, sorted(survivors), degree, threshold, CONTEXT):
         return  # the refusal has its own test
     revealed, _ = secure_sum(
         values, n=n, threshold=threshold, send=survivors, answer=survivors, degree=degree

@@ -147,6 +147,7 @@ def test_a_revealed_sum_that_does_not_reproduce_is_caught(trio) -> None:
                 survivors=request.survivors,
                 dropped=request.dropped,
                 self_mask_shares=request.self_mask_shares,
+                threshold=2,
             ),
         )
     result = agg.reveal()

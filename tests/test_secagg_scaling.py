@@ -207,20 +207,25 @@ def test_a_member_agrees_once_per_peer_per_round(monkeypatch: pytest.MonkeyPatch
     mine = mask(values[me], me=me, keys=round_keys, members=members, threshold=threshold,
                 context=CONTEXT, degree=degree)  # fmt: skip
     disclose(me=me, keys=round_keys, members=members, context=CONTEXT, survivors=survivors,
-             dropped=["p3"], degree=degree,
-             self_mask_shares={s: releases[s].sealed[me] for s in survivors})  # fmt: skip
-    # masking: one per neighbour (mask key) and one per holder (sealing key); opening
-    # the survivors' shares and the seed with the dropped neighbour: none more
-    assert len(calls) == degree + n
+             dropped=["p3"], degree=degree, threshold=threshold,
+             self_mask_shares={s: releases[s].sealed[me] for s in survivors
+                               if me in releases[s].sealed})  # fmt: skip
+    # masking: one per neighbour (mask key) and one per holder (sealing key: in a sparse
+    # graph the holders are the neighbours); opening the neighbours' shares and the seed
+    # with the dropped neighbour: none more
+    assert len(calls) == 2 * degree
     assert len(set(calls)) == len(calls)
-    # the next round: a new mask key, the same long-lived boxes -> the neighbours only
+    # the next round: a new mask key, the same long-lived boxes -> a seed per neighbour,
+    # a box only for the new neighbours (the ring is drawn afresh)
     calls.clear()
     next_keys = SecAggKeys(SecAggKeys.generate().mask_private, keys[me].enc_private,
                            boxes=round_keys.boxes)  # fmt: skip
-    mask(values[me], me=me, keys=next_keys, members=members, threshold=threshold,
-         context=context_of("run", 6, 1), degree=degree)  # fmt: skip
-    assert len(calls) == degree
-    assert set(mine.sealed) == {m.pid for m in members}
+    later = mask(values[me], me=me, keys=next_keys, members=members, threshold=threshold,
+                 context=context_of("run", 6, 1), degree=degree)  # fmt: skip
+    near, next_near = (set(neighbours(me, members, degree, c)) for c in (CONTEXT,
+                       context_of("run", 6, 1)))  # fmt: skip
+    assert len(calls) == degree + len(next_near - near)
+    assert set(mine.sealed) == near and set(later.sealed) == next_near
 
 
 def test_boxes_and_seeds_are_the_plain_ones() -> None:
@@ -260,14 +265,21 @@ def test_a_steady_state_federation_round_agrees_once_per_neighbour(
 ) -> None:
     n, degree = 6, 2
     config = small_config(secagg_threshold=3, min_participants=3, secagg_neighbours=degree)
-    coordinator, _network, _nodes = in_process_federation(tmp_path, participants=n, config=config)
+    coordinator, _network, nodes = in_process_federation(tmp_path, participants=n, config=config)
     coordinator.run(1)  # keys, boxes
+
+    def boxes() -> int:  # the boxes the members keep (one per peer they ever dealt to)
+        return sum(len(node.masking._boxes._boxes) for node in nodes if node.masking._boxes)
+
+    before = boxes()
     calls = count_exchanges(monkeypatch)
     coordinator.run(1)
     assert all(o.state is RoundState.CLOSED and o.count == n for o in coordinator.outcomes)
     probes = [c for c in calls if c[0] == keys_module._PROBE]  # the coordinator's key checks
     assert len(probes) == n  # each member's next mask key, once
-    assert len(calls) - len(probes) == n * degree  # members: a pair seed per neighbour
+    # members: a pair seed per neighbour, and a box per neighbour never dealt to before
+    # (a share goes to the neighbours of this attempt's ring only)
+    assert len(calls) - len(probes) == n * degree + boxes() - before
 
 
 # -- the aggregator's bookkeeping ----------------------------------------------------------
@@ -297,7 +309,7 @@ RECORDED = [  # new_global_hash per round, from the code before the fast paths
 ]
 
 
-@pytest.mark.parametrize("degree", [0, 2])
+@pytest.mark.parametrize("degree", [0, 4])  # 4: sparse (t_k = 2 of 4) in rounds 1, 2
 def test_masked_rounds_with_dropouts_reproduce_the_recorded_ledger(
     tmp_path: Path, degree: int
 ) -> None:

@@ -49,7 +49,7 @@ from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg.aggregator import SecureAggregator
-from lensemble_flwr.secagg.participant_role import encode_member
+from lensemble_flwr.secagg.participant_role import encode_member, encode_named
 from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of
 from lensemble_flwr.transports.base import COORDINATOR
 
@@ -228,16 +228,31 @@ class MaskedMode:
         self.config = config
         self.registry = registry
         self.run_id = run_id
-        self._encoded: tuple[list[Member] | None, tuple[str, ...]] = (None, ())
+        self._encoded: tuple[list[Member] | None, tuple[str, ...], tuple[str, ...]] = (
+            None,
+            (),
+            (),
+        )
+        self._index: dict[str, int] = {}
 
-    def _encoded_members(self, attempt: Attempt) -> tuple[str, ...]:
-        """The member list as RoundOpen carries it, encoded once per member set (every
-        member's invitation carries all of it)."""
-        members, encoded = self._encoded
+    def _encoded_members(self, attempt: Attempt, peer: str) -> tuple[str, ...]:
+        """The member list as ``peer``'s RoundOpen carries it, encoded once per member set:
+        every member with its keys (full graph; every member's invitation carries all of
+        it) or, in a sparse graph, ``peer`` and its neighbours with their keys and every
+        other member by its id only (``pid::``): nobody else's keys are of use to it."""
+        members, encoded, named = self._encoded
         if members is not attempt.members:
             encoded = tuple(encode_member(m) for m in attempt.members or [])
-            self._encoded = (attempt.members, encoded)
-        return encoded
+            named = tuple(encode_named(m) for m in attempt.members or [])
+            self._encoded = (attempt.members, encoded, named)
+            self._index = {m.pid: i for i, m in enumerate(attempt.members or [])}
+        aggregator = attempt.aggregator
+        if not isinstance(aggregator, SecureAggregator) or not aggregator.graph.sparse:
+            return encoded
+        listed = list(named)
+        for pid in (peer, *aggregator.graph.near(peer)):
+            listed[self._index[pid]] = encoded[self._index[pid]]
+        return tuple(listed)
 
     def begin(self, attempt: Attempt) -> None:
         """Nothing yet: the aggregator needs the member set (:meth:`settle`)."""
@@ -295,7 +310,7 @@ class MaskedMode:
             "secagg_neighbours": fed.secagg_neighbours,
         }
         if peer in members:
-            changes["secagg_members"] = self._encoded_members(attempt)
+            changes["secagg_members"] = self._encoded_members(attempt, peer)
             attempt.members_sent.add(peer)
         return attempt.round_open.model_copy(update=changes)
 

@@ -24,7 +24,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.secagg import shamir
-from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member
+from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member, NeighbourGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,9 @@ class SecureAggregator:
         template: names and shapes of the global params.
         config: the aggregation config (fixed-point grid and bounds).
         members: the round's members and their public keys.
-        threshold: shares needed to recover a mask secret.
+        threshold: the round's threshold t: fewest survivors of a revealed sum, and (full
+            graph) shares needed to recover a mask secret; in a sparse graph a survivor's
+            self mask needs ``protocol.share_threshold`` of its neighbours' shares.
         context: the round attempt's context (``protocol.context_of``).
         degree: the neighbour graph (0: every member masks with every other).
     """
@@ -78,7 +80,9 @@ class SecureAggregator:
             template, members, threshold=threshold, context=context, degree=degree
         )
         self._member_ids = frozenset(m.pid for m in members)
+        self._graph = self._sum.graph
         self._holder_x = {pid: i + 1 for i, pid in enumerate(sorted(self._member_ids))}
+        self._x_of: dict[str, dict[str, int]] = {}  # sparse: sender -> holder -> its x
         self._self_shares: dict[str, Mapping[str, str]] = {}  # sender -> its sealed (hex)
         self._weights: dict[str, int] = {}
         self._disclosures: dict[str, Disclosure] = {}
@@ -124,7 +128,10 @@ class SecureAggregator:
             shares = {h: bytes.fromhex(c) for h, c in sealed.items()}
         except ValueError:
             raise RoundError(f"{pid}: sealed shares are not hex") from None
-        if shares.keys() != self._member_ids:
+        if self._graph.sparse:
+            if shares.keys() != self._graph.near(pid):
+                raise RoundError(f"{pid}: self-mask shares must go to its neighbours, and only")
+        elif shares.keys() != self._member_ids:
             raise RoundError(f"{pid}: self-mask shares must go to every member")
         canonical = all(
             len(c) == 2 * len(b) and c == c.lower()
@@ -138,9 +145,29 @@ class SecureAggregator:
         return dict(shares)
 
     def disclosure_requests(self) -> dict[str, DisclosureRequest]:
-        """What to ask each survivor once the contributing set is frozen."""
+        """What to ask each survivor once the contributing set is frozen: in a sparse
+        graph, only the shares its surviving neighbours dealt it.
+
+        Raises:
+            SecureAggregationError: (sparse graph) the sum cannot be revealed, so nobody
+                is asked anything (:meth:`~.protocol.MaskedSum.check_revealable`).
+        """
         survivors = tuple(sorted(self._sum.survivors))
         dropped = tuple(self._sum.dropped)
+        if self._graph.sparse:
+            self._sum.check_revealable()
+            alive = set(survivors)
+            return {
+                holder: DisclosureRequest(
+                    survivors=survivors,
+                    dropped=dropped,
+                    sealed_hex={
+                        s: self._self_shares[s][holder]
+                        for s in sorted(alive.intersection(self._graph.near(holder)))
+                    },
+                )
+                for holder in survivors
+            }
         columns = [(s, self._self_shares[s]) for s in survivors]
         return {
             holder: DisclosureRequest(
@@ -164,18 +191,35 @@ class SecureAggregator:
         survivors, dropped = set(self._weights), set(self._sum.dropped)
         if not set(disclosure.self_mask) <= survivors:
             raise RoundError(f"{holder}: disclosed the self mask of a member that dropped")
+        if self._graph.sparse and not set(disclosure.self_mask) <= self._graph.near(holder):
+            raise RoundError(f"{holder}: disclosed a share of a member it is no neighbour of")
         if not set(disclosure.pair_seeds) <= dropped:
             raise RoundError(f"{holder}: disclosed a pairwise seed with a survivor")
         if any(len(seed) != 32 for seed in disclosure.pair_seeds.values()):
             raise RoundError(f"{holder}: a pairwise seed is not 32 bytes")
         position = self._holder_x[holder]  # shares were dealt to the members in id order
         for sender, (x, y) in disclosure.self_mask.items():
+            if self._graph.sparse:  # ... or to the sender's neighbours, in id order
+                position = self._position(sender, holder)
             if x != position or not 0 <= y < shamir.PRIME:
                 raise RoundError(
                     f"{holder}: its share of {sender}'s self mask is not the one dealt to it "
                     f"(x = {x}, its own is {position})"
                 )
         self._disclosures[holder] = disclosure
+
+    def _position(self, sender: str, holder: str) -> int:
+        """The point x of ``sender``'s share dealt to ``holder`` (sparse graph)."""
+        found = self._x_of.get(sender)
+        if found is None:
+            found = {h: i + 1 for i, h in enumerate(self._graph.holders(sender))}
+            self._x_of[sender] = found
+        return found[holder]
+
+    @property
+    def graph(self) -> NeighbourGraph:
+        """The round attempt's neighbour graph."""
+        return self._graph
 
     @property
     def member_ids(self) -> frozenset[str]:

@@ -2,7 +2,8 @@
 
 The participant turns its release into the fixed-point integers the plaintext aggregator
 would add (``to_fixed_point``), masks them with a mask key that serves this one round
-attempt, and seals a share of its fresh self mask for every member. With the masked
+attempt, and seals a share of its fresh self mask for every member (in a sparse graph,
+for each of its neighbours: ``protocol``). With the masked
 update it announces the public half of the key its next round will use; the private
 halves of announced keys stay with the participant; a key is deleted once its round's
 unmask request is answered (one answer per attempt). Its
@@ -23,7 +24,7 @@ from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_no
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
-from lensemble_flwr.secagg.protocol import Member, context_of, disclose, mask
+from lensemble_flwr.secagg.protocol import Member, context_of, disclose, graph_of, mask
 
 ANNOUNCED_KEYS_KEPT = 4
 """How many announced, unused mask keys a participant keeps (the coordinator lists only
@@ -31,9 +32,14 @@ the newest one it received; older ones matter only while messages cross)."""
 
 
 def parse_members(encoded: tuple[str, ...]) -> list[Member]:
-    """RoundOpen's ``pid:mask_key:enc_key`` strings as Members."""
+    """RoundOpen's ``pid:mask_key:enc_key`` strings as Members. In a sparse graph the
+    members that are not the recipient's neighbours come as ``pid::`` (named, for the
+    ring and the partition, without their keys): Members with empty keys."""
     members = []
     for item in encoded:
+        if item.endswith("::"):  # named only: nothing to decode
+            members.append(Member(item[:-2], b"", b""))
+            continue
         pid, mask_hex, enc_hex = item.rsplit(":", 2)
         members.append(Member(pid, bytes.fromhex(mask_hex), bytes.fromhex(enc_hex)))
     return members
@@ -42,6 +48,15 @@ def parse_members(encoded: tuple[str, ...]) -> list[Member]:
 def encode_member(member: Member) -> str:
     """A Member as RoundOpen's ``pid:mask_key:enc_key`` string (:func:`parse_members`)."""
     return f"{member.pid}:{member.mask_public.hex()}:{member.enc_public.hex()}"
+
+
+def encode_named(member: Member) -> str:
+    """A Member as RoundOpen names it without its keys: ``pid::`` (:func:`parse_members`)."""
+    return f"{member.pid}::"
+
+
+def _keyed(member: Member) -> bool:
+    return len(member.mask_public) == 32 and len(member.enc_public) == 32
 
 
 class MaskingRole:
@@ -56,8 +71,10 @@ class MaskingRole:
         self.members: list[Member] = []
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
+        self.threshold = 0  # the round's threshold t (0: no round masked)
         self._boxes: BoxKeys | None = None  # the sealing key's boxes (memory only)
         self._round_keys: SecAggKeys | None = None  # the round's agreements (memory only)
+        self._members_read: tuple[tuple[str, ...] | None, list[Member]] = (None, [])
 
     def _announce(self) -> str:
         """A fresh mask key: keep its private half, return its public half (hex)."""
@@ -74,6 +91,13 @@ class MaskingRole:
             self.enc_private = new_private_key()
         return {"mask_key": self._announce(), "enc_key": public_key(self.enc_private).hex()}
 
+    def _parsed(self, encoded: tuple[str, ...]) -> list[Member]:
+        """:func:`parse_members`, once per member list (a round's list is checked before
+        the participant trains and again when it masks)."""
+        if self._members_read[0] is not encoded:
+            self._members_read = (encoded, parse_members(encoded))
+        return list(self._members_read[1])
+
     def is_member(self, msg: RoundOpen) -> bool:
         """Whether ``msg``'s member list names this participant."""
         return any(m.split(":", 1)[0] == self.participant_id for m in msg.secagg_members)
@@ -87,7 +111,8 @@ class MaskingRole:
             SecureAggregationError: no sealing key; another threshold or neighbour graph
                 than agreed, or fewer members than the threshold; a member list that does
                 not parse or names this participant with a mask key it never announced or
-                already used, or with another sealing key.
+                already used, or with another sealing key; a member it deals a share to
+                (every member; in a sparse graph, its neighbours) listed without keys.
         """
         me, fed = self.participant_id, config.federation
         if self.enc_private is None:
@@ -103,7 +128,7 @@ class MaskingRole:
                 f"participant agreed to {fed.secagg_threshold}"
             )
         try:
-            members = parse_members(msg.secagg_members)
+            members = self._parsed(msg.secagg_members)
         except ValueError as exc:
             raise SecureAggregationError(
                 f"{me}: a member list that does not parse: {exc}"
@@ -121,6 +146,21 @@ class MaskingRole:
             )
         if mine[0].enc_public != public_key(self.enc_private):
             raise SecureAggregationError(f"{me}: the round lists another sealing key")
+        if len({m.pid for m in members}) != len(members):
+            raise SecureAggregationError(f"{me}: the round lists a member twice")
+        context = context_of(msg.run_id, msg.round, msg.attempt)
+        graph = graph_of(members, msg.secagg_neighbours, context)
+        if graph.sparse:  # t_k = share_threshold(C, k, t), from the k and t checked above
+            near = graph.near(me)
+            dealt = [m for m in members if m.pid in near]
+        else:
+            dealt = members
+        bare = [m.pid for m in dealt if not _keyed(m)]
+        if bare:
+            raise SecureAggregationError(
+                f"{me}: the round lists members it deals a share to without their keys: "
+                f"{bare[:3]}"
+            )
         return members
 
     def mask_release(
@@ -156,6 +196,7 @@ class MaskingRole:
         self.answered = None
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
+        self.threshold = msg.secagg_threshold
         masked = mask(
             values,
             me=self.participant_id,
@@ -239,7 +280,7 @@ class MaskingRole:
                     "partition of the members; refusing a second one"
                 )
             return dict(self.answered["reply"])
-        if self.enc_private is None or self.round_key is None:
+        if self.enc_private is None or self.round_key is None or self.threshold < 1:
             raise SecureAggregationError(f"{me}: no masked round to unmask")
         try:
             sealed = {s: bytes.fromhex(c) for s, c in request.sealed.items()}
@@ -253,6 +294,7 @@ class MaskingRole:
             survivors=request.survivors,
             dropped=request.dropped,
             self_mask_shares=sealed,
+            threshold=self.threshold,
             degree=self.degree,
         )
         reply = {
@@ -275,6 +317,7 @@ class MaskingRole:
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
             "degree": self.degree,
+            "threshold": self.threshold,
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
@@ -291,3 +334,4 @@ class MaskingRole:
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))
+        self.threshold = int(meta.get("threshold", 0))

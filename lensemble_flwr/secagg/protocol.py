@@ -8,10 +8,11 @@ accumulator, so a revealed sum is bitwise the plaintext sum. Participant u sends
 where b_u is a fresh self-mask seed and s_uv = HKDF(X25519(u, v), context) the pairwise
 seed of the round attempt; pairwise masks cancel in the sum of all members. Every mask
 key pair is used for one round attempt only: a member announces the key of its next round
-with this round's update. Along with y_u it sends, sealed for each member v, a Shamir
-share of b_u. To reveal, each surviving member discloses, for every sender, exactly one
-thing: the b-share if the sender's masked input was received; its own pairwise seed with
-the sender, *for this context only*, if it was not. The aggregator then removes the self
+with this round's update. Along with y_u it sends, sealed for each member v (each
+neighbour, in a sparse graph: below), a Shamir share of b_u. To reveal, each surviving
+member discloses, for every sender, exactly one thing: the b-share if the sender's
+masked input was received; its own pairwise seed with the sender, *for this context
+only*, if it was not. The aggregator then removes the self
 masks of the survivors and the dangling pairwise masks of the dropped members. No private
 key is ever reconstructed, so nothing disclosed in one round says anything about another.
 
@@ -20,14 +21,21 @@ survivor with a dropped neighbour must answer the unmask request (its seed with 
 neighbour is known to the two of them only); if one does not, the sum cannot be revealed
 and the attempt is retried. Self masks still need only ``threshold`` answers.
 
-With ``degree`` > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise masks
-only with its ``degree`` neighbours in a ring of the members ordered by a hash of the
-round attempt's context — a fresh order every attempt, which nobody chooses — instead of
-with every other member. A survivor's input stays hidden in the sum as long as one of its
-neighbours survives too; the aggregator refuses to reveal, and every member refuses to
-disclose, when a survivor would be left with none. The price is collusion resistance: a
-member's input is exposed to a coordinator colluding with all its ``degree`` neighbours,
-instead of with ``threshold`` members.
+With ``degree`` = k > 0 (SecAgg+-style, Bell et al. 2020) a member exchanges pairwise
+masks only with its k neighbours in a ring of the members ordered by a hash of the round
+attempt's context — a fresh order every attempt, which nobody chooses — instead of with
+every other member. When that graph is sparse (0 < k < C - 1) the self mask follows it:
+a member deals its Shamir shares of b_u to its k neighbours only, any
+:func:`share_threshold` t_k = ceil(k t / C) of which recover it, and a survivor discloses
+shares for its neighbours only; per member, the traffic and the work are O(k), not O(C).
+The threshold t keeps its other meaning: no sum of fewer than t survivors is revealed. A
+survivor's input stays hidden in the sum as long as one of its neighbours survives too,
+and its self mask needs t_k of them: the aggregator refuses (before it asks anyone to
+disclose), and every member refuses to disclose, when a survivor would be left with fewer.
+The price is collusion resistance: a survivor's b is recoverable by a coordinator
+colluding with t_k of its neighbours (its input, with all its surviving neighbours),
+instead of with t members. With the full graph (k = 0 or k >= C - 1) every member holds a
+share of every self mask, threshold t, as above.
 """
 
 from __future__ import annotations
@@ -133,6 +141,12 @@ class NeighbourGraph:
         others = len(self.pids) - self._count.get(me, 0)
         return 0 < self.degree < others
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the members' graph is sparse (0 < ``degree`` < C - 1): then every
+        member deals its self-mask shares to its neighbours only (:func:`holders`)."""
+        return 0 < self.degree < len(self._count) - 1
+
     def near(self, me: str) -> frozenset[str]:
         """``me``'s neighbours, as a set (see :func:`neighbours`).
 
@@ -163,8 +177,33 @@ class NeighbourGraph:
         :func:`isolated_survivors`); none with the full graph."""
         if self.degree <= 0:
             return []
+        if self.sparse:
+            return self.short_of(survivors, 1)
         alive = set(survivors)
         return sorted(s for s in alive if alive.isdisjoint(self.near(s)))
+
+    def short_of(self, survivors: Sequence[str], need: int) -> list[str]:
+        """The survivors with fewer than ``need`` surviving neighbours, sorted; none with
+        the full graph. Counted from the dropped side: every survivor has ``degree``
+        neighbours (the ring has more than ``degree`` + 1 places), so only those next to
+        a dropped member can fall short: O(C + dropped x k), not O(C k)."""
+        if not self.sparse:
+            return []
+        alive = set(survivors)
+        if need > self.degree:  # nobody has that many neighbours
+            return sorted(alive)
+        lost: collections.Counter[str] = collections.Counter()
+        for pid in self._ring:
+            if pid not in alive:
+                lost.update(alive.intersection(self.near(pid)))
+        return sorted(s for s, n in lost.items() if self.degree - n < need)
+
+    def holders(self, sender: str) -> list[str]:
+        """Who holds a share of ``sender``'s self mask, in the order of their points x =
+        1, 2, ...: its neighbours (sorted) in a sparse graph, every member otherwise."""
+        if self.sparse:
+            return self.neighbours(sender)
+        return list(self._sorted)
 
 
 @functools.lru_cache(maxsize=32)
@@ -197,21 +236,46 @@ def isolated_survivors(
     return graph_of(members, degree, context).isolated(survivors)
 
 
+def share_threshold(member_count: int, degree: int, threshold: int) -> int:
+    """How many shares recover a member's self mask: ``threshold`` (t) with the full
+    graph, where every member holds one; in a sparse graph, where only the ``degree`` = k
+    neighbours do, t_k = ceil(k * t / C) clipped to [1, k], so that the share of a
+    member's holders that must answer, t_k / k, is the share of all members that must
+    survive, t / C. Everyone computes it from what the round announces (C, k, t)."""
+    if not 0 < degree < member_count - 1:
+        return threshold
+    return min(degree, max(1, -(-degree * threshold // member_count)))
+
+
+def short_of_shares(
+    members: Sequence[Member], survivors: Sequence[str], degree: int, threshold: int,
+    context: bytes,
+) -> list[str]:  # fmt: skip
+    """In a sparse graph, the survivors whose self mask cannot be removed: fewer than
+    :func:`share_threshold` of their neighbours (its holders) survived to disclose a
+    share of it (this covers the isolated ones). None with the full graph."""
+    graph = graph_of(members, degree, context)
+    if not graph.sparse:
+        return []
+    return graph.short_of(survivors, share_threshold(len(members), degree, threshold))
+
+
 def _seal_shares(
     secret: bytes,
     keys: SecAggKeys,
     me: str,
-    members: Sequence[Member],
+    holders: Sequence[Member],
     threshold: int,
     aad: bytes,
 ) -> dict[str, bytes]:
-    ordered = _ordered(members)
-    shares = shamir.split(secret, threshold, len(ordered))
+    """One Shamir share of ``secret`` for each of ``holders`` (the i-th gets x = i + 1),
+    sealed for it."""
+    shares = shamir.split(secret, threshold, len(holders))
     return {
         holder.pid: seal_in(
             keys.box(holder.enc_public), f"{x}:{y:x}".encode(), _aad(aad, me, holder.pid)
         )
-        for holder, (x, y) in zip(ordered, shares, strict=True)
+        for holder, (x, y) in zip(holders, shares, strict=True)
     }
 
 
@@ -230,7 +294,8 @@ def mask(
     ordered = _ordered(members)
     if me not in {m.pid for m in ordered}:
         raise SecureAggregationError(f"{me} is not a member of this masked round")
-    near = set(neighbours(me, ordered, degree, context))
+    graph = graph_of(ordered, degree, context)
+    near = graph.near(me)
     names = sorted(values)
     if len(names) == 1:  # one array: read it where it is (a view, not a copy)
         base = np.asarray(values[names[0]], np.int64).reshape(-1)
@@ -244,7 +309,12 @@ def mask(
         if peer.pid in near
     ]
     prg.add_streams(streams, masked, base=base)
-    sealed = _seal_shares(self_seed, keys, me, ordered, threshold, context)
+    if graph.sparse:  # SecAgg+: the self mask is shared among the neighbours only
+        holders = [m for m in ordered if m.pid in near]
+        threshold = share_threshold(len(ordered), degree, threshold)
+    else:
+        holders = ordered
+    sealed = _seal_shares(self_seed, keys, me, holders, threshold, context)
     return MaskedRelease(masked=_unflatten(masked, values), sealed=sealed)
 
 
@@ -268,19 +338,24 @@ def disclose(
     survivors: Sequence[str],
     dropped: Sequence[str],
     self_mask_shares: Mapping[str, bytes],
+    threshold: int,
     degree: int = 0,
 ) -> Disclosure:
     """A member's answer to the unmask request: for each sender one thing, never two.
 
     Args:
         keys: this round attempt's mask key and the member's sealing key.
-        self_mask_shares: survivor -> its self-mask share sealed for me (this round).
+        self_mask_shares: survivor -> its self-mask share sealed for me (this round); in a
+            sparse graph only my neighbours dealt me one.
+        threshold: the round's threshold t (in a sparse graph, every survivor must keep
+            :func:`share_threshold` surviving neighbours).
 
     Raises:
         SecureAggregationError: a sender is named both survivor and dropped (disclosing
             both would unmask its individual input), the survivors and the dropped are
             not the members, I am not a survivor, a survivor would be left with no
-            surviving neighbour (in a sparse graph), or a sealed share does not
+            surviving neighbour, or (in a sparse graph) with fewer than t_k, a share comes
+            from a member that is not my neighbour, or a sealed share does not
             authenticate.
     """
     both = set(survivors) & set(dropped)
@@ -299,12 +374,26 @@ def disclose(
         raise SecureAggregationError(
             f"refusing to disclose: {alone} would have no surviving neighbour"
         )
+    graph = graph_of(members, degree, context)
+    near = graph.near(me)
+    if graph.sparse:
+        short = short_of_shares(members, survivors, degree, threshold, context)
+        if short:
+            need = share_threshold(len(members), degree, threshold)
+            raise SecureAggregationError(
+                f"refusing to disclose: {short} would have fewer than {need} surviving "
+                "neighbours to disclose their self mask"
+            )
+        strangers = sorted(set(self_mask_shares) - near)
+        if strangers:
+            raise SecureAggregationError(
+                f"refusing to disclose: shares from {strangers}, who are not my neighbours"
+            )
     self_mask = {
         sender: _open_share(keys, by_id[sender], me, self_mask_shares[sender], context)
         for sender in survivors
         if sender in self_mask_shares
     }
-    near = set(neighbours(me, members, degree, context))
     pair_seeds = {
         peer: keys.pair_seed(by_id[peer].mask_public, context) for peer in dropped if peer in near
     }
@@ -336,6 +425,8 @@ class MaskedSum:
         self.survivors: list[str] = []
         self._member_ids = frozenset(m.pid for m in self.members)
         self._added: set[str] = set()  # the survivors, as a set (O(1) per check)
+        self.graph = graph_of(self.members, degree, context)
+        self.share_threshold = share_threshold(len(self.members), degree, threshold)
 
     def check(self, pid: str, masked: Mapping[str, np.ndarray]) -> None:
         """Raise SecureAggregationError if :meth:`add` would refuse this input."""
@@ -364,13 +455,14 @@ class MaskedSum:
         alive = set(self.survivors)
         return [m.pid for m in self.members if m.pid not in alive]
 
-    def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
-        """The sum of the survivors' values, from the survivors' disclosures.
+    def check_revealable(self) -> None:
+        """Raise unless the survivors' sum can be revealed without exposing anyone: at
+        least ``threshold`` survivors, none without a surviving neighbour and, in a
+        sparse graph, each with ``share_threshold`` surviving neighbours (the holders of
+        its self mask). Asked before anyone is asked to disclose, and again at reveal.
 
         Raises:
-            SecureAggregationError: fewer survivors, or fewer shares of a self mask, than
-                the threshold; a survivor with no surviving neighbour; or a survivor
-                that did not disclose its pairwise seed with a dropped neighbour.
+            SecureAggregationError: one of these does not hold.
         """
         if len(self.survivors) < self.threshold:
             raise SecureAggregationError(
@@ -381,18 +473,34 @@ class MaskedSum:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
             )
+        short = self.graph.short_of(self.survivors, self.share_threshold)
+        if short:
+            raise SecureAggregationError(
+                f"{short} have fewer than {self.share_threshold} surviving neighbours: "
+                "their self masks cannot be removed"
+            )
+
+    def reveal(self, disclosures: Mapping[str, Disclosure]) -> NamedArrays:
+        """The sum of the survivors' values, from the survivors' disclosures.
+
+        Raises:
+            SecureAggregationError: what :meth:`check_revealable` refuses; fewer shares
+                of a self mask than :attr:`share_threshold`; or a survivor that did not
+                disclose its pairwise seed with a dropped neighbour.
+        """
+        self.check_revealable()
         self_mask: dict[str, dict[int, int]] = {}  # sender -> x -> y (one y per holder x)
         for answer in disclosures.values():
             for sender, (x, y) in answer.self_mask.items():
                 self_mask.setdefault(sender, {})[x] = y
         total = self._sum.copy()
         streams = [
-            (shamir.combine_points(self_mask.get(pid, {}), self.threshold), -1)
+            (shamir.combine_points(self_mask.get(pid, {}), self.share_threshold), -1)
             for pid in self.survivors
         ]
         survivors = set(self.survivors)
         for pid in self.dropped:
-            near = survivors.intersection(neighbours(pid, self.members, self.degree, self.context))
+            near = survivors.intersection(self.graph.near(pid))
             for survivor in sorted(near):
                 answer = disclosures.get(survivor)
                 if answer is None or pid not in answer.pair_seeds:
