@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
+from lensemble_flwr.coordinator.modes import masked_aggregation
 from lensemble_flwr.errors import (
     ConfigError,
     NonDeterministicAggregation,
@@ -26,7 +27,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.state import PseudoGradient
 from lensemble_flwr.secagg import prg, shamir
-from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.aggregator import SecureAggregator, check_capacity
 from lensemble_flwr.secagg.keys import SecAggKeys
 from lensemble_flwr.secagg.participant_role import MaskingRole, encode_member
 from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of, mask
@@ -220,6 +221,41 @@ def test_a_member_set_that_could_overflow_the_sum_is_refused(trio) -> None:
     _, members = trio
     with pytest.raises(ConfigError, match="overflow"):
         aggregator(members * 200, fraction_bits=40, max_weight=2**10, max_abs_update=256.0)
+
+
+def test_a_masked_sum_under_uniform_weighting_is_sized_at_weight_one() -> None:
+    """Every weight is 1 under uniform weighting: at the default max-weight (2**16) the
+    capacity check capped a masked round at 511 members, and a C = 1000 round stopped
+    the federation at round 1. With num-examples weighting the cap stays, and is
+    checked before any mask key is spent."""
+    uniform = LensembleConfig(federation={"secagg_threshold": 2, "min_participants": 2})
+    assert masked_aggregation(uniform).max_weight == 1
+    check_capacity(1000, masked_aggregation(uniform))  # fits
+    with pytest.raises(ConfigError, match=r"1000 members x max-weight 65536"):
+        check_capacity(1000, uniform.aggregation)
+    weighted = LensembleConfig(
+        federation={"secagg_threshold": 2, "min_participants": 2, "weighting": "num-examples"}
+    )
+    assert masked_aggregation(weighted) == weighted.aggregation
+
+
+def test_a_masked_round_too_large_for_the_sum_spends_no_mask_key(tmp_path: Path) -> None:
+    from federation_helpers import federation
+
+    config = LensembleConfig(
+        federation={
+            "secagg_threshold": 2, "min_participants": 2, "weighting": "num-examples",
+            "open_timeout": 10.0, "collect_timeout": 10.0,
+        },
+        aggregation={"fraction_bits": 40, "max_weight": 2**15, "max_abs_update": 90.0},
+        inner={"steps": 1},
+    )  # fmt: skip
+    coordinator, _, _ = federation(tmp_path, participants=3, config=config)
+    outcome = coordinator.run_attempt()  # 3 x 2**61.5 >= 2**63: cannot be summed
+    assert isinstance(outcome.error, ConfigError)
+    assert "could overflow the int64 sum" in str(outcome.error)
+    peers = ("p00", "p01", "p02")
+    assert all(coordinator.registry.keyed(p) for p in peers)  # no mask key was spent
 
 
 def test_an_unmask_response_with_both_shares_of_a_sender_is_malformed() -> None:

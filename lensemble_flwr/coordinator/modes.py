@@ -48,7 +48,7 @@ from lensemble_flwr.errors import NonDeterministicAggregation, RoundError, Secur
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.secagg.aggregator import SecureAggregator
+from lensemble_flwr.secagg.aggregator import SecureAggregator, check_capacity
 from lensemble_flwr.secagg.participant_role import encode_member, encode_named
 from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of
 from lensemble_flwr.transports.base import COORDINATOR
@@ -216,6 +216,15 @@ def admission_tables() -> dict[str, Table]:
     return {PlaintextMode.name: PlaintextMode.admission, MaskedMode.name: MASKED_ADMISSION}
 
 
+def masked_aggregation(config: LensembleConfig) -> AggregationConfig:
+    """The bounds a masked sum is checked against: ``config``'s, except that under uniform
+    weighting every weight is 1, so ``max-weight`` is 1 (at the default 2**16 the int64
+    capacity would cap a masked round at 511 members)."""
+    if config.federation.weighting != "uniform":
+        return config.aggregation
+    return config.aggregation.model_copy(update={"max_weight": 1})
+
+
 class MaskedMode:
     """Pairwise-masked updates; only their sum is ever revealed (secure aggregation)."""
 
@@ -270,13 +279,15 @@ class MaskedMode:
             return
         if not final and set(keyed) != answering:
             return  # somebody is still committing its keys
+        aggregation = masked_aggregation(self.config)
+        check_capacity(len(keyed), aggregation)  # before any key is spent
         members = self.registry.members(keyed)  # spends their mask keys: durably, so
         self.registry.persist()  # that no restart lists a key a participant deleted
         attempt.members = members
         fed = self.config.federation
         attempt.aggregator = SecureAggregator(
             attempt.state.params,
-            self.config.aggregation,
+            aggregation,
             members=members,
             threshold=fed.secagg_threshold,
             context=context_of(self.run_id, attempt.round, attempt.number),

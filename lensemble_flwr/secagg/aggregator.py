@@ -44,6 +44,24 @@ class DisclosureRequest:
         return {s: bytes.fromhex(c) for s, c in self.sealed_hex.items()}
 
 
+def check_capacity(members: int, config: AggregationConfig) -> None:
+    """Refuse a masked sum of ``members`` inputs that could overflow int64: each is at
+    most ``max-weight`` x ``max-abs-update`` x 2**``fraction-bits`` in absolute value.
+
+    Raises:
+        ConfigError: it could.
+    """
+    bound = members * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
+    if bound >= 2.0**63:
+        raise ConfigError(
+            "secagg-threshold",
+            f"{members} members x max-weight {config.max_weight} x max-abs-update "
+            f"{config.max_abs_update:g} x 2**fraction-bits {config.fraction_bits} could "
+            "overflow the int64 sum: lower max-weight (uniform weighting needs 1) or "
+            "fraction-bits, or sample fewer members",
+        )
+
+
 class SecureAggregator:
     """Aggregator (see ``lensemble_flwr.aggregation.fixed_point.Aggregator``) over masked updates.
 
@@ -68,13 +86,7 @@ class SecureAggregator:
         context: bytes,
         degree: int = 0,
     ) -> None:
-        bound = len(members) * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
-        if bound >= 2.0**63:
-            raise ConfigError(
-                "secagg-threshold",
-                f"{len(members)} members x max-weight x max-abs-update x 2**fraction-bits "
-                "could overflow the int64 sum",
-            )
+        check_capacity(len(members), config)
         self._config = config
         self._sum = MaskedSum(
             template, members, threshold=threshold, context=context, degree=degree
