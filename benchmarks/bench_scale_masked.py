@@ -12,8 +12,8 @@ participants and seeds:
 * masked with the full graph (``secagg-neighbours = 0``) at every C of ``--full-sizes``.
 
 ``secagg-threshold`` = ``min-participants`` = C//2 + 1, ``max-weight`` = 1 (uniform weights
-are 1; with the default 2**16 the masked sum of more than 511 members could overflow
-int64, which the secure aggregator refuses). The trainer costs almost nothing
+are 1; the coordinator now sizes a uniform masked sum at weight 1 whatever max-weight
+says, which the script's setting predates). The trainer costs almost nothing
 (``fit`` returns the global params plus 1e-3 x N(0, 1), seeded by the round seed), so
 masking, messaging and aggregation are what is measured, at P = ``--params`` float32
 parameters (default 100k, one array). Each federation runs one warm-up round (the
