@@ -150,3 +150,24 @@ def test_every_participant_holds_the_one_round_close_of_a_broadcast(tmp_path: Pa
     network.flush()
     closes = {id(n.last_close) for n in nodes}
     assert len(closes) == 1 and nodes[0].last_close == coordinator.last_close
+
+
+# -- the in-process network remembers the latest round's opened attempts only -----------
+def test_the_network_remembers_only_the_latest_rounds_opened_attempts(tmp_path: Path) -> None:
+    coordinator, network, _ = build(_config(), tmp_path / "run", participants=2)
+    coordinator.run(3)
+    network.flush()
+    assert network._opened == {(3, 1)}
+
+
+def test_an_earlier_rounds_round_open_applies_no_scripted_fault_again(tmp_path: Path) -> None:
+    coordinator, network, _ = build(_config(), tmp_path / "run", participants=3)
+    coordinator.run(2)
+    network.faults.drop("p02", round=1, at=RoundState.OPEN)  # scripted for a past round
+    stale = to_wire(coordinator._round_open(1).model_copy(update={"round": 1, "attempt": 2}))
+    network.inject(COORDINATOR, "p00", stale)
+    network.flush()
+    assert "p02" in network.online() and network._opened == {(2, 1)}
+    network.faults.drop("p02", round=3, at=RoundState.OPEN)
+    coordinator.run(1)
+    assert "p02" not in network.online() and network._opened == {(3, 1)}
