@@ -12,7 +12,8 @@ Run ``python benchmarks/plot_scaling.py`` after
 * ``bench_large_model.py`` (optional, ``--large-model``; ``results/large-model.json``):
   one coordinator round at P = 100M, C = 4 (its ``round_seconds``, best of them).
 
-It writes ``--png`` (log-log time per round against C, one line per arm) and prints a
+It writes ``--png`` (log-log time per round against C, one line per arm measured at two
+C or more) and prints a
 markdown table: one row per arm and P, one column per C, seconds per round (best of the
 measured rounds where a benchmark keeps several), and the least-squares exponent of
 time in C for every arm measured at two C or more. Only the files given (or found at
@@ -110,6 +111,7 @@ def plot(arms: list[Arm], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    arms = [a for a in arms if len(a[2]) >= 2]  # a single C (the large model): table only
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, p, points in arms:
         cs = sorted(points)
@@ -118,10 +120,9 @@ def plot(arms: list[Arm], png: Path) -> None:
         ax.plot(cs, [points[c] for c in cs], marker="o", label=name)
     lo = min(c for _, _, pts in arms for c in pts)
     hi = max(c for _, _, pts in arms for c in pts)
-    ref = [a for a in arms if len(a[2]) >= 2][:1]
-    if ref:  # a slope-1 guide through the first measured arm's smallest C
-        c0 = min(ref[0][2])
-        s0 = ref[0][2][c0]
+    if arms:  # a slope-1 guide through the first arm's smallest C
+        c0 = min(arms[0][2])
+        s0 = arms[0][2][c0]
         ax.plot([c0, hi], [s0, s0 * hi / c0], ls=":", color="grey", label="linear in C")
     ax.set_xscale("log")
     ax.set_yscale("log")
