@@ -112,7 +112,7 @@ def plot(arms: list[Arm], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = [a for a in arms if len(a[2]) >= 2]  # a single C (the large model): table only
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for label, p, points in arms:
         cs = sorted(points)
         k = exponent(points)
@@ -131,7 +131,7 @@ def plot(arms: list[Arm], png: Path) -> None:
     ax.set_ylabel("wall seconds per round")
     ax.set_title("Time per round against C (one process, 2 cores)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
