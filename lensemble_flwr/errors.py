@@ -166,6 +166,11 @@ class LedgerError(LensembleError):
     """The ledger's hash chain or one of its references does not verify."""
 
 
+class OutcomeForgotten(LensembleError, IndexError):
+    """A round outcome the coordinator no longer keeps in memory (it keeps the latest
+    few); the run manifest in the store records every attempt."""
+
+
 RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
     {
         RoundError: Response.REJECT_MESSAGE,

@@ -56,6 +56,7 @@ from lensemble_flwr.coordinator.modes import (
     RoundMode,
     mode_for,
 )
+from lensemble_flwr.coordinator.outcomes import KEEP_OUTCOMES, RecentOutcomes
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
 from lensemble_flwr.coordinator.reach import ReachMemo
 from lensemble_flwr.coordinator.recovery import (
@@ -381,7 +382,8 @@ class Coordinator:
         self._older_digests: dict[tuple[int, int], Mapping[str, str] | None] = {}
         self.last_close: RoundClose | None = None
         self._grace = 0.0
-        self.outcomes: list[RoundOutcome] = []
+        # every attempt's outcome by position, the latest few held (the manifest has all)
+        self.outcomes = RecentOutcomes(max(KEEP_OUTCOMES, config.federation.max_round_attempts))
         self._stepped_from: SteppedFrom | None = None  # the last commit's θ_t, m_t
         self._external_step: ExternalStep | None = None  # how _global replaced a commit
         self._prune_from = 0  # the first round whose checkpoints retention still looks at

@@ -345,19 +345,54 @@ def to_wire(message: ControlMessage) -> dict[str, Any]:
     return payload
 
 
+_SCALARS = (str, int, float, bool, type(None))
+_MISSING = object()
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` can never change: a plain scalar, or a tuple of them."""
+    kind = type(value)
+    return kind in _SCALARS or (kind is tuple and all(type(v) in _SCALARS for v in value))
+
+
+def _same_values(held: Mapping[str, Any], raw: Mapping[str, Any]) -> bool:
+    """Whether ``raw`` has exactly ``held``'s fields, each the *same object*."""
+    return len(held) == len(raw) and all(raw.get(k, _MISSING) is v for k, v in held.items())
+
+
+_last_validated: tuple[dict[str, Any], ControlMessage] | None = None
+"""The last payload :func:`from_wire` validated whose every value is immutable (its
+fields, kept alive here, and the message). A broadcast hands every recipient the same
+payload object; validating a RoundClose that lists C contributors once per recipient
+would cost O(C^2) in one process."""
+
+
 def from_wire(payload: Any) -> ControlMessage:
     """Validate a wire payload into a message.
+
+    Validation is a pure function of the payload's values. When every value of the
+    payload is the very object (a plain scalar or a tuple of them: nothing that can
+    change) of the last such payload validated, the message validated then — frozen —
+    is returned again; anything else is validated afresh.
 
     Raises:
         RoundError: the payload is not a well-formed control message; the error names
             the first offending field.
     """
+    global _last_validated
     if isinstance(payload, _MESSAGE_TYPES):
         payload = to_wire(payload)
     if not isinstance(payload, Mapping):
         raise RoundError(f"malformed message: expected a mapping, got {type(payload).__name__}")
+    raw = dict(payload)
+    held = _last_validated
+    if held is not None and _same_values(held[0], raw):
+        return held[1]
     try:
-        return _ADAPTER.validate_python(dict(payload))
+        message = _ADAPTER.validate_python(raw)
+        if all(_immutable(v) for v in raw.values()):
+            _last_validated = (raw, message)
+        return message
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "message"

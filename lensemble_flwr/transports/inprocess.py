@@ -245,7 +245,7 @@ class InProcessNetwork:
         rnd = payload.get("round") if isinstance(payload.get("round"), int) else None
         if source == COORDINATOR and kind is MessageKind.ROUND_OPEN:
             key = (rnd, payload.get("attempt"))
-            if key not in self._opened:  # the first RoundOpen of an attempt
+            if key not in self._opened and self._opens_anew(rnd):  # an attempt's first
                 self._opened.add(key)
                 self._round_opens(rnd)  # type: ignore[arg-type]
         if source in self._offline or dest in self._offline:
@@ -270,6 +270,17 @@ class InProcessNetwork:
                 self.faults.duplicates.remove(d)
                 log.info("fault: %s sends its %s of round %s twice", source, kind, rnd)
                 heapq.heappush(self._queue, (due, next(self._seq), source, dest, dict(sent)))
+
+    def _opens_anew(self, rnd: Any) -> bool:
+        """Whether a RoundOpen of round ``rnd`` may be the first of its attempt: only the
+        latest round's attempts are remembered (a set of every attempt ever opened would
+        grow without end); one of an earlier round opens nothing again."""
+        latest = max((r for r, _ in self._opened if isinstance(r, int)), default=None)
+        if isinstance(rnd, int) and latest is not None and rnd != latest:
+            if rnd < latest:
+                return False
+            self._opened = {k for k in self._opened if not isinstance(k[0], int)}
+        return True
 
     def _take_drop(self, pid: str, rnd: Any, at: RoundState) -> bool:
         drop = _Drop(pid, rnd, at)
