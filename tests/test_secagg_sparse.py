@@ -366,3 +366,89 @@ def test_counting_short_survivors_from_the_dropped_side_is_counting_them_directl
     direct = sorted(s for s in alive if len(alive & near[s]) < need) if graph.sparse else []
     assert graph.short_of(survivors, need) == direct
     assert graph.isolated(survivors) == sorted(s for s in alive if not alive & near[s])
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(3, 16), degree=st.sampled_from([2, 4, 6]), data=st.data())
+def test_the_ring_scan_counts_the_groups_a_search_of_the_graph_finds(
+    n: int, degree: int, data: st.DataObject
+) -> None:
+    _keys, members = members_of(n)
+    survivors = sorted(data.draw(st.sets(st.sampled_from([m.pid for m in members]))))
+    graph = graph_of(members, degree, CONTEXT)
+    near = {m.pid: set(neighbours(m.pid, members, degree, CONTEXT)) for m in members}
+    alive, groups = set(survivors), 0
+    unseen = set(alive)
+    while unseen:  # connected components of the survivors' own graph
+        groups += 1
+        frontier = [unseen.pop()]
+        while frontier:
+            reached = near[frontier.pop()] & unseen
+            unseen -= reached
+            frontier.extend(reached)
+    assert graph.groups(survivors) == groups
+
+
+@pytest.mark.parametrize(
+    ("n", "degree", "threshold", "dropped_places"),
+    [(20, 4, 10, (0, 1, 10, 11)), (10, 2, 3, (0, 3))],
+)
+def test_survivors_in_unconnected_groups_are_never_revealed(
+    n: int, degree: int, threshold: int, dropped_places: tuple[int, ...]
+) -> None:
+    """Found in review: every survivor has t_k surviving neighbours, none is isolated,
+    there are t survivors, yet the survivors fall into two groups with no edge between
+    them. Each group's masks cancel up to the seeds with dropped members, which are
+    disclosed, so revealing would hand the coordinator each group's sum (of fewer than t
+    members, with fewer than t noise shares). The coordinator refuses before asking, and
+    every member refuses to disclose."""
+    keys, members = members_of(n)
+    graph = graph_of(members, degree, CONTEXT)
+    ring = graph._ring
+    dropped = sorted(ring[at] for at in dropped_places)
+    survivors = [m.pid for m in members if m.pid not in dropped]
+    assert graph.groups(survivors) == 2
+    assert len(survivors) >= threshold and not graph.isolated(survivors)
+    need = share_threshold(n, degree, threshold)
+    assert not graph.short_of(survivors, need)  # the older checks all pass
+    agg = SecureAggregator(
+        TEMPLATE, AggregationConfig(), members=members, threshold=threshold,
+        context=CONTEXT, degree=degree,
+    )  # fmt: skip
+    for pid in survivors:
+        release = mask(
+            {"w": np.arange(6, dtype=np.int64)}, me=pid, keys=keys[pid], members=members,
+            threshold=threshold, context=CONTEXT, degree=degree,
+        )  # fmt: skip
+        agg.admit(
+            Update(
+                run_id="run", round=1, sender=pid, participant_id=pid, dataset_root=None,
+                delta=release.masked, num_examples=1, masked=True,
+                sealed_shares={h: c.hex() for h, c in release.sealed.items()},
+            ),
+            weight=1,
+        )  # fmt: skip
+    with pytest.raises(SecureAggregationError, match="unconnected groups"):
+        agg.disclosure_requests()
+    with pytest.raises(SecureAggregationError, match="unconnected groups"):
+        disclose(
+            me=survivors[0], keys=keys[survivors[0]], members=members, context=CONTEXT,
+            survivors=survivors, dropped=dropped, self_mask_shares={},
+            threshold=threshold, degree=degree,
+        )  # fmt: skip
+
+
+def test_a_member_refuses_to_disclose_a_sum_of_fewer_than_t_survivors() -> None:
+    """In a sparse graph t_k neighbours can survive around every survivor of a set
+    smaller than t; the member's own check keeps such a sum (fewer noise shares than
+    distributed DP is sized for) from being revealed."""
+    keys, members = members_of(12)
+    graph = graph_of(members, 4, CONTEXT)
+    survivors = graph._ring[:6]  # one connected run of 6 < t = 9
+    dropped = [m.pid for m in members if m.pid not in survivors]
+    with pytest.raises(SecureAggregationError, match="6 survivors, threshold 9"):
+        disclose(
+            me=survivors[2], keys=keys[survivors[2]], members=members, context=CONTEXT,
+            survivors=survivors, dropped=dropped, self_mask_shares={},
+            threshold=9, degree=4,
+        )  # fmt: skip

@@ -31,11 +31,12 @@ shares for its neighbours only; per member, the traffic and the work are O(k), n
 The threshold t keeps its other meaning: no sum of fewer than t survivors is revealed. A
 survivor's input stays hidden in the sum as long as one of its neighbours survives too,
 and its self mask needs t_k of them: the aggregator refuses (before it asks anyone to
-disclose), and every member refuses to disclose, when a survivor would be left with fewer.
-The price is collusion resistance: a survivor's b is recoverable by a coordinator
-colluding with t_k of its neighbours (its input, with all its surviving neighbours),
-instead of with t members. With the full graph (k = 0 or k >= C - 1) every member holds a
-share of every self mask, threshold t, as above.
+disclose), and every member refuses to disclose, when a survivor would be left with fewer,
+or when the survivors would fall into unconnected groups (whose sums the coordinator could
+reveal one by one: :meth:`NeighbourGraph.groups`). The price is collusion resistance: a
+survivor's b is recoverable by a coordinator colluding with t_k of its neighbours (its
+input, with all its surviving neighbours), instead of with t members. With the full graph
+(k = 0 or k >= C - 1) every member holds a share of every self mask, threshold t, as above.
 """
 
 from __future__ import annotations
@@ -197,6 +198,29 @@ class NeighbourGraph:
             if pid not in alive:
                 lost.update(alive.intersection(self.near(pid)))
         return sorted(s for s, n in lost.items() if self.degree - n < need)
+
+    def groups(self, survivors: Sequence[str]) -> int:
+        """Into how many groups the survivors fall when only survivor-to-survivor edges
+        count (1 for a connected set; 0 for none). In a sparse graph two survivors next
+        to each other in the ring with ``degree // 2`` or more dropped members between
+        them are not neighbours, nor is anyone across that gap; on the ring, b such gaps
+        make b groups. The coordinator can reveal each group's sum on its own (the masks
+        of a group cancel up to the seeds with dropped members, which are disclosed), so
+        a sum is revealable only when the survivors are one group. O(C); 1 with the full
+        graph (every survivor is every other's neighbour)."""
+        alive = set(survivors)
+        if not alive:
+            return 0
+        if not self.sparse:
+            return 1
+        places = [at for at, pid in enumerate(self._ring) if pid in alive]
+        half, size = self.degree // 2, len(self._ring)
+        gaps = sum(
+            1
+            for at, nxt in zip(places, places[1:] + places[:1], strict=True)
+            if (nxt - at - 1) % size >= half
+        )
+        return max(1, gaps) if len(places) > 1 else 1
 
     def holders(self, sender: str) -> list[str]:
         """Who holds a share of ``sender``'s self mask, in the order of their points x =
@@ -377,6 +401,15 @@ def disclose(
     graph = graph_of(members, degree, context)
     near = graph.near(me)
     if graph.sparse:
+        if len(set(survivors)) < threshold:
+            raise SecureAggregationError(
+                f"refusing to disclose: {len(set(survivors))} survivors, threshold {threshold}"
+            )
+        if graph.groups(survivors) > 1:
+            raise SecureAggregationError(
+                "refusing to disclose: the survivors fall into unconnected groups, whose "
+                "sums could be revealed one by one"
+            )
         short = short_of_shares(members, survivors, degree, threshold, context)
         if short:
             need = share_threshold(len(members), degree, threshold)
@@ -472,6 +505,12 @@ class MaskedSum:
         if alone:
             raise SecureAggregationError(
                 f"{alone} have no surviving neighbour: revealing would expose their input"
+            )
+        groups = self.graph.groups(self.survivors)
+        if groups > 1:
+            raise SecureAggregationError(
+                f"the survivors fall into {groups} unconnected groups: their sums could be "
+                "revealed one by one, each of fewer members than the sum"
             )
         short = self.graph.short_of(self.survivors, self.share_threshold)
         if short:
