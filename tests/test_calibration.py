@@ -170,8 +170,13 @@ def _binomial_tail(rounds: int, rate: Fraction, k: int) -> Fraction:
 
 @pytest.mark.parametrize(
     ("rounds", "rate", "overrun"),
-    [(20, "0.1", 0.01), (40, "0.25", 0.05), (100, "0.01", 0.001), (7, "0.5", 0.3), (3, "0.9", 0.5)],
-)
+    [
+        (20, "0.1", 0.01), (40, "0.25", 0.05), (100, "0.01", 0.001), (7, "0.5", 0.3),
+        (3, "0.9", 0.5), (1, "0.005", 0.01),
+        # tails far below double precision's 1 - P(X <= k) (found in review)
+        (20, "0.1", 1e-17), (300, "0.1", 1e-14), (200, "0.5", 1e-13),
+    ],
+)  # fmt: skip
 def test_planned_releases_is_the_binomial_quantile(rounds: int, rate: str, overrun: float) -> None:
     k = planned_releases(rounds, float(rate), overrun)
     assert _binomial_tail(rounds, Fraction(rate), k) <= overrun
@@ -197,6 +202,11 @@ def test_sampling_calibrates_for_the_likely_releases_not_every_round(tmp_path: P
         privacy=every.privacy.model_dump(),
     )
     assert releases_of(every, 20) == 20 and releases_of(sampled, 20) == 6
+    rare = sampled.model_copy(
+        update={"federation": sampled.federation.model_copy(update={"sample_fraction": 0.005})}
+    )
+    assert planned_releases(1, 0.005, 0.01) == 0
+    assert releases_of(rare, 1) == 1  # a plan of 0 likely releases still pays for one
     assert noise_multiplier_of(every) == calibrated_noise_multiplier(8.0, 1e-5, 20)
     assert noise_multiplier_of(sampled) == calibrated_noise_multiplier(8.0, 1e-5, 6)
     assert noise_multiplier_of(sampled) < 0.6 * noise_multiplier_of(every)
@@ -249,3 +259,29 @@ def test_a_participant_sampled_past_its_plan_refuses_and_the_federation_goes_on(
             assert eps is not None and eps <= 20.0
             releases[pid] = releases.get(pid, 0) + 1
     assert max(releases.values()) <= planned
+
+
+def test_a_fixed_sample_larger_than_the_plan_assumes_is_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: at q = 0.1 over 4 nodes the quorum (3) sets the sample, 3 of 4 a round:
+    the plan's rate is far below what participants are asked. Warned, once."""
+    base = small_config(sample_fraction=0.1)
+    config = LensembleConfig(
+        federation=base.federation.model_dump(),
+        inner=base.inner.model_dump(),
+        privacy={
+            "clip_norm": 0.5, "dp_epsilon": 200.0, "dp_rounds": 4,
+            "dp_state_dir": str(tmp_path / "budgets"),
+        },
+    )  # fmt: skip
+    coordinator, network, _ = federation(tmp_path, participants=4, config=config)
+    coordinator.run(2)
+    network.flush()
+    warned = [r for r in caplog.records if "which the privacy plan assumes" in r.getMessage()]
+    assert len(warned) == 1 and "asks 3 of 4" in warned[0].getMessage()
+    plain = small_config(sample_fraction=0.1)  # no DP: nothing to warn about
+    caplog.clear()
+    coordinator, network, _ = federation(tmp_path, participants=4, config=plain, name="plain")
+    coordinator.run(1)
+    assert not [r for r in caplog.records if "privacy plan" in r.getMessage()]

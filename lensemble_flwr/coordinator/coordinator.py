@@ -333,6 +333,7 @@ class Coordinator:
             )
         self.config = config
         self.noise_multiplier = noise_multiplier_of(config)  # refuses a bad plan
+        self._oversampling_warned = False
         self._privacy = (
             guarantee_of(
                 config.privacy.dp_mode,
@@ -654,6 +655,7 @@ class Coordinator:
             else:
                 drawn = seeded_sample(reachable, fed.sample_size(len(reachable)), seed, "sample")
             attempt.sample = frozenset(drawn)
+            self._warn_if_oversampled(len(attempt.sample), len(reachable))
             if len(attempt.sample) < fed.quorum:
                 return frozenset()  # nobody trains for an attempt that can only abort
             log.info(
@@ -664,6 +666,29 @@ class Coordinator:
                 len(reachable),
             )
         return self._reach.sampled(reachable, attempt.sample)
+
+    def _warn_if_oversampled(self, drawn: int, reachable: int) -> None:
+        """Warn (once) when a fixed sample asks more participants than ``sample-fraction``
+        of them (raised to ``sample-min`` or the quorum) while the privacy plan counts on
+        that fraction (``privacy.calibration.releases_of``): participants then spend their
+        budgets faster than planned, and more of them refuse before the last round."""
+        fed = self.config.federation
+        if self._oversampling_warned or not self.config.privacy.noised:
+            return
+        if fed.sample_mode != "fixed" or drawn <= fed.sample_fraction * reachable + 1:
+            return
+        self._oversampling_warned = True
+        log.warning(
+            "a round asks %d of %d participants (%.3g of them), more than sample-fraction "
+            "%g, which the privacy plan assumes: participants will spend their budgets "
+            "sooner than dp-overrun %g says (raise sample-fraction, or plan with more "
+            "releases)",
+            drawn,
+            reachable,
+            drawn / reachable,
+            fed.sample_fraction,
+            self.config.privacy.dp_overrun,
+        )
 
     def rename(self, address: str, participant: str) -> bool:
         """The transport learnt that the peer it addressed as ``address`` (a Flower node

@@ -57,15 +57,19 @@ def planned_releases(rounds: int, sample_rate: float = 1.0, overrun: float = 0.0
     if sample_rate == 1 or rounds == 0:
         return rounds
     log_q, log_p = math.log(sample_rate), math.log1p(-sample_rate)
-    log_comb = 0.0  # log C(rounds, k), updated as k grows
-    at_most = 0.0  # P(Binomial <= k), summed term by term
-    for k in range(rounds + 1):
-        if k:
-            log_comb += math.log(rounds - k + 1) - math.log(k)
-        at_most += math.exp(log_comb + k * log_q + (rounds - k) * log_p)
-        if 1.0 - at_most <= overrun:
-            return k
-    return rounds
+
+    def log_pmf(j: int) -> float:
+        log_comb = math.lgamma(rounds + 1) - math.lgamma(j + 1) - math.lgamma(rounds - j + 1)
+        return log_comb + j * log_q + (rounds - j) * log_p
+
+    # P(X > k), summed from the top down: small tails are added to small tails, never
+    # taken as 1 - P(X <= k), which would lose them to cancellation
+    tail = 0.0
+    for k in range(rounds - 1, -1, -1):
+        tail += math.exp(log_pmf(k + 1))
+        if tail > overrun:
+            return k + 1
+    return 0
 
 
 def releases_of(config: LensembleConfig, rounds: int) -> int:
