@@ -89,10 +89,13 @@ def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[st
                 fed_curves[i].append(trainer.validation_loss(params))
 
         record()
+        aborted = 0
         for _ in range(rounds):
+            seen = len(fed.coordinator.outcomes)
             fed.coordinator.run(1)
+            new = fed.coordinator.outcomes[seen:]  # the latest only are kept
+            aborted += sum(o.state is RoundState.ABORTED for o in new)
             record()
-        aborted = sum(o.state is RoundState.ABORTED for o in fed.coordinator.outcomes)
     fed_seconds = time.perf_counter() - started
     datas = [participant_data(i, seed=seed, **data) for i in range(nodes)]
     local = local_only(datas, config, rounds=rounds, init_seed=seed)

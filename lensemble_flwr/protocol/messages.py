@@ -138,7 +138,9 @@ class RoundOpen(_Message):
         "round, has no unspent mask key (the Commitment brings a fresh one).",
     )
     secagg_members: tuple[str, ...] = Field(
-        (), description="Masked round: 'pid:mask_key:enc_key' of every member (sorted)."
+        (),
+        description="Masked round: every member (sorted), as 'pid:mask_key:enc_key'; in a "
+        "sparse graph, members that are not the recipient's neighbours as 'pid::'.",
     )
     secagg_threshold: int = Field(0, ge=0)
     secagg_neighbours: int = Field(
