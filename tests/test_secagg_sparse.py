@@ -452,3 +452,28 @@ def test_a_member_refuses_to_disclose_a_sum_of_fewer_than_t_survivors() -> None:
             survivors=survivors, dropped=dropped, self_mask_shares={},
             threshold=9, degree=4,
         )  # fmt: skip
+
+
+def test_a_member_refuses_a_round_listing_a_member_twice() -> None:
+    role, _keys, _members, config, opened = _role()
+    listed = opened.secagg_members
+    twice = opened.model_copy(update={"secagg_members": (*listed, listed[-1])})
+    with pytest.raises(SecureAggregationError, match="lists a member twice"):
+        role.check_round(twice, config)
+    role.check_round(opened, config)  # the round as announced: accepted
+
+
+def test_a_member_restored_without_a_threshold_refuses_to_unmask() -> None:
+    """A state without the round's threshold (one saved before the share placement, or
+    tampered) cannot say how many neighbours must survive: the member refuses to
+    disclose rather than guess, and keeps its key."""
+    role, _keys, members, config, opened = _role()
+    role.mask_release(_release(), opened, config)
+    role.threshold = 0
+    request = UnmaskRequest(
+        run_id="run", round=1, attempt=1, sender="coordinator",
+        survivors=tuple(m.pid for m in members), dropped=(), sealed={},
+    )  # fmt: skip
+    with pytest.raises(SecureAggregationError, match="no masked round to unmask"):
+        role.disclose(request)
+    assert role.answered is None and role.round_key is not None
