@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from secagg_helpers import update_of
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.modes import masked_aggregation
@@ -53,19 +54,7 @@ def masked_update(pid: str, keys, members, **changes) -> Update:
         threshold=2,
         context=CONTEXT,
     )
-    fields = dict(
-        run_id="run",
-        round=1,
-        sender=pid,
-        participant_id=pid,
-        dataset_root=None,
-        delta=release.masked,
-        num_examples=1,
-        masked=True,
-        sealed_shares={h: c.hex() for h, c in release.sealed.items()},
-    )
-    fields.update(changes)
-    return Update(**fields)
+    return update_of(pid, release, **changes)
 
 
 def aggregator(members, **config) -> SecureAggregator:

@@ -10,6 +10,7 @@ import pytest
 from federation_helpers import federation, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from secagg_helpers import update_of
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
@@ -48,27 +49,19 @@ def members_of(n: int = N) -> tuple[dict[str, SecAggKeys], list[Member]]:
     return keys, [Member(p, k.mask_public, k.enc_public) for p, k in keys.items()]
 
 
-def masked_update(pid: str, keys, members) -> Update:
+def masked_update(
+    pid: str, keys, members, *, threshold: int = THRESHOLD, degree: int = DEGREE
+) -> Update:
     release = mask(
         {"w": np.arange(6, dtype=np.int64)},
         me=pid,
         keys=keys[pid],
         members=members,
-        threshold=THRESHOLD,
+        threshold=threshold,
         context=CONTEXT,
-        degree=DEGREE,
+        degree=degree,
     )
-    return Update(
-        run_id="run",
-        round=1,
-        sender=pid,
-        participant_id=pid,
-        dataset_root=None,
-        delta=release.masked,
-        num_examples=1,
-        masked=True,
-        sealed_shares={h: c.hex() for h, c in release.sealed.items()},
-    )
+    return update_of(pid, release)
 
 
 def secure_aggregator(members) -> SecureAggregator:
@@ -416,18 +409,9 @@ def test_survivors_in_unconnected_groups_are_never_revealed(
         context=CONTEXT, degree=degree,
     )  # fmt: skip
     for pid in survivors:
-        release = mask(
-            {"w": np.arange(6, dtype=np.int64)}, me=pid, keys=keys[pid], members=members,
-            threshold=threshold, context=CONTEXT, degree=degree,
-        )  # fmt: skip
         agg.admit(
-            Update(
-                run_id="run", round=1, sender=pid, participant_id=pid, dataset_root=None,
-                delta=release.masked, num_examples=1, masked=True,
-                sealed_shares={h: c.hex() for h, c in release.sealed.items()},
-            ),
-            weight=1,
-        )  # fmt: skip
+            masked_update(pid, keys, members, threshold=threshold, degree=degree), weight=1
+        )
     with pytest.raises(SecureAggregationError, match="unconnected groups"):
         agg.disclosure_requests()
     with pytest.raises(SecureAggregationError, match="unconnected groups"):
