@@ -234,7 +234,8 @@ def test_a_participant_sampled_past_its_plan_refuses_and_the_federation_goes_on(
 ) -> None:
     """With a plan of fewer releases than rounds, the participants the sample asks most
     run out of budget: each refuses (its budget holds), and, under sampling, that stops
-    nothing. Without sampling a spent budget still stops the federation."""
+    nothing. (Without sampling a spent budget still stops the federation:
+    tests/test_privacy.py trips that.)"""
     base = small_config(sample_fraction=0.5, max_round_attempts=3)
     config = LensembleConfig(
         federation=base.federation.model_dump(),
