@@ -56,6 +56,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.privacy.budget import sensitivity_factor
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.privacy.gaussian import secure_normal
 from lensemble_flwr.provenance.ledger import Ledger
@@ -123,6 +124,8 @@ def arm_config(arm: str, epsilon: float, args: argparse.Namespace, tmp: Path) ->
         privacy |= {"dp_epsilon": epsilon, "dp_rounds": args.rounds}
     if arm.startswith("distributed"):
         privacy["dp_mode"] = "distributed"
+    if arm != "non-private":
+        privacy["dp_adjacency"] = args.adjacency
     central = arm == "central"
     return LensembleConfig(
         federation=federation,
@@ -164,7 +167,9 @@ def run_arm(
     if arm == "central":  # the trusted server's noise: calibrated like the others
         from lensemble_flwr.privacy.calibration import calibrated_noise_multiplier
 
-        sigma = calibrated_noise_multiplier(epsilon, 1e-5, args.rounds)
+        sigma = calibrated_noise_multiplier(
+            epsilon, 1e-5, args.rounds, sensitivity=sensitivity_factor(args.adjacency)
+        )
     curve, seconds = [], []
     try:
         for _ in range(args.rounds):
@@ -194,7 +199,11 @@ def run_arm(
     if arm == "central":
         from lensemble_flwr.privacy.calibration import planned_epsilon
 
-        spent = [planned_epsilon(sigma, args.rounds, 1e-5)]
+        spent = [
+            planned_epsilon(
+                sigma, args.rounds, 1e-5, sensitivity=sensitivity_factor(args.adjacency)
+            )
+        ]
     noise_multiplier = (
         sigma if arm == "central" else noise_multiplier_of(config) if spent else 0.0
     )
@@ -209,6 +218,7 @@ def run_arm(
     return {
         "arm": arm,
         "epsilon_target": epsilon,
+        "adjacency": args.adjacency if arm != "non-private" else None,
         "noise_multiplier": noise_multiplier,
         "accuracy": curve,
         "final_accuracy": curve[-1],
@@ -237,6 +247,10 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=0.1)
     parser.add_argument("--neighbours", type=int, default=0, help="secagg-neighbours (0: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--adjacency", choices=["substitution", "zero-out"], default="substitution",
+        help="dp-adjacency of the private arms (zero-out: DP-FedAvg's, half the noise)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = parser.parse_args()
     torch.set_num_threads(1)

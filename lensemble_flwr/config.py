@@ -236,6 +236,13 @@ class PrivacyConfig(_Section):
     dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
     dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
+    dp_adjacency: Literal["substitution", "zero-out"] = Field(
+        "substitution",
+        description="What epsilon protects: substitution, any change to a participant's "
+        "whole dataset (sensitivity 2C); zero-out, its presence, its update against none "
+        "(sensitivity C: DP-FedAvg's user-level adjacency, half the noise at the same "
+        "epsilon).",
+    )
     dp_mode: Literal["local", "distributed"] = Field(
         "local",
         description="local: each participant adds the whole Gaussian noise to its own "

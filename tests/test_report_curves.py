@@ -48,6 +48,21 @@ def test_round_metrics_round_trip_and_drop_what_is_not_a_finite_number(tmp_path:
     assert [p.name for p in tmp_path.iterdir()] == [METRICS_NAME]  # no temp file left
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_round_metrics_are_fsynced_only_when_the_run_writes_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    import os
+
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    write_round_metrics(tmp_path, METRICS, durable=durable)
+    assert len(synced) == (2 if durable else 0)  # the file and its folder, or neither
+    assert sorted(read_round_metrics(tmp_path)) == [1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == [METRICS_NAME]
+
+
 def test_a_broken_round_metrics_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / METRICS_NAME).write_text(json.dumps({"rounds": {"x": {}}}))
     with pytest.raises(ConfigError, match=METRICS_NAME):

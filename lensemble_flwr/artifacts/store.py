@@ -360,10 +360,10 @@ class Store:
         Raises:
             StoreError: naming the link.
         """
-        current = self.root
-        for part in path.relative_to(self.root).parts:
-            current = current / part
-            if current.is_symlink():
+        current = os.fspath(self.root)
+        for part in path.relative_to(self.root).parts:  # strings: several a round, per write
+            current = os.path.join(current, part)
+            if os.path.islink(current):
                 raise StoreError(f"{current}: a symbolic link inside the run directory is refused")
 
     def _ensure_dir(self, folder: Path) -> None:

@@ -339,6 +339,7 @@ class Coordinator:
                 config.privacy.dp_mode,
                 self.noise_multiplier,
                 config.federation.secagg_threshold,
+                adjacency=config.privacy.dp_adjacency,
             )
             if self.noise_multiplier > 0
             else None

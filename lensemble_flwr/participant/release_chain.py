@@ -63,6 +63,7 @@ def release_pipeline(
             epsilon=privacy.dp_epsilon,
             delta=privacy.dp_delta,
             accountant=privacy.dp_accountant,
+            adjacency=privacy.dp_adjacency,
         )
         noise = noise_multiplier_of(config)  # explicit, or calibrated to the plan
         if privacy.dp_mode == "distributed":  # a share, added in the masks' integer domain

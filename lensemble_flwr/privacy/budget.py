@@ -14,9 +14,14 @@ The accounting, in the terms of docs/privacy.md: the release is clip(Δ) + N(0, 
 neighbouring datasets are any two versions of this participant's dataset (they may
 differ in any number of records, the participant's whole dataset included). The clipped
 update of either lies in the ball of radius C, so the L2 sensitivity is 2C and each
-release is a Gaussian mechanism with effective noise multiplier σ/2. The participant
-knows when it releases, so there is no sampling amplification: sample rate 1, one step
-per release.
+release is a Gaussian mechanism with effective noise multiplier σ/2. That is the default
+``dp-adjacency = "substitution"``. With ``"zero-out"`` the neighbouring dataset is the
+participant's absence: its update replaced by zero (the user-level adjacency of DP-FedAvg
+and of Opacus's add/remove accounting), so the sensitivity is C and the effective
+multiplier σ. A budget is kept under one adjacency: its file records which, and a
+participant configured with the other is refused (the two epsilons do not compose). The
+participant knows when it releases, so there is no sampling amplification: sample rate 1,
+one step per release.
 """
 
 from __future__ import annotations
@@ -50,8 +55,27 @@ RDPAccountant, PRVAccountant = _import_accountants_quietly()
 
 Mechanism = Literal["rdp", "prv"]
 ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
-SENSITIVITY_FACTOR = 2.0
-"""Sensitivity in units of the clip norm (substitution of the participant's dataset)."""
+Adjacency = Literal["substitution", "zero-out"]
+SENSITIVITY_FACTORS: dict[str, float] = {"substitution": 2.0, "zero-out": 1.0}
+"""A release's L2 sensitivity in clip norms, by adjacency: 2 when the participant's
+dataset is replaced by any other, 1 when its update is replaced by zero."""
+SENSITIVITY_FACTOR = SENSITIVITY_FACTORS["substitution"]
+"""The default adjacency's sensitivity in clip norms (substitution)."""
+
+
+def sensitivity_factor(adjacency: str) -> float:
+    """The L2 sensitivity, in clip norms, of a release under ``adjacency``.
+
+    Raises:
+        ConfigError: not an adjacency lensemble accounts.
+    """
+    try:
+        return SENSITIVITY_FACTORS[adjacency]
+    except KeyError:
+        raise ConfigError(
+            "dp-adjacency",
+            f"unknown adjacency {adjacency!r}: choose one of {sorted(SENSITIVITY_FACTORS)}",
+        ) from None
 
 
 class PrivacyBudget:
@@ -63,6 +87,7 @@ class PrivacyBudget:
             ``release_chain.budget_name`` names it).
         epsilon, delta: the budget.
         accountant: "rdp" (default) or "prv".
+        adjacency: "substitution" (default; sensitivity 2C) or "zero-out" (C).
     """
 
     def __init__(
@@ -73,7 +98,10 @@ class PrivacyBudget:
         epsilon: float,
         delta: float,
         accountant: Mechanism = "rdp",
+        adjacency: Adjacency = "substitution",
     ) -> None:
+        self.sensitivity_factor = sensitivity_factor(adjacency)
+        self.adjacency: Adjacency = adjacency
         if accountant not in ACCOUNTANTS:
             raise ConfigError("dp-accountant", f"unknown accountant {accountant!r}")
         if not (epsilon > 0 and 0 < delta < 1):
@@ -94,6 +122,13 @@ class PrivacyBudget:
                 f"{self.path} was accounted with {data.get('accountant')!r}, "
                 f"not {self.mechanism!r}",
             )
+        recorded = data.get("adjacency", "substitution")  # files from before the choice
+        if recorded != self.adjacency:
+            raise ConfigError(
+                "dp-adjacency",
+                f"{self.path} was accounted under {recorded!r} adjacency, not "
+                f"{self.adjacency!r}: the two epsilons do not compose into one budget",
+            )
         return [(float(s), float(q), int(n)) for s, q, n in data["history"]]
 
     def _accountant(self, history: list[tuple[float, float, int]]) -> RDPAccountant | PRVAccountant:
@@ -110,13 +145,11 @@ class PrivacyBudget:
             return 0.0
         return float(self._accountant(history).get_epsilon(delta=self.delta))
 
-    def charge(
-        self, noise_multiplier: float, *, sensitivity_factor: float = SENSITIVITY_FACTOR
-    ) -> float:
+    def charge(self, noise_multiplier: float, *, sensitivity_factor: float | None = None) -> float:
         """Record one release with noise multiplier ``noise_multiplier`` (std / clip norm),
-        whose sensitivity is ``sensitivity_factor`` clip norms (2: substitution of the
-        participant's dataset; 1: a multiplier already relative to the sensitivity, as the
-        distributed mechanism's equivalent one is).
+        whose sensitivity is ``sensitivity_factor`` clip norms (default: the budget's
+        adjacency's, 2 for substitution and 1 for zero-out; 1 also for a multiplier already
+        relative to the sensitivity, as the distributed mechanism's equivalent one is).
 
         Returns:
             The epsilon spent after this release.
@@ -125,7 +158,8 @@ class PrivacyBudget:
             PrivacyBudgetExceeded: this release would take the spent epsilon past the
                 budget; nothing is recorded and nothing may be released.
         """
-        step = (noise_multiplier / sensitivity_factor, 1.0)
+        factor = self.sensitivity_factor if sensitivity_factor is None else sensitivity_factor
+        step = (noise_multiplier / factor, 1.0)
         history = _merged(self.history, step)
         after = self._epsilon(history)
         if after > self.epsilon_budget:
@@ -139,7 +173,10 @@ class PrivacyBudget:
 
     def _save(self, history: list[tuple[float, float, int]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps({"accountant": self.mechanism, "history": history}).encode()
+        record: dict[str, object] = {"accountant": self.mechanism, "history": history}
+        if self.adjacency != "substitution":  # files of the default stay as they were
+            record["adjacency"] = self.adjacency
+        data = json.dumps(record).encode()
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budget-")
         try:
             with os.fdopen(fd, "wb") as f:

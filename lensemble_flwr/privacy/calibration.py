@@ -1,9 +1,10 @@
 """Noise from a target: the noise multiplier that spends a budget over the planned rounds.
 
 A participant's releases are accounted as in :mod:`.budget`: each is a Gaussian mechanism
-with sensitivity 2C (substitution of the participant's dataset) and no sampling
-amplification, so R releases at noise multiplier σ cost what R steps of a Gaussian with
-multiplier σ/2 at sample rate 1 cost in Opacus's accountant. This module answers the
+with sensitivity 2C (substitution of the participant's dataset; C under ``dp-adjacency =
+"zero-out"``) and no sampling amplification, so R releases at noise multiplier σ cost
+what R steps of a Gaussian with multiplier σ/2 (σ under zero-out) at sample rate 1 cost
+in Opacus's accountant. This module answers the
 three questions a plan asks, with that same accountant:
 
 * how much a plan spends (:func:`planned_epsilon`);
@@ -34,7 +35,12 @@ import math
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
-from lensemble_flwr.privacy.budget import ACCOUNTANTS, SENSITIVITY_FACTOR, Mechanism
+from lensemble_flwr.privacy.budget import (
+    ACCOUNTANTS,
+    SENSITIVITY_FACTOR,
+    Mechanism,
+    sensitivity_factor,
+)
 
 _MAX_ROUNDS = 10**7
 """The largest plan :func:`max_rounds` searches (a bound for the bisection)."""
@@ -83,24 +89,36 @@ def releases_of(config: LensembleConfig, rounds: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def planned_epsilon(
-    noise_multiplier: float, rounds: int, delta: float, accountant: Mechanism = "rdp"
+    noise_multiplier: float,
+    rounds: int,
+    delta: float,
+    accountant: Mechanism = "rdp",
+    *,
+    sensitivity: float = SENSITIVITY_FACTOR,
 ) -> float:
-    """The epsilon (at ``delta``) that ``rounds`` releases at ``noise_multiplier`` spend."""
+    """The epsilon (at ``delta``) that ``rounds`` releases at ``noise_multiplier`` spend,
+    each of L2 sensitivity ``sensitivity`` clip norms (:data:`.budget.SENSITIVITY_FACTORS`)."""
     if rounds <= 0:
         return 0.0
     if not noise_multiplier > 0:
         return math.inf
     account = ACCOUNTANTS[accountant]()
-    account.history = [(noise_multiplier / SENSITIVITY_FACTOR, 1.0, rounds)]
+    account.history = [(noise_multiplier / sensitivity, 1.0, rounds)]
     return float(account.get_epsilon(delta=delta))
 
 
 @functools.lru_cache(maxsize=64)
 def calibrated_noise_multiplier(
-    epsilon: float, delta: float, rounds: int, accountant: Mechanism = "rdp"
+    epsilon: float,
+    delta: float,
+    rounds: int,
+    accountant: Mechanism = "rdp",
+    *,
+    sensitivity: float = SENSITIVITY_FACTOR,
 ) -> float:
     """The smallest noise multiplier (within Opacus's 0.01 tolerance on epsilon) whose
-    ``rounds`` releases spend at most ``epsilon`` at ``delta``.
+    ``rounds`` releases, each of sensitivity ``sensitivity`` clip norms, spend at most
+    ``epsilon`` at ``delta``.
 
     Raises:
         ConfigError: no noise multiplier Opacus searches reaches the target.
@@ -122,29 +140,38 @@ def calibrated_noise_multiplier(
             f"no noise multiplier spends at most epsilon {epsilon:g} over {rounds} rounds "
             f"(delta {delta:g}): {exc}",
         ) from None
-    sigma = SENSITIVITY_FACTOR * float(z)
+    sigma = sensitivity * float(z)
     # Opacus returns the upper end of its bisection; the plan must fit, checked here
-    if planned_epsilon(sigma, rounds, delta, accountant) > epsilon:
+    if planned_epsilon(sigma, rounds, delta, accountant, sensitivity=sensitivity) > epsilon:
         raise ConfigError("dp-epsilon", f"calibration gave sigma {sigma:g}, which overspends")
     return sigma
 
 
 def max_rounds(
-    noise_multiplier: float, epsilon: float, delta: float, accountant: Mechanism = "rdp"
+    noise_multiplier: float,
+    epsilon: float,
+    delta: float,
+    accountant: Mechanism = "rdp",
+    *,
+    sensitivity: float = SENSITIVITY_FACTOR,
 ) -> int:
     """The most releases at ``noise_multiplier`` that fit ``epsilon`` (0: not even one)."""
-    if planned_epsilon(noise_multiplier, 1, delta, accountant) > epsilon:
+
+    def spends(releases: int) -> float:
+        return planned_epsilon(
+            noise_multiplier, releases, delta, accountant, sensitivity=sensitivity
+        )
+
+    if spends(1) > epsilon:
         return 0
     low, high = 1, 2
-    while high < _MAX_ROUNDS and planned_epsilon(noise_multiplier, high, delta, accountant) <= (
-        epsilon
-    ):
+    while high < _MAX_ROUNDS and spends(high) <= epsilon:
         low, high = high, high * 2
     if high >= _MAX_ROUNDS:
         return _MAX_ROUNDS
     while high - low > 1:  # fits at low, not at high
         mid = (low + high) // 2
-        if planned_epsilon(noise_multiplier, mid, delta, accountant) <= epsilon:
+        if spends(mid) <= epsilon:
             low = mid
         else:
             high = mid
@@ -163,12 +190,14 @@ def check_plan(config: LensembleConfig, noise_multiplier: float, rounds: int) ->
         return
     privacy = config.privacy
     eps, delta, mech = privacy.dp_epsilon, privacy.dp_delta, privacy.dp_accountant
+    factor = sensitivity_factor(privacy.dp_adjacency)
     releases = releases_of(config, rounds)
-    spent = planned_epsilon(noise_multiplier, releases, delta, mech)
+    spent = planned_epsilon(noise_multiplier, releases, delta, mech, sensitivity=factor)
     if spent <= eps:
         return
-    needed = calibrated_noise_multiplier(eps, delta, releases, mech)
-    affords = max_rounds(noise_multiplier, eps, delta, mech)
+    needed = calibrated_noise_multiplier(eps, delta, releases, mech, sensitivity=factor)
+    affords = max_rounds(noise_multiplier, eps, delta, mech, sensitivity=factor)
+    adjacency = "" if privacy.dp_adjacency == "substitution" else ", zero-out adjacency"
     unit = "rounds" if releases == rounds else "releases"
     plan = f"{rounds} rounds" if releases == rounds else (
         f"{releases} releases ({rounds} rounds at sample-fraction "
@@ -177,8 +206,9 @@ def check_plan(config: LensembleConfig, noise_multiplier: float, rounds: int) ->
     raise ConfigError(
         "noise-multiplier",
         f"{plan} at noise-multiplier {noise_multiplier:g} would spend epsilon "
-        f"{spent:.4g} > dp-epsilon {eps:g} (delta {delta:g}, {mech}): use noise-multiplier "
-        f">= {needed:.4g}, or plan at most {affords} {unit}, or set noise-multiplier = 0 "
+        f"{spent:.4g} > dp-epsilon {eps:g} (delta {delta:g}, {mech}{adjacency}): use "
+        f"noise-multiplier >= {needed:.4g}, or plan at most {affords} {unit}, or set "
+        "noise-multiplier = 0 "
         "with dp-rounds to calibrate the noise to the budget",
     )
 
@@ -212,6 +242,7 @@ def noise_multiplier_of(config: LensembleConfig, rounds: int | None = None) -> f
             privacy.dp_delta,
             releases_of(config, privacy.dp_rounds),
             privacy.dp_accountant,
+            sensitivity=sensitivity_factor(privacy.dp_adjacency),
         )
     return 0.0
 

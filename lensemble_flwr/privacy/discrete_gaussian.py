@@ -273,9 +273,13 @@ def share_sigma(
     return hi
 
 
-def grid_l2_sensitivity(clip_norm: float, scale: float, dim: int) -> float:
+def grid_l2_sensitivity(
+    clip_norm: float, scale: float, dim: int, *, sensitivity_factor: float = 2.0
+) -> float:
     """The L2 sensitivity on the integer grid of one participant's clipped, encoded
-    update when its whole dataset is substituted: 2·(C·scale + √dim/2).
+    update when its whole dataset is substituted: 2·(C·scale + √dim/2); with
+    ``sensitivity_factor`` 1 (zero-out adjacency: the neighbouring update is the zero
+    vector, whose encoding is exact), C·scale + √dim/2.
 
     Either dataset's update x is clipped to ‖x‖₂ ≤ C and encoded as round(x·scale),
     rounded deterministically (half-to-even). Each coordinate moves by at most 1/2, so
@@ -292,11 +296,14 @@ def grid_l2_sensitivity(clip_norm: float, scale: float, dim: int) -> float:
         clip_norm: C ≥ 0, in the update's own units.
         scale: the grid's units per unit of the update (2**F), > 0.
         dim: the number of coordinates.
+        sensitivity_factor: 2 (substitution) or 1 (zero-out).
 
     Raises:
-        ValueError: a negative or non-finite C, a non-positive or non-finite scale, or dim
-            not a positive integer.
+        ValueError: a negative or non-finite C, a non-positive or non-finite scale, dim
+            not a positive integer, or a factor other than 1 or 2.
     """
+    if sensitivity_factor not in (1.0, 2.0):
+        raise ValueError(f"sensitivity_factor must be 1 or 2, got {sensitivity_factor!r}")
     c = float(clip_norm)
     s = float(scale)
     if not (math.isfinite(c) and c >= 0):
@@ -304,7 +311,7 @@ def grid_l2_sensitivity(clip_norm: float, scale: float, dim: int) -> float:
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"scale must be finite and > 0, got {scale!r}")
     d = _check_positive_int("dim", dim)
-    return 2.0 * (c * s + math.sqrt(d) / 2.0)
+    return float(sensitivity_factor) * (c * s + math.sqrt(d) / 2.0)
 
 
 def equivalent_noise_multiplier(rho: float) -> float:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from lensemble_flwr.privacy.budget import sensitivity_factor
 from lensemble_flwr.privacy.discrete_gaussian import (
     ddg_sum_rho,
     equivalent_noise_multiplier,
@@ -70,14 +71,21 @@ class DistributedNoise:
 
 @functools.lru_cache(maxsize=64)
 def distributed_noise_for(
-    noise_multiplier: float, clip_norm: float, fraction_bits: int, threshold: int, dim: int
+    noise_multiplier: float,
+    clip_norm: float,
+    fraction_bits: int,
+    threshold: int,
+    dim: int,
+    adjacency: str = "substitution",
 ) -> DistributedNoise:
     """The share that makes ``threshold`` of them a noise multiplier ``noise_multiplier``
     on a sum of updates clipped to ``clip_norm`` and encoded at 2**``fraction_bits``.
 
     The target is the local mechanism's: noise std σ·C against a sensitivity of 2C
     (substitution of a participant's dataset), i.e. a Gaussian of multiplier σ/2 relative
-    to the sensitivity, which on the grid also covers the rounding of the encoding.
+    to the sensitivity, which on the grid also covers the rounding of the encoding. Under
+    ``adjacency = "zero-out"`` the sensitivity is C and the multiplier σ: the same σ·C in
+    the sum, charged as a mechanism half as sensitive.
 
     Raises:
         ValueError: a parameter out of range (no noise, no clip, no threshold).
@@ -85,8 +93,9 @@ def distributed_noise_for(
     if not (noise_multiplier > 0 and clip_norm > 0 and threshold >= 1 and dim >= 1):
         raise ValueError("distributed noise needs noise, a clip, a threshold and a dimension")
     scale = float(2**fraction_bits)
-    sensitivity = grid_l2_sensitivity(clip_norm, scale, dim)
-    sigma = share_sigma(noise_multiplier / 2.0, sensitivity, threshold, dim)
+    factor = sensitivity_factor(adjacency)
+    sensitivity = grid_l2_sensitivity(clip_norm, scale, dim, sensitivity_factor=factor)
+    sigma = share_sigma(noise_multiplier / factor, sensitivity, threshold, dim)
     rho = ddg_sum_rho(sensitivity, sigma, threshold, dim)
     return DistributedNoise(
         share_sigma=sigma,

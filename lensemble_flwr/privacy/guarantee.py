@@ -15,6 +15,12 @@ mechanisms, in the terms of docs/privacy.md:
   otherwise subtract) and the coordinator is honest-but-curious (it follows the masking
   protocol).
 
+Each figure is under one adjacency, recorded with it: ``substitution`` (the default; any
+change to a participant's whole dataset) or ``zero-out`` (the participant's update against
+none: DP-FedAvg's user-level adjacency, a weaker promise that needs half the noise for the
+same epsilon). A record of the default leaves the field out, so ledgers written before the
+choice existed keep their hashes.
+
 No amplification by sampling is claimed against any party: the coordinator chooses and
 knows the sample, and the ledger records every round's invited set, so whoever reads the
 ledger knows it too. The epsilon figures are therefore the same for every party listed.
@@ -47,19 +53,29 @@ class PrivacyGuarantee(BaseModel):
     sampling_amplification: bool = Field(
         False, description="Whether the epsilon figures claim amplification by sampling."
     )
+    adjacency: Literal["substitution", "zero-out"] = Field(
+        "substitution",
+        description="The neighbouring datasets the epsilon figures are for.",
+        exclude_if=lambda value: value == "substitution",
+    )
 
     def describe(self) -> str:
         """One sentence: the mechanism, whom it holds against, and what it assumes."""
         share = f" over at least {self.threshold} shares" if self.threshold else ""
         return (
             f"{self.mechanism} (noise multiplier {self.noise_multiplier:.4g}{share}); epsilon "
-            f"holds against: {', '.join(self.against)}; assumes {self.assumption}; "
+            f"under {self.adjacency} adjacency holds against: {', '.join(self.against)}; "
+            f"assumes {self.assumption}; "
             f"amplification by sampling: {'claimed' if self.sampling_amplification else 'none'}"
         )
 
 
 def guarantee_of(
-    dp_mode: Literal["local", "distributed"], noise_multiplier: float, threshold: int
+    dp_mode: Literal["local", "distributed"],
+    noise_multiplier: float,
+    threshold: int,
+    *,
+    adjacency: Literal["substitution", "zero-out"] = "substitution",
 ) -> PrivacyGuarantee:
     """The guarantee of a round released with ``dp_mode`` at ``noise_multiplier``."""
     if dp_mode == "distributed":
@@ -67,11 +83,13 @@ def guarantee_of(
             mechanism="distributed-discrete-gaussian",
             noise_multiplier=noise_multiplier,
             threshold=threshold,
+            adjacency=adjacency,
             assumption=f"at least {threshold} honest members' shares in every revealed sum, "
             "and an honest-but-curious coordinator",
         )
     return PrivacyGuarantee(
         mechanism="local-gaussian",
         noise_multiplier=noise_multiplier,
+        adjacency=adjacency,
         assumption="nothing of the others (each release is noised before it leaves)",
     )

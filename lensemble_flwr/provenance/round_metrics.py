@@ -3,7 +3,8 @@
 The ledger records what the federation committed; it holds no losses. A Flower run's
 strategy also keeps, per closed round, the aggregated metrics of the train replies
 (``train``) and of the evaluation (``evaluate``), and rewrites this file after every
-round (fsynced temp file, ``os.replace``, fsynced folder), so that ``lensemble-flwr
+round (temp file, ``os.replace``; both fsynced when the run's store writes durably, as
+everywhere but on the simulation engine), so that ``lensemble-flwr
 report`` can plot training and validation curves. It is a diagnostic beside the run's
 artifacts, not one of them: nothing verifies it and nothing else reads it.
 """
@@ -27,8 +28,12 @@ RoundMetrics = dict[int, dict[str, dict[str, float]]]
 """round → kind (``train`` / ``evaluate``) → metric name → value."""
 
 
-def write_round_metrics(run_dir: str | os.PathLike[str], by_round: RoundMetrics) -> Path:
-    """Write ``by_round`` (numeric, finite values only; others are left out) atomically."""
+def write_round_metrics(
+    run_dir: str | os.PathLike[str], by_round: RoundMetrics, *, durable: bool = True
+) -> Path:
+    """Write ``by_round`` (numeric, finite values only; others are left out) atomically;
+    ``durable``: fsync the file and its folder (off, a crash may lose the last rounds'
+    metrics but never leaves a half-written file)."""
     clean = {
         str(r): {
             kind: {
@@ -49,11 +54,14 @@ def write_round_metrics(run_dir: str | os.PathLike[str], by_round: RoundMetrics)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps({"rounds": clean}, indent=1, sort_keys=True).encode("utf-8"))
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    if not durable:
+        return path
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -108,7 +108,7 @@ def distributed_noise(
             raise RoundError("distributed_noise: only a clipped delta can be noised")
         dim = sum(int(a.size) for a in release.delta.values())
         share = distributed_noise_for(
-            noise_multiplier, clip_norm, fraction_bits, threshold, dim
+            noise_multiplier, clip_norm, fraction_bits, threshold, dim, budget.adjacency
         )
         epsilon = budget.charge(share.equivalent_noise_multiplier, sensitivity_factor=1.0)
         meta = {

@@ -249,6 +249,7 @@ class MaskingRole:
             config.aggregation.fraction_bits,
             config.federation.secagg_threshold,
             sum(int(a.size) for a in values.values()),
+            privacy.dp_adjacency,
         )
         return {
             name: values[name] + secure_discrete_gaussian(values[name].shape, share.share_sigma)

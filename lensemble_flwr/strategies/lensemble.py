@@ -531,7 +531,8 @@ class LensembleStrategy(Strategy):
             },
         }
         try:
-            write_round_metrics(self.run_dir, self._round_metrics)
+            durable = self.coordinator is None or self.coordinator.store.sync
+            write_round_metrics(self.run_dir, self._round_metrics, durable=durable)
         except OSError as exc:
             log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
 
