@@ -11,7 +11,9 @@ lensemble's ``DigitsNet`` (64 → 32 → 10, 2,410 parameters), in process (no R
 rounds, seeds and local training (H AdamW steps, batches of 8 drawn with replacement) for
 every arm. Each private arm clips every update to L2 norm ``--clip`` and calibrates its
 noise to ε over the planned rounds at δ = 1e-5 (``dp-rounds``; a participant's whole
-dataset is the unit, no amplification by sampling is claimed). The arms:
+dataset is the unit, no amplification by sampling is claimed), under ``--adjacency``
+(``dp-adjacency``: ``substitution``, lensemble's default, or ``zero-out``, DP-FedAvg's
+user-level adjacency, which needs half the noise at the same ε). The arms:
 
 * ``non-private``: no clip, no noise (the reference accuracy);
 * ``local``: every participant adds N(0, σ²C²) to its own release (today's mode);

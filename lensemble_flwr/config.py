@@ -239,9 +239,9 @@ class PrivacyConfig(_Section):
     dp_adjacency: Literal["substitution", "zero-out"] = Field(
         "substitution",
         description="What epsilon protects: substitution, any change to a participant's "
-        "whole dataset (sensitivity 2C); zero-out, its presence, its update against none "
+        "whole dataset (sensitivity 2C); zero-out, its update against a zero update "
         "(sensitivity C: DP-FedAvg's user-level adjacency, half the noise at the same "
-        "epsilon).",
+        "epsilon; that it took part stays public).",
     )
     dp_mode: Literal["local", "distributed"] = Field(
         "local",
@@ -467,6 +467,13 @@ def _unrecorded_keys() -> set[str]:
     return {k for k, (section, _) in run_config_keys().items() if section in UNRECORDED_SECTIONS}
 
 
+RECORDED_UNLESS_DEFAULT = {"dp-adjacency": "substitution"}
+"""Keys added after runs were recorded without them, whose default is what those runs
+did: the manifest records them only when they are set to something else, so a run of the
+default keeps the manifest header (and every ledger hash after it) it had, and a run
+recorded before the key existed resumes."""
+
+
 _PROTECTIVE_FIELDS = {
     ("federation", "secagg_threshold"),
     ("federation", "secagg_neighbours"),
@@ -662,7 +669,12 @@ class LensembleConfig(_Section):
     def to_recorded(self) -> dict[str, Any]:
         """:meth:`to_flat` without the keys of :data:`UNRECORDED_SECTIONS`: what the run
         manifest records (and the ledger commits to through its header digest)."""
-        return {k: v for k, v in self.to_flat().items() if k not in _unrecorded_keys()}
+        return {
+            k: v
+            for k, v in self.to_flat().items()
+            if k not in _unrecorded_keys()
+            and not (k in RECORDED_UNLESS_DEFAULT and v == RECORDED_UNLESS_DEFAULT[k])
+        }
 
     def to_run_config(self) -> dict[str, Any]:
         """The namespaced run_config (``lensemble.<key>``) that :meth:`from_run_config`

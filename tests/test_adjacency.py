@@ -165,3 +165,75 @@ def test_a_budget_is_kept_under_one_adjacency(tmp_path: Path) -> None:
     assert sub.history == [(1.0, 1.0, 1)]  # σ/2 against a sensitivity of 2C
     with pytest.raises(ConfigError, match="accounted under 'substitution' adjacency"):
         PrivacyBudget(tmp_path, "q", epsilon=50.0, delta=1e-5, adjacency="zero-out")
+
+
+def test_a_given_noise_that_fits_only_under_zero_out_is_accepted_under_it() -> None:
+    plan = {"clip_norm": 1.0, "noise_multiplier": 3.0, "dp_epsilon": 8.0, "dp_rounds": 20}
+    with pytest.raises(ConfigError, match=r"use noise-multiplier >= 5\.7"):
+        noise_multiplier_of(LensembleConfig(privacy=plan))  # substitution needs 5.71
+    zero = LensembleConfig(privacy={**plan, "dp_adjacency": "zero-out"})
+    assert noise_multiplier_of(zero) == 3.0  # zero-out needs 2.85
+    affords = max_rounds(2.0, 8.0, 1e-5, sensitivity=1.0)
+    with pytest.raises(ConfigError, match=rf"or plan at most {affords} rounds"):
+        noise_multiplier_of(LensembleConfig(privacy={**plan, "noise_multiplier": 2.0,
+                                                     "dp_adjacency": "zero-out"}))  # fmt: skip
+
+
+def test_the_manifest_records_the_adjacency_only_when_it_is_not_the_default() -> None:
+    """So a run of the default keeps the header (and ledger hashes) it had before the key
+    existed, and a run recorded then resumes; a zero-out run resumes only as zero-out."""
+    default = LensembleConfig()
+    zero = LensembleConfig(privacy={"dp_adjacency": "zero-out"})
+    assert "dp-adjacency" not in default.to_recorded()
+    assert zero.to_recorded()["dp-adjacency"] == "zero-out"
+    default.check_recorded(default.to_recorded())  # recorded before the key: no key at all
+    zero.check_recorded(zero.to_recorded())
+    with pytest.raises(ConfigError, match=r"differs .* in \['dp-adjacency'\]"):
+        default.check_recorded(zero.to_recorded())
+    with pytest.raises(ConfigError, match=r"differs .* in \['dp-adjacency'\]"):
+        zero.check_recorded(default.to_recorded())
+    assert LensembleConfig.from_flat(zero.to_flat()) == zero
+
+
+@pytest.mark.parametrize("mode", ["local", "distributed"])
+def test_an_update_accounted_under_another_adjacency_is_refused(tmp_path: Path, mode: str) -> None:
+    from lensemble_flwr.coordinator.admission import check_privacy
+    from lensemble_flwr.errors import UnprivatizedContribution
+    from lensemble_flwr.protocol.messages import Update
+
+    base = "distributed_noise" if mode == "distributed" else "gaussian_noise"
+
+    def update(noise: str) -> Update:
+        return Update(
+            run_id="r", round=1, sender="p00", participant_id="p00", attempt=1,
+            dataset_root=None, delta={"w": np.zeros(2, np.float32)}, l2_norm=0.0,
+            num_examples=1, transforms=("difference", "clip", noise),
+        )  # fmt: skip
+
+    masked = mode == "distributed"
+    zero = dp_config(tmp_path, masked=masked, dp_adjacency="zero-out")
+    sub = dp_config(tmp_path, masked=masked)
+    check_privacy(zero, update(f"{base}@zero-out"))
+    check_privacy(sub, update(base))
+    with pytest.raises(UnprivatizedContribution, match=rf"noised as '{base}', accounted under"):
+        check_privacy(zero, update(base))
+    with pytest.raises(UnprivatizedContribution, match=rf"noised as '{base}@zero-out'"):
+        check_privacy(sub, update(f"{base}@zero-out"))
+
+
+def test_a_member_adds_no_share_for_a_stage_charged_under_another_adjacency() -> None:
+    """A custom pipeline whose budget has another adjacency than the config: the share
+    the masking role would add is sized from the config, so it refuses to add one."""
+    from lensemble_flwr.errors import RoundError
+    from lensemble_flwr.secagg import participant_role
+
+    role = participant_role.MaskingRole("p00")
+    zero = dp_config(Path("unused"), masked=True, dp_adjacency="zero-out")
+    with pytest.raises(RoundError, match="without its charged release stage"):
+        role._with_noise_share(
+            {"w": np.zeros(4, np.int64)}, ("difference", "clip", "distributed_noise"), zero
+        )
+    shared = role._with_noise_share(
+        {"w": np.zeros(4, np.int64)}, ("difference", "clip", "distributed_noise@zero-out"), zero
+    )
+    assert shared["w"].dtype == np.int64

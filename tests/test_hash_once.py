@@ -200,25 +200,25 @@ def _unbound_run(store: Store, rounds: int) -> Coordinator:
 
 # Recorded on the code before checkpoints were streamed and no longer read back: the
 # same runs must keep every checkpoint byte and every ledger hash. The record hashes were
-# re-pinned when the config gained ``dp-overrun`` and again for ``dp-adjacency`` (a record
-# links to the manifest header, which records every key); with those keys left out of the
-# header they are still those of the recording (f49ba0ef..., b900267b..., 024840d9...).
+# re-pinned when the config gained ``dp-overrun`` (a record links to the manifest header,
+# which records every key); with that key left out of the header they are still those of
+# the recording (f49ba0ef..., b900267b..., 024840d9...).
 RECORDED_INITIAL = "6505982ac231245b481079d8b2bb9c255fadd9bb35529cb5cf7c774f28d7dfa3"
 RECORDED = [  # (round, checkpoint blob, record hash)
     (
         1,
         "0bd0add2fa4becdf283b2d659fe83fe837938e055781880f04f2de0ee2b36b3f",
-        "d4a24b6500f4325cfd26aed06457f94cbcdaee4cdf8995ce5aefebe9afd0fc2d",
+        "b23a81c6047fc1c1b4fd39fb1b61a52aa64984632b93f2a9b71fe4f4e51e5504",
     ),
     (
         2,
         "e0cf57bd1ce92fef3518496d534cb4e76d69aeb941c205c8c849d96803d9bb21",
-        "a6ee224b9f982909b1ec8ac30d95e0cecdc06dd07353bb3c7b2df0b13f07ed85",
+        "a51c0990c0851395245b0ef8dee39d19b007934ed3026d7116be1ab8e0b69693",
     ),
     (
         3,
         "af4ba6047b12e26a38e78ba63dc53d4f3d23a969e36fc492cfdf5f94ceefee56",
-        "806746eb29ea4b797d1299cb6341c3ca623e1e55dc0d4b0635da98c5a1df721f",
+        "f13c8cdb02bd8cedc5c693626dde593abfdacf9b6aad3e3ba86263c6f6de46bc",
     ),
 ]
 # The toy federation of tests/federation_helpers (its dataset roots are salted by a

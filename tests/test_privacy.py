@@ -75,12 +75,12 @@ def test_the_clip_bound_check_trips_on_an_unclipped_update() -> None:
         check_clip_bound({"w": np.full(4, 1.0, np.float32)}, 1.0)
 
 
-def test_noise_must_follow_clip() -> None:
-    budget = object()
+def test_noise_must_follow_clip(tmp_path: Path) -> None:
+    budget = PrivacyBudget(tmp_path, "p", epsilon=8.0, delta=1e-5)
     with pytest.raises(ConfigError, match="cannot follow"):
-        chain(gaussian_noise(1.0, 1.0, budget), clip(1.0))  # type: ignore[arg-type]
+        chain(gaussian_noise(1.0, 1.0, budget), clip(1.0))
     with pytest.raises(RoundError, match="only a clipped delta"):
-        gaussian_noise(1.0, 1.0, budget).update(  # type: ignore[arg-type]
+        gaussian_noise(1.0, 1.0, budget).update(
             Release(delta={"w": np.zeros(4, np.float32)}), None, CTX
         )
 

@@ -27,13 +27,12 @@ from lensemble_flwr.transports.inprocess import InProcessNetwork
 # Digests of the two federations below, recorded with the code before the phase loop
 # remembered anything (main at 6e50272): every stored name and blob digest (checkpoints,
 # ledger, manifest, registry) and every outcome. Re-pinned when the config gained
-# ``dp-overrun`` and ``dp-adjacency``: the manifest records every key, and with those keys
-# left out of the record both federations still give the digests of 6e50272 (117939d2...,
-# bf20d2ee...).
+# ``dp-overrun``: the manifest records every key, and with that key left out of the record
+# both federations still give the digests of 6e50272 (117939d2..., bf20d2ee...).
 # The participants' commitment secrets are fixed (``fixed_secrets``), so their dataset
 # roots, and every byte after them, repeat.
-CHURN_DIGEST = "9f3b357c323750273a2b5db5ad289a19eaeb1e78d675991bc5816fe7b04939d9"
-SAMPLED_DIGEST = "692e6295ab7cae60ab6e29e1276a2ab1efcace68e36aa8808d1d8591fe0a0a69"
+CHURN_DIGEST = "fe6ff494a1707ed12193c3aecdba6d9a85dce2584052c45ffbcde665119929d3"
+SAMPLED_DIGEST = "34717885470073bd2aa145137a7e29e856f337c861bbda1da487195309d1e811"
 
 
 @pytest.fixture

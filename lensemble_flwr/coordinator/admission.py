@@ -43,6 +43,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.gauge.runtime import check_sketch
 from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.privacy.budget import noise_stage_name
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -174,11 +175,19 @@ def check_privacy(config: LensembleConfig, update: Update) -> None:
         UnprivatizedContribution: a required stage is missing.
     """
     privacy = config.privacy
-    noise = DISTRIBUTED_NOISE if privacy.dp_mode == "distributed" else "gaussian_noise"
+    base = DISTRIBUTED_NOISE if privacy.dp_mode == "distributed" else "gaussian_noise"
+    noise = noise_stage_name(base, privacy.dp_adjacency)
     needed = [
         stage for stage, on in (("clip", privacy.clip_norm > 0), (noise, privacy.noised)) if on
     ]
     missing = [stage for stage in needed if stage not in update.transforms]
+    other = [t for t in update.transforms if t != noise and t.split("@")[0] == base]
+    if privacy.noised and other:
+        raise UnprivatizedContribution(
+            f"{update.participant_id}: update noised as {other[0]!r}, accounted under "
+            f"another adjacency than the federation's dp-adjacency "
+            f"{privacy.dp_adjacency!r} (stage {noise!r}); refused"
+        )
     if missing:
         raise UnprivatizedContribution(
             f"{update.participant_id}: update released without {missing}, which the "

@@ -78,6 +78,15 @@ def sensitivity_factor(adjacency: str) -> float:
         ) from None
 
 
+def noise_stage_name(base: str, adjacency: str) -> str:
+    """The name a noise stage declares in an update's ``transforms``: ``base`` under
+    substitution (the names updates always had), ``base@zero-out`` under zero-out, so that
+    the coordinator can refuse a release accounted under another adjacency than the
+    federation's (its epsilon would be in other units than the ledger's label says)."""
+    sensitivity_factor(adjacency)  # a known adjacency
+    return base if adjacency == "substitution" else f"{base}@{adjacency}"
+
+
 class PrivacyBudget:
     """The (epsilon, delta) budget of one participant's dataset.
 

@@ -322,9 +322,9 @@ def equivalent_noise_multiplier(rho: float) -> float:
     α, so z = 1/√(2ρ) gives α·ρ: a ρ-zCDP release can be charged to an Opacus accountant
     as the history entry ``(z, 1.0, steps)``. Note that
     :meth:`lensemble_flwr.privacy.budget.PrivacyBudget.charge` by default takes std / clip
-    norm and divides it by 2 (a sensitivity of 2C); ρ from :func:`ddg_sum_rho` already
-    includes the sensitivity, so z must be charged against a sensitivity factor of 1
-    (with the default factor: ``charge(2 * z)``), or the release is under-counted.
+    norm and divides it by the budget's sensitivity factor (2 under substitution, 1 under
+    zero-out); ρ from :func:`ddg_sum_rho` already includes the sensitivity, so z must be
+    charged with ``sensitivity_factor=1.0``, or the release is under-counted.
 
     Raises:
         ValueError: ρ is not finite and > 0.

@@ -17,7 +17,7 @@ import numpy as np
 
 from lensemble_flwr.errors import DPBoundViolation, RoundError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.privacy.budget import PrivacyBudget, noise_stage_name
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.privacy.gaussian import secure_normal
 from lensemble_flwr.protocol.state import l2_norm
@@ -80,7 +80,8 @@ def gaussian_noise(
         meta = {**release.metadata, "epsilon": epsilon, "noise_std": std}
         return release.replace(delta=noisy, metadata=meta), state
 
-    return ReleaseTransform("gaussian_noise", Stage.NOISE, no_state, update)
+    name = noise_stage_name("gaussian_noise", budget.adjacency)
+    return ReleaseTransform(name, Stage.NOISE, no_state, update)
 
 
 def distributed_noise(
@@ -119,4 +120,5 @@ def distributed_noise(
         }
         return release.replace(metadata=meta), state
 
-    return ReleaseTransform(DISTRIBUTED_NOISE, Stage.NOISE, no_state, update)
+    name = noise_stage_name(DISTRIBUTED_NOISE, budget.adjacency)
+    return ReleaseTransform(name, Stage.NOISE, no_state, update)

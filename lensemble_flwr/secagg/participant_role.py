@@ -18,6 +18,7 @@ from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.privacy.budget import noise_stage_name
 from lensemble_flwr.privacy.calibration import ingress_bound, noise_multiplier_of
 from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
@@ -237,12 +238,12 @@ class MaskingRole:
         Raises:
             RoundError: the release was not charged for a share (nothing is masked).
         """
-        if DISTRIBUTED_NOISE not in transforms:
+        privacy = config.privacy
+        if noise_stage_name(DISTRIBUTED_NOISE, privacy.dp_adjacency) not in transforms:
             raise RoundError(
                 f"{self.participant_id}: distributed noise without its charged release "
-                "stage; nothing is masked"
+                "stage (under this federation's dp-adjacency); nothing is masked"
             )
-        privacy = config.privacy
         share = distributed_noise_for(
             noise_multiplier_of(config),
             privacy.clip_norm,
