@@ -284,6 +284,13 @@ class PrivacyConfig(_Section):
             raise ValueError("noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated to C)")
         if self.noise_multiplier > 0 and self.dp_epsilon <= 0:
             raise ValueError("noise-multiplier > 0 needs a dp-epsilon budget")
+        if self.dp_mode == "distributed" and self.dp_accountant == "prv":
+            raise ValueError(
+                "dp-mode 'distributed' needs dp-accountant 'rdp': the revealed sum of "
+                "discrete Gaussian shares is bounded in zCDP, which the RDP accountant "
+                "composes as it is; PRV would account it as an exact Gaussian, which it "
+                "is not"
+            )
         if self.dp_rounds > 0 and (self.dp_epsilon <= 0 or self.clip_norm <= 0):
             raise ValueError(
                 "dp-rounds plans a dp-epsilon budget for a clipped release: set dp-epsilon "

@@ -3,6 +3,7 @@
     lensemble-flwr verify RUN_DIR          every link holds (exit 0) or the first broken one (1)
     lensemble-flwr show RUN_DIR [--json]   round attempts: state, C_t, epsilon, frame drift
     lensemble-flwr report RUN_DIR          per-round curves (PNG) and a markdown summary
+    lensemble-flwr average RUN_DIR --out MODEL.safetensors   a weighted average of the models
     lensemble-flwr prove ...               participant: an inclusion proof for one record
     lensemble-flwr check-proof RUN_DIR PROOF.json --participant ID
     lensemble-flwr --version
@@ -21,7 +22,7 @@ import argparse
 from collections.abc import Sequence
 from importlib import metadata
 
-from lensemble_flwr.cli import proof, report, show, verify
+from lensemble_flwr.cli import average, proof, report, show, verify
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, UsageError, stderr
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.provenance.audit import NotARunDirectory
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(commands)
     show.add_parser(commands)
     report.add_parser(commands)
+    average.add_parser(commands)
     proof.add_parsers(commands)
     return parser
 
