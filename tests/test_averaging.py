@@ -121,3 +121,26 @@ def test_the_privacy_pages_averaging_snippet_runs_as_written(
     namespace: dict[str, object] = {}
     exec(compile(snippet.group(1), "privacy.md", "exec"), namespace)
     assert namespace["published"].rounds == (1, 2, 3, 4)  # type: ignore[attr-defined]
+
+
+def test_a_round_whose_model_was_replaced_by_an_external_step_averages_the_adopted_model(
+    tmp_path: Path,
+) -> None:
+    """Flower's central-DP wrapper hands back a noised model, adopted as an external step:
+    that model, not the round's own, is what the next round trains from and what is
+    averaged (also for the newest round, whose step is still pending)."""
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(2)
+    network.flush()
+    adopted = {n: (a + 1.0).astype(a.dtype) for n, a in coordinator.global_state().params.items()}
+    coordinator.adopt(adopted)
+    newest = averaged_model(coordinator.store, decay=0.0)
+    assert newest.rounds == (1, 2)
+    assert all(np.array_equal(newest.params[n], adopted[n]) for n in adopted)
+    coordinator.run(1)
+    network.flush()
+    both = averaged_model(coordinator.store, decay=0.5, last=2)
+    thetas = models(Ledger(coordinator.store))
+    for name, value in both.params.items():
+        expected = (1 / 3) * adopted[name].astype(np.float64) + (2 / 3) * thetas[-1][name]
+        np.testing.assert_allclose(value, expected, rtol=1e-6)

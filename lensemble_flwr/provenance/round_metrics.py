@@ -52,7 +52,8 @@ def write_round_metrics(
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{METRICS_NAME}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"rounds": clean}, indent=1, sort_keys=True).encode("utf-8"))
+            # compact: an indented dump takes json's pure-Python encoder, rewritten every round
+            f.write(json.dumps({"rounds": clean}, sort_keys=True, separators=(",", ":")).encode())
             f.flush()
             if durable:
                 os.fsync(f.fileno())
