@@ -263,6 +263,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = parser.parse_args()
+    if not 0.0 <= args.average_decay < 1.0:  # before minutes of rounds, not after
+        parser.error(f"--average-decay must be in [0, 1), got {args.average_decay}")
     torch.set_num_threads(1)
     data = split(args.participants, args.seed)
     rows = []

@@ -235,7 +235,9 @@ class PrivacyConfig(_Section):
     )
     dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
-    dp_accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant.")
+    dp_accountant: Literal["rdp", "prv"] = Field(
+        "rdp", description="Opacus accountant (prv: with dp-mode local only)."
+    )
     dp_adjacency: Literal["substitution", "zero-out"] = Field(
         "substitution",
         description="What epsilon protects: substitution, any change to a participant's "

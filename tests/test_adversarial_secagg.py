@@ -41,6 +41,7 @@ from lensemble_flwr.secagg.protocol import (
     Member,
     context_of,
     disclose,
+    graph_of,
     isolated_survivors,
     mask,
     neighbours,
@@ -274,10 +275,13 @@ def test_no_member_ever_has_its_self_mask_and_all_its_pairwise_masks_disclosed(
         missing = data.draw(st.sets(st.sampled_from(pids), max_size=n - threshold))
         late = data.draw(st.sets(st.sampled_from(sorted(missing)))) if missing else set()
         survivors = [p for p in pids if p not in missing]
-        if isolated_survivors(members, survivors, degree, context) or short_of_shares(
-            members, survivors, degree, threshold, context
+        graph = graph_of(members, degree, context)
+        if (
+            isolated_survivors(members, survivors, degree, context)
+            or short_of_shares(members, survivors, degree, threshold, context)
+            or (graph.sparse and graph.groups(survivors) > 1)
         ):
-            continue  # refused by both sides: tested in test_secagg
+            continue  # refused by both sides: tested in test_secagg and test_secagg_sparse
         thresholds[rnd] = share_threshold(n, degree, threshold)
         rng = np.random.default_rng(rnd)
         values = {p: {"w": rng.integers(-(2**40), 2**40, 7, dtype=np.int64)} for p in pids}

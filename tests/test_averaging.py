@@ -97,10 +97,16 @@ def test_the_cli_writes_the_average_as_safetensors_and_refuses_bad_input(
     written = load_file(str(out))
     assert sorted(written) == sorted(expected)
     assert all(np.array_equal(written[n], expected[n]) for n in expected)
+    assert out.stat().st_mode & 0o044  # readable by others, as an ordinary new file
     before = out.read_bytes()
-    assert main(["average", str(ledger.store.root), "--out", str(out), "--decay", "1"]) == 1
+    root = str(ledger.store.root)
+    for bad in (["--decay", "1"], ["--decay", "nan"], ["--decay", "-0.5"], ["--last", "0"]):
+        assert main(["average", root, "--out", str(out), *bad]) == 2, bad
     assert main(["average", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
-    assert main(["average", str(ledger.store.root), "--out", str(tmp_path / "no" / "x")]) == 2
+    assert main(["average", root, "--out", str(tmp_path / "no" / "x")]) == 2
+    assert main(["average", root, "--out", str(tmp_path)]) == 2  # a directory
+    pruned = run(tmp_path / "pruned", rounds=4, keep_last_checkpoints=2)
+    assert main(["average", str(pruned.store.root), "--out", str(out), "--last", "3"]) == 1
     assert out.read_bytes() == before  # a refused command changed nothing
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
@@ -144,3 +150,18 @@ def test_a_round_whose_model_was_replaced_by_an_external_step_averages_the_adopt
     for name, value in both.params.items():
         expected = (1 / 3) * adopted[name].astype(np.float64) + (2 / 3) * thetas[-1][name]
         np.testing.assert_allclose(value, expected, rtol=1e-6)
+
+
+def test_a_pending_external_step_pointing_at_another_model_is_refused(tmp_path: Path) -> None:
+    from lensemble_flwr.provenance.ledger import load_external_step, save_external_step
+
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(2)
+    network.flush()
+    coordinator.adopt({n: a + 1.0 for n, a in coordinator.global_state().params.items()})
+    step = load_external_step(coordinator.store)
+    assert step is not None
+    first = Ledger(coordinator.store).records()[0].checkpoint  # round 1's model instead
+    save_external_step(coordinator.store, step.model_copy(update={"checkpoint": first}))
+    with pytest.raises(LedgerError, match=r"round 2's checkpoint .* not the model"):
+        averaged_model(coordinator.store, decay=0.5)

@@ -38,6 +38,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise UsageError(f"{out.parent} is not a directory")
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory, not a file to write")
+    if not 0.0 <= args.decay < 1.0:  # NaN too
+        raise UsageError(f"--decay must be in [0, 1), got {args.decay}")
+    if args.last is not None and args.last < 1:
+        raise UsageError(f"--last must be at least 1, got {args.last}")
     averaged = averaged_model(open_run(args.run_dir), decay=args.decay, last=args.last)
     metadata = {
         "rounds": ",".join(map(str, averaged.rounds)),
@@ -47,10 +53,20 @@ def run(args: argparse.Namespace) -> int:
     os.close(fd)
     try:
         save_file(dict(averaged.params), tmp, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    folder = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
     first, last = averaged.rounds[0], averaged.rounds[-1]
     stdout().print(
         f"wrote {out}: the models of rounds {first}-{last}, weighted by {args.decay:g}^(age) "

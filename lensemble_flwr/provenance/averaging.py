@@ -8,10 +8,13 @@ independent; the models of neighbouring rounds mostly agree). Averaging the iter
 noisy optimizer is the usual remedy (Polyak and Juditsky 1992; De et al. 2022 use an
 exponential moving average of the parameters for DP-SGD).
 
-:func:`averaged_model` reads the checkpoints the ledger commits to, newest first, and
-weights θ_r by ``decay ** (R - r)`` (normalised to sum to 1) over the last ``last``
-rounds. Each checkpoint is verified against its record (the ledger chain first, then its
-params hash); one pruned by a retention policy is refused by name rather than skipped.
+:func:`averaged_model` verifies the ledger chain, reads the models of the last ``last``
+rounds and weights θ_r by ``decay ** (R - r)`` (normalised to sum to 1). θ_r is the model
+round r+1 starts from: round r's own, or the one an external step adopted after it (what
+Flower's central-DP wrapper hands back), which for the newest round is the pending step
+the next round would train from. Every model's params hash is checked against the hash
+the ledger (or the pending step) names for it; a checkpoint pruned by a retention policy
+is refused by name rather than skipped.
 The models are the coordinator's floating-point params (integer buffers such as
 BatchNorm's ``num_batches_tracked`` travel beside them in the Flower layer and are not in
 a checkpoint); each is averaged in float64 and cast back to its dtype.
@@ -28,8 +31,13 @@ from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, LedgerError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.provenance.ledger import verify
-from lensemble_flwr.provenance.retention import checkpoints_of
+from lensemble_flwr.provenance.ledger import (
+    ContributionRecord,
+    is_pruned,
+    ledger_name,
+    load_external_step,
+    verify,
+)
 
 
 @dataclass(frozen=True)
@@ -66,15 +74,29 @@ def averaged_model(store: Store, *, decay: float, last: int | None = None) -> Av
     raw = [decay ** (newest - r) for r in rounds]
     total = math.fsum(raw)
     weights = [w / total for w in raw]
+    by_round = {r.round: r for r in records}
     models: list[NamedArrays] = []
     for r in rounds:
-        digest = checkpoints_of(store, r)[-1]  # the model round r+1 starts from
+        digest, expected = _model_of(store, by_round, r)
         if not store.has(digest):
-            raise LedgerError(
-                f"round {r}'s checkpoint {digest[:12]} was pruned (keep-last-checkpoints): "
-                f"average at most the {newest - r} newest rounds"
+            why = (
+                f"was pruned (keep-last-checkpoints): average at most the {newest - r} "
+                "newest rounds"
+                if is_pruned(store, digest)
+                else "is missing"
             )
-        models.append(decode_checkpoint(store.get(digest)).params)
+            raise LedgerError(f"round {r}'s checkpoint {digest[:12]} {why}")
+        checkpoint = decode_checkpoint(store.get(digest))
+        if checkpoint.params_hash != expected:
+            raise LedgerError(
+                f"round {r}'s checkpoint {digest[:12]} holds {checkpoint.params_hash[:12]}, "
+                f"not the model {expected[:12]} the ledger names"
+            )
+        models.append(checkpoint.params)
+    layout = {n: a.shape for n, a in models[-1].items()}
+    for r, model in zip(rounds, models, strict=True):
+        if {n: a.shape for n, a in model.items()} != layout:
+            raise LedgerError(f"round {r}'s model has other arrays than round {newest}'s")
     params: NamedArrays = {}
     for name, array in models[-1].items():
         acc = np.zeros(array.shape, np.float64)
@@ -82,3 +104,20 @@ def averaged_model(store: Store, *, decay: float, last: int | None = None) -> Av
             acc += weight * model[name].astype(np.float64)
         params[name] = acc.astype(array.dtype)
     return AveragedModel(params=params, rounds=tuple(rounds), weights=tuple(weights))
+
+
+def _model_of(
+    store: Store, records: dict[int, ContributionRecord], r: int
+) -> tuple[str, str]:
+    """The checkpoint digest of θ_r, the model round r+1 starts from, and the params hash
+    it must have: the adopted model of an external step after round r (recorded in round
+    r+1's record, or still pending after the newest round), else round r's own."""
+    record = records[r]
+    step = records[r + 1].external_step if r + 1 in records else None
+    if r + 1 not in records and not store.bound(ledger_name(r + 1)):
+        pending = load_external_step(store)
+        if pending is not None and pending.committed_hash == record.new_global_hash:
+            step = pending
+    if step is not None:
+        return step.checkpoint, step.adopted_hash
+    return record.checkpoint, record.new_global_hash

@@ -32,8 +32,8 @@ def write_round_metrics(
     run_dir: str | os.PathLike[str], by_round: RoundMetrics, *, durable: bool = True
 ) -> Path:
     """Write ``by_round`` (numeric, finite values only; others are left out) atomically;
-    ``durable``: fsync the file and its folder (off, a crash may lose the last rounds'
-    metrics but never leaves a half-written file)."""
+    ``durable``: fsync the file and its folder (off, a power loss may lose the last
+    rounds' metrics; a killed process never leaves a half-written file under the name)."""
     clean = {
         str(r): {
             kind: {
