@@ -18,7 +18,7 @@ from federation_helpers import federation, small_config
 from opacus.accountants import RDPAccountant
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
 from lensemble_flwr.privacy.budget import PrivacyBudget, sensitivity_factor
 from lensemble_flwr.privacy.calibration import (
     calibrated_noise_multiplier,
@@ -237,3 +237,26 @@ def test_a_member_adds_no_share_for_a_stage_charged_under_another_adjacency() ->
         {"w": np.zeros(4, np.int64)}, ("difference", "clip", "distributed_noise@zero-out"), zero
     )
     assert shared["w"].dtype == np.int64
+
+
+def test_two_budget_objects_on_one_identity_lose_no_charge(tmp_path: Path) -> None:
+    """Each charge re-reads the file under a lock: two objects (two processes of one node)
+    charging in turn both count, instead of the second overwriting the first."""
+    first = PrivacyBudget(tmp_path, "p", epsilon=50.0, delta=1e-5)
+    second = PrivacyBudget(tmp_path, "p", epsilon=50.0, delta=1e-5)
+    first.charge(2.0)
+    second.charge(2.0)
+    first.charge(2.0)
+    assert PrivacyBudget(tmp_path, "p", epsilon=50.0, delta=1e-5).history == [(1.0, 1.0, 3)]
+    # and the budget holds across them: a charge past it is refused whoever makes it
+    small = PrivacyBudget(tmp_path, "q", epsilon=1.0, delta=1e-5)
+    other = PrivacyBudget(tmp_path, "q", epsilon=1.0, delta=1e-5)
+    spent = small.charge(40.0)
+    while True:
+        try:
+            spent = other.charge(40.0)
+        except PrivacyBudgetExceeded:
+            break
+    with pytest.raises(PrivacyBudgetExceeded):
+        small.charge(40.0)  # its own stale history would have allowed it
+    assert PrivacyBudget(tmp_path, "q", epsilon=1.0, delta=1e-5).spent() == pytest.approx(spent)

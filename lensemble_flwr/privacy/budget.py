@@ -26,10 +26,13 @@ one step per release.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -169,16 +172,31 @@ class PrivacyBudget:
         """
         factor = self.sensitivity_factor if sensitivity_factor is None else sensitivity_factor
         step = (noise_multiplier / factor, 1.0)
-        history = _merged(self.history, step)
-        after = self._epsilon(history)
-        if after > self.epsilon_budget:
-            raise PrivacyBudgetExceeded(
-                f"this release would spend epsilon {after:.4g} > budget "
-                f"{self.epsilon_budget:.4g} (delta {self.delta:g}; spent {self.spent():.4g})"
-            )
-        self._save(history)
-        self.history = history
+        with self._locked():  # another process (or budget object) may have charged since
+            self.history = self._load()
+            history = _merged(self.history, step)
+            after = self._epsilon(history)
+            if after > self.epsilon_budget:
+                raise PrivacyBudgetExceeded(
+                    f"this release would spend epsilon {after:.4g} > budget "
+                    f"{self.epsilon_budget:.4g} (delta {self.delta:g}; spent {self.spent():.4g})"
+                )
+            self._save(history)
+            self.history = history
         return after
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold an exclusive lock on this budget (a ``.lock`` file beside it) while a charge
+        reads, checks and writes it, so two charges never both start from the same history
+        and one of them is lost."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _save(self, history: list[tuple[float, float, int]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
