@@ -57,6 +57,10 @@ def default_state_dir() -> Path:
         / "lensemble-flwr/privacy"
     )
 
+Adjacency = Literal["substitution", "zero-out"]
+"""What a privacy epsilon protects (``dp-adjacency``; see lensemble_flwr.privacy.budget)."""
+
+
 class _Section(BaseModel):
     # finite numbers only (an infinite timeout waits forever, an infinite budget is none)
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -238,7 +242,7 @@ class PrivacyConfig(_Section):
     dp_accountant: Literal["rdp", "prv"] = Field(
         "rdp", description="Opacus accountant (prv: with dp-mode local only)."
     )
-    dp_adjacency: Literal["substitution", "zero-out"] = Field(
+    dp_adjacency: Adjacency = Field(
         "substitution",
         description="What epsilon protects: substitution, any change to a participant's "
         "whole dataset (sensitivity 2C); zero-out, its update against a zero update "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -165,3 +166,36 @@ def test_a_pending_external_step_pointing_at_another_model_is_refused(tmp_path: 
     save_external_step(coordinator.store, step.model_copy(update={"checkpoint": first}))
     with pytest.raises(LedgerError, match=r"round 2's checkpoint .* not the model"):
         averaged_model(coordinator.store, decay=0.5)
+
+
+def test_a_missing_pending_model_and_models_of_other_arrays_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lensemble_flwr.provenance import averaging
+    from lensemble_flwr.provenance.ledger import load_external_step
+
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(2)
+    network.flush()
+    store = coordinator.store
+    coordinator.adopt({n: a + 1.0 for n, a in coordinator.global_state().params.items()})
+    step = load_external_step(store)
+    assert step is not None
+    blob = store.root / "blobs" / step.checkpoint[:2] / step.checkpoint
+    kept = blob.read_bytes()
+    blob.unlink()  # gone without a prune marker: missing, not pruned
+    with pytest.raises(LedgerError, match=r"round 2's checkpoint \w+ is missing"):
+        averaged_model(store, decay=0.5)
+    blob.write_bytes(kept)
+    decode = averaging.decode_checkpoint
+
+    def one_array_more(data: bytes):  # type: ignore[no-untyped-def]
+        checkpoint = decode(data)
+        if checkpoint.params_hash == step.adopted_hash:
+            return checkpoint
+        params = {**checkpoint.params, "extra": np.zeros(1, np.float32)}
+        return dataclasses.replace(checkpoint, params=params)
+
+    monkeypatch.setattr(averaging, "decode_checkpoint", one_array_more)
+    with pytest.raises(LedgerError, match="round 1's model has other arrays than round 2's"):
+        averaged_model(store, decay=0.5)

@@ -5,14 +5,12 @@ epsilon; see docs/privacy.md, *Publishing an average of the last models*)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
-from lensemble_flwr.cli.output import EXIT_OK, UsageError, stdout
+from lensemble_flwr.cli.output import EXIT_OK, UsageError, stdout, write_atomically
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.averaging import averaged_model
 
@@ -40,33 +38,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{out.parent} is not a directory")
     if out.is_dir():
         raise UsageError(f"{out} is a directory, not a file to write")
-    if not 0.0 <= args.decay < 1.0:  # NaN too
-        raise UsageError(f"--decay must be in [0, 1), got {args.decay}")
-    if args.last is not None and args.last < 1:
-        raise UsageError(f"--last must be at least 1, got {args.last}")
-    averaged = averaged_model(open_run(args.run_dir), decay=args.decay, last=args.last)
+    try:
+        averaged = averaged_model(open_run(args.run_dir), decay=args.decay, last=args.last)
+    except ConfigError as exc:  # --decay or --last out of range: checked before any read
+        raise UsageError(f"--{exc}") from None
     metadata = {
         "rounds": ",".join(map(str, averaged.rounds)),
         "weights": ",".join(f"{w:.17g}" for w in averaged.weights),
     }
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    os.close(fd)
-    try:
-        save_file(dict(averaged.params), tmp, metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file, not mkstemp's 0600
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    folder = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    write_atomically(out, save(dict(averaged.params), metadata=metadata))
     first, last = averaged.rounds[0], averaged.rounds[-1]
     stdout().print(
         f"wrote {out}: the models of rounds {first}-{last}, weighted by {args.decay:g}^(age) "

@@ -43,7 +43,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.gauge.runtime import check_sketch
 from lensemble_flwr.identity.registry import ParticipantRegistry
-from lensemble_flwr.privacy.budget import noise_stage_name
+from lensemble_flwr.privacy.budget import SENSITIVITY_FACTORS, noise_stage_name
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -181,7 +181,8 @@ def check_privacy(config: LensembleConfig, update: Update) -> None:
         stage for stage, on in (("clip", privacy.clip_norm > 0), (noise, privacy.noised)) if on
     ]
     missing = [stage for stage in needed if stage not in update.transforms]
-    other = [t for t in update.transforms if t != noise and t.split("@")[0] == base]
+    others = {noise_stage_name(base, a) for a in SENSITIVITY_FACTORS} - {noise}
+    other = [t for t in update.transforms if t in others]
     if privacy.noised and other:
         raise UnprivatizedContribution(
             f"{update.participant_id}: update noised as {other[0]!r}, accounted under "

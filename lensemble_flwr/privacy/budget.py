@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from lensemble_flwr.config import Adjacency
 from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
 
 
@@ -58,7 +59,6 @@ RDPAccountant, PRVAccountant = _import_accountants_quietly()
 
 Mechanism = Literal["rdp", "prv"]
 ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
-Adjacency = Literal["substitution", "zero-out"]
 SENSITIVITY_FACTORS: dict[str, float] = {"substitution": 2.0, "zero-out": 1.0}
 """A release's L2 sensitivity in clip norms, by adjacency: 2 when the participant's
 dataset is replaced by any other, 1 when its update is replaced by zero."""

@@ -4,8 +4,8 @@ A participant's releases are accounted as in :mod:`.budget`: each is a Gaussian 
 with sensitivity 2C (substitution of the participant's dataset; C under ``dp-adjacency =
 "zero-out"``) and no sampling amplification, so R releases at noise multiplier σ cost
 what R steps of a Gaussian with multiplier σ/2 (σ under zero-out) at sample rate 1 cost
-in Opacus's accountant. This module answers the
-three questions a plan asks, with that same accountant:
+in Opacus's accountant. This module answers the three questions a plan asks, with that
+same accountant:
 
 * how much a plan spends (:func:`planned_epsilon`);
 * the smallest σ whose plan fits a budget (:func:`calibrated_noise_multiplier`, Opacus's
@@ -208,8 +208,7 @@ def check_plan(config: LensembleConfig, noise_multiplier: float, rounds: int) ->
         f"{plan} at noise-multiplier {noise_multiplier:g} would spend epsilon "
         f"{spent:.4g} > dp-epsilon {eps:g} (delta {delta:g}, {mech}{adjacency}): use "
         f"noise-multiplier >= {needed:.4g}, or plan at most {affords} {unit}, or set "
-        "noise-multiplier = 0 "
-        "with dp-rounds to calibrate the noise to the budget",
+        "noise-multiplier = 0 with dp-rounds to calibrate the noise to the budget",
     )
 
 

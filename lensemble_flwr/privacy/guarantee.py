@@ -32,6 +32,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lensemble_flwr.config import Adjacency
+
 PARTIES = ("coordinator", "other participants", "model recipients")
 """The parties an epsilon figure of the ledger can be against."""
 
@@ -53,7 +55,7 @@ class PrivacyGuarantee(BaseModel):
     sampling_amplification: bool = Field(
         False, description="Whether the epsilon figures claim amplification by sampling."
     )
-    adjacency: Literal["substitution", "zero-out"] = Field(
+    adjacency: Adjacency = Field(
         "substitution",
         description="The neighbouring datasets the epsilon figures are for.",
         exclude_if=lambda value: value == "substitution",
@@ -75,7 +77,7 @@ def guarantee_of(
     noise_multiplier: float,
     threshold: int,
     *,
-    adjacency: Literal["substitution", "zero-out"] = "substitution",
+    adjacency: Adjacency = "substitution",
 ) -> PrivacyGuarantee:
     """The guarantee of a round released with ``dp_mode`` at ``noise_multiplier``."""
     if dp_mode == "distributed":

@@ -31,13 +31,8 @@ from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, LedgerError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.provenance.ledger import (
-    ContributionRecord,
-    is_pruned,
-    ledger_name,
-    load_external_step,
-    verify,
-)
+from lensemble_flwr.provenance.ledger import is_pruned, verify
+from lensemble_flwr.provenance.retention import step_after
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ def averaged_model(store: Store, *, decay: float, last: int | None = None) -> Av
         LedgerError: the run has no closed round, its ledger does not verify, or a
             checkpoint to be averaged was pruned (naming the round).
     """
-    if not (0.0 <= decay < 1.0 and math.isfinite(decay)):
+    if not 0.0 <= decay < 1.0:  # NaN too
         raise ConfigError("decay", f"must be in [0, 1), got {decay!r}")
     if last is not None and last < 1:
         raise ConfigError("last", f"must be at least 1, got {last!r}")
@@ -74,10 +69,15 @@ def averaged_model(store: Store, *, decay: float, last: int | None = None) -> Av
     raw = [decay ** (newest - r) for r in rounds]
     total = math.fsum(raw)
     weights = [w / total for w in raw]
-    by_round = {r.round: r for r in records}
     models: list[NamedArrays] = []
-    for r in rounds:
-        digest, expected = _model_of(store, by_round, r)
+    for record in records[-len(rounds) :]:
+        r = record.round
+        step = step_after(store, r, record.new_global_hash)  # θ_r: the model r+1 starts from
+        digest, expected = (
+            (step.checkpoint, step.adopted_hash)
+            if step is not None
+            else (record.checkpoint, record.new_global_hash)
+        )
         if not store.has(digest):
             why = (
                 f"was pruned (keep-last-checkpoints): average at most the {newest - r} "
@@ -105,19 +105,3 @@ def averaged_model(store: Store, *, decay: float, last: int | None = None) -> Av
         params[name] = acc.astype(array.dtype)
     return AveragedModel(params=params, rounds=tuple(rounds), weights=tuple(weights))
 
-
-def _model_of(
-    store: Store, records: dict[int, ContributionRecord], r: int
-) -> tuple[str, str]:
-    """The checkpoint digest of θ_r, the model round r+1 starts from, and the params hash
-    it must have: the adopted model of an external step after round r (recorded in round
-    r+1's record, or still pending after the newest round), else round r's own."""
-    record = records[r]
-    step = records[r + 1].external_step if r + 1 in records else None
-    if r + 1 not in records and not store.bound(ledger_name(r + 1)):
-        pending = load_external_step(store)
-        if pending is not None and pending.committed_hash == record.new_global_hash:
-            step = pending
-    if step is not None:
-        return step.checkpoint, step.adopted_hash
-    return record.checkpoint, record.new_global_hash

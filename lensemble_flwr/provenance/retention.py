@@ -27,6 +27,7 @@ from lensemble_flwr.config import RetentionConfig
 from lensemble_flwr.provenance.ledger import (
     MANIFEST_HEADER,
     ContributionRecord,
+    ExternalStep,
     RunManifest,
     ledger_name,
     load_external_step,
@@ -50,14 +51,24 @@ def checkpoints_of(store: Store, round: int) -> list[str]:
     else:
         record = _record(store, round)
         digests, state = [record.checkpoint], record.new_global_hash
-    if store.bound(ledger_name(round + 1)):
-        step = _record(store, round + 1).external_step
-    else:
-        step = load_external_step(store)
-        step = step if step is not None and step.committed_hash == state else None
+    step = step_after(store, round, state)
     if step is not None:
         digests.append(step.checkpoint)
     return digests
+
+
+def step_after(store: Store, round: int, committed_hash: str) -> ExternalStep | None:
+    """The external step that replaced θ_``round`` (which hashes to ``committed_hash``)
+    before the next round trained: the one round+1's record names or, for the newest
+    round, the pending one (kept under ``coordinator/external-step``); None if none did.
+
+    Raises:
+        StoreError, LedgerError: a record or the pending step cannot be read.
+    """
+    if store.bound(ledger_name(round + 1)):
+        return _record(store, round + 1).external_step
+    step = load_external_step(store)
+    return step if step is not None and step.committed_hash == committed_hash else None
 
 
 def _record(store: Store, round: int) -> ContributionRecord:
