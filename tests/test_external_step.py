@@ -280,7 +280,8 @@ def test_a_lying_change_norm_or_a_round_of_two_models_is_a_finding(tmp_path: Pat
     network.flush()
     assert verify(coordinator.store)[1].external_step.change_norm == step.change_norm > 0
     # a coordinator that claims its swap moved the model by almost nothing
-    from lensemble_flwr.provenance.ledger import change_norm, record_checkpoint_breaks
+    from lensemble_flwr.norms import change_norm
+    from lensemble_flwr.provenance.ledger import record_checkpoint_breaks
 
     records = Ledger(coordinator.store).records()
     lying = records[1].model_copy(

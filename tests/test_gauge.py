@@ -35,9 +35,10 @@ from lensemble_flwr.gauge import (
     sketch_fingerprint,
     sketch_matrix,
 )
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import subtract
 from lensemble_flwr.participant.release_chain import release_pipeline
-from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.release import Release, ReleaseContext, Stage, bind, chain, clip, difference
 from lensemble_flwr.simulations.world_data import participant_data, public_probe
 from lensemble_flwr.simulations.world_model import (

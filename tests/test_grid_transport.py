@@ -35,6 +35,7 @@ from lensemble_flwr.clients.app import handle_train
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     Commitment,
     MessageKind,
@@ -46,7 +47,6 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records

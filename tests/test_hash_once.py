@@ -30,9 +30,9 @@ from lensemble_flwr.config import LensembleConfig, OuterOptimizerConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import StoreError
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.provenance.ledger import Ledger, verify
 
 _DTYPES = ["<f4", "<f8", "<f2", ">f4", ">f8", "<i8", "|i1", "|b1"]

@@ -20,10 +20,11 @@ from lensemble_flwr.errors import (
     PrivacyBudgetExceeded,
     RoundError,
 )
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal, secure_uniform
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.release import Release, ReleaseContext, chain, clip, gaussian_noise
 from lensemble_flwr.release.privacy import check_clip_bound
@@ -330,3 +331,13 @@ def test_importing_the_package_leaves_the_users_logging_alone() -> None:
         "assert root.handlers == [] and root.level == logging.WARNING, root.handlers\n"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
+def test_a_noise_draw_never_runs_out_of_chacha20_counter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.urandom's bytes also filled the block counter: one that started at 2**32 - 1
+    # left a single 64-byte block, and a larger draw raised ValueError mid-release
+    import lensemble_flwr.privacy.gaussian as gaussian
+
+    monkeypatch.setattr(gaussian.os, "urandom", lambda n: b"\xff" * n)
+    u = gaussian.secure_uniform(10_000)
+    assert u.shape == (10_000,) and np.all((u > 0) & (u < 1))

@@ -84,6 +84,7 @@ from lensemble_flwr.gauge.runtime import (
     require_setup,
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, check_initial_groups
 from lensemble_flwr.privacy.calibration import (
     noise_multiplier_of,
@@ -102,7 +103,7 @@ from lensemble_flwr.protocol.messages import (
     kind_of,
 )
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMachine, RoundState
-from lensemble_flwr.protocol.state import GlobalState, l2_norm
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
 from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport

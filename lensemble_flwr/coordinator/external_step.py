@@ -36,9 +36,10 @@ from lensemble_flwr.config import OuterOptimizerConfig
 from lensemble_flwr.coordinator.durable import save_external_step
 from lensemble_flwr.coordinator.outer_optimizer import momentum_after_external_step
 from lensemble_flwr.errors import ParameterMismatch
+from lensemble_flwr.norms import change_norm
 from lensemble_flwr.params import NamedArrays, check_same_layout
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import ExternalStep, change_norm
+from lensemble_flwr.provenance.ledger import ExternalStep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from lensemble_flwr.gauge.runtime import (
     require_setup,
 )
 from lensemble_flwr.identity.signing import IdentityKey
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
@@ -52,7 +53,7 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.protocol.state import GlobalState, PseudoGradient, l2_norm
+from lensemble_flwr.protocol.state import GlobalState, PseudoGradient
 from lensemble_flwr.provenance.commitment_secret import commitment_secret
 from lensemble_flwr.provenance.ledger import (
     GENESIS,

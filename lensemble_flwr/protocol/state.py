@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -81,21 +80,6 @@ class GlobalState:
                 f"does not match the announced {self.params_hash[:12]}…"
             )
         return self
-
-
-def l2_norm(arrays: Mapping[str, np.ndarray]) -> float:
-    """Global L2 norm over all arrays, accumulated in float64 in canonical order (one
-    float64 buffer, as large as the largest array, holds each array's copy in turn: its
-    pages are faulted in once, not once per array)."""
-    total = 0.0
-    largest = max((np.asarray(a).size for a in arrays.values()), default=0)
-    buffer = np.empty(largest, np.float64)
-    for name in sorted(arrays):
-        source = np.asarray(arrays[name]).reshape(-1)
-        flat = buffer[: source.size]
-        np.copyto(flat, source)
-        total += float(np.dot(flat, flat))
-    return math.sqrt(total)
 
 
 @dataclasses.dataclass(frozen=True)

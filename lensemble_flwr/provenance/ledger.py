@@ -19,13 +19,13 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json, digest_record
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
+from lensemble_flwr.norms import change_norm
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
 from lensemble_flwr.protocol.round import RoundState, TerminalState
 
@@ -506,16 +506,6 @@ def checkpoint_breaks(
         yield LinkBreak(round, "checkpoint.params_hash", params_hash, ckpt.params_hash, wrong)
     if round is not None and ckpt.round != round:
         yield LinkBreak(round, "checkpoint.round", round, ckpt.round, wrong)
-
-
-def change_norm(committed: Mapping[str, Any], adopted: Mapping[str, Any]) -> float:
-    """The L2 norm of ``adopted − committed`` over every array, in float64, name by name in
-    sorted order (what an external step records, and what verification recomputes)."""
-    total = 0.0
-    for name in sorted(committed):
-        diff = np.asarray(adopted[name], np.float64) - np.asarray(committed[name], np.float64)
-        total += float(np.dot(diff.reshape(-1), diff.reshape(-1)))
-    return float(np.sqrt(total))
 
 
 def record_checkpoint_breaks(

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from lensemble_flwr.errors import DPBoundViolation, RoundError
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.budget import PrivacyBudget, noise_stage_name
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.privacy.gaussian import secure_normal
-from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.release.pipeline import (
     Release,
     ReleaseContext,

@@ -35,6 +35,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.superlink.grid import InMemoryGrid
 
+from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     MessageKind,
@@ -45,7 +46,6 @@ from lensemble_flwr.protocol.messages import (
     kind_of,
     to_wire,
 )
-from lensemble_flwr.protocol.state import l2_norm
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.node_names import NodeNames
