@@ -21,7 +21,10 @@ _TWO_52 = float(2**52)
 
 
 def _keystream(nbytes: int) -> bytes:
-    key, nonce = os.urandom(32), os.urandom(16)
+    # The 16-byte ChaCha20 "nonce" here starts with the 32-bit block counter: a random one
+    # can start within a few blocks of 2**32, and the stream then stops with a ValueError
+    # (seen once in a 1,000-participant run). The key is fresh, so the counter starts at 0.
+    key, nonce = os.urandom(32), bytes(4) + os.urandom(12)
     encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
     return encryptor.update(bytes(nbytes))
 
