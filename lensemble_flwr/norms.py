@@ -15,41 +15,43 @@ got before, which keeps the norms, and the records of runs made with them, bit f
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
 CHUNK = 1 << 13  # float64 elements per dot: below OpenBLAS's threading threshold
 
 
-def sum_of_squares(values: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]]) -> float:
-    """Σ x² in float64 over every element of ``values``, in order.
+def _float64_chunks(values: np.ndarray, minus: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """``values`` (less ``minus``, of the same size), flattened, as float64 chunks of at
+    most :data:`CHUNK` elements in order; each chunk overwrites the one before."""
+    flat = np.asarray(values).reshape(-1)
+    below = None if minus is None else np.asarray(minus).reshape(-1)
+    if below is not None and below.size != flat.size:
+        raise ValueError(f"change_norm: sizes differ ({below.size} != {flat.size})")
+    scratch = np.empty(min(CHUNK, flat.size), np.float64)
+    other = np.empty_like(scratch) if below is not None else None
+    for lo in range(0, flat.size, CHUNK):
+        part = scratch[: min(CHUNK, flat.size - lo)]
+        np.copyto(part, flat[lo : lo + part.size], casting="unsafe")
+        if below is not None and other is not None:
+            base = other[: part.size]
+            np.copyto(base, below[lo : lo + part.size], casting="unsafe")
+            np.subtract(part, base, out=part)
+        yield part
 
-    An item is an array, or a pair ``(a, b)`` of arrays of one size, which counts
-    ``b − a`` (computed in float64, chunk by chunk, with no model-sized temporary).
-    Each chunk of :data:`CHUNK` elements is a single-threaded dot with itself; the
-    chunks' sums are added in order.
-    """
+
+def sum_of_squares(values: Iterable[np.ndarray]) -> float:
+    """Σ x² in float64 over every element of ``values``, array after array: each chunk of
+    :data:`CHUNK` elements is a single-threaded dot with itself, the chunks' sums are
+    added in order."""
+    return _sum_of_squares((v, None) for v in values)
+
+
+def _sum_of_squares(items: Iterable[tuple[np.ndarray, np.ndarray | None]]) -> float:
     total = 0.0
-    scratch = np.empty(CHUNK, np.float64)
-    other = None
-    for item in values:
-        if isinstance(item, tuple):
-            a, b = (np.asarray(x).reshape(-1) for x in item)
-            if a.size != b.size:
-                raise ValueError(f"sum_of_squares: sizes differ ({a.size} != {b.size})")
-            if other is None:
-                other = np.empty(CHUNK, np.float64)
-        else:
-            a, b = None, np.asarray(item).reshape(-1)
-        for lo in range(0, b.size, CHUNK):
-            part = scratch[: min(CHUNK, b.size - lo)]
-            np.copyto(part, b[lo : lo + part.size], casting="unsafe")
-            if a is not None:
-                assert other is not None
-                base = other[: part.size]
-                np.copyto(base, a[lo : lo + part.size], casting="unsafe")
-                np.subtract(part, base, out=part)
+    for values, minus in items:
+        for part in _float64_chunks(values, minus):
             total += float(np.dot(part, part))
     return total
 
@@ -60,5 +62,6 @@ def l2_norm(arrays: Mapping[str, np.ndarray]) -> float:
 
 
 def change_norm(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm of ``after − before`` over the names of ``before``, in sorted order."""
-    return math.sqrt(sum_of_squares((before[name], after[name]) for name in sorted(before)))
+    """The L2 norm of ``after − before`` over the names of ``before``, in sorted order,
+    with no model-sized temporary."""
+    return math.sqrt(_sum_of_squares((after[n], before[n]) for n in sorted(before)))

@@ -18,7 +18,7 @@ from hypothesis.extra.numpy import arrays
 from lensemble_flwr.norms import CHUNK, change_norm, l2_norm, sum_of_squares
 
 _PROBE = """
-import json, sys
+import json
 import numpy as np
 from lensemble_flwr.norms import change_norm, l2_norm
 a = {"w": np.random.default_rng(0).standard_normal(1_000_003).astype(np.float32),
