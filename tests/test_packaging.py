@@ -171,3 +171,24 @@ def test_a_missing_extra_names_itself(
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == EXIT_USAGE
     assert "pip install 'lensemble-flwr[report]'" in capsys.readouterr().err
     assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize(
+    "app", ["lensemble_flwr.simulations.world", "lensemble_flwr.simulations.digits"]
+)
+def test_a_clientapp_process_imports_neither_opacus_nor_the_superlink(app: str) -> None:
+    """A SuperNode may start a process for every message, and each one imports the app's
+    module. Opacus (its accountants import its training engine and torch.distributed) and
+    Flower's in-memory SuperLink (SQLAlchemy, FastAPI) took about 4.5 s of each such
+    import on 2 cores; a run without DP needs neither in a ClientApp, and the
+    coordinator's modules are imported only where a strategy is built."""
+    probe = (
+        f"import sys, {app}\n"
+        "heavy = ['opacus', 'sqlalchemy', 'flwr.superlink.grid.inmemory_grid',\n"
+        "         'lensemble_flwr.strategies.lensemble']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

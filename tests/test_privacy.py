@@ -326,6 +326,9 @@ def test_importing_the_package_leaves_the_users_logging_alone() -> None:
     probe = (
         "import logging\n"
         "import lensemble_flwr.strategies, lensemble_flwr.clients, lensemble_flwr.privacy.budget\n"
+        "from lensemble_flwr.strategies import LensembleStrategy\n"
+        "from lensemble_flwr.privacy.budget import accountant_class\n"
+        "accountant_class('rdp')().get_epsilon(delta=1e-5)\n"  # opacus imported, and used
         "from opacus.accountants import RDPAccountant\n"  # already imported: no new handler
         "root = logging.getLogger()\n"
         "assert root.handlers == [] and root.level == logging.WARNING, root.handlers\n"

@@ -28,23 +28,41 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lensemble_flwr.config import Adjacency
 from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
 
+if TYPE_CHECKING:
+    from opacus.accountants import PRVAccountant, RDPAccountant
 
-def _import_accountants_quietly() -> tuple[type, type]:
-    """Opacus's accountants, imported without the side effect of its import: one of its
-    modules calls ``logging.basicConfig`` at import time, which gives the root logger a
-    handler (every Flower log line then prints twice). Importing this package must not
-    change the user's logging, so the root logger is put back as it was."""
+
+Mechanism = Literal["rdp", "prv"]
+MECHANISMS: tuple[Mechanism, ...] = ("rdp", "prv")
+"""The accountants lensemble offers: Opacus's RDP (default) and PRV."""
+
+
+@functools.cache
+def accountant_class(mechanism: Mechanism) -> type[RDPAccountant | PRVAccountant]:
+    """Opacus's accountant class for ``mechanism``, imported on first use: importing
+    opacus takes seconds (it imports its training engine and ``torch.distributed`` with
+    its accountants), which a run without DP, or a SuperNode process that handles one
+    message, should not pay. The import also has a side effect that is undone here: one
+    of its modules calls ``logging.basicConfig``, which gives the root logger a handler
+    (every Flower log line then prints twice), so the root logger is put back as it was.
+
+    Raises:
+        ConfigError: not one of :data:`MECHANISMS`.
+    """
+    if mechanism not in MECHANISMS:
+        raise ConfigError("dp-accountant", f"unknown accountant {mechanism!r}")
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
@@ -52,13 +70,9 @@ def _import_accountants_quietly() -> tuple[type, type]:
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
-    return RDPAccountant, PRVAccountant
+    return RDPAccountant if mechanism == "rdp" else PRVAccountant
 
 
-RDPAccountant, PRVAccountant = _import_accountants_quietly()
-
-Mechanism = Literal["rdp", "prv"]
-ACCOUNTANTS = {"rdp": RDPAccountant, "prv": PRVAccountant}
 SENSITIVITY_FACTORS: dict[str, float] = {"substitution": 2.0, "zero-out": 1.0}
 """A release's L2 sensitivity in clip norms, by adjacency: 2 when the participant's
 dataset is replaced by any other, 1 when its update is replaced by zero."""
@@ -114,7 +128,7 @@ class PrivacyBudget:
     ) -> None:
         self.sensitivity_factor = sensitivity_factor(adjacency)
         self.adjacency: Adjacency = adjacency
-        if accountant not in ACCOUNTANTS:
+        if accountant not in MECHANISMS:
             raise ConfigError("dp-accountant", f"unknown accountant {accountant!r}")
         if not (epsilon > 0 and 0 < delta < 1):
             raise ConfigError("dp-epsilon", "the budget needs epsilon > 0 and 0 < delta < 1")
@@ -144,7 +158,7 @@ class PrivacyBudget:
         return [(float(s), float(q), int(n)) for s, q, n in data["history"]]
 
     def _accountant(self, history: list[tuple[float, float, int]]) -> RDPAccountant | PRVAccountant:
-        accountant = ACCOUNTANTS[self.mechanism]()
+        accountant = accountant_class(self.mechanism)()
         accountant.history = [tuple(h) for h in history]
         return accountant
 

@@ -36,9 +36,9 @@ import math
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import (
-    ACCOUNTANTS,
     SENSITIVITY_FACTOR,
     Mechanism,
+    accountant_class,
     sensitivity_factor,
 )
 
@@ -102,7 +102,7 @@ def planned_epsilon(
         return 0.0
     if not noise_multiplier > 0:
         return math.inf
-    account = ACCOUNTANTS[accountant]()
+    account = accountant_class(accountant)()
     account.history = [(noise_multiplier / sensitivity, 1.0, rounds)]
     return float(account.get_epsilon(delta=delta))
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.strategies import LensembleStrategy
+
+if TYPE_CHECKING:  # imported where a strategy is built: not in a ClientApp process
+    from lensemble_flwr.strategies import LensembleStrategy
 
 
 def partition_of(context: Context, default_count: int) -> tuple[int, int]:
@@ -31,6 +33,8 @@ def strategy_from_context(
     """The federation config (the run config's ``lensemble.`` keys) and a strategy that
     writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` (its per-round
     lines go through Flower's logger)."""
+    from lensemble_flwr.strategies import LensembleStrategy
+
     run_config = dict(context.run_config)
     config = LensembleConfig.from_run_config(run_config)
     run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")

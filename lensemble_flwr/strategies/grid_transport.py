@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -33,7 +34,6 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
-from flwr.superlink.grid import InMemoryGrid
 
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
@@ -53,7 +53,19 @@ from lensemble_flwr.strategies.node_names import NodeNames
 log = logging.getLogger(__name__)
 
 
+_IN_MEMORY_GRID = "flwr.superlink.grid.inmemory_grid"
+
+
+def is_simulation_grid(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's ``InMemoryGrid`` (the simulation engine's), checked
+    without importing it: its module pulls in the SuperLink's state (SQLAlchemy, FastAPI;
+    about a second), and a grid cannot be an instance of a class never imported."""
+    module = sys.modules.get(_IN_MEMORY_GRID)
+    return module is not None and isinstance(grid, module.InMemoryGrid)
+
+
 @dataclasses.dataclass(frozen=True)
+
 class SentInstruction:
     """What the transport remembers about an instruction until its reply is pulled."""
 
@@ -144,7 +156,7 @@ class GridTransport:
     def declared_size(self) -> int | None:
         """On Flower's simulation engine (an ``InMemoryGrid``) every node exists from the
         start: their number. On a deployment nodes may connect later: None."""
-        if isinstance(self.grid, InMemoryGrid):
+        if is_simulation_grid(self.grid):
             return len(self.grid.get_node_ids())
         return None
 

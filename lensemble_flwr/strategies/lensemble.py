@@ -36,7 +36,6 @@ from flwr.serverapp.strategy.strategy_utils import (
     aggregate_metricrecords,
     log_strategy_start_info,
 )
-from flwr.superlink.grid import InMemoryGrid
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
@@ -59,6 +58,7 @@ from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
     SentInstruction,
     error_refusal,
+    is_simulation_grid,
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.layout import ArrayLayout
@@ -512,7 +512,7 @@ class LensembleStrategy(Strategy):
         by default, everywhere but on the simulation engine)."""
         if self.durable_writes is not None:
             return self.durable_writes
-        return not isinstance(grid, InMemoryGrid)
+        return not is_simulation_grid(grid)
 
     def _keep_metrics(
         self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
