@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lensemble_flwr.aggregation.chunked as chunked
+import lensemble_flwr.aggregation.fixed_point as fixed_point_module
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import NonDeterministicAggregation, ParameterMismatch, RoundError
@@ -543,3 +544,17 @@ def test_the_plaintext_aggregator_refuses_a_masked_update() -> None:
     assert agg.pending_count == 0
     agg.admit(_update("q", {n: np.zeros_like(a) for n, a in template.items()}), weight=1)
     assert agg.reveal().contributors == ("q",)
+
+
+@pytest.mark.parametrize("size", [1, 7, 100, 4099, chunked.CHUNK - 1])
+def test_a_small_models_checksum_weights_are_the_first_of_a_chunks(size: int) -> None:
+    """A model smaller than a chunk draws only as many self-check weights as its largest
+    array has elements, and they are the weights a full chunk starts with."""
+    aggregator = FixedPointAggregator(
+        {"a": np.zeros(size, np.float32), "b": np.zeros(3, np.float32)},
+        AggregationConfig(),
+        check_seed=11,
+    )
+    full = fixed_point_module._checksum_vector(11)
+    assert full.size == chunked.CHUNK
+    np.testing.assert_array_equal(aggregator._r, full[: max(size, 3)])

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from federation_helpers import federation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lensemble_flwr.aggregation.fixed_point as fixed_point_module
 import lensemble_flwr.artifacts.store as store_module
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import (
@@ -297,20 +299,57 @@ def test_a_round_hashes_each_model_sized_buffer_once(
         assert len(PEERS) + 6 <= per_round < len(PEERS) + 6.2, per_round
 
 
+_HASH_THREADS = ("lensemble-sums-digest", "lensemble-momentum-digest", "lensemble-store-hash")
+
+
+@pytest.mark.parametrize(("size", "threads"), [(1_000, 0), (300_000, 3)])
+def test_only_a_large_model_is_hashed_on_threads_of_their_own(
+    size: int,
+    threads: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A round of a small model starts no thread to hash on (starting one costs more than
+    the overlap saves); a model of a megabyte and more overlaps its three hashes (the
+    sums, m', the checkpoint as it is written). The recorded-run tests above pin that
+    the digests do not depend on it."""
+    caplog.set_level(logging.ERROR)
+    coordinator = unbound_coordinator(Store(tmp_path), size=size)
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counting_start(thread: threading.Thread) -> None:
+        if thread.name.startswith(_HASH_THREADS):
+            started.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+    feed_round(coordinator, np.random.default_rng(0))
+    assert len(started) == threads, started
+    assert coordinator.outcomes[-1].state is RoundState.CLOSED
+
+
 def test_checkpoint_parts_take_a_precomputed_momentum_hash() -> None:
     params, momentum = _model(3), _model(4)
     given = checkpoint_parts(2, params, momentum, momentum_hash=digest_arrays(momentum, "momentum"))
     assert b"".join(given) == encode_checkpoint(2, params, momentum)
 
 
-def test_the_sums_hashed_in_the_background_have_the_same_digest() -> None:
+def test_the_sums_hashed_in_the_background_have_the_same_digest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fixed_point_module, "HASH_ON_A_THREAD_MIN_BYTES", 0)
     sums = {"w": np.arange(10, dtype=np.int64), "b": np.full(3, -7, np.int64)}
     fields = {"total_weight": 3, "contributors": ("a", "b", "c"), "fraction_bits": 16}
     background = AggregateSum(sums=sums, checksum=0, **fields)
     background.hash_in_background()
     background.hash_in_background()  # once is enough: a second call starts nothing
     assert background.digest == AggregateSum(sums=sums, checksum=0, **fields).digest
-    broken = AggregateSum(sums={"w": object()}, checksum=0, **fields)  # type: ignore[dict-item]
+    class Unhashable:  # has a size, but no bytes the hash can read
+        nbytes = 8
+
+    broken = AggregateSum(sums={"w": Unhashable()}, checksum=0, **fields)  # type: ignore[dict-item]
     broken.hash_in_background()
     with pytest.raises(AttributeError):  # the thread's error is raised where it is read
         broken.digest  # noqa: B018

@@ -238,6 +238,21 @@ def test_a_planted_symlink_inside_the_run_directory_is_refused(tmp_path: Path, w
     assert list(outside.iterdir()) == []  # nothing was written outside
 
 
+@pytest.mark.parametrize("root", ["run", "./run", "run/../run"])
+def test_a_planted_symlink_is_refused_however_the_root_is_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = Store(root)
+    digest = store.put(b"x")
+    (tmp_path / "run" / "names" / "round").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreError, match="run/names/round: a symbolic link inside"):
+        store.bind("round/1/entry", digest)
+    assert list(outside.iterdir()) == []
+
+
 def test_a_symlinked_name_is_not_followed_when_read(tmp_path: Path) -> None:
     store = Store(tmp_path / "run")
     secret = tmp_path / "secret"

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
-from lensemble_flwr.canonical import digest_arrays, digest_record
+from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays, digest_record
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import NonDeterministicAggregation, RoundError
 from lensemble_flwr.params import NamedArrays, check_same_layout
@@ -80,18 +80,22 @@ class AggregateSum:
     def hash_in_background(self) -> None:
         """Start hashing the sums (two model sizes of int64) on a thread of its own, so
         that the hash overlaps the mean and the outer step; :attr:`digest` waits for it.
-        The digest is the same either way."""
-        if "_sums_pending" not in self.__dict__ and "digest" not in self.__dict__:
-            pending: concurrent.futures.Future[str] = concurrent.futures.Future()
+        Small sums are left to be hashed when the digest is read (a thread would cost
+        more). The digest is the same either way."""
+        if "_sums_pending" in self.__dict__ or "digest" in self.__dict__:
+            return
+        if sum(a.nbytes for a in self.sums.values()) < HASH_ON_A_THREAD_MIN_BYTES:
+            return
+        pending: concurrent.futures.Future[str] = concurrent.futures.Future()
 
-            def run() -> None:
-                try:
-                    pending.set_result(digest_arrays(self.sums, "aggregate-sums"))
-                except BaseException as exc:  # re-raised where the digest is read
-                    pending.set_exception(exc)
+        def run() -> None:
+            try:
+                pending.set_result(digest_arrays(self.sums, "aggregate-sums"))
+            except BaseException as exc:  # re-raised where the digest is read
+                pending.set_exception(exc)
 
-            self.__dict__["_sums_pending"] = pending
-            threading.Thread(target=run, name="lensemble-sums-digest", daemon=True).start()
+        self.__dict__["_sums_pending"] = pending
+        threading.Thread(target=run, name="lensemble-sums-digest", daemon=True).start()
 
     def _sums_digest(self) -> str:
         pending = self.__dict__.get("_sums_pending")
@@ -156,8 +160,10 @@ class Aggregator(Protocol):
         """Recompute the self-check; raise NonDeterministicAggregation on a mismatch."""
 
 
-def _checksum_vector(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, 1 << 31, size=CHUNK, dtype=np.int64)
+def _checksum_vector(seed: int, size: int = CHUNK) -> np.ndarray:
+    """The self-check's random weights: one per element of a chunk, ``size`` of them (a
+    model smaller than a chunk needs no more than its largest array's size)."""
+    return np.random.default_rng(seed).integers(1, 1 << 31, size=size, dtype=np.int64)
 
 
 def _float32_exact(values: np.ndarray, scale: np.float64) -> bool:
@@ -197,7 +203,8 @@ class FixedPointAggregator:
         self._config = config
         self._scale_unit = np.float64(2.0**config.fraction_bits)
         self._acc = {n: np.zeros(a.shape, np.int64) for n, a in self._template.items()}
-        self._r = _checksum_vector(check_seed)
+        largest = max((a.size for a in self._template.values()), default=0)
+        self._r = _checksum_vector(check_seed, max(1, min(CHUNK, largest)))
         self._pending: list[_Pending] = []
         self._contributors: list[str] = []
         self._contributed: set[str] = set()  # the same ids: membership in O(1)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
+from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES
 from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -170,8 +171,12 @@ class Store:
 
         fd, tmp = tempfile.mkstemp(dir=self._tmp)
         try:
-            hashing = threading.Thread(target=hash_all, name="lensemble-store-hash")
-            hashing.start()
+            hashing: threading.Thread | None = None
+            if sum(len(view) for view in views) < HASH_ON_A_THREAD_MIN_BYTES:
+                hash_all()  # small: hashed here, before the write (a thread costs more)
+            else:
+                hashing = threading.Thread(target=hash_all, name="lensemble-store-hash")
+                hashing.start()
             try:
                 with os.fdopen(fd, "wb", buffering=0) as f:
                     for view in views:
@@ -182,7 +187,8 @@ class Store:
                     if self.sync:
                         os.fsync(f.fileno())
             finally:
-                hashing.join()
+                if hashing is not None:
+                    hashing.join()
             if failed:
                 raise failed[0]
             digest = hasher.hexdigest()
@@ -360,8 +366,14 @@ class Store:
         Raises:
             StoreError: naming the link.
         """
-        current = os.fspath(self.root)
-        for part in path.relative_to(self.root).parts:  # strings: several a round, per write
+        root, full = os.fspath(self.root), os.fspath(path)
+        inside = root if root.endswith(os.sep) else root + os.sep
+        if full != root and not full.startswith(inside):  # paths built from the root do
+            full = os.path.join(root, path.relative_to(self.root))  # ValueError if outside
+        current = root
+        for part in full[len(root) :].split(os.sep):  # strings, not Paths: 3 calls per write
+            if not part:
+                continue
             current = os.path.join(current, part)
             if os.path.islink(current):
                 raise StoreError(f"{current}: a symbolic link inside the run directory is refused")

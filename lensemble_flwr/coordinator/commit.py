@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import digest_arrays
+from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays
 from lensemble_flwr.config import RetentionConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
@@ -133,7 +133,10 @@ def write_commit(
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
-    if callable(new_state):
+    if callable(new_state) and _nbytes(momentum) < HASH_ON_A_THREAD_MIN_BYTES:
+        hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
+        new_state = new_state()
+    elif callable(new_state):
         with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
             momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
             new_state = new_state()
@@ -186,3 +189,7 @@ def retain(
     except (LensembleError, OSError) as exc:
         log.error("round %d committed; pruning old checkpoints failed: %r", head.round, exc)
         return since
+
+
+def _nbytes(arrays: NamedArrays) -> int:
+    return sum(int(a.nbytes) for a in arrays.values())
