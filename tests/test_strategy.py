@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from federation_helpers import small_config
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import Strategy
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     NODES,
@@ -230,3 +230,27 @@ def test_the_round_metrics_file_is_as_durable_as_the_run_directory(
     strategy.start(grid, arrays_to_record(initial_params()), num_rounds=2)
     assert seen == [durable, durable]
     assert strategy.coordinator is not None and strategy.coordinator.store.sync is durable
+
+
+def test_start_asks_no_node_to_evaluate_in_masked_rounds(tmp_path: Path) -> None:
+    """Under secure aggregation (or DP) the participants release no per-node metrics, so
+    ``start()`` sends no evaluate instructions, as ``configure_evaluate`` already did not:
+    it used to ask every round, costing an exchange that every node refused (and a stock
+    ClientApp would have answered with its un-noised metrics)."""
+    config = small_config(min_participants=3, secagg_threshold=3)
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="masked")
+    assert strategy.fraction_evaluate == 1.0  # FedAvg's default: evaluation was asked for
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert [r.count for r in verify(Store(tmp_path / "run"))] == [4, 4]
+    kinds = {m.metadata.message_type for m in grid.pushed()}
+    assert kinds == {MessageType.TRAIN}, kinds
+    assert result.evaluate_metrics_clientapp == {}

@@ -374,15 +374,7 @@ class LensembleStrategy(Strategy):
     ) -> Iterable[Message]:
         """Evaluate instructions (global arrays + config) for a share of the nodes."""
         nodes = sorted(grid.get_node_ids())
-        if self.fraction_evaluate <= 0 or not nodes:
-            return []
-        if not metrics_released(self.config):
-            if not self._said_no_evaluation:
-                self._said_no_evaluation = True
-                log.info(
-                    "no federated evaluation: under DP or secure aggregation the participants "
-                    "release no per-node metrics (set dp-release-metrics = true to opt in)"
-                )
+        if not nodes or not self._evaluates():
             return []
         chosen = self._evaluation_sample(server_round, [self.names.name_of(n) for n in nodes])
         return [
@@ -685,11 +677,28 @@ class LensembleStrategy(Strategy):
             cfg.update(records.encode_close(to_wire(self.coordinator.last_close)))
         return RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(cfg)})
 
+    def _evaluates(self) -> bool:
+        """Whether nodes are asked to evaluate: ``fraction_evaluate`` > 0, and not under DP
+        or secure aggregation unless ``dp-release-metrics`` opts in (the participants
+        refuse then: asking would cost an exchange per round, and a stock ClientApp would
+        answer with un-noised per-node metrics). Said once in the log."""
+        if self.fraction_evaluate <= 0:
+            return False
+        if metrics_released(self.config):
+            return True
+        if not self._said_no_evaluation:
+            self._said_no_evaluation = True
+            log.info(
+                "no federated evaluation: under DP or secure aggregation the participants "
+                "release no per-node metrics (set dp-release-metrics = true to opt in)"
+            )
+        return False
+
     def _evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None, timeout: float
     ) -> MetricRecord | None:
         transport = self.transport
-        if transport is None or self.fraction_evaluate <= 0:
+        if transport is None or not self._evaluates():
             return None
         chosen = self._evaluation_sample(server_round, list(transport.peers()))
         contents = {p: self._evaluate_content(server_round, arrays, config) for p in chosen}
