@@ -23,7 +23,7 @@ fsyncs), all in one process, so every participant's work is serialized on one co
   time goes (PRG expansion, masking arithmetic, key agreement, Shamir, sealing,
   unmasking, hashing, store writes), next to the plaintext round.
 * what-if: ``lensemble_flwr.secagg.prg.expand`` is swapped (for the third federation
-  only, and restored after every round) for a version that draws the same ChaCha20
+  only, and restored after every round) for a version that draws the same
   keystream with ``update_into`` into one preallocated array, instead of allocating a
   zero input, the keystream bytes and a copy (three fresh 8 MB buffers per 1M
   parameters). Same keystream, so the same sums bit for bit; information only. Masking
@@ -91,7 +91,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
@@ -207,14 +206,14 @@ class Federation:
 
 
 def fast_expand(seed: bytes, size: int, _zeros: list[bytes] = [b""]) -> np.ndarray:  # noqa: B006
-    """What-if PRG: the same ChaCha20 keystream as ``prg.expand``, written with
+    """What-if PRG: the same keystream as ``prg.expand``, written with
     ``update_into`` into one preallocated int64 array (the zero input is cached)."""
     if len(seed) != prg.SEED_BYTES:
         raise ValueError("bad seed")
     if len(_zeros[0]) < 8 * size:
         _zeros[0] = bytes(8 * size)
     out = np.empty(size + 8, np.int64)  # update_into wants a little slack
-    encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
+    encryptor = prg.keystream(seed)
     encryptor.update_into(memoryview(_zeros[0])[: 8 * size], memoryview(out).cast("B"))
     return out[:size]
 
@@ -279,8 +278,8 @@ BREAKDOWN = [
     ),
 ]
 OWN_HOTSPOTS = [
-    ("ChaCha20 keystream (CipherContext.update)", "~", "update' of 'cryptography"),
-    ("ChaCha20 keystream (CipherContext.update_into)", "~", "update_into' of 'cryptography"),
+    ("PRG keystream (CipherContext.update)", "~", "update' of 'cryptography"),
+    ("PRG keystream (CipherContext.update_into)", "~", "update_into' of 'cryptography"),
     ("numpy ndarray.copy", "~", "'copy' of 'numpy.ndarray'"),
     ("numpy concatenate (_flatten)", "~", "numpy.concatenate"),
     ("SHA-256 (hashlib update)", "~", "'update' of '_hashlib"),

@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("protocol", "wire messages, GlobalState/PseudoGradient, the round transition table"),),
     (("provenance", "Merkle commitments, inclusion proofs, ledger, manifest, verify, audit"),),
     (("aggregation", "exact order-independent fixed-point sums of updates, chunked kernels"),),
-    (("secagg", "masked rounds: keys, ChaCha20 PRG, Shamir, both roles, membership"),),
+    (("secagg", "masked rounds: keys, AES-CTR PRG, Shamir, both roles, membership"),),
     (("release", "the release pipeline and its stages: difference, clip, noise, quantize, bind"),),
     (("gauge", "latent-frame alignment: probe, sketch, Procrustes, drift, align stage, checks"),),
     (("identity", "identity keys and message signatures; the participant registry and store"),),

@@ -317,3 +317,22 @@ def test_a_survivor_left_without_a_surviving_neighbour_is_never_exposed() -> Non
         secure_sum(values, n=n, threshold=4, send=survivors, answer=set(), degree=degree)
     with pytest.raises(SecureAggregationError, match="no surviving neighbour"):
         secure_sum(values, n=n, threshold=4, send=survivors, answer=survivors, degree=degree)
+
+
+def test_the_prg_is_aes_256_in_counter_mode_from_a_zero_block() -> None:
+    """Word i of ``expand`` is the little-endian int64 of bytes 8i..8i+7 of the stream
+    E_k(0) || E_k(1) || ... (E: AES-256 under the seed; the counter a 128-bit big-endian
+    block from 0), built here from single-block ECB encryptions."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    seed = bytes(range(32))
+    blocks = Cipher(algorithms.AES(seed), modes.ECB()).encryptor()
+    stream = b"".join(blocks.update(i.to_bytes(16, "big")) for i in range(5))
+    expected = np.frombuffer(stream, "<i8")
+    np.testing.assert_array_equal(prg.expand(seed, 10), expected)
+    acc = np.zeros(10, np.int64)
+    prg.add_streams([(seed, +1)], acc)
+    np.testing.assert_array_equal(acc, expected)
+    with pytest.raises(ValueError, match="32 bytes"):
+        prg.add_streams([(seed[:16], +1)], acc)
+    np.testing.assert_array_equal(acc, expected)  # a refused stream changes nothing

@@ -1,4 +1,4 @@
-"""Secure aggregation primitives: pairwise and self masks over Z_{2^64}, a ChaCha20 PRG,
+"""Secure aggregation primitives: pairwise and self masks over Z_{2^64}, an AES-CTR PRG,
 Shamir sharing of mask secrets, and authenticated encryption of shares.
 
 Sans-I/O and Flower-free. ``protocol`` composes them into the participant's and the

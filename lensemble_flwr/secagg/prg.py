@@ -1,28 +1,34 @@
-"""A cryptographic PRG: ChaCha20 keystream as int64 words (arithmetic mod 2**64).
+"""A cryptographic PRG: the AES-256-CTR keystream as int64 words (arithmetic mod 2**64).
 
 Not numpy's MT19937 or PCG64 (predictable from their output), and not a 32-bit seed:
-the seed is a 32-byte key, the output the ChaCha20 keystream under a zero nonce (each
-key is used for one expansion only: keys are derived per round and per pair).
+the seed is a 32-byte AES-256 key, the output the CTR keystream from a zero counter
+block (each key is used for one expansion only: keys are derived per round attempt and
+per pair, so a counter block never repeats under a key). AES in counter mode is the PRG
+Bonawitz et al. (CCS 2017) instantiate secure aggregation with; it replaced ChaCha20
+here because, with the AES instructions x86-64 and ARMv8 CPUs have, OpenSSL expands it
+2-3 times faster (measured on the 2-core benchmark machine: 3.8-5.6 against 1.6-2.4
+GB/s), and a participant expands k + 1 model-sized keystreams every masked round.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
 SEED_BYTES = 32
+_ZERO_COUNTER = bytes(16)
+
+
+def keystream(seed: bytes) -> CipherContext:
+    """The encryptor whose output on zero bytes is the keystream of ``seed`` (32 bytes)."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
+    return Cipher(algorithms.AES(seed), modes.CTR(_ZERO_COUNTER)).encryptor()
 
 
 def expand(seed: bytes, size: int) -> np.ndarray:
     """``size`` pseudorandom int64 words (uniform mod 2**64) from a 32-byte seed."""
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
-    encryptor = _cipher(seed).encryptor()
-    return np.frombuffer(encryptor.update(bytes(8 * size)), dtype="<i8").copy()
-
-
-def _cipher(seed: bytes) -> Cipher:
-    return Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None)
+    return np.frombuffer(keystream(seed).update(bytes(8 * size)), dtype="<i8").copy()
 
 
 _CHUNK_WORDS = 1 << 15  # 256 KiB of keystream at a time, in one reused buffer
@@ -40,17 +46,10 @@ def add_streams(
     """
     if base is not None and (base.dtype != np.int64 or base.shape != acc.shape):
         raise ValueError("add_streams: base must be int64 with the accumulator's shape")
-    for seed, _ in streams:
-        if len(seed) != SEED_BYTES:
-            raise ValueError(f"a PRG seed is {SEED_BYTES} bytes, got {len(seed)}")
     if acc.dtype != np.int64 or not acc.flags.c_contiguous or acc.ndim != 1:
         raise ValueError("add_streams needs a contiguous 1-D int64 accumulator")
     encryptors = [
-        (
-            Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor(),
-            np.add if sign > 0 else np.subtract,
-        )
-        for seed, sign in streams
+        (keystream(seed), np.add if sign > 0 else np.subtract) for seed, sign in streams
     ]
     zeros = bytes(8 * _CHUNK_WORDS)
     out = bytearray(8 * _CHUNK_WORDS + 64)  # update_into wants a little headroom
