@@ -33,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from lensemble_flwr.aggregation import recycling
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays, digest_record
 from lensemble_flwr.config import AggregationConfig
@@ -202,7 +203,7 @@ class FixedPointAggregator:
         self._template = {name: template[name] for name in sorted(template)}
         self._config = config
         self._scale_unit = np.float64(2.0**config.fraction_bits)
-        self._acc = {n: np.zeros(a.shape, np.int64) for n, a in self._template.items()}
+        self._acc = {n: recycling.zeroed(n, a.shape) for n, a in self._template.items()}
         largest = max((a.size for a in self._template.values()), default=0)
         self._r = _checksum_vector(check_seed, max(1, min(CHUNK, largest)))
         self._pending: list[_Pending] = []
@@ -327,6 +328,7 @@ class FixedPointAggregator:
             self._fold()
             for acc in self._acc.values():
                 acc.setflags(write=False)
+            recycling.keep(self._acc)  # the next round's accumulator, once this sum is dropped
             self._revealed = AggregateSum(
                 sums=dict(self._acc),
                 total_weight=self._weight,

@@ -611,6 +611,7 @@ class Coordinator:
             sketch_fingerprint=fingerprint,
         )
         self._grace = 0.0
+        self._reach.forget()  # its keys name the previous attempt, which can go now
         self._attempt = attempt
         self._stepped_from = None  # adopt() is refused from now on: θ_{t-1}, m_{t-1} can go
         self._mode.begin(attempt)

@@ -128,6 +128,7 @@ class PlaintextMode:
     def begin(self, attempt: Attempt) -> None:
         """Build the attempt's exact aggregator (its self-check seed derives from the root
         seed, the round and the attempt)."""
+        self._memo.forget()  # it names the previous attempt: let its sums go first
         seed = derive_seed(
             self.config.federation.root_seed, "self-check", attempt.round, attempt.number
         )

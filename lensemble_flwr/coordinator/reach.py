@@ -43,6 +43,12 @@ class ReachMemo:
     module). It holds references to what its keys name, so no key outlives its object."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop everything remembered. Called as an attempt begins: every key names its
+        attempt, so none could match again, and a key would keep the previous attempt
+        (its aggregator and model-sized sums) alive into the next."""
         self._peers: tuple[str, ...] | None = None
         self._peer_set: frozenset[str] = frozenset()
         self._sampled: tuple[object, ...] | None = None
