@@ -75,7 +75,7 @@ def make_update(index: int, delta: NamedArrays) -> Update:
     pid = f"p{index:03d}"
     return Update(
         run_id="bench",
-        round=0,
+        round=1,
         sender=pid,
         participant_id=pid,
         dataset_root=hashlib.sha256(pid.encode()).hexdigest(),
