@@ -382,6 +382,7 @@ def _role_with_a_round(threshold: int = 2, n: int = 3):
         run_id="run",
         round=1,
         attempt=1,
+        secagg_prg=prg.PRG_ID,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=threshold,
         secagg_neighbours=0,

@@ -323,9 +323,11 @@ def test_an_unknown_kind_is_refused_naming_the_kinds_as_they_are_spelled_on_the_
 # when mask keys became per round (RoundOpen lost rekey/send_key_shares, Update key_shares
 # for next_mask_key and an optional l2_norm, UnmaskResponse m_shares for pair_seeds), and
 # once more when rounds took Flower's numbering (these messages moved from round 0 to 1).
+# RoundOpen's alone moved again when it named the mask PRG (``secagg_prg``): no ledger,
+# manifest or signature refers to a RoundOpen's digest.
 PINNED_DIGESTS = {
     MessageKind.ROUND_OPEN: (
-        "f5a78940cf1f610c212c321eabb1619fe6a3190d7017bcab9a43ef7d085f2448",
+        "2566b4fdbb75a3bf3814be45e259196280b8848c1cc02ae1c11c447cf01ba55b",
         None,
     ),
     MessageKind.COMMITMENT: (

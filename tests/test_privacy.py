@@ -317,6 +317,33 @@ def test_an_update_transform_applies_to_plaintext_updates(tmp_path: Path) -> Non
         np.testing.assert_array_equal(value, before[name])  # zero mean update: unchanged
 
 
+@pytest.mark.parametrize(
+    "first_use",
+    [
+        "from lensemble_flwr.privacy.calibration import calibrated_noise_multiplier\n"
+        "calibrated_noise_multiplier(8.0, 1e-5, 10)\n",
+        "from lensemble_flwr.config import LensembleConfig\n"
+        "from lensemble_flwr.privacy.calibration import noise_multiplier_of\n"
+        "noise_multiplier_of(LensembleConfig(privacy={'dp_epsilon': 8, 'dp_rounds': 10,"
+        " 'clip_norm': 1}))\n",
+    ],
+    ids=["calibration", "a-calibrated-config"],
+)
+def test_a_calibrated_plan_leaves_the_users_logging_alone(first_use: str) -> None:
+    """Calibration was the first, unguarded opacus import of a process with a calibrated
+    plan (noise-multiplier 0 and dp-rounds): it left the root logger with a handler."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import logging\n"
+        + first_use
+        + "root = logging.getLogger()\n"
+        "assert root.handlers == [] and root.level == logging.WARNING, root.handlers\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
 def test_importing_the_package_leaves_the_users_logging_alone() -> None:
     """opacus calls logging.basicConfig when it is imported: that gave the root logger a
     handler, and every Flower log line printed twice (issue 13, item 9, in part)."""

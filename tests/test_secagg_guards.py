@@ -180,6 +180,7 @@ def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_disclose
         run_id="run",
         round=1,
         attempt=1,
+        secagg_prg=prg.PRG_ID,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
     )
@@ -276,6 +277,7 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
         run_id="run",
         round=1,
         attempt=1,
+        secagg_prg=prg.PRG_ID,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
     )
@@ -352,6 +354,7 @@ def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_ke
         run_id="run",
         round=1,
         attempt=1,
+        secagg_prg=prg.PRG_ID,
         secagg_members=tuple(encode_member(m) for m in members),
         secagg_threshold=2,
         secagg_neighbours=0,
@@ -389,3 +392,18 @@ def test_a_masked_update_carries_no_norm_and_a_plaintext_one_no_mask_key(trio) -
     )
     with pytest.raises(RoundError, match="mask keys belong to masked updates"):
         from_wire({**plain, "next_mask_key": "00" * 32})
+
+
+@pytest.mark.parametrize("named", ["", "chacha20"])
+def test_a_masked_round_under_another_prg_is_refused_before_training(named: str) -> None:
+    """Masks drawn with two PRGs do not cancel: the revealed sum would be noise that no
+    check after the unmasking can tell from a sum. A coordinator of another version names
+    another PRG (or none): the participant refuses the round before it trains."""
+    role = MaskingRole("a")
+    role.keys_for_commitment()
+    config = LensembleConfig(federation={"secagg_threshold": 2, "min_participants": 2})
+    opened = RoundOpen.model_construct(
+        run_id="run", round=1, attempt=1, secagg_threshold=2, secagg_prg=named
+    )
+    with pytest.raises(SecureAggregationError, match="masks with PRG"):
+        role.check_round(opened, config)

@@ -17,7 +17,7 @@ from lensemble_flwr.errors import RoundError, SecureAggregationError
 from lensemble_flwr.protocol.messages import MessageKind, RoundOpen, UnmaskRequest, Update
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import PseudoGradient
-from lensemble_flwr.secagg import shamir
+from lensemble_flwr.secagg import prg, shamir
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.keys import SecAggKeys, public_key
 from lensemble_flwr.secagg.participant_role import (
@@ -219,6 +219,7 @@ def _role(degree: int = DEGREE, threshold: int = THRESHOLD):
         attempt=1,
         secagg_threshold=threshold,
         secagg_neighbours=degree,
+        secagg_prg=prg.PRG_ID,
         secagg_members=tuple(
             encode_member(m) if m.pid in near else encode_named(m) for m in members
         ),

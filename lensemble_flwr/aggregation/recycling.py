@@ -7,9 +7,11 @@ coordinator keeps the previous round's sum alive until the next attempt begins a
 so the next aggregator can take its buffers, zero them, and fold into them.
 
 A buffer is handed out only when nothing but this module refers to it
-(``sys.getrefcount``, CPython's reference count): a sum somebody still holds (an attempt
-kept alive, a view of it, another federation in the same process) is never overwritten;
-a fresh array is allocated instead. Small arrays are not kept (allocating them is cheap).
+(``sys.getrefcount``, CPython's reference count, calibrated at import: recycling is off
+where one more holder does not count as exactly one more, and on free-threaded builds): a
+sum somebody still holds (an attempt kept alive, a view of it, another federation in the
+same process) is never overwritten; a fresh array is allocated instead. Small arrays are
+not kept (allocating them is cheap).
 """
 
 from __future__ import annotations
@@ -27,9 +29,41 @@ _kept: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 _lock = threading.Lock()
 
 
+def _take(key: tuple[str, tuple[int, ...]]) -> tuple[np.ndarray | None, int]:
+    """The kept array under ``key`` (removed from the pool), with the reference count it
+    shows here: counted in one place, so that :data:`_UNHELD` is measured the same way."""
+    with _lock:
+        found = _kept.pop(key, None)
+    return found, (sys.getrefcount(found) if found is not None else 0)
+
+
+def _calibrate() -> int | None:
+    """The count :func:`_take` shows for an array nobody else holds, or None (recycling
+    off) if one more holder does not show as exactly one more: how an interpreter counts
+    a local passed to ``getrefcount`` differs between versions (CPython 3.14 may borrow
+    it), and a free-threaded build does not give reliable counts at all."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return None
+    probe = ("lensemble-calibration", (1,))
+    with _lock:
+        _kept[probe] = np.zeros(1, np.int64)
+    _, unheld = _take(probe)
+    held = np.zeros(1, np.int64)
+    with _lock:
+        _kept[probe] = held
+    _, once_held = _take(probe)
+    return unheld if once_held == unheld + 1 else None
+
+
+_UNHELD = _calibrate()
+"""What :func:`_take` counts for an array only the pool held; None: never reuse."""
+
+
 def keep(sums: Mapping[str, np.ndarray]) -> None:
     """Offer a revealed sum's int64 arrays for reuse by the next accumulator of the same
     names and shapes (replacing any offered before)."""
+    if _UNHELD is None:
+        return
     with _lock:
         for name, array in sums.items():
             if array.dtype == np.int64 and array.base is None and array.nbytes >= RECYCLE_MIN_BYTES:
@@ -39,10 +73,8 @@ def keep(sums: Mapping[str, np.ndarray]) -> None:
 def zeroed(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A writable int64 array of ``shape``, all zeros: a kept one nobody else refers to,
     or a fresh one. Either way the kept entry for (``name``, ``shape``) is dropped."""
-    with _lock:
-        found = _kept.pop((name, tuple(shape)), None)
-    # references now: ``found`` and getrefcount's argument; any other is another holder
-    if found is not None and sys.getrefcount(found) == 2:
+    found, refs = _take((name, tuple(shape)))
+    if found is not None and refs == _UNHELD:
         found.setflags(write=True)
         found.fill(0)
         return found
@@ -50,6 +82,6 @@ def zeroed(name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def clear() -> None:
-    """Drop every kept array (tests; a process done with federating)."""
+    """Drop every kept array (a strategy's run is over; tests)."""
     with _lock:
         _kept.clear()

@@ -918,7 +918,9 @@ class Coordinator:
         reason = f"{type(error).__name__}: {error}"
         self._fire(attempt, RoundEvent.ABORT, reason=reason)
         log.warning("round %d attempt %d ABORTED: %s", attempt.round, attempt.number, reason)
-        outcome = self._outcome(attempt, None, {}, error)
+        # kept in the outcome without its traceback: its frames hold the attempt, the sum
+        # and the model (kept outcomes would pin them, and the sum's buffers, for good)
+        outcome = self._outcome(attempt, None, {}, error.with_traceback(None))
         entry = entry_of(attempt, None, {}, reason, secure_sum=self._mode.secure_sum)
         self._manifest = self._manifest.with_round(self.store, entry)
         self._report(outcome)

@@ -48,6 +48,7 @@ from lensemble_flwr.errors import NonDeterministicAggregation, RoundError, Secur
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.secagg import prg
 from lensemble_flwr.secagg.aggregator import SecureAggregator, check_capacity
 from lensemble_flwr.secagg.participant_role import encode_member, encode_named
 from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of
@@ -320,6 +321,7 @@ class MaskedMode:
             "needs_commitment": peer not in members and not self.registry.keyed(peer),
             "secagg_threshold": fed.secagg_threshold,
             "secagg_neighbours": fed.secagg_neighbours,
+            "secagg_prg": prg.PRG_ID,
         }
         if peer in members:
             changes["secagg_members"] = self._encoded_members(attempt, peer)

@@ -29,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib
 import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
 from lensemble_flwr.config import Adjacency
@@ -49,28 +52,43 @@ MECHANISMS: tuple[Mechanism, ...] = ("rdp", "prv")
 """The accountants lensemble offers: Opacus's RDP (default) and PRV."""
 
 
+_OPACUS_IMPORT = threading.Lock()
+
+
+def import_opacus(module: str) -> ModuleType:
+    """Import the opacus module ``module`` without the side effect of importing opacus:
+    one of its modules calls ``logging.basicConfig``, which gives the root logger a
+    handler (every Flower log line then prints twice). Importing or using this package
+    must not change the user's logging, so the root logger is put back as it was. Every
+    opacus import of the package goes through here, one thread at a time (a thread that
+    looked at the root logger while another imported could put the handler back).
+
+    Opacus is imported on first use, not with this module: it takes seconds (its
+    accountants import its training engine and ``torch.distributed``), which a run
+    without DP, or a SuperNode process that handles one message, should not pay.
+    """
+    with _OPACUS_IMPORT:
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        try:
+            return importlib.import_module(module)
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+
+
 @functools.cache
 def accountant_class(mechanism: Mechanism) -> type[RDPAccountant | PRVAccountant]:
-    """Opacus's accountant class for ``mechanism``, imported on first use: importing
-    opacus takes seconds (it imports its training engine and ``torch.distributed`` with
-    its accountants), which a run without DP, or a SuperNode process that handles one
-    message, should not pay. The import also has a side effect that is undone here: one
-    of its modules calls ``logging.basicConfig``, which gives the root logger a handler
-    (every Flower log line then prints twice), so the root logger is put back as it was.
+    """Opacus's accountant class for ``mechanism``, imported on first use
+    (:func:`import_opacus`).
 
     Raises:
         ConfigError: not one of :data:`MECHANISMS`.
     """
     if mechanism not in MECHANISMS:
         raise ConfigError("dp-accountant", f"unknown accountant {mechanism!r}")
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        from opacus.accountants import PRVAccountant, RDPAccountant
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return RDPAccountant if mechanism == "rdp" else PRVAccountant
+    accountants = import_opacus("opacus.accountants")
+    return accountants.RDPAccountant if mechanism == "rdp" else accountants.PRVAccountant
 
 
 SENSITIVITY_FACTORS: dict[str, float] = {"substitution": 2.0, "zero-out": 1.0}

@@ -39,6 +39,7 @@ from lensemble_flwr.privacy.budget import (
     SENSITIVITY_FACTOR,
     Mechanism,
     accountant_class,
+    import_opacus,
     sensitivity_factor,
 )
 
@@ -123,7 +124,7 @@ def calibrated_noise_multiplier(
     Raises:
         ConfigError: no noise multiplier Opacus searches reaches the target.
     """
-    from opacus.accountants.utils import get_noise_multiplier  # with the accountants
+    get_noise_multiplier = import_opacus("opacus.accountants.utils").get_noise_multiplier
 
     try:
         z = get_noise_multiplier(

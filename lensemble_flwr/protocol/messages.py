@@ -143,6 +143,9 @@ class RoundOpen(_Message):
         "sparse graph, members that are not the recipient's neighbours as 'pid::'.",
     )
     secagg_threshold: int = Field(0, ge=0)
+    secagg_prg: str = Field(
+        "", max_length=32, description="Masked: the PRG the masks are drawn with."
+    )
     secagg_neighbours: int = Field(
         0, ge=0, description="Masked: pairwise masks with this many neighbours (0: all)."
     )

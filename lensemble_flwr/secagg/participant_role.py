@@ -24,6 +24,7 @@ from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
 from lensemble_flwr.protocol.state import PseudoGradient
+from lensemble_flwr.secagg import prg
 from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
 from lensemble_flwr.secagg.protocol import Member, context_of, disclose, graph_of, mask
 
@@ -109,11 +110,12 @@ class MaskingRole:
         returns the members.
 
         Raises:
-            SecureAggregationError: no sealing key; another threshold or neighbour graph
-                than agreed, or fewer members than the threshold; a member list that does
-                not parse or names this participant with a mask key it never announced or
-                already used, or with another sealing key; a member it deals a share to
-                (every member; in a sparse graph, its neighbours) listed without keys.
+            SecureAggregationError: no sealing key; another PRG than this version's, or
+                another threshold or neighbour graph than agreed, or fewer members than
+                the threshold; a member list that does not parse or names this
+                participant with a mask key it never announced or already used, or with
+                another sealing key; a member it deals a share to (every member; in a
+                sparse graph, its neighbours) listed without keys.
         """
         me, fed = self.participant_id, config.federation
         if self.enc_private is None:
@@ -122,6 +124,12 @@ class MaskingRole:
             raise SecureAggregationError(
                 f"{me}: the round asks for a neighbour graph of degree "
                 f"{msg.secagg_neighbours}, this participant agreed to {fed.secagg_neighbours}"
+            )
+        if msg.secagg_prg != prg.PRG_ID:
+            raise SecureAggregationError(
+                f"{me}: the round masks with PRG {msg.secagg_prg or 'unnamed'!r} (a "
+                f"coordinator of another version?), this participant with {prg.PRG_ID!r}: "
+                "masks drawn with two PRGs do not cancel"
             )
         if msg.secagg_threshold != fed.secagg_threshold:
             raise SecureAggregationError(

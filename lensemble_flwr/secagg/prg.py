@@ -16,6 +16,10 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
 SEED_BYTES = 32
+PRG_ID = "aes256-ctr"
+"""The name a masked RoundOpen gives this PRG (``secagg_prg``): a participant refuses a
+masked round under any other, since masks drawn with two PRGs do not cancel (the sum
+would be noise, and nothing after the unmasking could tell)."""
 _ZERO_COUNTER = bytes(16)
 
 

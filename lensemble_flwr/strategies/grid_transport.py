@@ -65,7 +65,6 @@ def is_simulation_grid(grid: Grid) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-
 class SentInstruction:
     """What the transport remembers about an instruction until its reply is pulled."""
 

@@ -37,6 +37,7 @@ from flwr.serverapp.strategy.strategy_utils import (
     log_strategy_start_info,
 )
 
+from lensemble_flwr.aggregation import recycling
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
@@ -494,6 +495,7 @@ class LensembleStrategy(Strategy):
             say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
             if evaluation is not None:
                 say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
+        recycling.clear()  # the run is over: the last sum's buffers need not stay resident
         say(INFO, "")
         say(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         return result
