@@ -30,20 +30,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_flower_round as engine  # the same ClientApp and config
+from bench_learning import LoopbackGrid, as_server_app  # a Grid that calls the apps
 
 from lensemble_flwr.clients.live import process_participants
 from lensemble_flwr.strategies import LensembleStrategy
@@ -51,68 +47,52 @@ from lensemble_flwr.strategies import LensembleStrategy
 SIZE = 100  # float32 values in the model, as in bench_flower_round.py
 
 
-class CallingGrid(Grid):
-    """A Grid that answers each pushed message at once by calling ``app`` in this thread,
-    with one Context per node (its state kept between messages, as a SuperNode does)."""
+class TimedApp:
+    """The ClientApp, called as ``app(message, context)`` by bench_learning's
+    :class:`LoopbackGrid`, with its CPU time added up; before a share ``miss`` of the
+    calls it drops the node's kept participant, as if another actor had the last message."""
 
-    def __init__(self, app: Any, nodes: int, miss: float, seed: int = 0) -> None:
+    def __init__(self, app: Any, miss: float, seed: int = 0) -> None:
         self.app, self.miss = app, miss
-        self.contexts = {
-            node: Context(
-                run_id=1,
-                node_id=node,
-                node_config={"partition-id": i},
-                state=RecordDict(),
-                run_config={},
+        self.cpu = 0.0
+        self._rng = random.Random(seed)
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        if self._rng.random() < self.miss:
+            process_participants().take((context.run_id, context.node_id), None)
+        t0 = time.process_time()
+        try:
+            return self.app(message, context)
+        finally:
+            self.cpu += time.process_time() - t0
+
+
+def loopback(app: TimedApp, nodes: int) -> LoopbackGrid:
+    """A LoopbackGrid of ``nodes`` nodes, each with its own Context (its state kept between
+    messages, as a SuperNode does), all answering with ``app``."""
+    return LoopbackGrid(
+        {
+            node: (
+                app,
+                Context(
+                    run_id=1,
+                    node_id=node,
+                    node_config={"partition-id": i},
+                    state=RecordDict(),
+                    run_config={},
+                ),
             )
             for i, node in enumerate(range(1001, 1001 + nodes))
         }
-        self.replies: dict[str, Message] = {}
-        self.client_cpu = 0.0
-        self.pull_interval = 0.0
-        self._rng = random.Random(seed)
-        self._run = Run.create_empty(1)
-
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        raise NotImplementedError("the strategies build their messages themselves")
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def push_messages(self, messages: Iterable[Message]) -> list[str]:
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
-            context = self.contexts[message.metadata.dst_node_id]
-            if self._rng.random() < self.miss:  # as if another actor had the last message
-                process_participants().take((context.run_id, context.node_id), None)
-            t0 = time.process_time()
-            reply = self.app(message, context)
-            self.client_cpu += time.process_time() - t0
-            self.replies[message.metadata.message_id] = reply
-            ids.append(message.metadata.message_id)
-        return ids
-
-    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> list[Message]:
-        return self.pull_messages(self.push_messages(messages))
+    )
 
 
-def run_once(strategy: str, grid: CallingGrid, nodes: int, rounds: int, run_dir: Path) -> dict:
+def run_once(
+    strategy: str, app: TimedApp, grid: LoopbackGrid, nodes: int, rounds: int, run_dir: Path
+) -> dict:
     """``rounds`` rounds of ``strategy``; ServerApp CPU per round, ClientApp CPU per message."""
     initial = ArrayRecord({"w": Array(np.zeros(SIZE, np.float32))})
-    grid.client_cpu = 0.0
+    app.cpu = 0.0
     cpu0 = time.process_time()
     if strategy == "FedAvg":
         FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes).start(
@@ -130,8 +110,8 @@ def run_once(strategy: str, grid: CallingGrid, nodes: int, rounds: int, run_dir:
         ).start(grid=grid, initial_arrays=initial, num_rounds=rounds)
     cpu = time.process_time() - cpu0
     return {
-        "server_ms_per_round": 1e3 * (cpu - grid.client_cpu) / rounds,
-        "client_ms_per_message": 1e3 * grid.client_cpu / (rounds * nodes),
+        "server_ms_per_round": 1e3 * (cpu - app.cpu) / rounds,
+        "client_ms_per_message": 1e3 * app.cpu / (rounds * nodes),
     }
 
 
@@ -143,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--miss", type=float, default=0.5, help="share of participant rebuilds")
     args = parser.parse_args(argv)
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = (  # type: ignore[attr-defined]
-        1,
-        SUPERLINK_NODE_ID,
-        1,
-    )  # what a ServerApp process sets before its strategy builds Messages
+    as_server_app()  # what a ServerApp process sets before its strategy builds Messages
     print(
         f"== ServerApp and ClientApp CPU per round, no Ray: rounds {args.rounds}, "
         f"best of {args.repeats} runs, participant rebuilds {args.miss:.0%}"
@@ -155,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'N':>5} {'strategy':<18}{'server ms/round':>16}{'client ms/msg':>15}")
     with tempfile.TemporaryDirectory(prefix="bench-strategy-cpu-") as tmp:
         for nodes in args.nodes:
-            app = engine.bench_client_app(SIZE, engine.bench_config(nodes), "torch")
-            grid = CallingGrid(app, nodes, args.miss)
+            app = TimedApp(
+                engine.bench_client_app(SIZE, engine.bench_config(nodes), "torch"), args.miss
+            )
+            grid = loopback(app, nodes)
             for name in ("FedAvg", "LensembleStrategy"):  # warm-up: imports, first AdamW
-                run_once(name, grid, nodes, 2, Path(tmp) / f"warm-{name}-{nodes}")
+                run_once(name, app, grid, nodes, 2, Path(tmp) / f"warm-{name}-{nodes}")
             runs: dict[str, list[dict]] = {"FedAvg": [], "LensembleStrategy": []}
             for repeat in range(args.repeats):
                 for name in runs:
                     path = Path(tmp) / f"{name}-{nodes}-{repeat}"
-                    runs[name].append(run_once(name, grid, nodes, args.rounds, path))
+                    runs[name].append(run_once(name, app, grid, nodes, args.rounds, path))
             best = {
                 name: {key: min(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()
             }

@@ -29,7 +29,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.artifacts.tensors import pack, pack_parts
 from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.config import LensembleConfig, OuterOptimizerConfig
-from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import StoreError
 from lensemble_flwr.norms import l2_norm
@@ -170,8 +170,11 @@ def unbound_coordinator(store: Store, size: int = 3000, **retention: int) -> Coo
     return Coordinator(config, initial_params=theta, store=store, run_id="r")
 
 
-def feed_round(coordinator: Coordinator, rng: np.random.Generator) -> None:
-    """One round of seeded updates from :data:`PEERS`, through the batch feeder's steps."""
+def feed_round(
+    coordinator: Coordinator, rng: np.random.Generator, *, attempt: int = 1, closes: bool = True
+) -> RoundOutcome:
+    """One attempt of seeded updates from :data:`PEERS`, through the batch feeder's steps;
+    it must close unless ``closes`` is False."""
     round = coordinator.global_state().next_round
     params = coordinator.global_state().params
     shapes = {n: params[n].shape for n in ("w", "v")}  # the draws' order of the recording
@@ -184,12 +187,15 @@ def feed_round(coordinator: Coordinator, rng: np.random.Generator) -> None:
             dataset_root=None,
             delta={n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()},
             num_examples=1,
+            attempt=attempt,
         )
         for pid in PEERS
     ]
     coordinator.begin_attempt()
     coordinator.invite(PEERS)
-    assert coordinator.conclude_collected(updates, PEERS).state is RoundState.CLOSED
+    outcome = coordinator.conclude_collected(updates, PEERS)
+    assert outcome.state is RoundState.CLOSED or not closes
+    return outcome
 
 
 def _unbound_run(store: Store, rounds: int) -> Coordinator:

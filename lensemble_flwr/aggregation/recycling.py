@@ -60,13 +60,14 @@ _UNHELD = _calibrate()
 
 
 def keep(sums: Mapping[str, np.ndarray]) -> None:
-    """Offer a revealed sum's int64 arrays for reuse by the next accumulator of the same
-    names and shapes (replacing any offered before)."""
+    """Offer the int64 arrays :func:`zeroed` gave an aggregator, once they hold a revealed
+    sum, for reuse by the next accumulator of the same names and shapes (replacing any
+    offered before)."""
     if _UNHELD is None:
         return
     with _lock:
         for name, array in sums.items():
-            if array.dtype == np.int64 and array.base is None and array.nbytes >= RECYCLE_MIN_BYTES:
+            if array.nbytes >= RECYCLE_MIN_BYTES:
                 _kept[(name, array.shape)] = array
 
 

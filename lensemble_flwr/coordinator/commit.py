@@ -133,14 +133,15 @@ def write_commit(
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
-    if callable(new_state) and _nbytes(momentum) < HASH_ON_A_THREAD_MIN_BYTES:
-        hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
-        new_state = new_state()
-    elif callable(new_state):
-        with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
-            momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
+    if callable(new_state):
+        if sum(a.nbytes for a in momentum.values()) < HASH_ON_A_THREAD_MIN_BYTES:
+            hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
             new_state = new_state()
-            hashed = momentum_hash.result()
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
+                momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
+                new_state = new_state()
+                hashed = momentum_hash.result()
     else:
         hashed = None
     digest = store.put_parts(
@@ -189,7 +190,3 @@ def retain(
     except (LensembleError, OSError) as exc:
         log.error("round %d committed; pruning old checkpoints failed: %r", head.round, exc)
         return since
-
-
-def _nbytes(arrays: NamedArrays) -> int:
-    return sum(int(a.nbytes) for a in arrays.values())
