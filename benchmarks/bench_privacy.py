@@ -7,7 +7,8 @@ federation). It writes ``benchmarks/results/privacy.json`` and, when matplotlib 
 
 The federation: scikit-learn's digits, 297 examples held out as the test set, the other
 1,500 split at random over N participants (at N = 1000 most hold one or two examples),
-lensemble's ``DigitsNet`` (64 → 32 → 10, 2,410 parameters), in process (no Ray), the same
+lensemble's ``DigitsNet`` (64 → 32 → 10, 2,410 parameters; ``--model linear``:
+``DigitsLinear``, softmax regression, 650 parameters), in process (no Ray), the same
 rounds, seeds and local training (H AdamW steps, batches of 8 drawn with replacement) for
 every arm. Each private arm clips every update to L2 norm ``--clip`` and calibrates its
 noise to ε over the planned rounds at δ = 1e-5 (``dp-rounds``; a participant's whole
@@ -64,11 +65,17 @@ from lensemble_flwr.privacy.gaussian import secure_normal
 from lensemble_flwr.provenance.averaging import averaged_model
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.secagg import participant_role
-from lensemble_flwr.simulations.digits_data import DigitsNet, DigitsPartition, DigitsTrainer
+from lensemble_flwr.simulations.digits_data import (
+    DigitsLinear,
+    DigitsNet,
+    DigitsPartition,
+    DigitsTrainer,
+)
 from lensemble_flwr.simulations.digits_data import initial_params as digits_params
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = {"mlp": DigitsNet, "linear": DigitsLinear}
 HELD_OUT = 297
 
 
@@ -98,8 +105,10 @@ def split(participants: int, seed: int) -> tuple[list[DigitsPartition], np.ndarr
     return parts, x[test], y[test]
 
 
-def accuracy(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
-    model = DigitsNet()
+def accuracy(
+    params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, model_class: type = DigitsNet
+) -> float:
+    model = model_class()
     model.load_state_dict({n: torch.from_numpy(np.array(a)) for n, a in params.items()})
     with torch.no_grad():
         return float((model(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
@@ -149,11 +158,12 @@ def run_arm(
         pid = f"p{i:04d}"
         node = Participant(
             config, participant_id=pid, transport=network.transport_for(pid),
-            trainer=DigitsTrainer(part),
+            trainer=DigitsTrainer(part, model=MODELS[args.model]),
         )  # fmt: skip
         network.attach(node)
     coordinator = Coordinator(
-        config, transport=network.coordinator, initial_params=digits_params(),
+        config, transport=network.coordinator,
+        initial_params=digits_params(model=MODELS[args.model]),
         store=Store(tmp / "run"),
     )  # fmt: skip
     shares: list[float] = []  # per round: the std of the sum of the members' shares
@@ -189,11 +199,13 @@ def run_arm(
                 )  # fmt: skip
             seconds.append(time.perf_counter() - started)
             if drawn:
-                names = len(digits_params())
+                names = len(digits_params(model=MODELS[args.model]))
                 per_member = [drawn[i : i + names] for i in range(0, len(drawn), names)]
                 total = sum(np.concatenate([a.ravel() for a in m]) for m in per_member)
                 shares.append(float(np.std(np.asarray(total, np.float64))) / 2.0**32)
-            curve.append(accuracy(coordinator.global_state().params, x_test, y_test))
+            curve.append(
+                accuracy(coordinator.global_state().params, x_test, y_test, MODELS[args.model])
+            )
             network.flush()
     finally:
         participant_role.secure_discrete_gaussian = original
@@ -226,7 +238,7 @@ def run_arm(
         "noise_multiplier": noise_multiplier,
         "accuracy": curve,
         "final_accuracy": curve[-1],
-        "averaged_accuracy": accuracy(published.params, x_test, y_test),
+        "averaged_accuracy": accuracy(published.params, x_test, y_test, MODELS[args.model]),
         "average_decay": args.average_decay,
         "epsilon_spent_max": max(spent) if spent else None,
         "epsilon_against": list(guarantee.against) if guarantee else
@@ -246,6 +258,10 @@ def main() -> None:
     parser.add_argument("--arms", default="non-private,local,distributed,"
                         "distributed+sampling,central")  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="mlp",
+        help="mlp: DigitsNet (2,410 parameters); linear: DigitsLinear (650)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--inner-lr", type=float, default=0.01)
     parser.add_argument("--outer-lr", type=float, default=1.0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lensemble_flwr.simulations.digits_data import (
+    DigitsLinear,
     DigitsNet,
     DigitsTrainer,
     _load_digits,
@@ -148,6 +149,32 @@ def test_initial_params():
     # Every participant starts from the same model (init seed 0).
     a, b = DigitsTrainer(load_partition(0, N)), DigitsTrainer(load_partition(9, N))
     assert all(torch.equal(a.model.state_dict()[k], b.model.state_dict()[k]) for k in params)
+
+
+def test_the_linear_model_is_seeded_trains_and_is_what_its_trainer_holds():
+    params = initial_params(model=DigitsLinear)
+    assert list(params) == ["predictor.bias", "predictor.weight"]
+    assert sum(v.size for v in params.values()) == 650  # the model for DP at this size
+    again, other = initial_params(model=DigitsLinear), initial_params(seed=1, model=DigitsLinear)
+    assert all(np.array_equal(params[k], again[k]) for k in params)
+    assert not np.array_equal(params["predictor.weight"], other["predictor.weight"])
+    trainer = DigitsTrainer(load_partition(2, N), model=DigitsLinear)
+    assert isinstance(trainer.model, DigitsLinear)
+    assert all(
+        np.array_equal(trainer.model.state_dict()[k].numpy(), params[k]) for k in params
+    )
+    x, y = torch.from_numpy(trainer.partition.x_train), torch.from_numpy(trainer.partition.y_train)
+    with torch.no_grad():
+        before = float(trainer.loss(trainer.model, (x, y)))
+    opt = torch.optim.AdamW(trainer.model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        opt.zero_grad()
+        trainer.loss(trainer.model, trainer.sample_batch(gen, 32)).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(trainer.loss(trainer.model, (x, y))) < 0.5 * before
+    assert trainer.evaluate()[1] > 0.5
 
 
 def test_centralized_evaluate():

@@ -137,7 +137,7 @@ class Store:
         if not path.exists():
             if self.on_write is not None:
                 self.on_write("blob", digest, data)
-            self._publish(data, path, exclusive=False)
+            self._publish(data, path, exclusive=False, dest_checked=True)
         return digest
 
     def put_parts(self, parts: Iterable[bytes | memoryview]) -> str:
@@ -388,13 +388,17 @@ class Store:
             if self.sync:
                 _fsync_dir(new.parent)
 
-    def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
-        """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
+    def _publish(
+        self, data: bytes, dest: Path, *, exclusive: bool, dest_checked: bool = False
+    ) -> bool:
+        """Write ``data`` to a fsynced temp file, then publish it at ``dest``
+        (``dest_checked``: the caller has just checked ``dest`` for links).
 
         Returns:
             False only if ``exclusive`` and ``dest`` already exists; True otherwise.
         """
-        self._check_no_links(dest)
+        if not dest_checked:
+            self._check_no_links(dest)
         self._check_no_links(self._tmp)
         try:
             return self._write_then_publish(data, dest, exclusive=exclusive)
@@ -406,6 +410,7 @@ class Store:
     def _write_then_publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         self._ensure_dir(dest.parent)
         fd, tmp = tempfile.mkstemp(dir=self._tmp)
+        moved = False  # os.replace moved the temp file: nothing is left to remove
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -414,6 +419,7 @@ class Store:
                     os.fsync(f.fileno())
             if not exclusive:
                 os.replace(tmp, dest)
+                moved = True
             else:
                 try:
                     os.link(tmp, dest)
@@ -425,5 +431,6 @@ class Store:
                 _fsync_dir(dest.parent)
             return True
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            if not moved:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
