@@ -106,7 +106,10 @@ def split(participants: int, seed: int) -> tuple[list[DigitsPartition], np.ndarr
 
 
 def accuracy(
-    params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, model_class: type = DigitsNet
+    params: dict[str, np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    model_class: type[torch.nn.Module] = DigitsNet,
 ) -> float:
     model = model_class()
     model.load_state_dict({n: torch.from_numpy(np.array(a)) for n, a in params.items()})
@@ -153,17 +156,19 @@ def run_arm(
 ) -> dict[str, Any]:
     parts, x_test, y_test = data
     config = arm_config(arm, epsilon, args, tmp)
+    model_class = MODELS[args.model]
+    tensors = len(digits_params(model_class=model_class))  # a member's draws per round
     network = InProcessNetwork(compute_s=1.0, join_endpoint=str(tmp / "run"))
     for i, part in enumerate(parts):
         pid = f"p{i:04d}"
         node = Participant(
             config, participant_id=pid, transport=network.transport_for(pid),
-            trainer=DigitsTrainer(part, model=MODELS[args.model]),
+            trainer=DigitsTrainer(part, model_class=model_class),
         )  # fmt: skip
         network.attach(node)
     coordinator = Coordinator(
         config, transport=network.coordinator,
-        initial_params=digits_params(model=MODELS[args.model]),
+        initial_params=digits_params(model_class=model_class),
         store=Store(tmp / "run"),
     )  # fmt: skip
     shares: list[float] = []  # per round: the std of the sum of the members' shares
@@ -199,12 +204,11 @@ def run_arm(
                 )  # fmt: skip
             seconds.append(time.perf_counter() - started)
             if drawn:
-                names = len(digits_params(model=MODELS[args.model]))
-                per_member = [drawn[i : i + names] for i in range(0, len(drawn), names)]
+                per_member = [drawn[i : i + tensors] for i in range(0, len(drawn), tensors)]
                 total = sum(np.concatenate([a.ravel() for a in m]) for m in per_member)
                 shares.append(float(np.std(np.asarray(total, np.float64))) / 2.0**32)
             curve.append(
-                accuracy(coordinator.global_state().params, x_test, y_test, MODELS[args.model])
+                accuracy(coordinator.global_state().params, x_test, y_test, model_class)
             )
             network.flush()
     finally:
@@ -238,7 +242,7 @@ def run_arm(
         "noise_multiplier": noise_multiplier,
         "accuracy": curve,
         "final_accuracy": curve[-1],
-        "averaged_accuracy": accuracy(published.params, x_test, y_test, MODELS[args.model]),
+        "averaged_accuracy": accuracy(published.params, x_test, y_test, model_class),
         "average_decay": args.average_decay,
         "epsilon_spent_max": max(spent) if spent else None,
         "epsilon_against": list(guarantee.against) if guarantee else

@@ -152,17 +152,18 @@ def test_initial_params():
 
 
 def test_the_linear_model_is_seeded_trains_and_is_what_its_trainer_holds():
-    params = initial_params(model=DigitsLinear)
+    params = initial_params(model_class=DigitsLinear)
     assert list(params) == ["predictor.bias", "predictor.weight"]
     assert sum(v.size for v in params.values()) == 650  # the model for DP at this size
-    again, other = initial_params(model=DigitsLinear), initial_params(seed=1, model=DigitsLinear)
+    again, other = (
+        initial_params(model_class=DigitsLinear),
+        initial_params(seed=1, model_class=DigitsLinear),
+    )
     assert all(np.array_equal(params[k], again[k]) for k in params)
     assert not np.array_equal(params["predictor.weight"], other["predictor.weight"])
-    trainer = DigitsTrainer(load_partition(2, N), model=DigitsLinear)
+    trainer = DigitsTrainer(load_partition(2, N), model_class=DigitsLinear)
     assert isinstance(trainer.model, DigitsLinear)
-    assert all(
-        np.array_equal(trainer.model.state_dict()[k].numpy(), params[k]) for k in params
-    )
+    assert all(np.array_equal(trainer.model.state_dict()[k].numpy(), params[k]) for k in params)
     x, y = torch.from_numpy(trainer.partition.x_train), torch.from_numpy(trainer.partition.y_train)
     with torch.no_grad():
         before = float(trainer.loss(trainer.model, (x, y)))

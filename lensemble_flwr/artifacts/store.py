@@ -137,7 +137,7 @@ class Store:
         if not path.exists():
             if self.on_write is not None:
                 self.on_write("blob", digest, data)
-            self._publish(data, path, exclusive=False, dest_checked=True)
+            self._publish(data, path, exclusive=False)
         return digest
 
     def put_parts(self, parts: Iterable[bytes | memoryview]) -> str:
@@ -388,17 +388,13 @@ class Store:
             if self.sync:
                 _fsync_dir(new.parent)
 
-    def _publish(
-        self, data: bytes, dest: Path, *, exclusive: bool, dest_checked: bool = False
-    ) -> bool:
-        """Write ``data`` to a fsynced temp file, then publish it at ``dest``
-        (``dest_checked``: the caller has just checked ``dest`` for links).
+    def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
+        """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
 
         Returns:
             False only if ``exclusive`` and ``dest`` already exists; True otherwise.
         """
-        if not dest_checked:
-            self._check_no_links(dest)
+        self._check_no_links(dest)
         self._check_no_links(self._tmp)
         try:
             return self._write_then_publish(data, dest, exclusive=exclusive)
@@ -409,8 +405,8 @@ class Store:
 
     def _write_then_publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         self._ensure_dir(dest.parent)
-        fd, tmp = tempfile.mkstemp(dir=self._tmp)
         moved = False  # os.replace moved the temp file: nothing is left to remove
+        fd, tmp = tempfile.mkstemp(dir=self._tmp)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -173,9 +173,10 @@ class DigitsNet(nn.Module):
 class DigitsLinear(nn.Module):
     """predictor: 64 pixels → 10 logits (softmax regression, 650 parameters).
 
-    The model for differential privacy at this data size: the noise a private sum carries
-    grows with the square root of the number of parameters, and with a handful of
-    examples per participant the hidden layer of :class:`DigitsNet` buys no accuracy.
+    The model for differential privacy at this data size: the L2 norm of the noise a
+    private sum carries grows with the square root of the number of parameters, and with
+    a handful of examples per participant the hidden layer of :class:`DigitsNet` buys no
+    accuracy.
     """
 
     def __init__(self, seed: int = 0) -> None:
@@ -198,7 +199,8 @@ class DigitsTrainer:
         partition: the participant's private data.
         init_seed: seed of the initial model; the same for every participant, so they
             all start identical before the first global state arrives.
-        model: the classifier's class (:class:`DigitsNet` or :class:`DigitsLinear`).
+        model_class: what builds the classifier from a seed (:class:`DigitsNet`, the
+            default, or :class:`DigitsLinear`).
     """
 
     def __init__(
@@ -206,10 +208,10 @@ class DigitsTrainer:
         partition: DigitsPartition,
         *,
         init_seed: int = 0,
-        model: type[nn.Module] = DigitsNet,
+        model_class: Callable[..., nn.Module] = DigitsNet,
     ) -> None:
         self.partition = partition
-        self.model = model(seed=init_seed)
+        self.model = model_class(seed=init_seed)
         self._x, self._y = torch.from_numpy(partition.x_train), torch.from_numpy(partition.y_train)
 
     def num_examples(self) -> int:
@@ -260,9 +262,12 @@ def _evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, fl
     return float(loss), float(acc)
 
 
-def initial_params(seed: int = 0, model: type[nn.Module] = DigitsNet) -> dict[str, np.ndarray]:
-    """θ_0: every tensor of a freshly initialised ``model`` (DigitsNet), in sorted order."""
-    net = model(seed=seed)
+def initial_params(
+    seed: int = 0, *, model_class: Callable[..., nn.Module] = DigitsNet
+) -> dict[str, np.ndarray]:
+    """θ_0: every tensor of a freshly initialised ``model_class`` (default: DigitsNet), in
+    sorted order."""
+    net = model_class(seed=seed)
     return {
         n: t.detach().numpy().astype(np.float32, copy=True)
         for n, t in sorted(net.state_dict().items())
