@@ -104,19 +104,24 @@ def test_sample_batch_is_reproducible():
     assert not torch.equal(a[1], c[1])
 
 
-def test_training_lowers_the_loss():
-    trainer = DigitsTrainer(load_partition(2, N))
+def _train(trainer: DigitsTrainer, steps: int = 100) -> tuple[float, float]:
+    """The training loss before and after ``steps`` AdamW steps on batches of 32."""
     x, y = torch.from_numpy(trainer.partition.x_train), torch.from_numpy(trainer.partition.y_train)
     with torch.no_grad():
         before = float(trainer.loss(trainer.model, (x, y)))
     opt = torch.optim.AdamW(trainer.model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(100):
+    for _ in range(steps):
         opt.zero_grad()
         trainer.loss(trainer.model, trainer.sample_batch(gen, 32)).backward()
         opt.step()
     with torch.no_grad():
-        after = float(trainer.loss(trainer.model, (x, y)))
+        return before, float(trainer.loss(trainer.model, (x, y)))
+
+
+def test_training_lowers_the_loss():
+    trainer = DigitsTrainer(load_partition(2, N))
+    before, after = _train(trainer)
     assert after < 0.3 * before
     loss, acc, n = trainer.evaluate()
     assert n == len(trainer.partition.y_test) and acc > 0.5 and np.isfinite(loss)
@@ -164,17 +169,8 @@ def test_the_linear_model_is_seeded_trains_and_is_what_its_trainer_holds():
     trainer = DigitsTrainer(load_partition(2, N), model_class=DigitsLinear)
     assert isinstance(trainer.model, DigitsLinear)
     assert all(np.array_equal(trainer.model.state_dict()[k].numpy(), params[k]) for k in params)
-    x, y = torch.from_numpy(trainer.partition.x_train), torch.from_numpy(trainer.partition.y_train)
-    with torch.no_grad():
-        before = float(trainer.loss(trainer.model, (x, y)))
-    opt = torch.optim.AdamW(trainer.model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(100):
-        opt.zero_grad()
-        trainer.loss(trainer.model, trainer.sample_batch(gen, 32)).backward()
-        opt.step()
-    with torch.no_grad():
-        assert float(trainer.loss(trainer.model, (x, y))) < 0.5 * before
+    before, after = _train(trainer)
+    assert after < 0.5 * before
     assert trainer.evaluate()[1] > 0.5
 
 
