@@ -16,16 +16,21 @@ from federation_helpers import federation, small_config
 from opacus.accountants import RDPAccountant
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
+from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, RoundError
+from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.privacy.discrete_gaussian import ddg_sum_rho, secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import distributed_noise_for
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, verify
 from lensemble_flwr.secagg import participant_role
+from lensemble_flwr.simulations.digits_data import DigitsLinear, DigitsTrainer, load_partition
+from lensemble_flwr.simulations.digits_data import initial_params as digits_params
 from lensemble_flwr.testing import FaultPlan
+from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 CLIP = 0.5
 
@@ -241,3 +246,82 @@ def test_the_sum_of_threshold_shares_of_a_zero_update_has_the_calibrated_spread(
     assert abs(variance - expected) < 6 * standard_error
     assert abs(float(np.mean(total))) < 6 * np.sqrt(expected / dim)
     assert np.sqrt(expected) / 2.0**32 >= 2.0 * CLIP  # the sum carries at least sigma * C
+
+
+
+def digits_federation(
+    tmp: Path, config: LensembleConfig, faults: FaultPlan
+) -> tuple[Coordinator, InProcessNetwork]:
+    """Four participants training DigitsLinear (650 parameters: enough coordinates per
+    round for the statistics below to tell a missing share) on digits partitions."""
+    network = InProcessNetwork(faults=faults, join_endpoint=str(tmp / "digits"))
+    for i in range(4):
+        pid = f"p{i:02d}"
+        trainer = DigitsTrainer(load_partition(i, 4), model_class=DigitsLinear)
+        transport = network.transport_for(pid)
+        node = Participant(config, participant_id=pid, transport=transport, trainer=trainer)
+        network.attach(node)
+    coordinator = Coordinator(
+        config,
+        transport=network.coordinator,
+        initial_params=digits_params(model_class=DigitsLinear),
+        store=Store(tmp / "digits"),
+    )
+    return coordinator, network
+
+
+def test_over_many_rounds_the_noise_in_the_revealed_sum_is_fresh_and_calibrated_with_dropouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the pipeline, round after round: the noise in each revealed sum (the sum
+    minus the exact integers of the contributors' clipped releases, recorded as each
+    member adds its share) has the spread of the survivors' shares and is centred on
+    zero; it is not correlated from one round to the next; and once a member has
+    dropped, the three survivors' noise is still at least the target sigma * C (a share
+    sized for four survivors would leave 3/4 of it, which the bound tells apart)."""
+    rounds, dropped_from = 10, 6
+    releases: list[tuple[str, dict[str, np.ndarray]]] = []
+    add_share = participant_role.MaskingRole._with_noise_share
+
+    def recording(self, values, transforms, config):  # type: ignore[no-untyped-def]
+        releases.append((self.participant_id, {n: a.copy() for n, a in values.items()}))
+        return add_share(self, values, transforms, config)
+
+    monkeypatch.setattr(participant_role.MaskingRole, "_with_noise_share", recording)
+    faults = FaultPlan().drop("p02", round=dropped_from, at=RoundState.COLLECTING)
+    masked, network = digits_federation(tmp_path, dp_config(tmp_path), faults)
+    sums = revealed_sums(masked)
+    noise: list[np.ndarray] = []  # per round, on the grid
+    for _ in range(rounds):
+        releases.clear()
+        masked.run(1)
+        revealed, clean = sums[-1], dict(releases)
+        assert set(revealed.contributors) <= set(clean)
+        noise.append(
+            np.concatenate(
+                [
+                    (revealed.sums[n] - sum(clean[p][n] for p in revealed.contributors)).ravel()
+                    for n in sorted(revealed.sums)
+                ]
+            ).astype(np.float64)
+        )
+    network.flush()
+    counts = [o.count for o in masked.outcomes]
+    assert counts == [4] * (dropped_from - 1) + [3] * (rounds - dropped_from + 1)
+    dim = noise[0].size
+    share = distributed_noise_for(2.0, CLIP, 32, 3, dim)
+    spread = [np.sqrt(c * share.share_sigma**2) for c in counts]  # of `count` shares
+    z = np.stack([n / s for n, s in zip(noise, spread, strict=True)])
+    # pooled over every round: the variance of `count` shares, within six standard errors
+    assert abs(float(np.mean(z**2)) - 1.0) < 6 * np.sqrt(2.0 / z.size)
+    assert abs(float(np.mean(z))) < 6 / np.sqrt(z.size)
+    # fresh every round: consecutive rounds' noise is uncorrelated
+    lagged = float(np.mean(z[1:] * z[:-1]))
+    assert abs(lagged) < 6 / np.sqrt(dim * (rounds - 1))
+    # three survivors, the threshold: at least the target noise sigma * C on the sum
+    target = 2.0 * CLIP * 2.0**32
+    survivors = np.concatenate(noise[dropped_from - 1 :])
+    bound = 1 - 6 * np.sqrt(2.0 / survivors.size)
+    assert bound > 0.75  # the check can tell shares sized for four survivors
+    assert float(np.mean(survivors**2)) > target**2 * bound
+    verify(masked.store)
