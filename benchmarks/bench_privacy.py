@@ -109,7 +109,7 @@ def accuracy(
     params: dict[str, np.ndarray],
     x: np.ndarray,
     y: np.ndarray,
-    model_class: type[torch.nn.Module] = DigitsNet,
+    model_class: type[torch.nn.Module],
 ) -> float:
     model = model_class()
     model.load_state_dict({n: torch.from_numpy(np.array(a)) for n, a in params.items()})

@@ -60,13 +60,17 @@ def federation(
     config: LensembleConfig | None = None,
     name: str = "run",
     aggregator_factory: AggregatorFactory = fixed_point_aggregator,
+    **models: Any,
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
+    """:func:`~lensemble_flwr.simulations.inprocess.build` under ``tmp / name``; ``models``
+    (``trainer_of``, ``params``) replace the toy task."""
     return build(
         config or small_config(),
         tmp / name,
         participants=participants,
         faults=faults,
         aggregator_factory=aggregator_factory,
+        **models,
     )
 
 

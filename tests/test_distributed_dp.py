@@ -16,11 +16,9 @@ from federation_helpers import federation, small_config
 from opacus.accountants import RDPAccountant
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
-from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, RoundError
-from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.privacy.discrete_gaussian import ddg_sum_rho, secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import distributed_noise_for
@@ -30,7 +28,6 @@ from lensemble_flwr.secagg import participant_role
 from lensemble_flwr.simulations.digits_data import DigitsLinear, DigitsTrainer, load_partition
 from lensemble_flwr.simulations.digits_data import initial_params as digits_params
 from lensemble_flwr.testing import FaultPlan
-from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 CLIP = 0.5
 
@@ -248,28 +245,6 @@ def test_the_sum_of_threshold_shares_of_a_zero_update_has_the_calibrated_spread(
     assert np.sqrt(expected) / 2.0**32 >= 2.0 * CLIP  # the sum carries at least sigma * C
 
 
-
-def digits_federation(
-    tmp: Path, config: LensembleConfig, faults: FaultPlan
-) -> tuple[Coordinator, InProcessNetwork]:
-    """Four participants training DigitsLinear (650 parameters: enough coordinates per
-    round for the statistics below to tell a missing share) on digits partitions."""
-    network = InProcessNetwork(faults=faults, join_endpoint=str(tmp / "digits"))
-    for i in range(4):
-        pid = f"p{i:02d}"
-        trainer = DigitsTrainer(load_partition(i, 4), model_class=DigitsLinear)
-        transport = network.transport_for(pid)
-        node = Participant(config, participant_id=pid, transport=transport, trainer=trainer)
-        network.attach(node)
-    coordinator = Coordinator(
-        config,
-        transport=network.coordinator,
-        initial_params=digits_params(model_class=DigitsLinear),
-        store=Store(tmp / "digits"),
-    )
-    return coordinator, network
-
-
 def test_over_many_rounds_the_noise_in_the_revealed_sum_is_fresh_and_calibrated_with_dropouts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -289,7 +264,14 @@ def test_over_many_rounds_the_noise_in_the_revealed_sum_is_fresh_and_calibrated_
 
     monkeypatch.setattr(participant_role.MaskingRole, "_with_noise_share", recording)
     faults = FaultPlan().drop("p02", round=dropped_from, at=RoundState.COLLECTING)
-    masked, network = digits_federation(tmp_path, dp_config(tmp_path), faults)
+    # DigitsLinear's 650 parameters: enough coordinates per round to tell a missing share
+    masked, network, _ = federation(
+        tmp_path,
+        config=dp_config(tmp_path),
+        faults=faults,
+        trainer_of=lambda i: DigitsTrainer(load_partition(i, 4), model_class=DigitsLinear),
+        params=digits_params(model_class=DigitsLinear),
+    )
     sums = revealed_sums(masked)
     noise: list[np.ndarray] = []  # per round, on the grid
     for _ in range(rounds):

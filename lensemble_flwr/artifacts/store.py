@@ -405,7 +405,6 @@ class Store:
 
     def _write_then_publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         self._ensure_dir(dest.parent)
-        moved = False  # os.replace moved the temp file: nothing is left to remove
         fd, tmp = tempfile.mkstemp(dir=self._tmp)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -415,7 +414,6 @@ class Store:
                     os.fsync(f.fileno())
             if not exclusive:
                 os.replace(tmp, dest)
-                moved = True
             else:
                 try:
                     os.link(tmp, dest)
@@ -427,6 +425,5 @@ class Store:
                 _fsync_dir(dest.parent)
             return True
         finally:
-            if not moved:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

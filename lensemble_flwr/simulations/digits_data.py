@@ -150,6 +150,17 @@ def load_partition(
     )
 
 
+def _seeded_init(layers: tuple[nn.Linear, ...], seed: int) -> None:
+    """torch's default Linear init, but from our own generator rather than the global
+    one, so that the initial model is a function of ``seed`` alone."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in layers:
+            bound = 1.0 / math.sqrt(layer.in_features)
+            for p in (layer.weight, layer.bias):
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+
+
 class DigitsNet(nn.Module):
     """encoder: 64 pixels → 32 features; predictor: features → 10 logits."""
 
@@ -157,14 +168,7 @@ class DigitsNet(nn.Module):
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.ReLU())
         self.predictor = nn.Linear(D_HIDDEN, NUM_CLASSES)
-        # torch's default Linear init, but from our own generator rather than the
-        # global one, so that the initial model is a function of ``seed`` alone.
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for layer in (self.encoder[0], self.predictor):
-                bound = 1.0 / math.sqrt(layer.in_features)
-                for p in (layer.weight, layer.bias):
-                    p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+        _seeded_init((self.encoder[0], self.predictor), seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor(self.encoder(x))
@@ -182,11 +186,7 @@ class DigitsLinear(nn.Module):
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         self.predictor = nn.Linear(D_IN, NUM_CLASSES)
-        gen = torch.Generator().manual_seed(seed)  # torch's default init, from our generator
-        with torch.no_grad():
-            bound = 1.0 / math.sqrt(D_IN)
-            for p in (self.predictor.weight, self.predictor.bias):
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+        _seeded_init((self.predictor,), seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predictor(x)

@@ -22,6 +22,8 @@ from lensemble_flwr.coordinator.coordinator import (
     RoundOutcome,
     fixed_point_aggregator,
 )
+from lensemble_flwr.params import NamedArrays
+from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
@@ -39,21 +41,25 @@ def build(
     compute_s: float = 1.0,
     on_round: Callable[[RoundOutcome], None] | None = None,
     aggregator_factory: AggregatorFactory = fixed_point_aggregator,
+    trainer_of: Callable[[int], Trainer | LocalTraining] = ToyTrainer,
+    params: NamedArrays | None = None,
 ) -> tuple[Coordinator, InProcessNetwork, list[Participant]]:
-    """Wire a coordinator and ``participants`` toy participants on one in-process network."""
+    """Wire a coordinator and ``participants`` participants on one in-process network:
+    participant i trains ``trainer_of(i)`` (the toy task's by default) from ``params``
+    (θ_0; default: the toy model's)."""
     network = InProcessNetwork(faults=faults, compute_s=compute_s, join_endpoint=str(run_dir))
     nodes = []
     for i in range(participants):
         pid = f"p{i:02d}"
         node = Participant(
-            config, participant_id=pid, transport=network.transport_for(pid), trainer=ToyTrainer(i)
+            config, participant_id=pid, transport=network.transport_for(pid), trainer=trainer_of(i)
         )
         network.attach(node)
         nodes.append(node)
     coordinator = Coordinator(
         config,
         transport=network.coordinator,
-        initial_params=initial_params(),
+        initial_params=initial_params() if params is None else params,
         store=Store(run_dir),
         on_round=on_round,
         aggregator_factory=aggregator_factory,
