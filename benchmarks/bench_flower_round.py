@@ -222,7 +222,8 @@ def bench_client_app(
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         start, t0 = time.time(), time.perf_counter()
-        hits = process_participants().hits
+        live = process_participants()
+        hits, stale = live.hits, live.stale
         if is_lensemble_instruction(msg.content):
             reply = lensemble(msg, context)
         else:
@@ -233,7 +234,8 @@ def bench_client_app(
                     "seconds": time.perf_counter() - t0,
                     "start": start,
                     "end": time.time(),
-                    "reused": int(process_participants().hits > hits),  # a kept participant
+                    "reused": int(live.hits > hits),  # a kept participant, as it was
+                    "refreshed": int(live.stale > stale),  # one given the state saved elsewhere
                 }
             )
         return reply
@@ -287,6 +289,7 @@ class RoundMarks:
     replies: int = 0
     client_seconds: float = 0.0  # the train calls' seconds inside the actors, summed
     reused: int = 0  # train calls answered by a participant kept alive in the actor
+    refreshed: int = 0  # ... by a kept one that loaded a state another actor saved
     first_start: float = float("inf")  # earliest train call start (inside an actor)
     last_end: float = 0.0  # latest train call end
     last_pull: float = 0.0  # when the last train reply reached the ServerApp thread
@@ -325,6 +328,7 @@ class TimedGrid:
             marks.replies += 1
             marks.client_seconds += float(stamp["seconds"])  # type: ignore[arg-type]
             marks.reused += int(stamp["reused"])  # type: ignore[arg-type]
+            marks.refreshed += int(stamp["refreshed"])  # type: ignore[arg-type]
             start, stop = float(stamp["start"]), float(stamp["end"])  # type: ignore[arg-type]
             marks.first_start = min(marks.first_start, start)
             marks.last_end = max(marks.last_end, stop)
@@ -381,6 +385,7 @@ class Measured:
     )
     coordinator_seconds: list[float] = dataclasses.field(default_factory=list)
     reused: int = 0
+    refreshed: int = 0
 
 
 def run_block(
@@ -471,6 +476,7 @@ def record_block(
         measured.server_cpu.append(nxt.cpu - m.cpu)
         measured.client.append(m.client_seconds)
         measured.reused += m.reused
+        measured.refreshed += m.refreshed
         measured.messages.append(m.replies)
         measured.store_seconds.append(nxt.store_seconds - m.store_seconds)
         measured.store_calls.append(nxt.store_calls - m.store_calls)
@@ -657,7 +663,8 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
             print(
                 f"  {v.name}: the strategy's own 'seconds' metric (RoundOpen to commit, "
                 f"excl. the manifest write), median {own:.3f}; train calls answered by "
-                f"a participant kept alive in its actor: {measured[v].reused} of "
+                f"a participant kept alive in its actor: {measured[v].reused} as it was, "
+                f"{measured[v].refreshed} given the state another actor saved, of "
                 f"{sum(measured[v].messages)}"
             )
 

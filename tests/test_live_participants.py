@@ -1,10 +1,11 @@
 """A ClientApp process keeps the participants it built alive between messages
 (``make_client_app(keep_live_bytes=...)``, :mod:`lensemble_flwr.clients.live`): a kept one
-releases exactly what a participant rebuilt from ``context.state`` releases, and it is
-reused only while ``context.state`` is the state it saved last."""
+releases exactly what a participant rebuilt from ``context.state`` releases, whether
+``context.state`` is the state it saved last or one another process saved or rolled back."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,12 @@ from test_records import _serverapp_identity  # noqa: F401  (autouse: the Server
 
 from lensemble_flwr.clients import live as live_module
 from lensemble_flwr.clients.app import make_client_app
-from lensemble_flwr.clients.live import LiveParticipants, process_participants, size_of
+from lensemble_flwr.clients.live import (
+    DEFAULT_KEEP_BYTES,
+    LiveParticipants,
+    process_participants,
+    size_of,
+)
 from lensemble_flwr.clients.state import META_KEY, TOKEN_FIELD, load_state, saved_token
 from lensemble_flwr.simulations.toy import ToyTrainer
 
@@ -105,26 +111,74 @@ def test_a_kept_participant_releases_what_a_rebuilt_one_releases() -> None:
     assert saved_token(kept_context.state) != saved_token(fresh_context.state)
 
 
-def test_another_state_is_loaded_into_a_participant_built_afresh() -> None:
+def test_a_rolled_back_state_is_loaded_into_the_kept_participant() -> None:
     trainer_fn = Counting()
     app = app_for(trainer_fn)
     _, after_first = run_rounds(app, new_context(), range(1))
     _, after_second = run_rounds(app, next_process(after_first), range(1, 2))
     assert trainer_fn.built == 1
     # the node's state rolled back to what round 1 left: not the state the kept
-    # participant saved last, so it is rebuilt from the rolled-back state ...
+    # participant saved last, so that state is loaded into it (nothing is rebuilt) ...
+    live = process_participants()
     rolled_back = next_process(after_first)
     reply = app(train_message(2), rolled_back)
-    assert trainer_fn.built == 2
-    # ... and answers exactly as a process that lives for one message does
+    assert (trainer_fn.built, live.stale) == (1, 1)
+    # ... and it answers exactly as a process that lives for one message does
     reference = app_for(Counting(), keep_live_bytes=0)(train_message(2), next_process(after_first))
     assert_same_updates([reply], [reference])
-    # a state without a token (saved by an older version, or written by hand) too
+    # a state without a token (saved by an older version, or written by hand) is loaded
+    # into a participant built afresh
     stripped = next_process(after_second)
     meta = stripped.state[META_KEY]
     del meta[TOKEN_FIELD]
     app(train_message(2), stripped)
-    assert trainer_fn.built == 3
+    assert trainer_fn.built == 2
+
+
+def test_a_state_saved_by_another_process_is_loaded_into_the_kept_one() -> None:
+    """On the simulation engine a node's messages go to whichever actor is free: two
+    processes, each keeping its own participant for the node, take turns. Each loads the
+    state the other saved, and the node releases what one process rebuilding every time
+    releases."""
+    fns = {"a": Counting(), "b": Counting()}
+    processes: dict[str, dict[int, LiveParticipants]] = {"a": {}, "b": {}}
+    apps = {name: app_for(fns[name]) for name in fns}
+    context, replies = new_context(), []
+    for rnd, name in enumerate("aabab"):
+        live_module._PROCESS = processes[name]  # this message runs in process `name`
+        replies.append(apps[name](train_message(rnd), context))
+        assert not replies[-1].has_error(), replies[-1].error
+        context = next_process(context)
+    assert (fns["a"].built, fns["b"].built) == (1, 1)
+    a, b = processes["a"][DEFAULT_KEEP_BYTES], processes["b"][DEFAULT_KEEP_BYTES]
+    assert (a.hits, a.stale, a.misses) == (1, 1, 1)  # built, reused, refreshed
+    assert (b.hits, b.stale, b.misses) == (0, 1, 1)
+    live_module._PROCESS = {}
+    fresh, _ = run_rounds(app_for(Counting(), keep_live_bytes=0), new_context(), range(5))
+    assert_same_updates(replies, fresh)
+
+
+def test_a_state_that_does_not_load_gets_a_participant_built_afresh() -> None:
+    """A kept participant is not left half-loaded by a state that does not load: it is
+    dropped, and the participant built afresh reports why the state does not load."""
+    trainer_fn = Counting()
+    app = app_for(trainer_fn)
+    _, context = run_rounds(app, new_context(), range(1))
+    broken = next_process(context)
+    meta = broken.state[META_KEY]
+    meta[TOKEN_FIELD] = "another process saved this"
+    saved = json.loads(str(meta["json"]))
+    assert saved["training"]["optimizer"]["param_groups"]  # AdamW's state was saved ...
+    saved["training"]["optimizer"]["param_groups"] = []  # ... and is now broken
+    meta["json"] = json.dumps(saved)
+    # it fails late, in the optimizer, after the round state was restored: the kept
+    # participant is then half-loaded, and must not be used
+    with pytest.raises(ValueError, match="parameter groups"):
+        app(train_message(1), broken)
+    assert trainer_fn.built == 2  # the kept one was dropped: a rebuilt one raised
+    assert len(process_participants()) == 0
+    with pytest.raises(ValueError, match="parameter groups"):
+        app_for(Counting(), keep_live_bytes=0)(train_message(1), next_process(broken))
 
 
 def test_a_participant_that_failed_half_way_is_not_reused() -> None:

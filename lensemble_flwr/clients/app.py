@@ -143,6 +143,17 @@ def handle_train(
     return train_participant(message, payloads, context, built)[0]
 
 
+def refreshed(participant: Participant, context: Context) -> Participant | None:
+    """``participant`` (kept by this process) with the state in ``context.state`` loaded,
+    which another process saved or which was rolled back; None if that state does not
+    load (the caller then builds a participant afresh, which reports why)."""
+    try:
+        participant.import_state(load_state(context.state))
+    except Exception:  # the rebuild below raises it again, with its context
+        return None
+    return participant
+
+
 def instruction_payloads(message: Message) -> list[dict[str, Any]]:
     """The lensemble payloads of ``message`` (RoundClose first), or [] if it carries no
     lensemble instruction (a RoundOpen, RoundClose or UnmaskRequest)."""
@@ -273,10 +284,12 @@ def make_client_app(
     long-lived ClientApp process) keeps the participants it built alive between them (in
     the process, whichever copy of the app handles the message), up to
     ``keep_live_bytes`` (their saved state's arrays plus their model's tensors; least
-    recently used out; 0 keeps none). A kept participant is reused only while
-    ``context.state`` holds the state it saved last (a token says so); any other state is
-    loaded into a participant built afresh, which is what a process that lives for one
-    message does every time.
+    recently used out; 0 keeps none). A kept participant is reused as it is while
+    ``context.state`` holds the state it saved last (a token says so). A state saved by
+    another process or rolled back is loaded into the kept participant, which then holds
+    exactly what a participant built afresh from that state holds; a state without a
+    token, or one that does not load, gets a participant built afresh, which is what a
+    process that lives for one message does every time.
 
     Args:
         trainer_fn: builds this node's Trainer (torch model + private data) or
@@ -306,7 +319,9 @@ def make_client_app(
             return refusal(message, NOT_AN_INSTRUCTION)
         live = process_participants(keep_live_bytes)  # not captured: the app is pickled
         key = (context.run_id, context.node_id)
-        participant = live.take(key, saved_token(context.state))
+        participant, current = live.take_any(key, saved_token(context.state))
+        if participant is not None and not current:
+            participant = refreshed(participant, context)
         if participant is None:
             built = build_participant(
                 context,

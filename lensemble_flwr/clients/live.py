@@ -5,10 +5,14 @@ A SuperNode may start a new process for every message, so a participant's state 
 (an actor of Flower's simulation engine, a long-lived ``flwr-clientapp``) would rebuild
 the same participant for every message: the user's trainer, the Merkle root of its
 dataset, the release pipeline, the optimizer. :class:`LiveParticipants` keeps the
-participants a process built, each with the token its state was last saved under, and
-hands one back only when ``context.state`` still carries that token; a state saved by
-another process, rolled back, or replaced carries another token (or none), and the
-participant is rebuilt from it.
+participants a process built, each with the token its state was last saved under. When
+``context.state`` still carries that token, the participant is handed back as it is. A
+state saved by another process (on the simulation engine, another actor handled the
+node's last message) or rolled back carries another token: the kept participant is then
+handed back *stale*, and the ClientApp loads that state into it, which restores
+everything its state covers (what a participant built afresh would load) and saves
+building the trainer, the dataset commitment and the release pipeline again. A state
+without a token (none saved yet, or written by hand) gets a participant built afresh.
 
 The participants kept are bounded by their size (their saved state's arrays and their
 model's parameters), least recently used first out. They are kept per process
@@ -66,8 +70,9 @@ class LiveParticipants:
         self.capacity_bytes = capacity_bytes
         self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()
         self._bytes = 0  # the sum of the kept participants' sizes
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # handed back with the state it saved last
+        self.stale = 0  # handed back to load another state
+        self.misses = 0  # none kept, or no token to match
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -82,14 +87,27 @@ class LiveParticipants:
         None. Either way nothing stays under ``key``: a participant is handed out once and
         kept again (:meth:`keep`) only after its next state was saved, so one that failed
         half-way through a message is never reused."""
+        participant, current = self.take_any(key, token)
+        return participant if current else None
+
+    def take_any(self, key: Hashable, token: str | None) -> tuple[Any | None, bool]:
+        """The participant kept under ``key`` and whether its state is the one saved under
+        ``token``: ``(p, True)`` as :meth:`take`; ``(p, False)`` when ``p``'s last state
+        is another one, which the caller must load into ``p`` before using it (the
+        state ``token`` names is newer or older than ``p``'s); ``(None, False)`` when
+        nothing is kept under ``key`` or ``token`` is None (no saved state to load).
+        Nothing stays under ``key``, as with :meth:`take`."""
         kept = self._kept.pop(key, None)
         if kept is not None:
             self._bytes -= kept.size
-        if kept is not None and token is not None and kept.token == token:
+        if kept is None or token is None:
+            self.misses += 1
+            return None, False
+        if kept.token == token:
             self.hits += 1
-            return kept.participant
-        self.misses += 1
-        return None
+            return kept.participant, True
+        self.stale += 1
+        return kept.participant, False
 
     def keep(self, key: Hashable, token: str, participant: Any, size: int) -> None:
         """Keep ``participant``, whose state was just saved under ``token``; drop the least
