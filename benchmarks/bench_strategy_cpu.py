@@ -14,11 +14,13 @@ It measures, per round:
 * the ClientApp's CPU per train message.
 
 On the simulation engine half the train messages reach an actor that did not handle the
-node's previous message, so the participant is rebuilt from ``context.state`` (a
-*miss*); ``--miss`` sets the share of messages whose kept participant is dropped first
-(default 0.5). Variants are interleaved over ``--repeats`` runs of ``--rounds`` rounds;
-the best run of each is reported with the ratios, for information (no target: the
-targets are the engine's, in ``bench_flower_round.py``).
+node's previous message, so the participant that actor kept loads the state the other
+actor saved in ``context.state`` (*stale*); ``--stale`` sets the share of messages whose
+kept participant is made stale first (default 0.5), ``--rebuild`` the share whose kept
+participant is dropped, so that it is rebuilt (default 0). Variants are interleaved
+over ``--repeats`` runs of ``--rounds`` rounds; the best run of each is reported with the
+ratios, for information (no target: the targets are the engine's, in
+``bench_flower_round.py``).
 """
 
 from __future__ import annotations
@@ -50,16 +52,26 @@ SIZE = 100  # float32 values in the model, as in bench_flower_round.py
 class TimedApp:
     """The ClientApp, called as ``app(message, context)`` by bench_learning's
     :class:`LoopbackGrid`, with its CPU time added up; before a share ``miss`` of the
-    calls it drops the node's kept participant, as if another actor had the last message."""
+    calls it makes the node's kept participant stale, as if another actor had handled the
+    node's last message, and before a share ``rebuild`` it drops it."""
 
-    def __init__(self, app: Any, miss: float, seed: int = 0) -> None:
-        self.app, self.miss = app, miss
+    def __init__(self, app: Any, stale: float, rebuild: float = 0.0, seed: int = 0) -> None:
+        self.app, self.stale, self.rebuild = app, stale, rebuild
         self.cpu = 0.0
         self._rng = random.Random(seed)
 
     def __call__(self, message: Message, context: Context) -> Message:
-        if self._rng.random() < self.miss:
-            process_participants().take((context.run_id, context.node_id), None)
+        draw, key, live = (
+            self._rng.random(),
+            (context.run_id, context.node_id),
+            process_participants(),
+        )
+        if draw < self.rebuild:
+            live.take(key, None)
+        elif draw < self.rebuild + self.stale:
+            kept, _ = live.take_any(key, "")
+            if kept is not None:
+                live.keep(key, "another actor's token", kept, 0)
         t0 = time.process_time()
         try:
             return self.app(message, context)
@@ -120,19 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[10, 50])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--miss", type=float, default=0.5, help="share of participant rebuilds")
+    parser.add_argument("--stale", type=float, default=0.5, help="share of stale participants")
+    parser.add_argument("--rebuild", type=float, default=0.0, help="share of rebuilds")
     args = parser.parse_args(argv)
     logging.getLogger("flwr").setLevel(logging.ERROR)
     as_server_app()  # what a ServerApp process sets before its strategy builds Messages
     print(
         f"== ServerApp and ClientApp CPU per round, no Ray: rounds {args.rounds}, "
-        f"best of {args.repeats} runs, participant rebuilds {args.miss:.0%}"
+        f"best of {args.repeats} runs, stale participants {args.stale:.0%}, rebuilt "
+        f"{args.rebuild:.0%}"
     )
     print(f"{'N':>5} {'strategy':<18}{'server ms/round':>16}{'client ms/msg':>15}")
     with tempfile.TemporaryDirectory(prefix="bench-strategy-cpu-") as tmp:
         for nodes in args.nodes:
             app = TimedApp(
-                engine.bench_client_app(SIZE, engine.bench_config(nodes), "torch"), args.miss
+                engine.bench_client_app(SIZE, engine.bench_config(nodes), "torch"),
+                args.stale,
+                args.rebuild,
             )
             grid = loopback(app, nodes)
             for name in ("FedAvg", "LensembleStrategy"):  # warm-up: imports, first AdamW
