@@ -1,5 +1,5 @@
 """``lensemble-flwr report``'s curves: training and validation loss and accuracy from the
-run's round-metrics.json, beside the audit panels; C_t with integer ticks and aborted
+run's round-metrics.jsonl, beside the audit panels; C_t with integer ticks and aborted
 attempts drawn whole."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from lensemble_flwr.cli.report import (
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.round_metrics import (
     METRICS_NAME,
+    append_round_metrics,
     read_round_metrics,
     write_round_metrics,
 )
@@ -64,9 +65,68 @@ def test_round_metrics_are_fsynced_only_when_the_run_writes_durably(
 
 
 def test_a_broken_round_metrics_file_is_refused(tmp_path: Path) -> None:
-    (tmp_path / METRICS_NAME).write_text(json.dumps({"rounds": {"x": {}}}))
-    with pytest.raises(ConfigError, match=METRICS_NAME):
-        read_round_metrics(tmp_path)
+    for broken in (
+        json.dumps({"rounds": {"x": {}}}),  # no round number
+        json.dumps({"round": "1", "train": {}}),
+        json.dumps({"round": True, "train": {}}),
+        json.dumps({"round": 1, "train": {"loss": "high"}}),
+        json.dumps([1, 2]),
+        "not json",
+    ):
+        (tmp_path / METRICS_NAME).write_text(json.dumps({"round": 1}) + "\n" + broken + "\n")
+        with pytest.raises(ConfigError, match=f"{METRICS_NAME} line 2"):
+            read_round_metrics(tmp_path)
+
+
+def test_each_round_appends_one_line_and_a_reported_round_keeps_its_last(
+    tmp_path: Path,
+) -> None:
+    for r in (1, 2, 3):
+        append_round_metrics(tmp_path, r, METRICS[r], durable=False)
+    path = tmp_path / METRICS_NAME
+    assert path.read_bytes().count(b"\n") == 3
+    assert read_round_metrics(tmp_path) == read_round_metrics_of(METRICS, tmp_path / "whole")
+    # a resumed run reports round 3 again: the last line wins
+    append_round_metrics(tmp_path, 3, {"train": {"loss": 0.1}}, durable=False)
+    assert read_round_metrics(tmp_path)[3] == {"train": {"loss": 0.1}, "evaluate": {}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS_NAME, "whole"]
+
+
+def read_round_metrics_of(metrics: dict, folder: Path) -> dict:
+    write_round_metrics(folder, metrics, durable=False)
+    return read_round_metrics(folder)
+
+
+def test_a_line_a_killed_writer_left_unfinished_is_skipped_then_cut_off(
+    tmp_path: Path,
+) -> None:
+    append_round_metrics(tmp_path, 1, METRICS[1], durable=False)
+    append_round_metrics(tmp_path, 2, METRICS[2], durable=False)
+    path = tmp_path / METRICS_NAME
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])  # round 2's line, torn
+    assert sorted(read_round_metrics(tmp_path)) == [1]
+    append_round_metrics(tmp_path, 2, METRICS[2], durable=False)  # cuts the torn line off
+    assert path.read_bytes() == whole
+    path.write_bytes(b'{"round": 1, "tr')  # a first line, torn: no line at all
+    assert read_round_metrics(tmp_path) == {}
+    append_round_metrics(tmp_path, 1, METRICS[1], durable=False)
+    assert sorted(read_round_metrics(tmp_path)) == [1]
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_an_append_is_fsynced_only_when_the_run_writes_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    import os
+
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    append_round_metrics(tmp_path, 1, METRICS[1], durable=durable)
+    assert len(synced) == (2 if durable else 0)  # a new file: the file and its folder
+    append_round_metrics(tmp_path, 2, METRICS[2], durable=durable)
+    assert len(synced) == (3 if durable else 0)  # then the file only
 
 
 def test_the_report_plots_training_and_validation_curves_beside_the_audit_panels(

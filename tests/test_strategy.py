@@ -204,8 +204,9 @@ def test_run_directory_writes_are_fsynced_except_on_the_simulation_engine(
         assert strategy.writes_durably(deployment) is durable
     # and the coordinator's store is opened so
     strategy, grid = stock_loop_federation(tmp_path)
-    Strategy.start(strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()),
-                   num_rounds=1)
+    Strategy.start(
+        strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
+    )
     assert strategy.coordinator is not None and strategy.coordinator.store.sync is True
 
 
@@ -213,18 +214,18 @@ def test_run_directory_writes_are_fsynced_except_on_the_simulation_engine(
 def test_the_round_metrics_file_is_as_durable_as_the_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
 ) -> None:
-    """``round-metrics.json`` follows ``durable_writes`` (on the simulation engine, off):
+    """``round-metrics.jsonl`` follows ``durable_writes`` (on the simulation engine, off):
     it used to be fsynced every round whatever the store did."""
     from lensemble_flwr.strategies import lensemble as strategy_module
 
     seen: list[bool] = []
-    write = strategy_module.write_round_metrics
+    append = strategy_module.append_round_metrics
 
-    def recording(run_dir, by_round, *, durable: bool = True):  # type: ignore[no-untyped-def]
+    def recording(run_dir, server_round, kinds, *, durable=True):  # type: ignore[no-untyped-def]
         seen.append(durable)
-        return write(run_dir, by_round, durable=durable)
+        return append(run_dir, server_round, kinds, durable=durable)
 
-    monkeypatch.setattr(strategy_module, "write_round_metrics", recording)
+    monkeypatch.setattr(strategy_module, "append_round_metrics", recording)
     strategy, grid = stock_loop_federation(tmp_path)
     strategy.durable_writes = durable
     strategy.start(grid, arrays_to_record(initial_params()), num_rounds=2)

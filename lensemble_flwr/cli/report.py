@@ -25,7 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "report",
         help="write per-round curves (PNG) and a markdown summary of a run",
         description=f"Write {PNG_NAME} (training and validation loss and accuracy from the "
-        "run's round-metrics.json when it has one, C_t, every numeric diagnostic and "
+        "run's round-metrics.jsonl when it has one, C_t, every numeric diagnostic and "
         "epsilon per round) "
         f"and {MARKDOWN_NAME} (outcome, aborts and their reasons, final hashes, epsilon "
         "spent, the audit's verdict).",
@@ -124,7 +124,7 @@ def render_png(summary: RunSummary, metrics: RoundMetrics | None = None) -> byte
 
 def render_figure(summary: RunSummary, metrics: RoundMetrics | None = None) -> Any:
     """The report's matplotlib ``Figure`` (Agg, no pyplot state): the loss and accuracy
-    panels of ``metrics`` (the run's ``round-metrics.json``) when there are any, then one
+    panels of ``metrics`` (the run's ``round-metrics.jsonl``) when there are any, then one
     panel per ledger series against the round index; aborted attempts marked on C_t
     (integer ticks)."""
     try:

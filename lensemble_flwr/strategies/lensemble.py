@@ -15,7 +15,6 @@ rounds only: masked rounds need :meth:`LensembleStrategy.start`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -50,9 +49,7 @@ from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.provenance.round_metrics import (
     METRICS_NAME,
-    RoundMetrics,
-    read_round_metrics,
-    write_round_metrics,
+    append_round_metrics,
 )
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
@@ -182,7 +179,6 @@ class LensembleStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
-        self._round_metrics: RoundMetrics = {}
         self.coordinator: Coordinator | None = None
         self.transport: GridTransport | None = None
         self.layout: ArrayLayout | None = None
@@ -511,22 +507,14 @@ class LensembleStrategy(Strategy):
     def _keep_metrics(
         self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
     ) -> None:
-        """Rewrite ``RUN_DIR/round-metrics.json`` with this round's metrics (the curves of
+        """Append this round's metrics to ``RUN_DIR/round-metrics.jsonl`` (the curves of
         ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
         if self.run_dir is None:
             return
-        if not self._round_metrics:  # a resumed run keeps the rounds it reported before
-            with contextlib.suppress(ConfigError):
-                self._round_metrics = read_round_metrics(self.run_dir)
-        self._round_metrics[server_round] = {
-            "train": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-            "evaluate": {
-                k: v for k, v in (evaluation or {}).items() if isinstance(v, (int, float))
-            },
-        }
         try:
             durable = self.coordinator is None or self.coordinator.store.sync
-            write_round_metrics(self.run_dir, self._round_metrics, durable=durable)
+            kinds = {"train": dict(metrics), "evaluate": dict(evaluation or {})}
+            append_round_metrics(self.run_dir, server_round, kinds, durable=durable)
         except OSError as exc:
             log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
 
