@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from lensemble_flwr.aggregation import compiled, recycling
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
@@ -205,6 +206,30 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def kernels_in_use() -> str:
+    if compiled.available():
+        import numba
+
+        return (
+            f"compiled (numba {numba.__version__}) for arrays of >= "
+            f"{compiled.COMPILED_MIN_SIZE:,} elements, numpy below"
+        )
+    return "numpy (numba not installed, or LENSEMBLE_FLWR_COMPILED_KERNELS=0)"
+
+
+def warm_up_kernels(config: LensembleConfig, clients: int) -> None:
+    """Compile the kernels (or load them from numba's on-disk cache) for the batch lengths
+    the timed aggregations use, outside the timing: one small aggregation of ``clients``
+    updates of one array just large enough to take the compiled path."""
+    if not compiled.available():
+        return
+    sizes = {"warm-up": compiled.COMPILED_MIN_SIZE}
+    rng = np.random.default_rng(0)
+    params = random_arrays(sizes, rng, 1.0)
+    fed = Federation(config, params, zero_momentum(params))
+    aggregate(fed, [make_update(i, random_arrays(sizes, rng, 1e-3)) for i in range(clients)])
+
+
 def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
     sizes = layout(args.params, args.tensors)
     rng = np.random.default_rng(args.seed)
@@ -220,6 +245,7 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
         f"fold_batch={config.aggregation.fold_batch}, best of {args.repeats}, "
         f"{os.cpu_count()} cores (aggregator kernels on {workers} threads)"
     )
+    print(f"   kernels: {kernels_in_use()}")
 
     updates: list[Update] = []
 
@@ -227,6 +253,7 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
         updates[:] = [make_update(i, d) for i, d in enumerate(deltas)]
 
     t_ingress = best_of(args.repeats, build)
+    warm_up_kernels(config, args.clients)
     as_is, result = run_repeats(fed, updates, deltas, args.repeats)
     with ThreadPoolExecutor(workers) as pool:
         t_base_mt = min(stream_sum_threaded(deltas, pool, workers) for _ in range(args.repeats))
@@ -316,6 +343,10 @@ def memory_fixture(
 
 
 def tracemalloc_peak(fed: Federation, updates: list[Update]) -> int:
+    # Every C starts without a kept accumulator, so every C allocates the same buffers:
+    # whether the previous sum's buffers could be reused would depend on whether its
+    # digest thread had finished yet.
+    recycling.clear()
     gc.collect()
     tracemalloc.start()
     try:

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lensemble_flwr.aggregation import recycling
+from lensemble_flwr.aggregation import compiled, recycling
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays, digest_record
 from lensemble_flwr.config import AggregationConfig
@@ -111,9 +111,15 @@ class AggregateSum:
         for name, total in self.sums.items():
             flat_in = total.reshape(-1)
             flat_out = np.empty(flat_in.shape, np.float32)
+            fast = compiled.for_size(flat_in.size)
 
-            def kernel(lo: int, hi: int, src=flat_in, dst=flat_out) -> None:
-                np.divide(src[lo:hi], denom, out=dst[lo:hi], dtype=np.float64, casting="unsafe")
+            def kernel(lo: int, hi: int, src=flat_in, dst=flat_out, fast=fast) -> None:
+                if fast is not None:
+                    fast.mean(src, dst, denom, lo, hi)
+                else:
+                    np.divide(
+                        src[lo:hi], denom, out=dst[lo:hi], dtype=np.float64, casting="unsafe"
+                    )
 
             run_ranges(flat_in.size, kernel)
             out[name] = flat_out.reshape(total.shape)
@@ -279,6 +285,19 @@ class FixedPointAggregator:
                 for p in batch
             ]
 
+            fused = compiled.fold_kernel(
+                [x for x, _, _ in inputs], flat_acc.size, max(p.bound for p in batch)
+            )
+            if fused is not None:
+                scales = np.array([sc for _, sc, _ in inputs], np.float64)
+
+                def run_fused(lo: int, hi: int, flat_acc=flat_acc, fused=fused, sc=scales) -> int:
+                    return fused(flat_acc, sc, lo, hi, r)
+
+                checks = run_ranges(flat_acc.size, run_fused)
+                self._checksum = (self._checksum + sum(checks)) % _MOD
+                continue
+
             def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
                 t = np.empty(CHUNK, np.float64)
                 b = np.empty(CHUNK, np.float64)
@@ -345,8 +364,11 @@ class FixedPointAggregator:
         total = 0
         for acc in result.sums.values():
             flat = acc.reshape(-1)
+            fast = compiled.for_size(flat.size)
 
-            def kernel(lo: int, hi: int, flat=flat) -> int:
+            def kernel(lo: int, hi: int, flat=flat, fast=fast) -> int:
+                if fast is not None:
+                    return int(fast.checksum(flat, r, lo, hi))
                 return sum(
                     _chunk_checksum(flat[s : min(s + CHUNK, hi)], r) for s in range(lo, hi, CHUNK)
                 )

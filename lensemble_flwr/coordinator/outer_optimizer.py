@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 
 import numpy as np
 
+from lensemble_flwr.aggregation import compiled
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.config import OuterOptimizerConfig
 from lensemble_flwr.errors import ParameterMismatch
@@ -80,6 +81,7 @@ def outer_step(
         )
         p_out = np.empty_like(p_in)
         m_out = g_in if in_place else np.empty_like(p_in)  # m' over Δ̄, chunk by chunk
+        fast = compiled.for_size(p_in.size) if _compilable(p_in, m_in, g_in) else None
 
         def kernel(
             lo: int,
@@ -91,7 +93,11 @@ def outer_step(
             m_out=m_out,
             lr=lr,
             mu=mu,
+            fast=fast,
         ) -> None:
+            if fast is not None:  # the same float32 operations, one pass
+                fast.outer(p_in, m_in, g_in, p_out, m_out, lr, mu, config.nesterov, lo, hi)
+                return
             tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
             for s in range(lo, hi, CHUNK):
                 e = min(s + CHUNK, hi)
@@ -111,6 +117,17 @@ def outer_step(
         new_params[name] = p_out.reshape(p.shape)
         new_momentum[name] = m_out.reshape(p.shape)
     return new_params, new_momentum
+
+
+def _compilable(*arrays: np.ndarray) -> bool:
+    """Whether the compiled outer step takes these arrays: C-contiguous float32 or float64."""
+    return all(
+        isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype in _COMPILED_DTYPES
+        for a in arrays
+    )
+
+
+_COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def momentum_after_external_step(

@@ -1,0 +1,263 @@
+"""The compiled aggregation kernels give the numpy passes' bytes, whatever path they take.
+
+Each test runs the same aggregation twice: once with the compiled kernels for every array
+(:data:`compiled.COMPILED_MIN_SIZE` lowered to 1, so that small arrays take them), once
+with numpy's passes (no kernels), and compares sums, checksums, means and outer steps
+byte for byte. The batch lengths stay few, because numba compiles (once, then caches on
+disk) one fold per batch length and dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lensemble_flwr.aggregation.chunked as chunked
+from lensemble_flwr.aggregation import compiled
+from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
+from lensemble_flwr.config import AggregationConfig, OuterOptimizerConfig
+from lensemble_flwr.coordinator.outer_optimizer import outer_step
+from lensemble_flwr.errors import NonDeterministicAggregation
+from lensemble_flwr.protocol.messages import Update
+
+pytest.importorskip("numba", reason="the compiled kernels need the 'fast' extra")
+
+
+@contextlib.contextmanager
+def kernels(use: bool, *, magic_bound: int | None = None) -> Iterator[None]:
+    """Compiled kernels for every array (``use``), or numpy's passes for every array."""
+    with pytest.MonkeyPatch.context() as mp:
+        if use:
+            mp.setattr(compiled, "COMPILED_MIN_SIZE", 1)
+            if magic_bound is not None:
+                mp.setattr(compiled, "MAGIC_BOUND", magic_bound)
+        else:
+            mp.setattr(compiled, "for_size", lambda size: None)
+        yield
+
+
+def _update(i: int, delta: dict[str, np.ndarray], scales: dict[str, float] | None) -> Update:
+    return Update(
+        run_id="r",
+        round=1,
+        sender=f"p{i}",
+        participant_id=f"p{i}",
+        dataset_root=None,
+        delta=delta,
+        scales=scales,
+        l2_norm=1.0,
+        num_examples=1,
+    )
+
+
+def _sum(
+    updates: Sequence[tuple[Update, int]],
+    template: dict[str, np.ndarray],
+    config: AggregationConfig,
+) -> tuple[FixedPointAggregator, AggregateSum]:
+    agg = FixedPointAggregator(template, config, check_seed=5)
+    for update, weight in updates:
+        agg.admit(update, weight=weight)
+    result = agg.reveal()
+    agg.verify(result)
+    return agg, result
+
+
+def _same(a: AggregateSum, b: AggregateSum) -> None:
+    assert a.checksum == b.checksum
+    assert a.sums.keys() == b.sums.keys()
+    for name in a.sums:
+        assert a.sums[name].tobytes() == b.sums[name].tobytes(), name
+    for name, mean in a.mean().items():
+        assert mean.tobytes() == b.mean()[name].tobytes(), name
+
+
+# values that round to ties on the grid, the smallest subnormals, the ingress limit
+_HARD = st.one_of(
+    st.floats(-64.0, 64.0, width=32, allow_nan=False, allow_subnormal=True),
+    st.sampled_from(
+        [0.0, -0.0, 1e-45, -1e-45, 2**-9, -(2**-9), 3 * 2**-9, 2**-33, -(2**-33), 64.0, -64.0]
+    ),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(st.lists(_HARD, min_size=5, max_size=5), min_size=1, max_size=4),
+    weights=st.lists(st.sampled_from([1, 2, 3, 7, 1024, 40_000]), min_size=4, max_size=4),
+    fraction_bits=st.sampled_from([8, 24, 32]),
+    int8=st.booleans(),
+    magic=st.booleans(),
+)
+def test_the_compiled_fold_gives_numpys_integers(
+    rows: list[list[float]], weights: list[int], fraction_bits: int, int8: bool, magic: bool
+) -> None:
+    """float32 or int8 (quantized) updates, power-of-two weights or not, at grids where
+    values fall on ties; both the magic-constant rounding and the rint path."""
+    updates = []
+    for i, (row, weight) in enumerate(zip(rows, weights, strict=False)):
+        values = np.asarray(row, np.float32)
+        if int8:
+            delta = {"w": np.clip(np.rint(values * 2), -127, 127).astype(np.int8)}
+            scales = {"w": 0.37}
+        else:
+            delta, scales = {"w": values}, None
+        updates.append((_update(i, delta, scales), weight))
+    config = AggregationConfig(fraction_bits=fraction_bits, fold_batch=3)
+    template = {"w": np.zeros(5, np.float32)}
+    with kernels(False):
+        _, reference = _sum(updates, template, config)
+    with kernels(True, magic_bound=compiled.MAGIC_BOUND if magic else 0):
+        _, fused = _sum(updates, template, config)
+    _same(reference, fused)
+
+
+def test_the_threaded_compiled_fold_takes_each_path_and_matches_numpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Large arrays split over the kernel threads, a batch of 8 and a batch of 1, weights
+    whose bound is above 2**51 (the rint path) and below (the magic constant), float64."""
+    monkeypatch.setattr(chunked, "_WORKERS", 2)
+    size = compiled.COMPILED_MIN_SIZE + 4_321
+    assert len(chunked.split(size)) == 2
+    rng = np.random.default_rng(3)
+    for dtype, weight in ((np.float32, 1), (np.float32, 40_000), (np.float64, 3)):
+        updates = [
+            (_update(i, {"big": rng.uniform(-30, 30, size).astype(dtype)}, None), weight)
+            for i in range(9)
+        ]
+        bound = weight * (30 * 2**32 + 1)
+        assert (bound < compiled.MAGIC_BOUND) == (weight != 40_000)
+        template = {"big": np.zeros(size, np.float32)}
+        with kernels(False):
+            _, reference = _sum(updates, template, AggregationConfig())
+        _, fused = _sum(updates, template, AggregationConfig())  # the real size threshold
+        _same(reference, fused)
+
+
+def test_a_batch_of_mixed_dtypes_is_folded_by_numpy() -> None:
+    a = np.linspace(-1, 1, 7, dtype=np.float32)
+    arrays = [a, a.astype(np.float64)]
+    assert compiled.fold_kernel(arrays, compiled.COMPILED_MIN_SIZE, 1) is None
+    assert compiled.fold_kernel([a, a], compiled.COMPILED_MIN_SIZE, 1) is not None
+    assert compiled.fold_kernel([a], compiled.COMPILED_MIN_SIZE - 1, 1) is None
+    assert compiled.fold_kernel([a[::2]], compiled.COMPILED_MIN_SIZE, 1) is None
+    updates = [(_update(i, {"w": x}, None), 1) for i, x in enumerate(arrays)]
+    template = {"w": np.zeros(7, np.float32)}
+    with kernels(False):
+        _, reference = _sum(updates, template, AggregationConfig())
+    with kernels(True):
+        _, mixed = _sum(updates, template, AggregationConfig())
+    _same(reference, mixed)
+
+
+def test_the_compiled_verify_detects_a_changed_sum() -> None:
+    rng = np.random.default_rng(1)
+    updates = [
+        (_update(i, {"w": rng.uniform(-1, 1, 50).astype(np.float32)}, None), 1) for i in range(3)
+    ]
+    with kernels(True):
+        agg, result = _sum(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
+        tampered = result.sums["w"].copy()
+        tampered[17] += 1
+        forged = AggregateSum(
+            {"w": tampered},
+            result.total_weight,
+            result.contributors,
+            result.fraction_bits,
+            result.checksum,
+        )
+        with pytest.raises(NonDeterministicAggregation, match="does not reproduce"):
+            agg.verify(forged)
+
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(_INT64, st.integers(-(2**53) - 5, 2**53 + 5), st.integers(-4, 4)),
+        min_size=1,
+        max_size=40,
+    ),
+    weight=st.integers(1, 2**20),
+    fraction_bits=st.integers(8, 40),
+)
+def test_the_compiled_mean_is_numpys(values: list[int], weight: int, fraction_bits: int) -> None:
+    """Any int64, including those float64 cannot hold exactly (the conversion rounds)."""
+    sums = np.asarray(values, np.int64)
+    result = AggregateSum({"w": sums}, weight, ("p",), fraction_bits, 0)
+    with kernels(False):
+        reference = result.mean()["w"]
+    with kernels(True):
+        fused = result.mean()["w"]
+    assert fused.tobytes() == reference.tobytes()
+
+
+_F32 = st.floats(-1e3, 1e3, width=32, allow_nan=False, allow_subnormal=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.lists(st.tuples(_F32, _F32, _F32), min_size=1, max_size=30),
+    lr=st.sampled_from([1.0, 0.7, 0.1, 1e-3]),
+    mu=st.sampled_from([0.0, 0.9, 0.5, 0.99]),
+    nesterov=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    consume=st.booleans(),
+)
+def test_the_compiled_outer_step_is_numpys(
+    data: list[tuple[float, float, float]],
+    lr: float,
+    mu: float,
+    nesterov: bool,
+    dtype: type,
+    consume: bool,
+) -> None:
+    theta, m, g = (np.asarray(column, dtype) for column in zip(*data, strict=True))
+    config = OuterOptimizerConfig(lr=lr, momentum=mu, nesterov=nesterov)
+    with kernels(False):
+        ref_p, ref_m = outer_step({"w": theta}, {"w": m}, {"w": g.copy()}, config)
+    with kernels(True):
+        mean = {"w": g.copy()}
+        new_p, new_m = outer_step({"w": theta}, {"w": m}, mean, config, consume_mean=consume)
+    assert new_p["w"].tobytes() == ref_p["w"].tobytes()
+    assert new_m["w"].tobytes() == ref_m["w"].tobytes()
+    # m' is written over the mean when asked
+    assert np.shares_memory(new_m["w"], mean["w"]) == consume
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LENSEMBLE_FLWR_COMPILED_KERNELS", "0")
+    compiled.kernels.cache_clear()
+    try:
+        assert not compiled.available()
+        assert compiled.for_size(10**9) is None
+    finally:
+        monkeypatch.delenv("LENSEMBLE_FLWR_COMPILED_KERNELS")
+        compiled.kernels.cache_clear()
+    assert compiled.available()
+
+
+def test_without_numba_it_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And folds with numpy (every other test of the aggregator runs that path too)."""
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "numba", None)  # import numba -> ImportError
+        compiled.kernels.cache_clear()
+        try:
+            with caplog.at_level(logging.INFO, logger=compiled.__name__):
+                assert compiled.for_size(10**9) is None
+        finally:
+            compiled.kernels.cache_clear()
+    assert "pip install 'lensemble-flwr[fast]'" in caplog.text
+    assert compiled.available()
