@@ -30,6 +30,12 @@ from lensemble_flwr.protocol.messages import Update
 pytest.importorskip("numba", reason="the compiled kernels need the 'fast' extra")
 
 
+@pytest.fixture(autouse=True)
+def _compiled_kernels_in_use() -> None:
+    """Every comparison below would compare numpy with numpy if the kernels were off."""
+    assert compiled.available(), "LENSEMBLE_FLWR_COMPILED_KERNELS switches the kernels off"
+
+
 @contextlib.contextmanager
 def kernels(use: bool, *, magic_bound: int | None = None) -> Iterator[None]:
     """Compiled kernels for every array (``use``), or numpy's passes for every array."""
@@ -57,26 +63,39 @@ def _update(i: int, delta: dict[str, np.ndarray], scales: dict[str, float] | Non
     )
 
 
+Summed = tuple[AggregateSum, dict[str, np.ndarray]]
+
+
+def _admitted(
+    updates: Sequence[tuple[Update, int]],
+    template: dict[str, np.ndarray],
+    config: AggregationConfig,
+) -> FixedPointAggregator:
+    agg = FixedPointAggregator(template, config, check_seed=5)
+    for update, weight in updates:
+        agg.admit(update, weight=weight)
+    return agg
+
+
 def _sum(
     updates: Sequence[tuple[Update, int]],
     template: dict[str, np.ndarray],
     config: AggregationConfig,
-) -> tuple[FixedPointAggregator, AggregateSum]:
-    agg = FixedPointAggregator(template, config, check_seed=5)
-    for update, weight in updates:
-        agg.admit(update, weight=weight)
+) -> Summed:
+    """Admit, reveal, verify and take the mean, all under the kernels in force."""
+    agg = _admitted(updates, template, config)
     result = agg.reveal()
     agg.verify(result)
-    return agg, result
+    return result, result.mean()
 
 
-def _same(a: AggregateSum, b: AggregateSum) -> None:
-    assert a.checksum == b.checksum
-    assert a.sums.keys() == b.sums.keys()
-    for name in a.sums:
-        assert a.sums[name].tobytes() == b.sums[name].tobytes(), name
-    for name, mean in a.mean().items():
-        assert mean.tobytes() == b.mean()[name].tobytes(), name
+def _same(a: Summed, b: Summed) -> None:
+    (sum_a, mean_a), (sum_b, mean_b) = a, b
+    assert sum_a.checksum == sum_b.checksum
+    assert sum_a.sums.keys() == sum_b.sums.keys() == mean_a.keys() == mean_b.keys()
+    for name in sum_a.sums:
+        assert sum_a.sums[name].tobytes() == sum_b.sums[name].tobytes(), name
+        assert mean_a[name].tobytes() == mean_b[name].tobytes(), name
 
 
 # values that round to ties on the grid, the smallest subnormals, the ingress limit
@@ -93,29 +112,29 @@ _HARD = st.one_of(
     rows=st.lists(st.lists(_HARD, min_size=5, max_size=5), min_size=1, max_size=4),
     weights=st.lists(st.sampled_from([1, 2, 3, 7, 1024, 40_000]), min_size=4, max_size=4),
     fraction_bits=st.sampled_from([8, 24, 32]),
-    int8=st.booleans(),
+    dtype=st.sampled_from(["float32", "float64", "int8"]),
     magic=st.booleans(),
 )
 def test_the_compiled_fold_gives_numpys_integers(
-    rows: list[list[float]], weights: list[int], fraction_bits: int, int8: bool, magic: bool
+    rows: list[list[float]], weights: list[int], fraction_bits: int, dtype: str, magic: bool
 ) -> None:
-    """float32 or int8 (quantized) updates, power-of-two weights or not, at grids where
-    values fall on ties; both the magic-constant rounding and the rint path."""
+    """float32, float64 or int8 (quantized) updates, power-of-two weights or not, at grids
+    where values fall on ties; both the magic-constant rounding and the rint path."""
     updates = []
     for i, (row, weight) in enumerate(zip(rows, weights, strict=False)):
         values = np.asarray(row, np.float32)
-        if int8:
+        if dtype == "int8":
             delta = {"w": np.clip(np.rint(values * 2), -127, 127).astype(np.int8)}
             scales = {"w": 0.37}
         else:
-            delta, scales = {"w": values}, None
+            delta, scales = {"w": values.astype(dtype)}, None
         updates.append((_update(i, delta, scales), weight))
     config = AggregationConfig(fraction_bits=fraction_bits, fold_batch=3)
     template = {"w": np.zeros(5, np.float32)}
     with kernels(False):
-        _, reference = _sum(updates, template, config)
+        reference = _sum(updates, template, config)
     with kernels(True, magic_bound=compiled.MAGIC_BOUND if magic else 0):
-        _, fused = _sum(updates, template, config)
+        fused = _sum(updates, template, config)
     _same(reference, fused)
 
 
@@ -137,8 +156,8 @@ def test_the_threaded_compiled_fold_takes_each_path_and_matches_numpy(
         assert (bound < compiled.MAGIC_BOUND) == (weight != 40_000)
         template = {"big": np.zeros(size, np.float32)}
         with kernels(False):
-            _, reference = _sum(updates, template, AggregationConfig())
-        _, fused = _sum(updates, template, AggregationConfig())  # the real size threshold
+            reference = _sum(updates, template, AggregationConfig())
+        fused = _sum(updates, template, AggregationConfig())  # the real size threshold
         _same(reference, fused)
 
 
@@ -152,9 +171,9 @@ def test_a_batch_of_mixed_dtypes_is_folded_by_numpy() -> None:
     updates = [(_update(i, {"w": x}, None), 1) for i, x in enumerate(arrays)]
     template = {"w": np.zeros(7, np.float32)}
     with kernels(False):
-        _, reference = _sum(updates, template, AggregationConfig())
+        reference = _sum(updates, template, AggregationConfig())
     with kernels(True):
-        _, mixed = _sum(updates, template, AggregationConfig())
+        mixed = _sum(updates, template, AggregationConfig())
     _same(reference, mixed)
 
 
@@ -164,7 +183,9 @@ def test_the_compiled_verify_detects_a_changed_sum() -> None:
         (_update(i, {"w": rng.uniform(-1, 1, 50).astype(np.float32)}, None), 1) for i in range(3)
     ]
     with kernels(True):
-        agg, result = _sum(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
+        agg = _admitted(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
+        result = agg.reveal()
+        agg.verify(result)
         tampered = result.sums["w"].copy()
         tampered[17] += 1
         forged = AggregateSum(
@@ -176,6 +197,38 @@ def test_the_compiled_verify_detects_a_changed_sum() -> None:
         )
         with pytest.raises(NonDeterministicAggregation, match="does not reproduce"):
             agg.verify(forged)
+
+
+def test_a_batch_of_read_only_and_writable_arrays_is_folded() -> None:
+    """numba types the two differently; the kernel takes read-only views of all of them."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.uniform(-1, 1, 3000).astype(np.float32) for _ in range(3)]
+    arrays[1].setflags(write=False)
+    updates = [(_update(i, {"w": x}, None), 1) for i, x in enumerate(arrays)]
+    template = {"w": np.zeros(3000, np.float32)}
+    with kernels(False):
+        reference = _sum(updates, template, AggregationConfig())
+    with kernels(True):
+        fused = _sum(updates, template, AggregationConfig())
+    _same(reference, fused)
+    assert arrays[0].flags.writeable  # the caller's arrays keep their flags
+
+
+@pytest.mark.parametrize("use", [False, True], ids=["numpy", "compiled"])
+def test_verify_refuses_a_sum_of_another_layout(use: bool) -> None:
+    """A forged sum larger than every tensor of the template is refused before the
+    checksum reads it (the compiled checksum does not check its bounds)."""
+    updates = [(_update(0, {"w": np.ones(50, np.float32)}, None), 1)]
+    with kernels(use):
+        agg = _admitted(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
+        result = agg.reveal()
+        for sums in ({"w": np.zeros(5000, np.int64)}, {"v": result.sums["w"]}):
+            forged = AggregateSum(
+                sums, result.total_weight, result.contributors, result.fraction_bits, 0
+            )
+            with pytest.raises(NonDeterministicAggregation, match="revealed sum"):
+                agg.verify(forged)
+        agg.verify(result)
 
 
 _INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -195,6 +248,20 @@ def test_the_compiled_mean_is_numpys(values: list[int], weight: int, fraction_bi
     """Any int64, including those float64 cannot hold exactly (the conversion rounds)."""
     sums = np.asarray(values, np.int64)
     result = AggregateSum({"w": sums}, weight, ("p",), fraction_bits, 0)
+    with kernels(False):
+        reference = result.mean()["w"]
+    with kernels(True):
+        fused = result.mean()["w"]
+    assert fused.tobytes() == reference.tobytes()
+
+
+def test_the_compiled_mean_is_numpys_over_many_blocks() -> None:
+    rng = np.random.default_rng(4)
+    sums = rng.integers(-(2**62), 2**62, 10_003, dtype=np.int64)
+    sums[:6] = [-(2**63), 2**63 - 1, 0, -1, 2**53 + 1, -(2**53) - 1]
+    sums[5000:5100] = rng.integers(-1000, 1000, 100)
+    sums.setflags(write=False)  # as revealed
+    result = AggregateSum({"w": sums}, 7, ("p",), 32, 0)
     with kernels(False):
         reference = result.mean()["w"]
     with kernels(True):
@@ -255,9 +322,45 @@ def test_without_numba_it_says_how_to_get_it(
         mp.setitem(sys.modules, "numba", None)  # import numba -> ImportError
         compiled.kernels.cache_clear()
         try:
-            with caplog.at_level(logging.INFO, logger=compiled.__name__):
+            with caplog.at_level(logging.WARNING, logger=compiled.__name__):
                 assert compiled.for_size(10**9) is None
         finally:
             compiled.kernels.cache_clear()
     assert "pip install 'lensemble-flwr[fast]'" in caplog.text
     assert compiled.available()
+
+
+def test_no_writable_cache_folder_compiles_in_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """numba refuses ``cache=True`` with a RuntimeError when no cache folder is writable."""
+    define, asked = compiled._define, []
+
+    def without_cache_folder(numba: object, *, cache: bool) -> compiled.Kernels:
+        asked.append(cache)
+        if cache:
+            raise RuntimeError("cannot cache function: no locator available")
+        return define(numba, cache=cache)
+
+    monkeypatch.setattr(compiled, "_define", without_cache_folder)
+    compiled.kernels.cache_clear()
+    try:
+        assert compiled.available() and asked == [True, False]
+    finally:
+        compiled.kernels.cache_clear()
+
+
+def test_kernels_that_cannot_be_built_leave_the_numpy_passes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(numba: object, *, cache: bool) -> compiled.Kernels:
+        raise OSError("libllvmlite.so: cannot open shared object file")
+
+    monkeypatch.setattr(compiled, "_define", broken)
+    compiled.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+            assert compiled.for_size(10**9) is None
+    finally:
+        compiled.kernels.cache_clear()
+    assert "libllvmlite.so" in caplog.text and "numpy passes" in caplog.text

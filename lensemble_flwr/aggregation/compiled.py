@@ -28,8 +28,11 @@ give the numpy passes' bytes:
 Nothing imports numba until a tensor is large enough to use it
 (:data:`COMPILED_MIN_SIZE`), so small models, most tests and Flower's ClientApp actors
 never pay its import. numba compiles a kernel the first time it meets a new combination
-of argument types (for the fold, the batch length and the dtype: about a second each)
-and caches it on disk next to this module, so later processes load it.
+of argument types, about a second each: for the fold, the batch length and the dtype.
+A round's last batch is shorter than ``fold_batch`` when C_t is not a multiple of it, so
+a federation's first rounds may compile up to ``fold_batch`` folds. Kernels are cached
+on disk (next to this module, or in numba's user cache or ``NUMBA_CACHE_DIR``), so later
+processes load them; where no cache folder is writable, every process compiles its own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,13 +81,29 @@ def kernels() -> Kernels | None:
         return None
     try:
         import numba
-    except ImportError:
-        log.info(
-            "numba is not installed: the aggregation runs as numpy passes (the same "
-            "results, more slowly); pip install 'lensemble-flwr[fast]' compiles them"
+    except ImportError as exc:  # missing, or installed against another numpy
+        log.warning(
+            "numba cannot be imported (%s): the aggregation runs as numpy passes (the same "
+            "results, more slowly); pip install 'lensemble-flwr[fast]' compiles them",
+            exc,
         )
         return None
+    try:
+        return _define(numba, cache=True)
+    except RuntimeError:  # numba found no writable cache folder: compile in every process
+        pass
+    except Exception as exc:  # an llvmlite that does not load: numpy does the same work
+        log.warning("numba kernels unavailable (%s): the aggregation runs as numpy passes", exc)
+        return None
+    try:
+        return _define(numba, cache=False)
+    except Exception as exc:
+        log.warning("numba kernels unavailable (%s): the aggregation runs as numpy passes", exc)
+        return None
 
+
+def _define(numba: Any, *, cache: bool) -> Kernels:
+    """The kernels, compiled lazily (on their first call for each argument types)."""
     magic = np.float64(1.5 * 2.0**52)
     magic_bits = np.int64(magic.view(np.int64))
     two52 = np.float64(2.0**52)
@@ -92,7 +112,7 @@ def kernels() -> Kernels | None:
     low32 = np.int64(0xFFFFFFFF)
     chunk = CHUNK
     block = _BLOCK
-    jit = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+    jit = numba.njit(nogil=True, cache=cache, error_model="numpy", boundscheck=False)
 
     @jit
     def fold(acc, xs, scales, r, lo, hi, by_magic):  # pragma: no cover - compiled
@@ -175,6 +195,14 @@ def available() -> bool:
     return kernels() is not None
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: numba types a writable and a read-only array differently, and a
+    tuple of both cannot be indexed at run time; one type also means one compilation."""
+    view = array.view()
+    view.setflags(write=False)
+    return view
+
+
 def for_size(size: int) -> Kernels | None:
     """The compiled kernels for a tensor of ``size`` elements, or None where numpy's
     passes are used (numba missing or off, a tensor under :data:`COMPILED_MIN_SIZE`)."""
@@ -201,7 +229,7 @@ def fold_kernel(
     found = for_size(size)
     if found is None:
         return None
-    fold, by_magic, xs = found.fold, value_bound < MAGIC_BOUND, tuple(inputs)
+    fold, by_magic, xs = found.fold, value_bound < MAGIC_BOUND, tuple(map(_read_only, inputs))
 
     def kernel(acc: np.ndarray, scales: np.ndarray, lo: int, hi: int, r: np.ndarray) -> int:
         return int(fold(acc, xs, scales, r, lo, hi, by_magic))

@@ -37,7 +37,7 @@ from lensemble_flwr.aggregation import compiled, recycling
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays, digest_record
 from lensemble_flwr.config import AggregationConfig
-from lensemble_flwr.errors import NonDeterministicAggregation, RoundError
+from lensemble_flwr.errors import NonDeterministicAggregation, ParameterMismatch, RoundError
 from lensemble_flwr.params import NamedArrays, check_same_layout
 from lensemble_flwr.protocol.messages import Update
 
@@ -360,6 +360,10 @@ class FixedPointAggregator:
 
     def verify(self, result: AggregateSum) -> None:
         """Recompute the linear checksums from ``result`` and compare them with ingress."""
+        try:
+            check_same_layout(self._template, result.sums, "revealed sum")
+        except ParameterMismatch as exc:
+            raise NonDeterministicAggregation(f"revealed sum does not reproduce: {exc}") from exc
         r = self._r
         total = 0
         for acc in result.sums.values():

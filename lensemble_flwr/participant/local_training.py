@@ -83,7 +83,9 @@ class LocalTraining(Protocol):
         """What must survive until the next round."""
 
     def import_state(self, state: PortableState) -> None:
-        """Restore what :meth:`export_state` returned."""
+        """Restore what :meth:`export_state` returned. A kept participant may be handed
+        a state another process saved after the one it last exported, so this must
+        overwrite everything the state covers, not only read back its own export."""
 
 
 @contextlib.contextmanager
