@@ -141,3 +141,92 @@ def test_an_attempt_aborted_after_its_sum_gives_the_retry_its_buffer(
     assert aborted.error.__traceback__ is None
     assert retried.state.value == "closed"
     assert retried_sum == aborted_sum
+
+
+# ------------------------------------------------------------- the round's outputs
+def _step(theta: dict[str, np.ndarray], m: dict[str, np.ndarray], g: dict[str, np.ndarray]):
+    from lensemble_flwr.config import OuterOptimizerConfig
+    from lensemble_flwr.coordinator.outer_optimizer import outer_step
+
+    return outer_step(theta, m, g, OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True))
+
+
+def _model(seed: int) -> dict[str, np.ndarray]:
+    return {"w": np.random.default_rng(seed).uniform(-1, 1, SIZE).astype(np.float32)}
+
+
+def test_an_output_nobody_holds_is_reused_and_fully_rewritten() -> None:
+    theta, m, g = _model(1), _model(2), _model(3)
+    expected_p, expected_m = (x["w"].copy() for x in _step(theta, m, g))
+    first_p, _ = _step(theta, m, _model(4))  # other values in the buffers
+    address = first_p["w"].ctypes.data
+    del first_p
+    again_p, again_m = _step(theta, m, g)
+    assert again_p["w"].ctypes.data == address
+    assert again_p["w"].tobytes() == expected_p.tobytes()
+    assert again_m["w"].tobytes() == expected_m.tobytes()
+
+
+def test_an_output_somebody_holds_is_never_handed_out() -> None:
+    theta, m, g = _model(1), _model(2), _model(3)
+    held = [_step(theta, m, g)[0]["w"] for _ in range(recycling.OUTPUT_GENERATIONS)]
+    snapshots = [h.copy() for h in held]
+    view = held[0][:5]
+    held[0] = view  # the base is held through its view
+    fresh, _ = _step(theta, m, _model(9))
+    addresses = {h.ctypes.data for h in held[1:]} | {view.base.ctypes.data}  # type: ignore[union-attr]
+    assert fresh["w"].ctypes.data not in addresses
+    np.testing.assert_array_equal(view.base, snapshots[0])  # type: ignore[arg-type]
+    for h, snap in zip(held[1:], snapshots[1:], strict=True):
+        np.testing.assert_array_equal(h, snap)
+
+
+def test_the_pool_keeps_a_few_generations_and_small_outputs_none() -> None:
+    for _ in range(recycling.OUTPUT_GENERATIONS + 3):
+        recycling.output("x", (SIZE,), np.float32)  # each dropped at once: one buffer
+    assert len(recycling._outputs[("x", (SIZE,), np.dtype(np.float32).str)]) == 1
+    held = [recycling.output("y", (SIZE,), np.float32) for _ in range(6)]
+    assert len(recycling._outputs[("y", (SIZE,), np.dtype(np.float32).str)]) == 4
+    assert len({h.ctypes.data for h in held}) == 6
+    recycling.output("small", (3,), np.float32)
+    assert not any(key[0] == "small" for key in recycling._outputs)
+
+
+def test_a_read_only_output_comes_back_writable() -> None:
+    out = recycling.output("z", (SIZE,), np.float32)
+    out.setflags(write=False)  # as a pinned global state
+    address = out.ctypes.data
+    del out
+    again = recycling.output("z", (SIZE,), np.float32)
+    assert again.ctypes.data == address and again.flags.writeable
+
+
+def test_output_counting_is_calibrated() -> None:
+    assert recycling._calibrate_outputs() == recycling._OUTPUT_UNHELD
+    if recycling._OUTPUT_UNHELD is None:
+        pytest.skip("recycling is off on this interpreter")
+    held = np.zeros(4)
+    assert recycling._count([held], 0) == recycling._OUTPUT_UNHELD + 1
+
+
+def _global_hashes(tmp_path: Path, rounds: int) -> list[str]:
+    coordinator = unbound_coordinator(Store(tmp_path), size=SIZE)
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        feed_round(coordinator, rng)
+    assert [o.state.value for o in coordinator.outcomes] == ["closed"] * rounds
+    return [o.global_hash for o in coordinator.outcomes]
+
+
+def test_a_coordinator_steps_into_freed_buffers_and_gets_the_same_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over six rounds the mean, θ' and m' come from kept buffers once they are free, and
+    every round's global hash is the one of a run that allocates them afresh."""
+    caplog.set_level(logging.ERROR)
+    before = recycling.outputs_reused()
+    recycled = _global_hashes(tmp_path / "recycled", 6)
+    assert recycling.outputs_reused() - before >= 6
+    recycling.clear()
+    monkeypatch.setattr(recycling, "_OUTPUT_UNHELD", None)  # every output fresh
+    assert _global_hashes(tmp_path / "fresh", 6) == recycled

@@ -110,7 +110,7 @@ class AggregateSum:
         out: NamedArrays = {}
         for name, total in self.sums.items():
             flat_in = total.reshape(-1)
-            flat_out = np.empty(flat_in.shape, np.float32)
+            flat_out = recycling.output(f"mean:{name}", flat_in.shape, np.float32)
             fast = compiled.for_size(flat_in.size)
 
             def kernel(lo: int, hi: int, src=flat_in, dst=flat_out, fast=fast) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 
 import numpy as np
 
-from lensemble_flwr.aggregation import compiled
+from lensemble_flwr.aggregation import compiled, recycling
 from lensemble_flwr.aggregation.chunked import CHUNK, run_ranges
 from lensemble_flwr.config import OuterOptimizerConfig
 from lensemble_flwr.errors import ParameterMismatch
@@ -79,8 +79,9 @@ def outer_step(
             and g.flags.c_contiguous
             and g.flags.writeable
         )
-        p_out = np.empty_like(p_in)
-        m_out = g_in if in_place else np.empty_like(p_in)  # m' over Δ̄, chunk by chunk
+        p_out = recycling.output(f"params:{name}", p_in.shape, p_in.dtype)
+        # m' over Δ̄, chunk by chunk, when the caller lets it
+        m_out = g_in if in_place else recycling.output(f"momentum:{name}", p_in.shape, p_in.dtype)
         fast = compiled.for_size(p_in.size) if _compilable(p_in, m_in, g_in) else None
 
         def kernel(
