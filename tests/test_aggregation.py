@@ -23,7 +23,9 @@ from lensemble_flwr.protocol.messages import Update
 SHAPES: dict[str, tuple[int, ...]] = {"enc.w": (3, 4), "enc.b": (5,)}
 
 
-def _update(pid: str, delta: NamedArrays, n: int = 1) -> Update:
+def _update(
+    pid: str, delta: NamedArrays, n: int = 1, scales: dict[str, float] | None = None
+) -> Update:
     return Update(
         run_id="r",
         round=1,
@@ -31,6 +33,7 @@ def _update(pid: str, delta: NamedArrays, n: int = 1) -> Update:
         participant_id=pid,
         dataset_root="a" * 64,
         delta=delta,
+        scales=scales,
         l2_norm=0.0,
         num_examples=n,
     )

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_aggregation import _update
 
 import lensemble_flwr.aggregation.chunked as chunked
 from lensemble_flwr.aggregation import compiled
@@ -49,20 +50,6 @@ def kernels(use: bool, *, magic_bound: int | None = None) -> Iterator[None]:
         yield
 
 
-def _update(i: int, delta: dict[str, np.ndarray], scales: dict[str, float] | None) -> Update:
-    return Update(
-        run_id="r",
-        round=1,
-        sender=f"p{i}",
-        participant_id=f"p{i}",
-        dataset_root=None,
-        delta=delta,
-        scales=scales,
-        l2_norm=1.0,
-        num_examples=1,
-    )
-
-
 Summed = tuple[AggregateSum, dict[str, np.ndarray]]
 
 
@@ -87,6 +74,20 @@ def _sum(
     result = agg.reveal()
     agg.verify(result)
     return result, result.mean()
+
+
+def _both_paths_agree(
+    updates: Sequence[tuple[Update, int]],
+    template: dict[str, np.ndarray],
+    config: AggregationConfig,
+    magic_bound: int | None = None,
+) -> None:
+    """Sums, checksums and means are the same bytes with numpy's passes and the kernels."""
+    with kernels(False):
+        reference = _sum(updates, template, config)
+    with kernels(True, magic_bound=magic_bound):
+        fused = _sum(updates, template, config)
+    _same(reference, fused)
 
 
 def _same(a: Summed, b: Summed) -> None:
@@ -128,14 +129,10 @@ def test_the_compiled_fold_gives_numpys_integers(
             scales = {"w": 0.37}
         else:
             delta, scales = {"w": values.astype(dtype)}, None
-        updates.append((_update(i, delta, scales), weight))
+        updates.append((_update(f"p{i}", delta, scales=scales), weight))
     config = AggregationConfig(fraction_bits=fraction_bits, fold_batch=3)
     template = {"w": np.zeros(5, np.float32)}
-    with kernels(False):
-        reference = _sum(updates, template, config)
-    with kernels(True, magic_bound=compiled.MAGIC_BOUND if magic else 0):
-        fused = _sum(updates, template, config)
-    _same(reference, fused)
+    _both_paths_agree(updates, template, config, magic_bound=compiled.MAGIC_BOUND if magic else 0)
 
 
 def test_the_threaded_compiled_fold_takes_each_path_and_matches_numpy(
@@ -149,7 +146,7 @@ def test_the_threaded_compiled_fold_takes_each_path_and_matches_numpy(
     rng = np.random.default_rng(3)
     for dtype, weight in ((np.float32, 1), (np.float32, 40_000), (np.float64, 3)):
         updates = [
-            (_update(i, {"big": rng.uniform(-30, 30, size).astype(dtype)}, None), weight)
+            (_update(f"p{i}", {"big": rng.uniform(-30, 30, size).astype(dtype)}), weight)
             for i in range(9)
         ]
         bound = weight * (30 * 2**32 + 1)
@@ -164,23 +161,21 @@ def test_the_threaded_compiled_fold_takes_each_path_and_matches_numpy(
 def test_a_batch_of_mixed_dtypes_is_folded_by_numpy() -> None:
     a = np.linspace(-1, 1, 7, dtype=np.float32)
     arrays = [a, a.astype(np.float64)]
-    assert compiled.fold_kernel(arrays, compiled.COMPILED_MIN_SIZE, 1) is None
-    assert compiled.fold_kernel([a, a], compiled.COMPILED_MIN_SIZE, 1) is not None
-    assert compiled.fold_kernel([a], compiled.COMPILED_MIN_SIZE - 1, 1) is None
-    assert compiled.fold_kernel([a[::2]], compiled.COMPILED_MIN_SIZE, 1) is None
-    updates = [(_update(i, {"w": x}, None), 1) for i, x in enumerate(arrays)]
+    big = np.zeros(2 * compiled.COMPILED_MIN_SIZE, np.float32)
+    r, at = np.ones(chunked.CHUNK, np.int64), compiled.COMPILED_MIN_SIZE
+    assert compiled.fold_kernel([big[:at], big[:at].astype(np.float64)], [1, 1], r, 1) is None
+    assert compiled.fold_kernel([big[:at], big[at:]], [1, 1], r, 1) is not None
+    assert compiled.fold_kernel([big[: at - 1]], [1], r, 1) is None
+    assert compiled.fold_kernel([big[::2]], [1], r, 1) is None
+    updates = [(_update(f"p{i}", {"w": x}), 1) for i, x in enumerate(arrays)]
     template = {"w": np.zeros(7, np.float32)}
-    with kernels(False):
-        reference = _sum(updates, template, AggregationConfig())
-    with kernels(True):
-        mixed = _sum(updates, template, AggregationConfig())
-    _same(reference, mixed)
+    _both_paths_agree(updates, template, AggregationConfig())
 
 
 def test_the_compiled_verify_detects_a_changed_sum() -> None:
     rng = np.random.default_rng(1)
     updates = [
-        (_update(i, {"w": rng.uniform(-1, 1, 50).astype(np.float32)}, None), 1) for i in range(3)
+        (_update(f"p{i}", {"w": rng.uniform(-1, 1, 50).astype(np.float32)}), 1) for i in range(3)
     ]
     with kernels(True):
         agg = _admitted(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
@@ -204,13 +199,9 @@ def test_a_batch_of_read_only_and_writable_arrays_is_folded() -> None:
     rng = np.random.default_rng(2)
     arrays = [rng.uniform(-1, 1, 3000).astype(np.float32) for _ in range(3)]
     arrays[1].setflags(write=False)
-    updates = [(_update(i, {"w": x}, None), 1) for i, x in enumerate(arrays)]
+    updates = [(_update(f"p{i}", {"w": x}), 1) for i, x in enumerate(arrays)]
     template = {"w": np.zeros(3000, np.float32)}
-    with kernels(False):
-        reference = _sum(updates, template, AggregationConfig())
-    with kernels(True):
-        fused = _sum(updates, template, AggregationConfig())
-    _same(reference, fused)
+    _both_paths_agree(updates, template, AggregationConfig())
     assert arrays[0].flags.writeable  # the caller's arrays keep their flags
 
 
@@ -218,7 +209,7 @@ def test_a_batch_of_read_only_and_writable_arrays_is_folded() -> None:
 def test_verify_refuses_a_sum_of_another_layout(use: bool) -> None:
     """A forged sum larger than every tensor of the template is refused before the
     checksum reads it (the compiled checksum does not check its bounds)."""
-    updates = [(_update(0, {"w": np.ones(50, np.float32)}, None), 1)]
+    updates = [(_update("p0", {"w": np.ones(50, np.float32)}), 1)]
     with kernels(use):
         agg = _admitted(updates, {"w": np.zeros(50, np.float32)}, AggregationConfig())
         result = agg.reveal()
@@ -350,11 +341,16 @@ def test_no_writable_cache_folder_compiles_in_the_process(
         compiled.kernels.cache_clear()
 
 
+@pytest.mark.parametrize(
+    "error",
+    [OSError("libllvmlite.so: cannot open shared object file"), RuntimeError("no locator")],
+    ids=["llvmlite", "not-even-without-a-cache"],
+)
 def test_kernels_that_cannot_be_built_leave_the_numpy_passes(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    error: Exception, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken(numba: object, *, cache: bool) -> compiled.Kernels:
-        raise OSError("libllvmlite.so: cannot open shared object file")
+        raise error
 
     monkeypatch.setattr(compiled, "_define", broken)
     compiled.kernels.cache_clear()
@@ -363,4 +359,4 @@ def test_kernels_that_cannot_be_built_leave_the_numpy_passes(
             assert compiled.for_size(10**9) is None
     finally:
         compiled.kernels.cache_clear()
-    assert "libllvmlite.so" in caplog.text and "numpy passes" in caplog.text
+    assert "numba kernels unavailable" in caplog.text and "numpy passes" in caplog.text

@@ -65,37 +65,41 @@ def test_a_sum_somebody_still_holds_is_never_overwritten() -> None:
     np.testing.assert_array_equal(view.base, kept)  # type: ignore[arg-type]
 
 
+def _latest_sum() -> int:
+    """The address of the accumulator the pool handed out last (the latest round's sum)."""
+    with recycling._lock:
+        return recycling._kept[("sum:w", (SIZE,), np.dtype(np.int64).str)][-1].ctypes.data
+
+
 def test_small_arrays_are_not_kept() -> None:
-    recycling.keep({"b": np.zeros(3, np.int64), "w": np.zeros(SIZE, np.int64)})
-    assert list(recycling._kept) == [("w", (SIZE,))]
+    recycling.zeroed("b", (3,))
+    recycling.zeroed("w", (SIZE,))
+    assert list(recycling._kept) == [("w", (SIZE,), np.dtype(np.int64).str)]
     np.testing.assert_array_equal(recycling.zeroed("b", (3,)), np.zeros(3, np.int64))
 
 
 def test_recycling_is_calibrated_to_how_this_interpreter_counts_references() -> None:
     """One more holder must count as exactly one more (CPython 3.14 may not count the
     argument of getrefcount; a free-threaded build gives no reliable counts): otherwise
-    recycling is off and every accumulator is fresh."""
+    recycling is off and every buffer is fresh."""
     assert recycling._calibrate() == recycling._UNHELD
     if recycling._UNHELD is None:
         pytest.skip("recycling is off on this interpreter")
     held = np.zeros(8, np.int64)
-    with recycling._lock:
-        recycling._kept[("x", (8,))] = held
-    _, refs = recycling._take(("x", (8,)))
-    assert refs == recycling._UNHELD + 1  # `held` is one more holder
+    assert recycling._count([held], 0) == recycling._UNHELD + 1  # `held` is one more holder
 
 
 def test_recycling_off_never_reuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recycling, "_UNHELD", None)
-    recycling.keep({"w": np.zeros(SIZE, np.int64)})
+    recycling.zeroed("w", (SIZE,))
     assert not recycling._kept  # nothing is offered ...
     planted = np.ones(SIZE, np.int64)  # ... and nothing kept is handed out, held or not
     alive = weakref.ref(planted)
     with recycling._lock:
-        recycling._kept[("w", (SIZE,))] = planted
+        recycling._kept[("w", (SIZE,), planted.dtype.str)] = [planted]
     del planted
     fresh = recycling.zeroed("w", (SIZE,))
-    assert alive() is None and not fresh.any() and not recycling._kept
+    assert fresh is not alive() and not fresh.any()
 
 
 def test_a_coordinator_folds_round_after_round_into_the_same_buffer(
@@ -109,8 +113,7 @@ def test_a_coordinator_folds_round_after_round_into_the_same_buffer(
     addresses = []
     for _ in range(3):
         feed_round(coordinator, rng)
-        with recycling._lock:
-            addresses.append(recycling._kept[("w", (SIZE,))].ctypes.data)
+        addresses.append(_latest_sum())
     assert [o.state.value for o in coordinator.outcomes] == ["closed"] * 3
     assert len(set(addresses)) == 1, addresses
 
@@ -132,11 +135,9 @@ def test_an_attempt_aborted_after_its_sum_gives_the_retry_its_buffer(
     monkeypatch.setattr(Store, "put_parts", failing_once)
     rng = np.random.default_rng(0)
     aborted = feed_round(coordinator, rng, attempt=1, closes=False)
-    with recycling._lock:
-        aborted_sum = recycling._kept[("w", (SIZE,))].ctypes.data
+    aborted_sum = _latest_sum()
     retried = feed_round(coordinator, rng, attempt=2)
-    with recycling._lock:
-        retried_sum = recycling._kept[("w", (SIZE,))].ctypes.data
+    retried_sum = _latest_sum()
     assert aborted.state.value == "aborted" and isinstance(aborted.error, StoreError)
     assert aborted.error.__traceback__ is None
     assert retried.state.value == "closed"
@@ -169,7 +170,7 @@ def test_an_output_nobody_holds_is_reused_and_fully_rewritten() -> None:
 
 def test_an_output_somebody_holds_is_never_handed_out() -> None:
     theta, m, g = _model(1), _model(2), _model(3)
-    held = [_step(theta, m, g)[0]["w"] for _ in range(recycling.OUTPUT_GENERATIONS)]
+    held = [_step(theta, m, g)[0]["w"] for _ in range(recycling.GENERATIONS)]
     snapshots = [h.copy() for h in held]
     view = held[0][:5]
     held[0] = view  # the base is held through its view
@@ -182,14 +183,14 @@ def test_an_output_somebody_holds_is_never_handed_out() -> None:
 
 
 def test_the_pool_keeps_a_few_generations_and_small_outputs_none() -> None:
-    for _ in range(recycling.OUTPUT_GENERATIONS + 3):
+    for _ in range(recycling.GENERATIONS + 3):
         recycling.output("x", (SIZE,), np.float32)  # each dropped at once: one buffer
-    assert len(recycling._outputs[("x", (SIZE,), np.dtype(np.float32).str)]) == 1
+    assert len(recycling._kept[("x", (SIZE,), np.dtype(np.float32).str)]) == 1
     held = [recycling.output("y", (SIZE,), np.float32) for _ in range(6)]
-    assert len(recycling._outputs[("y", (SIZE,), np.dtype(np.float32).str)]) == 4
+    assert len(recycling._kept[("y", (SIZE,), np.dtype(np.float32).str)]) == 4
     assert len({h.ctypes.data for h in held}) == 6
     recycling.output("small", (3,), np.float32)
-    assert not any(key[0] == "small" for key in recycling._outputs)
+    assert not any(key[0] == "small" for key in recycling._kept)
 
 
 def test_a_read_only_output_comes_back_writable() -> None:
@@ -199,14 +200,6 @@ def test_a_read_only_output_comes_back_writable() -> None:
     del out
     again = recycling.output("z", (SIZE,), np.float32)
     assert again.ctypes.data == address and again.flags.writeable
-
-
-def test_output_counting_is_calibrated() -> None:
-    assert recycling._calibrate_outputs() == recycling._OUTPUT_UNHELD
-    if recycling._OUTPUT_UNHELD is None:
-        pytest.skip("recycling is off on this interpreter")
-    held = np.zeros(4)
-    assert recycling._count([held], 0) == recycling._OUTPUT_UNHELD + 1
 
 
 def _global_hashes(tmp_path: Path, rounds: int) -> list[str]:
@@ -224,9 +217,9 @@ def test_a_coordinator_steps_into_freed_buffers_and_gets_the_same_models(
     """Over six rounds the mean, θ' and m' come from kept buffers once they are free, and
     every round's global hash is the one of a run that allocates them afresh."""
     caplog.set_level(logging.ERROR)
-    before = recycling.outputs_reused()
+    before = recycling.reused()
     recycled = _global_hashes(tmp_path / "recycled", 6)
-    assert recycling.outputs_reused() - before >= 6
+    assert recycling.reused() - before >= 6
     recycling.clear()
-    monkeypatch.setattr(recycling, "_OUTPUT_UNHELD", None)  # every output fresh
+    monkeypatch.setattr(recycling, "_UNHELD", None)  # every output fresh
     assert _global_hashes(tmp_path / "fresh", 6) == recycled

@@ -54,14 +54,13 @@ COMPILED_MIN_SIZE = 4 * CHUNK
 """Tensors with fewer elements are folded by numpy (the compiled call would not pay)."""
 MAGIC_BOUND = 1 << 51
 """Below this bound on |x * scale|, rounding by adding 1.5 * 2**52 is exact."""
-MAX_BATCH = 64
-"""The largest batch the kernel takes (``AggregationConfig.fold_batch``'s upper limit)."""
 
 _BLOCK = 2048
 """Elements the kernel works on at a time: its two int64/float64 scratch blocks stay in
 L1. It divides :data:`CHUNK`, so a block never straddles two chunks' checksum weights."""
 assert CHUNK % _BLOCK == 0
 _ENV = "LENSEMBLE_FLWR_COMPILED_KERNELS"
+
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
@@ -88,18 +87,16 @@ def kernels() -> Kernels | None:
             exc,
         )
         return None
-    try:
-        return _define(numba, cache=True)
-    except RuntimeError:  # numba found no writable cache folder: compile in every process
-        pass
-    except Exception as exc:  # an llvmlite that does not load: numpy does the same work
-        log.warning("numba kernels unavailable (%s): the aggregation runs as numpy passes", exc)
-        return None
-    try:
-        return _define(numba, cache=False)
-    except Exception as exc:
-        log.warning("numba kernels unavailable (%s): the aggregation runs as numpy passes", exc)
-        return None
+    for cache in (True, False):  # without a writable cache folder, compile per process
+        try:
+            return _define(numba, cache=cache)
+        except RuntimeError:  # numba's "cannot cache function": try without the cache
+            continue
+        except Exception as exc:  # an llvmlite that does not load: numpy does the same work
+            log.warning("numba kernels unavailable (%s): the aggregation runs as numpy passes", exc)
+            return None
+    log.warning("numba kernels unavailable: the aggregation runs as numpy passes")
+    return None
 
 
 def _define(numba: Any, *, cache: bool) -> Kernels:
@@ -210,28 +207,27 @@ def for_size(size: int) -> Kernels | None:
 
 
 def fold_kernel(
-    inputs: Sequence[np.ndarray], size: int, value_bound: int
-) -> Callable[[np.ndarray, np.ndarray, int, int, np.ndarray], int] | None:
-    """A range kernel that folds ``inputs`` (flat arrays of ``size`` elements, one per
-    update) into an accumulator, or None where the numpy fold must run: numba missing or
-    off, a tensor under :data:`COMPILED_MIN_SIZE`, a batch over :data:`MAX_BATCH`, or
-    inputs of different dtypes or not contiguous.
+    inputs: Sequence[np.ndarray], scales: Sequence[float], r: np.ndarray, value_bound: int
+) -> Callable[[np.ndarray, int, int], int] | None:
+    """A range kernel that folds ``inputs`` (flat arrays of one size, one per update, each
+    multiplied by its scale) into an accumulator, or None where the numpy fold must run:
+    numba missing or off, a tensor under :data:`COMPILED_MIN_SIZE`, or inputs of
+    different dtypes or not contiguous.
 
-    The returned ``kernel(acc, scales, lo, hi, r)`` adds the rounded, scaled inputs over
-    ``[lo, hi)`` into ``acc`` and returns their checksum modulo 2**64. ``value_bound``
+    The returned ``kernel(acc, lo, hi)`` adds the rounded, scaled inputs over ``[lo, hi)``
+    into ``acc`` and returns their checksum (weights ``r``) modulo 2**64. ``value_bound``
     bounds ``|x * scale|`` for every value of every input (the largest of the
     aggregator's per-update bounds)."""
-    if not 1 <= len(inputs) <= MAX_BATCH:
-        return None
     dtype = inputs[0].dtype
     if any(x.dtype != dtype or not x.flags.c_contiguous for x in inputs):
         return None
-    found = for_size(size)
+    found = for_size(inputs[0].size)
     if found is None:
         return None
-    fold, by_magic, xs = found.fold, value_bound < MAGIC_BOUND, tuple(map(_read_only, inputs))
+    fold, by_magic = found.fold, value_bound < MAGIC_BOUND
+    xs, factors = tuple(map(_read_only, inputs)), np.array(scales, np.float64)
 
-    def kernel(acc: np.ndarray, scales: np.ndarray, lo: int, hi: int, r: np.ndarray) -> int:
-        return int(fold(acc, xs, scales, r, lo, hi, by_magic))
+    def kernel(acc: np.ndarray, lo: int, hi: int) -> int:
+        return int(fold(acc, xs, factors, r, lo, hi, by_magic))
 
     return kernel

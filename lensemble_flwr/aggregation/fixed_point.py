@@ -209,7 +209,7 @@ class FixedPointAggregator:
         self._template = {name: template[name] for name in sorted(template)}
         self._config = config
         self._scale_unit = np.float64(2.0**config.fraction_bits)
-        self._acc = {n: recycling.zeroed(n, a.shape) for n, a in self._template.items()}
+        self._acc = {n: recycling.zeroed(f"sum:{n}", a.shape) for n, a in self._template.items()}
         largest = max((a.size for a in self._template.values()), default=0)
         self._r = _checksum_vector(check_seed, max(1, min(CHUNK, largest)))
         self._pending: list[_Pending] = []
@@ -276,27 +276,17 @@ class FixedPointAggregator:
         r = self._r
         for name, acc in self._acc.items():
             flat_acc = acc.reshape(-1)
-            inputs = [
-                (
-                    p.delta[name].reshape(-1),
-                    p.scale[name],
-                    _float32_exact(p.delta[name], p.scale[name]),
-                )
-                for p in batch
-            ]
-
-            fused = compiled.fold_kernel(
-                [x for x, _, _ in inputs], flat_acc.size, max(p.bound for p in batch)
-            )
+            flats = [p.delta[name].reshape(-1) for p in batch]
+            scales = [p.scale[name] for p in batch]
+            fused = compiled.fold_kernel(flats, scales, r, max(p.bound for p in batch))
             if fused is not None:
-                scales = np.array([sc for _, sc, _ in inputs], np.float64)
-
-                def run_fused(lo: int, hi: int, flat_acc=flat_acc, fused=fused, sc=scales) -> int:
-                    return fused(flat_acc, sc, lo, hi, r)
-
-                checks = run_ranges(flat_acc.size, run_fused)
+                checks = run_ranges(flat_acc.size, functools.partial(fused, flat_acc))
                 self._checksum = (self._checksum + sum(checks)) % _MOD
                 continue
+            inputs = [
+                (x, sc, _float32_exact(p.delta[name], sc))
+                for x, sc, p in zip(flats, scales, batch, strict=True)
+            ]
 
             def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
                 t = np.empty(CHUNK, np.float64)
@@ -347,7 +337,6 @@ class FixedPointAggregator:
             self._fold()
             for acc in self._acc.values():
                 acc.setflags(write=False)
-            recycling.keep(self._acc)  # the next round's accumulator, once this sum is dropped
             self._revealed = AggregateSum(
                 sums=dict(self._acc),
                 total_weight=self._weight,

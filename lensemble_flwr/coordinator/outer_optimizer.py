@@ -82,7 +82,8 @@ def outer_step(
         p_out = recycling.output(f"params:{name}", p_in.shape, p_in.dtype)
         # m' over Δ̄, chunk by chunk, when the caller lets it
         m_out = g_in if in_place else recycling.output(f"momentum:{name}", p_in.shape, p_in.dtype)
-        fast = compiled.for_size(p_in.size) if _compilable(p_in, m_in, g_in) else None
+        # m_in and g_in have p's dtype; the kernel takes any strides
+        fast = compiled.for_size(p_in.size) if p.dtype in _COMPILED_DTYPES else None
 
         def kernel(
             lo: int,
@@ -120,15 +121,8 @@ def outer_step(
     return new_params, new_momentum
 
 
-def _compilable(*arrays: np.ndarray) -> bool:
-    """Whether the compiled outer step takes these arrays: C-contiguous float32 or float64."""
-    return all(
-        isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype in _COMPILED_DTYPES
-        for a in arrays
-    )
-
-
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+"""The dtypes the compiled outer step takes (float16 and longdouble stay with numpy)."""
 
 
 def momentum_after_external_step(
