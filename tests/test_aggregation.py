@@ -465,6 +465,42 @@ def test_verify_detects_a_change_that_keeps_the_plain_sum() -> None:
         agg.verify(dataclasses.replace(result, sums=sums))
 
 
+def test_verify_hands_the_checked_mean_to_the_next_mean_call_only() -> None:
+    """verify computes the mean in its pass over the sums; mean() returns it once, and
+    computes the same bytes afresh afterwards (the caller may overwrite what it got)."""
+    agg, result = _honest()
+    reference = {n: a.copy() for n, a in AggregateSum(**_fields(result)).mean().items()}
+    agg.verify(result)
+    first = result.mean()
+    for name, values in first.items():
+        assert values.tobytes() == reference[name].tobytes(), name
+        values[...] = 7.0  # a caller that consumes the mean (the outer step does)
+    second = result.mean()
+    for name, values in second.items():
+        assert values.tobytes() == reference[name].tobytes(), name
+        assert not np.shares_memory(values, first[name])
+
+
+def test_a_failed_verify_hands_no_mean_on() -> None:
+    agg, result = _honest()
+    tampered = dataclasses.replace(result, checksum=(result.checksum + 1) % 2**64)
+    with pytest.raises(NonDeterministicAggregation):
+        agg.verify(tampered)
+    assert "_verified_mean" not in tampered.__dict__
+
+
+def test_a_sum_of_no_weight_has_no_mean_but_verifies() -> None:
+    agg = FixedPointAggregator(_template(), AggregationConfig(), check_seed=0)
+    result = agg.reveal()
+    agg.verify(result)
+    with pytest.raises(RoundError, match="no mean"):
+        result.mean()
+
+
+def _fields(result: AggregateSum) -> dict[str, object]:
+    return {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+
+
 # --------------------------------------------------------------------------- memory
 
 

@@ -1,5 +1,5 @@
 """A round's accumulator reuses the previous round's buffers only when nobody else holds
-them, and always starts from zero."""
+them, and its sum never depends on what the reused buffer held."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_aggregation import _aggregate, _update
+from test_compiled_kernels import kernels
 from test_hash_once import feed_round, unbound_coordinator
 
 from lensemble_flwr.aggregation import recycling
@@ -50,7 +51,7 @@ def test_a_dropped_sum_gives_its_buffer_to_the_next_and_it_starts_from_zero() ->
     address = first["w"].ctypes.data
     del first
     second = _sum_of([0.5, 0.25])
-    assert second["w"].ctypes.data == address  # the same memory, zeroed, then folded
+    assert second["w"].ctypes.data == address  # the same memory, written over by the fold
     np.testing.assert_array_equal(second["w"], expected)
     assert not second["w"].flags.writeable  # a revealed sum stays read-only
 
@@ -72,10 +73,10 @@ def _latest_sum() -> int:
 
 
 def test_small_arrays_are_not_kept() -> None:
-    recycling.zeroed("b", (3,))
-    recycling.zeroed("w", (SIZE,))
+    small = recycling.output("b", (3,), np.int64)
+    recycling.output("w", (SIZE,), np.int64)
     assert list(recycling._kept) == [("w", (SIZE,), np.dtype(np.int64).str)]
-    np.testing.assert_array_equal(recycling.zeroed("b", (3,)), np.zeros(3, np.int64))
+    assert recycling.output("b", (3,), np.int64) is not small
 
 
 def test_recycling_is_calibrated_to_how_this_interpreter_counts_references() -> None:
@@ -91,15 +92,15 @@ def test_recycling_is_calibrated_to_how_this_interpreter_counts_references() -> 
 
 def test_recycling_off_never_reuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recycling, "_UNHELD", None)
-    recycling.zeroed("w", (SIZE,))
+    recycling.output("w", (SIZE,), np.int64)
     assert not recycling._kept  # nothing is offered ...
     planted = np.ones(SIZE, np.int64)  # ... and nothing kept is handed out, held or not
     alive = weakref.ref(planted)
     with recycling._lock:
         recycling._kept[("w", (SIZE,), planted.dtype.str)] = [planted]
     del planted
-    fresh = recycling.zeroed("w", (SIZE,))
-    assert fresh is not alive() and not fresh.any()
+    fresh = recycling.output("w", (SIZE,), np.int64)
+    assert fresh is not alive()
 
 
 def test_a_coordinator_folds_round_after_round_into_the_same_buffer(
@@ -223,3 +224,44 @@ def test_a_coordinator_steps_into_freed_buffers_and_gets_the_same_models(
     recycling.clear()
     monkeypatch.setattr(recycling, "_UNHELD", None)  # every output fresh
     assert _global_hashes(tmp_path / "fresh", 6) == recycled
+
+
+def _plant_garbage(name: str) -> None:
+    """Leave a kept, unheld accumulator for ``name`` full of garbage: the next aggregator
+    of that layout is handed it, unzeroed."""
+    garbage = np.full(SIZE, 12345, np.int64)
+    with recycling._lock:
+        recycling._kept[(f"sum:{name}", (SIZE,), garbage.dtype.str)] = [garbage]
+
+
+@pytest.mark.parametrize("compiled_kernels", [True, False])
+@pytest.mark.parametrize("fold_batch", [1, 2, 8])
+def test_a_reused_accumulator_holding_garbage_gives_the_exact_sum(
+    fold_batch: int, compiled_kernels: bool
+) -> None:
+    """The first batch writes the accumulator (it is never zeroed), later ones add: with
+    the compiled fold and with numpy's."""
+    template = {"w": np.zeros(SIZE, np.float32)}
+    rng = np.random.default_rng(3)
+    updates = [
+        (_update(f"p{i}", {"w": rng.uniform(-1, 1, SIZE).astype(np.float32)}), 1)
+        for i in range(5)
+    ]
+    config = AggregationConfig(fold_batch=fold_batch)
+    _, clean = _aggregate(updates, config, template, seed=1)
+    expected = clean.sums["w"].copy()
+    del clean
+    _plant_garbage("w")
+    before = recycling.reused()
+    with kernels(compiled_kernels):
+        aggregator, result = _aggregate(updates, config, template, seed=1)
+    assert recycling.reused() > before  # the planted buffer was the one folded into
+    np.testing.assert_array_equal(result.sums["w"], expected)
+    aggregator.verify(result)
+
+
+def test_a_reused_accumulator_with_nothing_folded_reveals_zeros() -> None:
+    _plant_garbage("w")
+    aggregator, result = _aggregate([], AggregationConfig(), {"w": np.zeros(SIZE, np.float32)})
+    assert not result.sums["w"].any()
+    aggregator.verify(result)

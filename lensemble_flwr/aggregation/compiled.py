@@ -21,7 +21,7 @@ give the numpy passes' bytes:
   ``q.sum() + q @ r`` modulo 2**64, what numpy's wrapping int64 arithmetic adds;
 - the mean: ``float32(float64(v) / denominator)``, with ``float64(v)`` correctly rounded
   from its exact halves ``(v >> 32) * 2**32 + (v & 0xFFFFFFFF)``, each converted through
-  the float's bits;
+  the float's bits; with the self-check's checksum of the sums it reads, when asked;
 - the outer step: the same float32 (or float64) operations in the same order; numba does
   not contract a multiply and an add into one rounding unless asked (no ``fastmath``).
 
@@ -67,8 +67,7 @@ class Kernels:
     """The compiled range kernels; each works on ``[lo, hi)`` of flat arrays."""
 
     fold: Callable[..., int]
-    checksum: Callable[..., int]
-    mean: Callable[..., None]
+    mean: Callable[..., int]
     outer: Callable[..., None]
 
 
@@ -112,7 +111,7 @@ def _define(numba: Any, *, cache: bool) -> Kernels:
     jit = numba.njit(nogil=True, cache=cache, error_model="numpy", boundscheck=False)
 
     @jit
-    def fold(acc, xs, scales, r, lo, hi, by_magic):  # pragma: no cover - compiled
+    def fold(acc, xs, scales, r, lo, hi, by_magic, assign):  # pragma: no cover - compiled
         q = np.empty(block, np.int64)
         t = np.empty(block, np.float64)
         tv = t.view(np.int64)
@@ -134,29 +133,24 @@ def _define(numba: Any, *, cache: bool) -> Kernels:
                     for i in range(k):
                         q[i] += np.int64(np.rint(np.float64(x[i]) * sc))
             a, w = acc[s : s + k], r[at : at + k]
+            if assign:  # the first batch: the accumulator's contents are undefined
+                for i in range(k):
+                    a[i] = q[i]
+            else:
+                for i in range(k):
+                    a[i] += q[i]
             for i in range(k):
-                a[i] += q[i]
                 check += np.uint64(q[i]) * (np.uint64(w[i]) + np.uint64(1))
         return check
 
     @jit
-    def checksum(values, r, lo, hi):  # pragma: no cover - compiled
-        check = np.uint64(0)
-        for s in range(lo, hi, block):
-            k = min(block, hi - s)
-            at = (s - lo) % chunk
-            v, w = values[s : s + k], r[at : at + k]
-            for i in range(k):
-                check += np.uint64(v[i]) * (np.uint64(w[i]) + np.uint64(1))
-        return check
-
-    @jit
-    def mean(sums, out, denom, lo, hi):  # pragma: no cover - compiled
+    def mean(sums, out, denom, r, lo, hi, with_check):  # pragma: no cover - compiled
         # float64(v), correctly rounded, from exact halves: v = hi32 * 2**32 + lo32, each
         # half converted exactly through the float's bits (no AVX2 int64 -> float64).
         hb = np.empty(block, np.int64)
         lb = np.empty(block, np.int64)
         hd, ld = hb.view(np.float64), lb.view(np.float64)
+        check = np.uint64(0)
         for s in range(lo, hi, block):
             k = min(block, hi - s)
             v, o = sums[s : s + k], out[s : s + k]
@@ -166,6 +160,12 @@ def _define(numba: Any, *, cache: bool) -> Kernels:
             for i in range(k):
                 exact = (hd[i] - magic) * two32 + (ld[i] - two52)
                 o[i] = np.float32(exact / denom)
+            if with_check:  # the self-check's checksum of the same block, while in L1
+                at = (s - lo) % chunk
+                w = r[at : at + k]
+                for i in range(k):
+                    check += np.uint64(v[i]) * (np.uint64(w[i]) + np.uint64(1))
+        return check
 
     @jit
     def outer(p_in, m_in, g_in, p_out, m_out, lr, mu, nesterov, lo, hi):  # pragma: no cover
@@ -184,7 +184,7 @@ def _define(numba: Any, *, cache: bool) -> Kernels:
             po[i] = pi[i] + t
             mo[i] = m  # last: m_out may be g_in's own buffer
 
-    return Kernels(fold, checksum, mean, outer)
+    return Kernels(fold, mean, outer)
 
 
 def available() -> bool:
@@ -207,7 +207,12 @@ def for_size(size: int) -> Kernels | None:
 
 
 def fold_kernel(
-    inputs: Sequence[np.ndarray], scales: Sequence[float], r: np.ndarray, value_bound: int
+    inputs: Sequence[np.ndarray],
+    scales: Sequence[float],
+    r: np.ndarray,
+    value_bound: int,
+    *,
+    assign: bool = False,
 ) -> Callable[[np.ndarray, int, int], int] | None:
     """A range kernel that folds ``inputs`` (flat arrays of one size, one per update, each
     multiplied by its scale) into an accumulator, or None where the numpy fold must run:
@@ -215,7 +220,9 @@ def fold_kernel(
     different dtypes or not contiguous.
 
     The returned ``kernel(acc, lo, hi)`` adds the rounded, scaled inputs over ``[lo, hi)``
-    into ``acc`` and returns their checksum (weights ``r``) modulo 2**64. ``value_bound``
+    into ``acc`` (with ``assign``, writes them over whatever ``acc`` holds: the first
+    batch, into an accumulator that was never zeroed) and returns their checksum (weights
+    ``r``) modulo 2**64. ``value_bound``
     bounds ``|x * scale|`` for every value of every input (the largest of the
     aggregator's per-update bounds)."""
     dtype = inputs[0].dtype
@@ -228,6 +235,6 @@ def fold_kernel(
     xs, factors = tuple(map(_read_only, inputs)), np.array(scales, np.float64)
 
     def kernel(acc: np.ndarray, lo: int, hi: int) -> int:
-        return int(fold(acc, xs, factors, r, lo, hi, by_magic))
+        return int(fold(acc, xs, factors, r, lo, hi, by_magic, assign))
 
     return kernel

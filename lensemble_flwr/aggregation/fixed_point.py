@@ -79,8 +79,9 @@ class AggregateSum:
         )
 
     def hash_in_background(self) -> None:
-        """Start hashing the sums (two model sizes of int64) on a thread of its own, so
-        that the hash overlaps the mean and the outer step; :attr:`digest` waits for it.
+        """Start hashing the sums (two model sizes of int64) on a thread of its own;
+        :attr:`digest` waits for it. The commit starts it as it writes the checkpoint, so
+        that the hash overlaps the write and its fsync, not the aggregation's threads.
         Small sums are left to be hashed when the digest is read (a thread would cost
         more). The digest is the same either way."""
         if "_sums_pending" in self.__dict__ or "digest" in self.__dict__:
@@ -105,25 +106,52 @@ class AggregateSum:
         return digest_arrays(self.sums, "aggregate-sums")
 
     def mean(self) -> NamedArrays:
-        """The weighted mean update, float32: ``sums / (total_weight * 2**F)``."""
-        denom = np.float64(self.total_weight) * np.float64(2.0**self.fraction_bits)
-        out: NamedArrays = {}
-        for name, total in self.sums.items():
-            flat_in = total.reshape(-1)
-            flat_out = recycling.output(f"mean:{name}", flat_in.shape, np.float32)
-            fast = compiled.for_size(flat_in.size)
+        """The weighted mean update, float32: ``sums / (total_weight * 2**F)``, in arrays
+        the caller may keep or overwrite. The first call after the plaintext aggregator's
+        :meth:`~FixedPointAggregator.verify` returns the mean that check computed as it
+        read the sums (the same bytes); any other call computes it.
 
-            def kernel(lo: int, hi: int, src=flat_in, dst=flat_out, fast=fast) -> None:
-                if fast is not None:
-                    fast.mean(src, dst, denom, lo, hi)
-                else:
-                    np.divide(
-                        src[lo:hi], denom, out=dst[lo:hi], dtype=np.float64, casting="unsafe"
-                    )
+        Raises:
+            RoundError: nothing was summed (a total weight of 0 has no mean).
+        """
+        if self.total_weight <= 0:
+            raise RoundError(f"a sum of total weight {self.total_weight} has no mean")
+        ready = self.__dict__.pop("_verified_mean", None)
+        if ready is not None:
+            return ready
+        return _mean_and_checksum(self, None)[0]
 
-            run_ranges(flat_in.size, kernel)
-            out[name] = flat_out.reshape(total.shape)
-        return out
+
+_NO_WEIGHTS = np.zeros(1, np.int64)
+
+
+def _mean_and_checksum(result: AggregateSum, r: np.ndarray | None) -> tuple[NamedArrays, int]:
+    """The mean of ``result`` and, with checksum weights ``r``, the self-check's checksum of
+    its sums modulo 2**64 (0 without), in one pass over the sums. A sum of no weight is
+    divided by 1 instead: only its checksum is used."""
+    weight = max(result.total_weight, 1)
+    denom = np.float64(weight) * np.float64(2.0**result.fraction_bits)
+    weights = _NO_WEIGHTS if r is None else r
+    out: NamedArrays = {}
+    total = 0
+    for name, sums in result.sums.items():
+        flat_in = sums.reshape(-1)
+        flat_out = recycling.output(f"mean:{name}", flat_in.shape, np.float32)
+        fast = compiled.for_size(flat_in.size)
+
+        def kernel(lo: int, hi: int, src=flat_in, dst=flat_out, fast=fast) -> int:
+            if fast is not None:
+                return int(fast.mean(src, dst, denom, weights, lo, hi, r is not None))
+            np.divide(src[lo:hi], denom, out=dst[lo:hi], dtype=np.float64, casting="unsafe")
+            if r is None:
+                return 0
+            return sum(
+                _chunk_checksum(src[s : min(s + CHUNK, hi)], r) for s in range(lo, hi, CHUNK)
+            )
+
+        total += sum(run_ranges(flat_in.size, kernel))
+        out[name] = flat_out.reshape(sums.shape)
+    return out, total % _MOD
 
 
 def to_fixed_point(values: Mapping[str, np.ndarray], factors: Mapping[str, float]) -> NamedArrays:
@@ -209,7 +237,12 @@ class FixedPointAggregator:
         self._template = {name: template[name] for name in sorted(template)}
         self._config = config
         self._scale_unit = np.float64(2.0**config.fraction_bits)
-        self._acc = {n: recycling.zeroed(f"sum:{n}", a.shape) for n, a in self._template.items()}
+        # Not zeroed: the first batch writes the accumulators, later batches add to them
+        # (one pass over model-sized memory fewer); a round that folds nothing zeroes them.
+        self._acc = {
+            n: recycling.output(f"sum:{n}", a.shape, np.int64) for n, a in self._template.items()
+        }
+        self._acc_written = False
         largest = max((a.size for a in self._template.values()), default=0)
         self._r = _checksum_vector(check_seed, max(1, min(CHUNK, largest)))
         self._pending: list[_Pending] = []
@@ -274,11 +307,13 @@ class FixedPointAggregator:
             return
         exact_in_float = sum(p.bound for p in batch) < _FLOAT_EXACT
         r = self._r
+        assign, self._acc_written = not self._acc_written, True
         for name, acc in self._acc.items():
             flat_acc = acc.reshape(-1)
             flats = [p.delta[name].reshape(-1) for p in batch]
             scales = [p.scale[name] for p in batch]
-            fused = compiled.fold_kernel(flats, scales, r, max(p.bound for p in batch))
+            bound = max(p.bound for p in batch)
+            fused = compiled.fold_kernel(flats, scales, r, bound, assign=assign)
             if fused is not None:
                 checks = run_ranges(flat_acc.size, functools.partial(fused, flat_acc))
                 self._checksum = (self._checksum + sum(checks)) % _MOD
@@ -325,7 +360,10 @@ class FixedPointAggregator:
                             np.copyto(qk, rounded(x[s:e], sc, f32, k), casting="unsafe")
                             np.add(tik, qk, out=tik)
                         qk[...] = tik
-                    np.add(flat_acc[s:e], qk, out=flat_acc[s:e])
+                    if assign:
+                        flat_acc[s:e] = qk
+                    else:
+                        np.add(flat_acc[s:e], qk, out=flat_acc[s:e])
                     check += _chunk_checksum(qk, r)
                 return check
 
@@ -336,6 +374,8 @@ class FixedPointAggregator:
         if self._revealed is None:
             self._fold()
             for acc in self._acc.values():
+                if not self._acc_written:  # nothing was folded: the sum of nothing
+                    acc.fill(0)
                 acc.setflags(write=False)
             self._revealed = AggregateSum(
                 sums=dict(self._acc),
@@ -344,30 +384,19 @@ class FixedPointAggregator:
                 fraction_bits=self._config.fraction_bits,
                 checksum=self._checksum,
             )
-            self._revealed.hash_in_background()
         return self._revealed
 
     def verify(self, result: AggregateSum) -> None:
-        """Recompute the linear checksums from ``result`` and compare them with ingress."""
+        """Recompute the linear checksums from ``result`` and compare them with ingress.
+
+        The same pass over the sums computes their mean, which ``result.mean()`` then
+        returns once without reading the sums again: the mean is computed from the very
+        bytes that were checked."""
         try:
             check_same_layout(self._template, result.sums, "revealed sum")
         except ParameterMismatch as exc:
             raise NonDeterministicAggregation(f"revealed sum does not reproduce: {exc}") from exc
-        r = self._r
-        total = 0
-        for acc in result.sums.values():
-            flat = acc.reshape(-1)
-            fast = compiled.for_size(flat.size)
-
-            def kernel(lo: int, hi: int, flat=flat, fast=fast) -> int:
-                if fast is not None:
-                    return int(fast.checksum(flat, r, lo, hi))
-                return sum(
-                    _chunk_checksum(flat[s : min(s + CHUNK, hi)], r) for s in range(lo, hi, CHUNK)
-                )
-
-            total += sum(run_ranges(flat.size, kernel))
-        total %= _MOD
+        mean, total = _mean_and_checksum(result, self._r)
         expected = (self._checksum, self._weight, self.contributors)
         actual = (total, result.total_weight, result.contributors)
         if actual != expected or result.checksum != self._checksum:
@@ -376,3 +405,5 @@ class FixedPointAggregator:
                 f"{self._checksum:#x}, weight {result.total_weight} vs {self._weight}, "
                 f"{result.count} vs {len(self._contributors)} contributors"
             )
+        if result.total_weight > 0:
+            result.__dict__["_verified_mean"] = mean  # for the result's next mean()

@@ -88,13 +88,6 @@ def output(name: str, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndar
     return found
 
 
-def zeroed(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An :func:`output` of int64 zeros: an accumulator."""
-    accumulator = output(name, shape, np.int64)
-    accumulator.fill(0)
-    return accumulator
-
-
 def clear() -> None:
     """Drop every kept array (a strategy's run is over; tests)."""
     with _lock:

@@ -127,7 +127,8 @@ def write_commit(
     """Steps 1–3 of the module's order; returns once the ledger holds the round.
 
     ``new_state`` may be given as the call that pins (and hashes) it: it then runs while
-    the momentum is hashed on another thread (two model-sized hashes at once).
+    the momentum is hashed on another thread (two model-sized hashes at once). The
+    sums' digest is hashed on a thread while the checkpoint is written and fsynced.
 
     Raises:
         StoreError, LedgerError: the store refused a write (nothing is committed).
@@ -144,6 +145,7 @@ def write_commit(
                 hashed = momentum_hash.result()
     else:
         hashed = None
+    result.hash_in_background()  # the sums' digest, for the entry: while the blob is written
     digest = store.put_parts(
         checkpoint_parts(
             t, new_state.params, momentum, params_hash=new_state.params_hash, momentum_hash=hashed
