@@ -320,7 +320,7 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
         f"{t_msg_digest / as_is.best_total:.2f} x the aggregation"
     )
     return "\n".join(
-        f"{verdict(r.ratio >= 0.5)}: aggregation + outer step at {r.ratio:.2f} x "
+        f"{verdict(r.ratio >= 0.5)}: aggregation + outer step at {r.ratio:.3f} x "
         f"streaming-read bandwidth, {name} (target >= 0.50)"
         for name, r in runs
     )

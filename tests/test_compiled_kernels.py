@@ -3,8 +3,8 @@
 Each test runs the same aggregation twice: once with the compiled kernels for every array
 (:data:`compiled.COMPILED_MIN_SIZE` lowered to 1, so that small arrays take them), once
 with numpy's passes (no kernels), and compares sums, checksums, means and outer steps
-byte for byte. The batch lengths stay few, because numba compiles (once, then caches on
-disk) one fold per batch length and dtype.
+byte for byte. numba compiles (once, then caches on disk) one fold per ``fold_batch``
+and dtype: a shorter batch is padded to ``fold_batch``.
 """
 
 from __future__ import annotations
@@ -170,6 +170,25 @@ def test_a_batch_of_mixed_dtypes_is_folded_by_numpy() -> None:
     updates = [(_update(f"p{i}", {"w": x}), 1) for i, x in enumerate(arrays)]
     template = {"w": np.zeros(7, np.float32)}
     _both_paths_agree(updates, template, AggregationConfig())
+
+
+def test_batches_shorter_than_fold_batch_run_the_same_compiled_fold() -> None:
+    """A round whose C_t is not a multiple of fold_batch ends on a shorter batch: it is
+    padded (the padding never read), so it compiles no fold of its own, and every batch
+    length gives the numpy sum."""
+    template = {"w": np.zeros(7, np.float32)}
+    rng = np.random.default_rng(11)
+    updates = [
+        (_update(f"p{i}", {"w": rng.uniform(-1, 1, 7).astype(np.float32)}), 1)
+        for i in range(7)
+    ]
+    config = AggregationConfig(fold_batch=4)
+    fold = compiled.kernels().fold  # type: ignore[union-attr]
+    _both_paths_agree(updates[:4], template, config)  # compiles the fold of 4 slots
+    signatures = len(fold.signatures)
+    for count in (1, 3, 6, 7):  # last batches of 1, 3, 2 and 3
+        _both_paths_agree(updates[:count], template, config)
+    assert len(fold.signatures) == signatures
 
 
 def test_the_compiled_verify_detects_a_changed_sum() -> None:

@@ -28,9 +28,9 @@ give the numpy passes' bytes:
 Nothing imports numba until a tensor is large enough to use it
 (:data:`COMPILED_MIN_SIZE`), so small models, most tests and Flower's ClientApp actors
 never pay its import. numba compiles a kernel the first time it meets a new combination
-of argument types, about a second each: for the fold, the batch length and the dtype.
-A round's last batch is shorter than ``fold_batch`` when C_t is not a multiple of it, so
-a federation's first rounds may compile up to ``fold_batch`` folds. Kernels are cached
+of argument types, about a second each: for the fold, ``fold_batch`` and the dtype (a
+batch shorter than ``fold_batch``, a round's last when C_t is not a multiple of it, is
+padded to that length, so it does not compile a fold of its own). Kernels are cached
 on disk (next to this module, or in numba's user cache or ``NUMBA_CACHE_DIR``), so later
 processes load them; where no cache folder is writable, every process compiles its own.
 """
@@ -121,7 +121,7 @@ def _define(numba: Any, *, cache: bool) -> Kernels:
             at = (s - lo) % chunk  # the checksum weight of s: its position in its chunk
             for i in range(k):
                 q[i] = 0
-            for j in range(len(xs)):
+            for j in range(len(scales)):  # xs may be padded past the batch: not len(xs)
                 x = xs[j][s : s + k]
                 sc = scales[j]
                 if by_magic:  # the integer read out of the float's bits
@@ -213,6 +213,7 @@ def fold_kernel(
     value_bound: int,
     *,
     assign: bool = False,
+    slots: int = 0,
 ) -> Callable[[np.ndarray, int, int], int] | None:
     """A range kernel that folds ``inputs`` (flat arrays of one size, one per update, each
     multiplied by its scale) into an accumulator, or None where the numpy fold must run:
@@ -222,9 +223,11 @@ def fold_kernel(
     The returned ``kernel(acc, lo, hi)`` adds the rounded, scaled inputs over ``[lo, hi)``
     into ``acc`` (with ``assign``, writes them over whatever ``acc`` holds: the first
     batch, into an accumulator that was never zeroed) and returns their checksum (weights
-    ``r``) modulo 2**64. ``value_bound``
-    bounds ``|x * scale|`` for every value of every input (the largest of the
-    aggregator's per-update bounds)."""
+    ``r``) modulo 2**64. ``value_bound`` bounds ``|x * scale|`` for every value of every
+    input (the largest of the aggregator's per-update bounds). ``slots``: pad the batch
+    to this many inputs for the compiled call (the padding is never read), so that every
+    batch up to ``slots`` long runs the same compiled fold; 0 or fewer than the inputs,
+    no padding."""
     dtype = inputs[0].dtype
     if any(x.dtype != dtype or not x.flags.c_contiguous for x in inputs):
         return None
@@ -233,6 +236,7 @@ def fold_kernel(
         return None
     fold, by_magic = found.fold, value_bound < MAGIC_BOUND
     xs, factors = tuple(map(_read_only, inputs)), np.array(scales, np.float64)
+    xs += (xs[0],) * max(0, slots - len(xs))  # one numba type per slots, not per length
 
     def kernel(acc: np.ndarray, lo: int, hi: int) -> int:
         return int(fold(acc, xs, factors, r, lo, hi, by_magic, assign))

@@ -313,7 +313,9 @@ class FixedPointAggregator:
             flats = [p.delta[name].reshape(-1) for p in batch]
             scales = [p.scale[name] for p in batch]
             bound = max(p.bound for p in batch)
-            fused = compiled.fold_kernel(flats, scales, r, bound, assign=assign)
+            fused = compiled.fold_kernel(
+                flats, scales, r, bound, assign=assign, slots=self._config.fold_batch
+            )
             if fused is not None:
                 checks = run_ranges(flat_acc.size, functools.partial(fused, flat_acc))
                 self._checksum = (self._checksum + sum(checks)) % _MOD
