@@ -348,9 +348,8 @@ def memory_fixture(
 
 
 def tracemalloc_peak(fed: Federation, updates: list[Update]) -> int:
-    # Every C starts without a kept accumulator, so every C allocates the same buffers:
-    # whether the previous sum's buffers could be reused would depend on whether its
-    # digest thread had finished yet.
+    # Every C starts without kept buffers, so every C allocates the same ones: the figure
+    # does not depend on what the previous measurement left in the pool.
     recycling.clear()
     gc.collect()
     tracemalloc.start()

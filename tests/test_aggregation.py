@@ -471,7 +471,9 @@ def test_verify_hands_the_checked_mean_to_the_next_mean_call_only() -> None:
     agg, result = _honest()
     reference = {n: a.copy() for n, a in AggregateSum(**_fields(result)).mean().items()}
     agg.verify(result)
+    assert "_verified_mean" in result.__dict__  # the check's own mean is the one handed on
     first = result.mean()
+    assert "_verified_mean" not in result.__dict__
     for name, values in first.items():
         assert values.tobytes() == reference[name].tobytes(), name
         values[...] = 7.0  # a caller that consumes the mean (the outer step does)
@@ -495,6 +497,34 @@ def test_a_sum_of_no_weight_has_no_mean_but_verifies() -> None:
     agg.verify(result)
     with pytest.raises(RoundError, match="no mean"):
         result.mean()
+
+
+def test_a_fold_that_fails_half_way_leaves_an_aggregator_that_refuses_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first tensor was folded, the second was not: revealing that sum would drop an
+    update from one tensor (and, from a reused buffer, keep old contents in the other)."""
+    real = fixed_point_module._float32_exact
+    calls = []
+
+    def fails_on_the_second_tensor(values: np.ndarray, scale: np.float64) -> bool:
+        calls.append(1)
+        if len(calls) > 3:  # fold_batch=3: the second tensor's inputs
+            raise MemoryError("no room for the second tensor's temporaries")
+        return real(values, scale)
+
+    monkeypatch.setattr(fixed_point_module, "_float32_exact", fails_on_the_second_tensor)
+    monkeypatch.setattr(fixed_point_module.compiled, "fold_kernel", lambda *a, **k: None)
+    agg = FixedPointAggregator(_template(), AggregationConfig(fold_batch=3), check_seed=0)
+    agg.admit(_good("p0", 0), weight=1)
+    agg.admit(_good("p1", 1), weight=1)
+    with pytest.raises(MemoryError):
+        agg.admit(_good("p2", 2), weight=1)  # the batch's fold starts and fails
+    monkeypatch.setattr(fixed_point_module, "_float32_exact", real)
+    with pytest.raises(RoundError, match=r"a fold failed .*MemoryError"):
+        agg.reveal()
+    with pytest.raises(RoundError, match="a fold failed"):
+        agg.admit(_good("p3", 3), weight=1)
 
 
 def _fields(result: AggregateSum) -> dict[str, object]:

@@ -9,15 +9,15 @@ and dtype: a shorter batch is padded to ``fold_batch``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_paths import kernels
 from test_aggregation import _update
 
 import lensemble_flwr.aggregation.chunked as chunked
@@ -35,19 +35,6 @@ pytest.importorskip("numba", reason="the compiled kernels need the 'fast' extra"
 def _compiled_kernels_in_use() -> None:
     """Every comparison below would compare numpy with numpy if the kernels were off."""
     assert compiled.available(), "LENSEMBLE_FLWR_COMPILED_KERNELS switches the kernels off"
-
-
-@contextlib.contextmanager
-def kernels(use: bool, *, magic_bound: int | None = None) -> Iterator[None]:
-    """Compiled kernels for every array (``use``), or numpy's passes for every array."""
-    with pytest.MonkeyPatch.context() as mp:
-        if use:
-            mp.setattr(compiled, "COMPILED_MIN_SIZE", 1)
-            if magic_bound is not None:
-                mp.setattr(compiled, "MAGIC_BOUND", magic_bound)
-        else:
-            mp.setattr(compiled, "for_size", lambda size: None)
-        yield
 
 
 Summed = tuple[AggregateSum, dict[str, np.ndarray]]

@@ -243,6 +243,7 @@ class FixedPointAggregator:
             n: recycling.output(f"sum:{n}", a.shape, np.int64) for n, a in self._template.items()
         }
         self._acc_written = False
+        self._broken: str | None = None  # why a fold failed half-way, if one did
         largest = max((a.size for a in self._template.values()), default=0)
         self._r = _checksum_vector(check_seed, max(1, min(CHUNK, largest)))
         self._pending: list[_Pending] = []
@@ -269,10 +270,13 @@ class FixedPointAggregator:
         Raises:
             RoundError: a masked update; after reveal, a second update from the same
                 participant, a weight outside [1, max_weight], a value beyond
-                max_abs_update, or an update that would overflow the accumulator. Nothing
-                is admitted when it raises.
+                max_abs_update, an update that would overflow the accumulator, or any
+                update after a fold failed. Nothing is admitted when it raises.
             ParameterMismatch: the update's names or shapes differ from the template.
+            Exception: the fold this admission started failed (out of memory, say);
+                from then on the aggregator refuses every call with RoundError.
         """
+        self._check_usable()
         pid = update.participant_id
         if update.masked:
             raise RoundError(f"{pid}: a masked update has no place in a plaintext sum")
@@ -302,9 +306,24 @@ class FixedPointAggregator:
             self._fold()
 
     def _fold(self) -> None:
+        """Fold the pending batch. A fold that raises half-way leaves the accumulators
+        partly written, so the aggregator refuses everything after it (see
+        :meth:`_check_usable`): the attempt aborts instead of revealing that sum."""
+        self._check_usable()
         batch, self._pending = self._pending, []
         if not batch:
             return
+        try:
+            self._fold_batch(batch)
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RoundError(f"a fold failed ({self._broken}): this sum cannot be revealed")
+
+    def _fold_batch(self, batch: list[_Pending]) -> None:
         exact_in_float = sum(p.bound for p in batch) < _FLOAT_EXACT
         r = self._r
         assign, self._acc_written = not self._acc_written, True
@@ -372,9 +391,13 @@ class FixedPointAggregator:
             self._checksum = (self._checksum + sum(run_ranges(flat_acc.size, kernel))) % _MOD
 
     def reveal(self) -> AggregateSum:
-        """Fold what is pending and freeze the contributing set."""
+        """Fold what is pending and freeze the contributing set.
+
+        Raises:
+            RoundError: a fold failed half-way (its sum would be partial).
+        """
         if self._revealed is None:
-            self._fold()
+            self._fold()  # raises RoundError after a fold that failed
             for acc in self._acc.values():
                 if not self._acc_written:  # nothing was folded: the sum of nothing
                     acc.fill(0)
