@@ -1,59 +1,80 @@
 """L2 norms in float64 that are the same on every machine, and fast on a busy one.
 
-``np.dot`` of two float64 vectors goes to BLAS. OpenBLAS splits a long vector across its
-threads and adds the partial sums, so the last bits of a norm depended on how many
-threads it ran (the clip factor of a release, and an external step's ``change_norm``
-that ``verify`` recomputes and compares exactly, with them); and on a machine whose cores
-are busy, as on Flower's simulation engine, its threads wait for each other: a dot of
-100k floats took 8 ms instead of 0.05 ms on 2 loaded cores. The sums here go chunk by
-chunk, in a fixed order, through dots short enough that OpenBLAS runs them on the
-calling thread (it splits only vectors longer than 10,000 elements), so they do not depend
-on the thread count; an array of at most :data:`CHUNK` elements gets exactly the dot it
-got before, which keeps the norms, and the records of runs made with them, bit for bit.
+A norm enters what a run records and hashes: the clip factor of every release, the
+coordinator's ``mean_delta_l2`` diagnostic (in the manifest entry that the ledger record
+commits to), an external step's ``change_norm`` that ``verify`` recomputes. So it must be
+the same bits wherever it is computed. ``np.dot`` is not: OpenBLAS splits a long vector
+across its threads (the last bits depended on the thread count, and on 2 busy cores a dot
+of 100k floats took 8 ms instead of 0.05 ms), and it picks its kernel by CPU, so a
+SkylakeX (AVX-512) and a Haswell (AVX2) kernel accumulate in different orders. numpy's
+own ``sum`` is no better: its float loops are compiled per CPU feature level.
+
+Here every float operation is one that IEEE 754 rounds exactly the same everywhere: a
+conversion to float64, an elementwise subtraction or square, an elementwise add of two
+arrays, a Python float add. The values of every array, one after the other, fill a
+buffer of :data:`CHUNK` squares; each full buffer (and the last, padded with zeros to a
+power of two) is summed as a fixed pairwise tree, the upper half added onto the lower
+until one element is left, and the buffers' sums are added in order. So many small
+arrays share one tree, and the error is O(log n) roundings, smaller than a running
+sum's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-CHUNK = 1 << 13  # float64 elements per dot: below OpenBLAS's threading threshold
-
-
-def _float64_chunks(values: np.ndarray, minus: np.ndarray | None = None) -> Iterator[np.ndarray]:
-    """``values`` (less ``minus``, of the same size), flattened, as float64 chunks of at
-    most :data:`CHUNK` elements in order; each chunk overwrites the one before."""
-    flat = np.asarray(values).reshape(-1)
-    below = None if minus is None else np.asarray(minus).reshape(-1)
-    if below is not None and below.size != flat.size:
-        raise ValueError(f"change_norm: sizes differ ({below.size} != {flat.size})")
-    scratch = np.empty(min(CHUNK, flat.size), np.float64)
-    other = np.empty_like(scratch) if below is not None else None
-    for lo in range(0, flat.size, CHUNK):
-        part = scratch[: min(CHUNK, flat.size - lo)]
-        np.copyto(part, flat[lo : lo + part.size], casting="unsafe")
-        if below is not None and other is not None:
-            base = other[: part.size]
-            np.copyto(base, below[lo : lo + part.size], casting="unsafe")
-            np.subtract(part, base, out=part)
-        yield part
+CHUNK = 1 << 16
+"""float64 squares per pairwise tree (512 KiB: fits a core's cache)."""
 
 
 def sum_of_squares(values: Iterable[np.ndarray]) -> float:
-    """Σ x² in float64 over every element of ``values``, array after array: each chunk of
-    :data:`CHUNK` elements is a single-threaded dot with itself, the chunks' sums are
-    added in order."""
+    """Σ x² in float64 over every element of ``values``, array after array, as fixed
+    pairwise trees of :data:`CHUNK` squares whose sums are added in order."""
     return _sum_of_squares((v, None) for v in values)
 
 
 def _sum_of_squares(items: Iterable[tuple[np.ndarray, np.ndarray | None]]) -> float:
-    total = 0.0
+    """Σ (values − minus)² over ``items`` (``minus`` None: Σ values²), flattened in order."""
+    pairs = []
     for values, minus in items:
-        for part in _float64_chunks(values, minus):
-            total += float(np.dot(part, part))
-    return total
+        flat = np.asarray(values).reshape(-1)
+        below = None if minus is None else np.asarray(minus).reshape(-1)
+        if below is not None and below.size != flat.size:
+            raise ValueError(f"change_norm: sizes differ ({below.size} != {flat.size})")
+        pairs.append((flat, below))
+    count = sum(flat.size for flat, _ in pairs)
+    if not count:
+        return 0.0
+    squares = np.empty(min(CHUNK, 1 << (count - 1).bit_length()), np.float64)
+    total, fill = 0.0, 0
+    for flat, below in pairs:
+        lo = 0
+        while lo < flat.size:
+            if fill == squares.size:
+                total += _tree_sum(squares, fill)
+                fill = 0
+            k = min(squares.size - fill, flat.size - lo)
+            part = squares[fill : fill + k]
+            np.copyto(part, flat[lo : lo + k], casting="unsafe")
+            if below is not None:
+                np.subtract(part, below[lo : lo + k], out=part, casting="unsafe")
+            np.multiply(part, part, out=part)
+            fill, lo = fill + k, lo + k
+    return total + _tree_sum(squares, fill)
+
+
+def _tree_sum(squares: np.ndarray, count: int) -> float:
+    """The sum of ``squares[:count]`` as a fixed pairwise tree, in place: zeros up to the
+    next power of two, then the upper half added onto the lower until one is left."""
+    width = 1 << (count - 1).bit_length()  # <= squares.size: a power of two >= count
+    squares[count:width] = 0.0
+    while width > 1:
+        width //= 2
+        np.add(squares[:width], squares[width : 2 * width], out=squares[:width])
+    return float(squares[0])
 
 
 def l2_norm(arrays: Mapping[str, np.ndarray]) -> float:

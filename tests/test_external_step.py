@@ -7,6 +7,7 @@ In process, no Ray: the federation of tests/federation_helpers.py.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -292,6 +293,15 @@ def test_a_lying_change_norm_or_a_round_of_two_models_is_a_finding(tmp_path: Pat
     assert breaks[0].expected == pytest.approx(step.change_norm)
     assert change_norm(zeros, zeros) == 0.0
     assert isinstance(step, ExternalStep) and step.committed_hash == committed
+    # a norm an earlier version recorded (BLAS: other last bits) still verifies; one off by
+    # a millionth does not
+    for near, finding in ((math.nextafter(step.change_norm, 0.0), False),
+                          (step.change_norm * (1 + 1e-6), True)):  # fmt: skip
+        claimed = records[1].model_copy(
+            update={"external_step": step.model_copy(update={"change_norm": near})}
+        )
+        found = list(record_checkpoint_breaks(coordinator.store, claimed, records[0].checkpoint))
+        assert bool(found) is finding
 
 
 def test_the_stock_loop_does_not_resume_a_run(tmp_path: Path) -> None:

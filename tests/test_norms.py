@@ -1,4 +1,5 @@
-"""The float64 norms: the same bits whatever BLAS does, close to the exact value."""
+"""The float64 norms: the same bits whatever BLAS does and whatever the CPU, close to the
+exact value."""
 
 from __future__ import annotations
 
@@ -42,6 +43,55 @@ def test_the_norms_do_not_depend_on_the_blas_thread_count() -> None:
     # bits between 1 and 2 OpenBLAS threads on a million floats; verify compares an
     # external step's change_norm exactly, so a run checked on another machine broke.
     assert _norms_with_blas_threads(1) == _norms_with_blas_threads(4)
+
+
+_CPUS = [  # kernels and feature levels this machine may pick, forced down one at a time
+    {},
+    {"OPENBLAS_CORETYPE": "Haswell"},
+    {
+        "OPENBLAS_CORETYPE": "Prescott",
+        "NPY_DISABLE_CPU_FEATURES": "X86_V3,X86_V4,AVX512_ICL,AVX512_SPR",
+    },
+]
+
+
+def test_the_norms_do_not_depend_on_the_cpu_kernels() -> None:
+    # with np.dot, OpenBLAS's SkylakeX (AVX-512) and Haswell (AVX2) kernels gave other
+    # last bits: a run's records (clip factors, mean_delta_l2) and its pinned digests
+    # differed between two machines; numpy's own sum differs between feature levels too
+    outputs = []
+    for cpu in _CPUS:
+        env = {**os.environ, **cpu}
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        )
+        outputs.append(json.loads(done.stdout))
+    assert outputs[1:] == outputs[:1] * (len(outputs) - 1)
+
+
+def _tree(values: list[float]) -> float:
+    """The pairwise tree of norms.py in Python floats (IEEE doubles on every machine)."""
+    width = 1 << max(len(values) - 1, 0).bit_length()
+    level = values + [0.0] * (width - len(values))
+    while len(level) > 1:
+        half = len(level) // 2
+        level = [level[i] + level[half + i] for i in range(half)]
+    return level[0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(arrays(np.float32, st.integers(0, 40), elements=st.floats(-1e3, 1e3, width=32)),
+                max_size=3))  # fmt: skip
+def test_the_sum_is_the_fixed_tree_over_every_array_in_order(values: list[np.ndarray]) -> None:
+    squares = [float(x) * float(x) for v in values for x in v.ravel()]
+    assert sum_of_squares(values) == (_tree(squares) if squares else 0.0)
+
+
+def test_buffers_of_chunk_squares_are_summed_in_order() -> None:
+    values = np.random.default_rng(9).standard_normal(CHUNK + 5)
+    first, rest = values[:CHUNK], values[CHUNK:]
+    expected = _tree([float(x) ** 2 for x in first]) + _tree([float(x) ** 2 for x in rest])
+    assert sum_of_squares([values[:7], values[7:]]) == expected
 
 
 def _exact_sum_of_squares(values: list[np.ndarray]) -> Fraction:

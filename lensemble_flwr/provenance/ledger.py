@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -72,6 +73,13 @@ class ExternalStep(_Frozen):
         ge=0, description="L2 norm of the change, over every floating-point array."
     )
 
+
+CHANGE_NORM_REL_TOL = 1e-9
+"""How far a recorded ``change_norm`` may be from the one ``verify`` recomputes: the
+rounding of a sum taken in another order. Norms are now the same bits on every machine
+(:mod:`lensemble_flwr.norms`), but a run recorded by an earlier version summed with BLAS,
+whose last bits depended on the CPU and its thread count; a false claim is off by far
+more than this."""
 
 EXTERNAL_STEP = "coordinator/external-step"
 """The store name of the external step the next round trains from (kept before any node
@@ -538,7 +546,7 @@ def record_checkpoint_breaks(
     except (CheckpointIntegrityError, StoreError) as exc:  # named by the chain's own checks
         yield LinkBreak(rec.round, "external_step.checkpoint", "readable", str(exc), str(exc))
         return
-    if norm != step.change_norm:
+    if norm is None or not math.isclose(norm, step.change_norm, rel_tol=CHANGE_NORM_REL_TOL):
         yield LinkBreak(
             rec.round,
             "ledger.external_step.change_norm",
