@@ -768,3 +768,44 @@ def test_only_the_simulation_engine_declares_how_many_nodes_the_federation_has()
     clock = FakeClock()
     assert make_transport(SimulationGrid(), clock).declared_size() == 3  # type: ignore[arg-type]
     assert make_transport(FakeGrid(clock, {}), clock).declared_size() is None
+
+
+def test_peers_stay_one_object_while_the_nodes_stay_the_same() -> None:
+    """The coordinator reuses what it derived from the peers while the transport hands it
+    the same tuple (``coordinator.reach``); a new node makes a new tuple."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent}, appear_at={13: 5.0})
+    transport = make_transport(grid, clock, peer_refresh=1.0)
+    first = transport.peers()
+    assert first == ("node-11", "node-12") and isinstance(first, tuple)
+    clock.sleep(2.0)  # refreshed from the Grid: the same nodes, the same object
+    assert transport.peers() is first
+    clock.sleep(4.0)
+    assert transport.peers() == ("node-11", "node-12", "node-13")
+
+
+def test_a_round_over_the_grid_invites_each_node_once_not_once_per_reply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The phase loop asks for invitations after every reply; with a peer list that is
+    the same object it skips the ones it already made, so a round's invitation work is
+    O(N), not O(N) per reply (O(N^2) per round: most of the ServerApp's CPU at N = 500)."""
+    from lensemble_flwr.coordinator.modes import PlaintextMode
+
+    calls: list[str] = []
+    invitation = PlaintextMode.invitation
+
+    def counted(self: PlaintextMode, attempt: Any, peer: str) -> Any:
+        calls.append(peer)
+        return invitation(self, attempt, peer)
+
+    monkeypatch.setattr(PlaintextMode, "invitation", counted)
+    # replies come in one at a time (node 11 after 0.1 s, ..., node 14 after 0.4 s)
+    coordinator, _, _, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 0.1 * (node - 10)
+    )
+    coordinator.run(3)
+    assert [o.count for o in coordinator.outcomes] == [len(NODES)] * 3
+    # a constant number of passes over the nodes per round (the first invites them; one
+    # more per phase records that nobody is left to invite), not one per reply
+    assert len(calls) <= 3 * (3 * len(NODES)), len(calls)

@@ -132,7 +132,7 @@ class GridTransport:
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
         self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
-        self._peers: list[str] = []
+        self._peers: tuple[str, ...] = ()
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
         self.bytes_sent = 0
@@ -146,11 +146,17 @@ class GridTransport:
         return self._clock()
 
     def peers(self) -> Sequence[str]:
-        """The connected nodes as participant ids (the list is reused ``peer_refresh`` s)."""
+        """The connected nodes as participant ids, sorted: asked of the Grid at most every
+        ``peer_refresh`` s, and returned as the same tuple object for as long as the
+        peers stay the same, so that the coordinator reuses what it derived from them
+        (:mod:`lensemble_flwr.coordinator.reach`) instead of deriving it again after every
+        reply (O(N) per reply, O(N^2) per round)."""
         if self.now() - self._peers_at >= self.peer_refresh:
-            self._peers = sorted(self.names.name_of(n) for n in self.grid.get_node_ids())
+            peers = tuple(sorted(self.names.name_of(n) for n in self.grid.get_node_ids()))
+            if peers != self._peers:
+                self._peers = peers
             self._peers_at = self.now()
-        return list(self._peers)
+        return self._peers
 
     def declared_size(self) -> int | None:
         """On Flower's simulation engine (an ``InMemoryGrid``) every node exists from the
