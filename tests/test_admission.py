@@ -107,7 +107,7 @@ def messages() -> dict[type, ControlMessage]:
             sender="p00",
             previous_hash="0" * 64,
             global_hash="1" * 64,
-            contributors=(),
+            count=0,
             record_hash="2" * 64,
         ),
     }

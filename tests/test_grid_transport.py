@@ -296,7 +296,7 @@ def round_close(round: int = 1) -> RoundClose:
         sender=COORDINATOR,
         previous_hash=ROOT,
         global_hash=HASH,
-        contributors=("node-11", "node-12"),
+        count=2,
         record_hash="ef" * 32,
     )
 

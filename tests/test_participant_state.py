@@ -28,6 +28,7 @@ from lensemble_flwr.participant.local_training import PortableState
 from lensemble_flwr.participant.participant import Participant, training_state
 from lensemble_flwr.protocol.messages import (
     MessageKind,
+    RoundClose,
     RoundOpen,
     Update,
     from_wire,
@@ -225,6 +226,24 @@ def test_a_state_saved_before_release_states_were_exported_still_imports() -> No
     fresh = participant(ef_pipeline())
     fresh.import_state(PortableState(arrays=arrays, meta=meta))
     assert fresh.pipeline_state is None and fresh.last_answered == p.last_answered
+
+
+def test_a_state_whose_close_lists_the_contributors_still_imports() -> None:
+    """An earlier version's RoundClose listed the contributors' ids; a state saved with
+    one loads as the close of as many contributors."""
+    p = participant(ef_pipeline())
+    p.local_round(global_state(0), 11)
+    close = RoundClose(
+        run_id="run", round=1, sender="coordinator", previous_hash="ab" * 32,
+        global_hash="cd" * 32, count=2, record_hash="ef" * 32,
+    )  # fmt: skip
+    p.handle(to_wire(close))
+    old = p.export_state()
+    saved = {k: v for k, v in old.meta["last_close"].items() if k != "count"}
+    meta = {**old.meta, "last_close": {**saved, "contributors": ["p1", "p2"]}}
+    fresh = participant(ef_pipeline())
+    fresh.import_state(PortableState(arrays=old.arrays, meta=meta))
+    assert fresh.last_close == close
 
 
 # -- (b) a state that cannot be exported is refused at export, naming the stage ------------

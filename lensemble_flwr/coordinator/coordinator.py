@@ -873,7 +873,7 @@ class Coordinator:
             sender=COORDINATOR,
             previous_hash=prior.params_hash,
             global_hash=committed.state.params_hash,
-            contributors=result.contributors,
+            count=len(result.contributors),
             record_hash=committed.record.record_hash,
         )
         self._announce(self.last_close)

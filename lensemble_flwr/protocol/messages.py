@@ -306,12 +306,17 @@ class UnmaskResponse(_FromParticipant):
 
 
 class RoundClose(_Message):
-    """Coordinator → participants: round ``round`` closed on this new global state."""
+    """Coordinator → participants: round ``round`` closed on this new global state.
+
+    It names the round's ledger record (``record_hash``), which lists the contributors,
+    and carries only their number: every node receives the close, so a list of C ids
+    would cost O(C) bytes per node and O(C^2) per round, and tell every participant who
+    else took part."""
 
     kind: Literal[MessageKind.ROUND_CLOSE] = MessageKind.ROUND_CLOSE
     previous_hash: str = Field(pattern=_HEX64)
     global_hash: str = Field(pattern=_HEX64)
-    contributors: tuple[str, ...]
+    count: int = Field(ge=0, description="C_t: how many updates the round summed.")
     record_hash: str = Field(pattern=_HEX64)
 
 
