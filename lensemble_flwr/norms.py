@@ -37,20 +37,22 @@ def sum_of_squares(values: Iterable[np.ndarray]) -> float:
 
 
 def _sum_of_squares(items: Iterable[tuple[np.ndarray, np.ndarray | None]]) -> float:
-    """Σ (values − minus)² over ``items`` (``minus`` None: Σ values²), flattened in order."""
-    pairs = []
-    for values, minus in items:
-        flat = np.asarray(values).reshape(-1)
-        below = None if minus is None else np.asarray(minus).reshape(-1)
-        if below is not None and below.size != flat.size:
-            raise ValueError(f"change_norm: sizes differ ({below.size} != {flat.size})")
-        pairs.append((flat, below))
-    count = sum(flat.size for flat, _ in pairs)
+    """Σ (values − minus)² over ``items`` (``minus`` None: Σ values²), flattened in order;
+    each value converted to float64 first (so ``minus`` of a wider dtype, such as
+    longdouble, cannot move the result), one array's flattened copy at a time."""
+    pairs = [(np.asarray(values), None if minus is None else np.asarray(minus))
+             for values, minus in items]  # fmt: skip
+    for values, minus in pairs:
+        if minus is not None and minus.size != values.size:
+            raise ValueError(f"change_norm: sizes differ ({minus.size} != {values.size})")
+    count = sum(values.size for values, _ in pairs)
     if not count:
         return 0.0
     squares = np.empty(min(CHUNK, 1 << (count - 1).bit_length()), np.float64)
     total, fill = 0.0, 0
-    for flat, below in pairs:
+    for values, minus in pairs:
+        flat = values.reshape(-1)
+        below = None if minus is None else minus.reshape(-1)
         lo = 0
         while lo < flat.size:
             if fill == squares.size:
@@ -60,7 +62,9 @@ def _sum_of_squares(items: Iterable[tuple[np.ndarray, np.ndarray | None]]) -> fl
             part = squares[fill : fill + k]
             np.copyto(part, flat[lo : lo + k], casting="unsafe")
             if below is not None:
-                np.subtract(part, below[lo : lo + k], out=part, casting="unsafe")
+                np.subtract(
+                    part, below[lo : lo + k], out=part, dtype=np.float64, casting="unsafe"
+                )
             np.multiply(part, part, out=part)
             fill, lo = fill + k, lo + k
     return total + _tree_sum(squares, fill)

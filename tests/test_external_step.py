@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_resume import restart
 
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
+from lensemble_flwr.artifacts.checkpoint import checkpoint_parts, decode_checkpoint
+from lensemble_flwr.canonical import digest_arrays
 from lensemble_flwr.cli import main
 from lensemble_flwr.config import OuterOptimizerConfig
 from lensemble_flwr.coordinator import durable
@@ -302,6 +303,17 @@ def test_a_lying_change_norm_or_a_round_of_two_models_is_a_finding(tmp_path: Pat
         )
         found = list(record_checkpoint_breaks(coordinator.store, claimed, records[0].checkpoint))
         assert bool(found) is finding
+    # an adopted checkpoint whose arrays have the committed names but other sizes is a
+    # finding, not an error out of verify
+    other = {n: np.zeros(a.size + 1, a.dtype) for n, a in zeros.items()}
+    resized = coordinator.store.put_parts(checkpoint_parts(1, other, other))
+    claimed = records[1].model_copy(
+        update={"external_step": step.model_copy(
+            update={"checkpoint": resized, "adopted_hash": digest_arrays(other, "params")}
+        )}
+    )  # fmt: skip
+    found = list(record_checkpoint_breaks(coordinator.store, claimed, records[0].checkpoint))
+    assert [b.field for b in found] == ["ledger.external_step.change_norm"]
 
 
 def test_the_stock_loop_does_not_resume_a_run(tmp_path: Path) -> None:

@@ -807,5 +807,6 @@ def test_a_round_over_the_grid_invites_each_node_once_not_once_per_reply(
     coordinator.run(3)
     assert [o.count for o in coordinator.outcomes] == [len(NODES)] * 3
     # a constant number of passes over the nodes per round (the first invites them; one
-    # more per phase records that nobody is left to invite), not one per reply
-    assert len(calls) <= 3 * (3 * len(NODES)), len(calls)
+    # more per phase records that nobody is left to invite: 3 today), not one per reply
+    # (100 calls before, for these 3 rounds of 4 nodes)
+    assert len(calls) <= 3 * (4 * len(NODES)), len(calls)

@@ -40,8 +40,9 @@ def _norms_with_blas_threads(threads: int) -> list[str]:
 
 def test_the_norms_do_not_depend_on_the_blas_thread_count() -> None:
     # np.dot's float64 sum, which l2_norm and change_norm used, differed in its last
-    # bits between 1 and 2 OpenBLAS threads on a million floats; verify compares an
-    # external step's change_norm exactly, so a run checked on another machine broke.
+    # bits between 1 and 2 OpenBLAS threads on a million floats, and a run's records with
+    # it (verify then compared an external step's change_norm exactly: a run checked on
+    # another machine broke).
     assert _norms_with_blas_threads(1) == _norms_with_blas_threads(4)
 
 
@@ -125,6 +126,18 @@ def test_chunks_cross_array_and_chunk_boundaries_in_order() -> None:
     diff = other.astype(np.float64) - big.astype(np.float64)
     assert change_norm({"x": big}, {"x": other}) == math.sqrt(sum_of_squares([diff]))
     assert l2_norm({}) == 0.0 and change_norm({}, {}) == 0.0
+
+
+def test_every_value_is_converted_to_float64_before_it_is_subtracted() -> None:
+    # a longdouble ``before`` subtracted in longdouble rounded otherwise (1 in 10 of these
+    # draws), and longdouble itself differs between x86, aarch64 and Windows
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        after = rng.standard_normal(50)
+        tiny = np.longdouble(2.0) ** -60 * rng.standard_normal(50).astype(np.longdouble)
+        before = rng.standard_normal(50).astype(np.longdouble) + tiny
+        as_float64 = {"x": before.astype(np.float64)}
+        assert change_norm({"x": before}, {"x": after}) == change_norm(as_float64, {"x": after})
 
 
 def test_a_difference_of_arrays_of_other_sizes_is_refused() -> None:

@@ -31,11 +31,13 @@ from lensemble_flwr.transports.inprocess import InProcessNetwork
 # ``dp-overrun``: the manifest records every key, and with that key left out of the record
 # both federations still give the digests of 6e50272 (117939d2..., bf20d2ee...).
 # The participants' commitment secrets are fixed (``fixed_secrets``), so their dataset
-# roots, and every byte after them, repeat. Re-pinned on 2026-12-05 for every machine:
-# the toy task's torch training (and the norms' BLAS sums) gave other bits on an AVX-512
-# CPU than on the one that recorded them, so the federations now train PortableTrainer
-# (tests/portable_trainer.py) and the norms are fixed trees; the same digests come out
-# under every OpenBLAS kernel and numpy feature level this machine can be forced to.
+# roots, and every byte after them, repeat. Those digests held up to e183226 on the
+# machines that recorded them; the toy task's torch training (and the norms' BLAS sums)
+# gave other bits on an AVX-512 CPU. So they were re-pinned on 2026-12-05 from e183226's
+# code with norms as fixed trees and PortableTrainer participants
+# (tests/portable_trainer.py): the same digests come out under every OpenBLAS kernel and
+# numpy feature level this machine can be forced to, and they guard the phase loop's
+# memory from here on.
 PORTABLE = {"trainer_of": PortableTrainer, "params": portable_params()}
 CHURN_DIGEST = "9f5f243533730696c00cc2f9b53301afc86b3dfc674f9f2af131d4072a8a10c6"
 SAMPLED_DIGEST = "40f2912a6050669711af22af90c52c0285fe0d7ca3c6a15a6f6d1db917cfc80d"

@@ -1,7 +1,7 @@
 """The masked round's fast paths compute exactly what the plain computations did: the
 neighbour graph built once, Lagrange weights once per holder set, Shamir evaluation for
 all holders at once, one X25519 agreement per peer (cached boxes and pair seeds), and the
-same revealed sums and ledger as before these changes (recorded digests)."""
+recorded ledger (digests pinned: see RECORDED)."""
 
 from __future__ import annotations
 
@@ -302,10 +302,13 @@ def test_the_aggregator_lists_its_member_ids() -> None:
     assert aggregator.member_ids == frozenset({"p0", "p1", "p2", "p3"})
 
 
-# -- the same sums and ledger as before the fast paths ---------------------------------------
-# new_global_hash per round. Recorded with the code before the fast paths, then re-pinned
-# on 2026-12-05 with PortableTrainer participants (tests/portable_trainer.py): the toy
-# task's torch training gave other bits on another CPU, which no code change explained.
+# -- the same sums and ledger as recorded ----------------------------------------------------
+# new_global_hash per round. First recorded with the code before the fast paths (the toy
+# task's participants), which the fast paths reproduced up to e183226. The toy task's
+# torch training gives other bits on another CPU, so they were re-pinned on 2026-12-05
+# from e183226's code with norms as fixed trees and PortableTrainer participants
+# (tests/portable_trainer.py), whose bits are the same on every CPU: from here on they
+# guard what the fast paths compute.
 RECORDED = [
     "a079c01249d7678486ea5847623723589fec6a72a4a6ccd6575832779ea81ae1",
     "5b1f3051d41c4e246746a320fed09afda3bfe23af364387d05024d27f0d4d212",

@@ -496,9 +496,10 @@ class Participant:
             pipeline_state = import_release_state(self.pipeline, release_arrays, release_meta)
         last_open = state.meta.get("last_open")
         close = state.meta.get("last_close")
-        if isinstance(close, dict) and "contributors" in close:  # saved by an earlier version
+        if isinstance(close, dict) and isinstance(close.get("contributors"), list):
+            # saved by an earlier version, whose close listed the contributors' ids
             close = {k: v for k, v in close.items() if k != "contributors"} | {
-                "count": len(close["contributors"] or ())
+                "count": len(close["contributors"])
             }
         last_close = from_wire(close) if close else None  # RoundError: nothing restored yet
         if last_close is not None and not isinstance(last_close, RoundClose):

@@ -373,8 +373,8 @@ def _same_values(held: Mapping[str, Any], raw: Mapping[str, Any]) -> bool:
 _last_validated: tuple[dict[str, Any], ControlMessage] | None = None
 """The last payload :func:`from_wire` validated whose every value is immutable (its
 fields, kept alive here, and the message). A broadcast hands every recipient the same
-payload object; validating a RoundClose that lists C contributors once per recipient
-would cost O(C^2) in one process."""
+payload object (a RoundClose to C participants in one process): it is validated once,
+not C times."""
 
 
 def from_wire(payload: Any) -> ControlMessage:
