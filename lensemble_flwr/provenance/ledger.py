@@ -542,14 +542,13 @@ def record_checkpoint_breaks(
     try:
         adopted = decode_checkpoint(store.get(step.checkpoint)).params
         committed = decode_checkpoint(store.get(committed_checkpoint)).params
-        try:
-            same_names = set(committed) == set(adopted)
-            norm = change_norm(committed, adopted) if same_names else None
-        except ValueError:  # an array of another size under the same name: not the model
-            norm = None
     except (CheckpointIntegrityError, StoreError) as exc:  # named by the chain's own checks
         yield LinkBreak(rec.round, "external_step.checkpoint", "readable", str(exc), str(exc))
         return
+    try:
+        norm = change_norm(committed, adopted) if set(committed) == set(adopted) else None
+    except ValueError:  # an array of another size under the same name: not the model
+        norm = None
     if norm is None or not math.isclose(norm, step.change_norm, rel_tol=CHANGE_NORM_REL_TOL):
         yield LinkBreak(
             rec.round,
