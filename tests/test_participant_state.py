@@ -7,11 +7,12 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from federation_helpers import small_config
+from federation_helpers import federation, small_config
 from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import context_from_proto, context_to_proto
 from flwr.proto.message_pb2 import Context as ProtoContext  # type: ignore[attr-defined]
@@ -244,6 +245,22 @@ def test_a_state_whose_close_lists_the_contributors_still_imports() -> None:
     fresh = participant(ef_pipeline())
     fresh.import_state(PortableState(arrays=old.arrays, meta=meta))
     assert fresh.last_close == close
+
+
+def test_the_saved_state_does_not_grow_with_the_federation(tmp_path: Path) -> None:
+    """Every node saves its state after every message (Flower's simulation engine ships it
+    to and from an actor each time): what it holds about the round must not list the
+    other participants, or a message would cost O(N) and a round O(N^2)."""
+
+    def saved_bytes(participants: int) -> int:
+        coordinator, network, nodes = federation(tmp_path, participants=participants,
+                                                 name=f"run-{participants}")  # fmt: skip
+        coordinator.run(2)
+        network.flush()
+        assert coordinator.outcomes[-1].count == participants
+        return len(canonical_json(nodes[0].export_state().meta))
+
+    assert saved_bytes(12) - saved_bytes(3) <= 4  # "count": 12 against 3, nothing more
 
 
 # -- (b) a state that cannot be exported is refused at export, naming the stage ------------
