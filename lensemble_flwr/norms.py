@@ -40,12 +40,13 @@ def _sum_of_squares(items: Iterable[tuple[np.ndarray, np.ndarray | None]]) -> fl
     """Σ (values − minus)² over ``items`` (``minus`` None: Σ values²), flattened in order;
     each value converted to float64 first (so ``minus`` of a wider dtype, such as
     longdouble, cannot move the result), one array's flattened copy at a time."""
-    pairs = [(np.asarray(values), None if minus is None else np.asarray(minus))
-             for values, minus in items]  # fmt: skip
-    for values, minus in pairs:
+    pairs, count = [], 0
+    for values, minus in items:
+        values, minus = np.asarray(values), None if minus is None else np.asarray(minus)
         if minus is not None and minus.size != values.size:
             raise ValueError(f"change_norm: sizes differ ({minus.size} != {values.size})")
-    count = sum(values.size for values, _ in pairs)
+        pairs.append((values, minus))
+        count += values.size
     if not count:
         return 0.0
     squares = np.empty(min(CHUNK, 1 << (count - 1).bit_length()), np.float64)

@@ -235,13 +235,13 @@ RECORDED = [  # (round, checkpoint blob, record hash)
 # (tests/portable_trainer.py: the same bits on every CPU, which the toy task's torch
 # training was not); its dataset roots are salted by a per-machine secret, so only the
 # checkpoints and global hashes are pinned
-RECORDED_TOY_INITIAL = "cee49859e9248a49ed29c8052a5ca6cae6c37bca804b459ef78893d3c81144c4"
-RECORDED_TOY_CHECKPOINTS = [
+RECORDED_PORTABLE_INITIAL = "cee49859e9248a49ed29c8052a5ca6cae6c37bca804b459ef78893d3c81144c4"
+RECORDED_PORTABLE_CHECKPOINTS = [
     "86c61ab0440ca0cb979bb6f668ab59c34e9e80a71cbea208a46a7693091558c0",
     "6d258e45c45fbd52f9ffcfcdc1040a87ba24ec208c0a88aa207eb06e0b5e8307",
     "353690cbd3a5ae90d48c023fb55618a79f2c8c29cd00acc6d58c918ec56f9d82",
 ]
-RECORDED_TOY_GLOBALS = [
+RECORDED_PORTABLE_GLOBALS = [
     "b2cd344f880894131c1912faee4519b5a1e3daac80ff22ffb393e102c96283a1",
     "c0a117c657668680297cce032bbef884921644366dcd913ced54f944e36d7d11",
     "78c7b54e09640dedf5dd100e1daaa0e0d94252a39bc197c1201aa86581b0dc5e",
@@ -262,7 +262,7 @@ def test_a_run_keeps_its_recorded_hashes_and_bytes(
     assert [r.round for r in verify(coordinator.store)] == [1, 2, 3]
 
 
-def test_the_toy_federation_keeps_its_recorded_checkpoints(
+def test_a_portable_federation_keeps_its_recorded_checkpoints(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR)
@@ -271,9 +271,9 @@ def test_the_toy_federation_keeps_its_recorded_checkpoints(
     )
     coordinator.run(3)
     records = Ledger(coordinator.store).records()
-    assert coordinator.manifest.initial_checkpoint == RECORDED_TOY_INITIAL
-    assert [r.checkpoint for r in records] == RECORDED_TOY_CHECKPOINTS
-    assert [r.new_global_hash for r in records] == RECORDED_TOY_GLOBALS
+    assert coordinator.manifest.initial_checkpoint == RECORDED_PORTABLE_INITIAL
+    assert [r.checkpoint for r in records] == RECORDED_PORTABLE_CHECKPOINTS
+    assert [r.new_global_hash for r in records] == RECORDED_PORTABLE_GLOBALS
 
 
 class _CountingSha256:

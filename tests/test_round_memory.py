@@ -131,6 +131,10 @@ def test_a_payload_with_a_mutable_value_is_validated_every_time() -> None:
     request = UnmaskRequest(
         run_id="r", round=1, sender=COORDINATOR, survivors=("p0",), dropped=(), sealed={}
     )
+    # what the memo may keep: scalars and tuples of them, never a container that can change
+    assert messages._immutable(("p0", 1, None)) and messages._immutable("p0")
+    assert not messages._immutable(["p0"]) and not messages._immutable({})
+    assert not messages._immutable(("p0", []))
     payload = {**to_wire(request), "survivors": ["p0"]}  # a list could change
     assert from_wire(payload).survivors == ("p0",)
     payload["survivors"].append(7)  # type: ignore[attr-defined]
