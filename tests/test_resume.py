@@ -140,7 +140,8 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
         RunManifest.with_round = real
     with pytest.raises(LedgerError):
         verify(coordinator.store)  # the half-done commit is visible as such
-    entry_file = coordinator.store.root / "names" / durable.CLOSING
+    (entry_name,) = coordinator.store.bound(f"{durable.CLOSINGS}/{2:08d}")
+    entry_file = coordinator.store.root / "names" / entry_name
     kept = entry_file.read_bytes()
     entry_file.unlink()  # without the entry kept before the commit, nothing is guessed
     with pytest.raises(LedgerError, match="in the ledger but not in the manifest"):
@@ -153,6 +154,56 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
     assert [r.round for r in verify(resumed.store)] == [1, 2]
     resumed.run(1)
     assert [r.round for r in verify(resumed.store)] == [1, 2, 3]
+
+
+def test_a_cut_commit_of_a_run_that_kept_one_closing_entry_is_completed(
+    tmp_path: Path,
+) -> None:
+    """A run directory of an earlier version kept the closing entry under one name
+    (``coordinator/closing``), rebound every round: resume still completes from it."""
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(1)
+    real = RunManifest.with_round
+
+    def crash_after_ledger(self, store, entry):
+        if entry.state is RoundState.CLOSED:
+            raise Crash
+        return real(self, store, entry)
+
+    RunManifest.with_round = crash_after_ledger
+    try:
+        with pytest.raises(Crash):
+            coordinator.run(1)
+    finally:
+        RunManifest.with_round = real
+    names = coordinator.store.root / "names"
+    (entry_name,) = coordinator.store.bound(durable.CLOSINGS + f"/{2:08d}")
+    kept = (names / entry_name).read_bytes()
+    for old in coordinator.store.bound(durable.CLOSINGS):  # the earlier layout
+        (names / old).unlink()
+    (names / durable.CLOSING).write_bytes(kept)
+    resumed = restart(coordinator)
+    assert resumed.global_state().round == 2
+    assert [r.round for r in verify(resumed.store)] == [1, 2]
+
+
+def test_a_round_replaces_no_name_and_adds_three_blobs(tmp_path: Path) -> None:
+    """Between its last reply and the next round, the commit writes new names only
+    (replacing a file is what costs on ext4 with ``discard``), and three new blobs:
+    the checkpoint, the ledger record and the manifest entry (the closing entry shares
+    the entry's bytes; every attempt marker the same blob)."""
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(2)  # bindings, the registry
+    store = coordinator.store
+    before = set(store.bound())
+    writes: list[tuple[str, str]] = []
+    store.on_write = lambda kind, key, data: writes.append((kind, key))
+    coordinator.run(3)
+    names = [key for kind, key in writes if kind == "name"]
+    assert len(names) == len(set(names))
+    assert not before & set(names), "a name bound before was written again"
+    blobs = {key for kind, key in writes if kind == "blob"}
+    assert len(blobs) == 3 * 3
 
 
 def test_resume_refuses_another_config_an_empty_store_and_a_broken_ledger(

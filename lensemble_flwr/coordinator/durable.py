@@ -10,15 +10,24 @@ configuration and every attempt. Two more things are needed to pick a run up aga
   changed, before anything that depends on it can reach the ledger: when a masked round's
   member set is fixed (spending their keys), and before a round's sum is revealed.
 * **the closing entry** — the manifest entry of the round being committed, written just
-  before its ledger record. A crash between the record (the commit) and the manifest entry
-  then loses nothing: resume writes this entry, not a reconstruction from the record.
+  before its ledger record, under a name of its own attempt (``coordinator/closings/
+  <round>/<attempt>``; runs written before kept one, ``coordinator/closing``, rebound
+  every round). A crash between the record (the commit) and the manifest entry then
+  loses nothing: resume writes this entry, not a reconstruction from the record. Its
+  bytes are the manifest entry's, so the store keeps them once.
 * **the external step** — a model changed after the last commit that the next round
   trains from (:mod:`.external_step`), kept before anything is sent from it: a
   restarted coordinator trains from it too, never from the model it replaced.
 * **attempt markers** — a name claimed as an attempt starts. An attempt that has a
   marker but no manifest entry was cut short by a crash; on resume it is recorded as
   aborted, so the next attempt gets a fresh number and participants, which answer each
-  (round, attempt) only once, answer it.
+  (round, attempt) only once, answer it. The name says everything: every marker is bound
+  to the same small blob.
+
+Each round thus rebinds no name and adds no blob beyond its checkpoint, its ledger record
+and its entry: rebinding a name replaces a file, which on some filesystems (ext4 mounted
+with ``discard``) costs several times a new name, and that cost sat between a round's last
+reply and the next round's instructions.
 
 Every write goes through :class:`~lensemble_flwr.artifacts.store.Store`, so a crash leaves
 either the previous version or the new one, never a half-written file.
@@ -41,6 +50,7 @@ from lensemble_flwr.provenance.ledger import (  # kept where a joining participa
 __all__ = [
     "ATTEMPTS",
     "CLOSING",
+    "CLOSINGS",
     "EXTERNAL_STEP",
     "load_closing",
     "load_external_step",
@@ -51,11 +61,20 @@ __all__ = [
 ]
 
 ATTEMPTS = "coordinator/attempts"
+CLOSINGS = "coordinator/closings"
 CLOSING = "coordinator/closing"
+"""The one closing entry of runs written before :data:`CLOSINGS` (read on resume only)."""
+
+_STARTED = canonical_json({"attempt": "started"})
+"""What every attempt marker is bound to: the marker's name says which attempt."""
 
 
 def _round_attempts(round: int) -> str:
     return f"{ATTEMPTS}/{round:08d}"
+
+
+def _closing_name(round: int, attempt: int) -> str:
+    return f"{CLOSINGS}/{round:08d}/{attempt:04d}"
 
 
 def mark_started(store: Store, round: int, attempt: int) -> None:
@@ -64,8 +83,7 @@ def mark_started(store: Store, round: int, attempt: int) -> None:
     Raises:
         LedgerError: the attempt was already started once (attempt numbers never repeat).
     """
-    marker = store.put(canonical_json({"round": round, "attempt": attempt}))
-    if not store.claim(f"{_round_attempts(round)}/{attempt:04d}", marker):
+    if not store.claim(f"{_round_attempts(round)}/{attempt:04d}", store.put(_STARTED)):
         raise LedgerError(f"round {round} attempt {attempt} was already started")
 
 
@@ -76,16 +94,27 @@ def started_attempts(store: Store, round: int) -> list[int]:
 
 
 def save_closing(store: Store, entry: RoundEntry) -> None:
-    """Keep the manifest entry of the round about to be committed (see the module doc)."""
-    store.bind(CLOSING, store.put(canonical_json(entry.model_dump(mode="json"))))
+    """Keep the manifest entry of the round about to be committed (see the module doc),
+    under its attempt's own name: a new name, never a file replaced."""
+    name, digest = (
+        _closing_name(entry.round, entry.attempt),
+        store.put(canonical_json(entry.model_dump(mode="json"))),
+    )
+    if not store.claim(name, digest) and store.resolve(name) != digest:
+        store.bind(name, digest)  # the same attempt's commit tried again: the newer entry
 
 
-def load_closing(store: Store) -> RoundEntry | None:
-    """The last closing entry kept, or None when none was kept or it does not parse (the
-    caller refuses to resume rather than guess the entry)."""
-    if not store.bound(CLOSING):
-        return None
+def load_closing(store: Store, round: int, attempt: int) -> RoundEntry | None:
+    """The closing entry kept for ``attempt`` of ``round`` (for a run written before
+    closings had names of their own: the one entry it kept, whichever round's it is;
+    the caller compares). None when none was kept or it does not parse (the caller
+    refuses to resume rather than guess the entry)."""
+    name = _closing_name(round, attempt)
+    if not store.bound(name):
+        name = CLOSING
+        if not store.bound(name):
+            return None
     try:
-        return RoundEntry.model_validate_json(store.get(store.resolve(CLOSING)))
+        return RoundEntry.model_validate_json(store.get(store.resolve(name)))
     except (ValidationError, ValueError):
         return None

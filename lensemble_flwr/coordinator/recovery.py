@@ -107,7 +107,7 @@ def _complete_cut_commit(
     """Write the manifest entry of ``rec``'s round from the closing entry kept before its
     commit (the crash came between the ledger record and the entry)."""
     log.warning("round %d: completing the manifest after a crash", rec.round)
-    kept = load_closing(store)
+    kept = load_closing(store, rec.round, rec.attempt)
     if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
         rec.round,
         rec.attempt,

@@ -69,7 +69,7 @@ KILL_POINTS: tuple[KillPoint, ...] = (
     KillPoint(
         "closed",
         "the ledger record is claimed and RoundClose sent; the manifest entry is kept "
-        "under coordinator/closing but not yet in the manifest",
+        "under coordinator/closings but not yet in the manifest",
         committed=True,
     ),
     KillPoint(
