@@ -19,7 +19,7 @@ the same federation, blocks of rounds of up to four variants:
 
 each with the Grid polled every 0.10 s (Flower's ``InMemoryGrid.pull_interval`` default)
 and, at N <= 50, also every 0.05 s (``LensembleStrategy``'s ``poll_interval`` default).
-Rounds and blocks shrink with N (:data:`SCHEDULE`: 4 blocks x 12 rounds at N = 10, 2 x 3
+Rounds and blocks shrink with N (:data:`SCHEDULE`: 10 blocks x 6 rounds at N = 10, 2 x 3
 at N = 500, where a round takes seconds) unless ``--rounds``/``--blocks``/``--polls`` say.
 The two train functions live in one ClientApp that routes on the instruction (a
 lensemble RoundOpen carries ``lensemble.kind`` in its config), so both strategies pay
@@ -48,7 +48,15 @@ push), the last with the share spent in fsynced Store writes.
 Flower 1.42's simulation engine looks for new instructions every 0.1 s (a hard-coded
 wait in ``vce_api.add_messages_to_queue``), so a round lasts one or two such ticks and
 the median jumps between ~0.1 and ~0.2 s from run to run; the verdict therefore uses the
-mean over all measured rounds (median and min are printed too). With the defaults (2 Ray
+mean over all measured rounds (median and min are printed too).
+
+Phase. Whether a round fits in one tick depends on when its push lands between two
+ticks, and that moment drifts by about the server phase's length each round, so a
+block of a few rounds sees only part of the cycle: its mean depends on the phase it
+starts at, which before was wherever the previous block had ended. Every timed block
+therefore starts after a random pause of 0 to 0.1 s (``--phase-seed``; ``--fixed-phase``
+turns it off), so the blocks sample the phase evenly, and the ratio is printed with its
+standard error over the blocks' means. With the defaults (2 Ray
 actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes ~2 minutes and the four N
 together ~15-25 minutes.
 
@@ -87,6 +95,7 @@ import functools
 import json
 import logging
 import pstats
+import random
 import statistics
 import subprocess
 import sys
@@ -384,6 +393,7 @@ class Measured:
         default_factory=lambda: {name: [] for name in PHASES}
     )
     coordinator_seconds: list[float] = dataclasses.field(default_factory=list)
+    block_means: list[float] = dataclasses.field(default_factory=list)  # one per block
     reused: int = 0
     refreshed: int = 0
 
@@ -470,6 +480,8 @@ def record_block(
 ) -> None:
     """Add the block's rounds after the first ``discard`` to ``measured``."""
     marks = [*proxy.rounds, end]
+    walls = [marks[r + 1].perf - marks[r].perf for r in range(discard, len(proxy.rounds))]
+    measured.block_means.append(statistics.fmean(walls))
     for r in range(discard, len(proxy.rounds)):
         m, nxt = marks[r], marks[r + 1]
         measured.wall.append(nxt.perf - m.perf)
@@ -538,10 +550,13 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                 measured = {v: Measured() for v in variants}
                 profilers = {v: cProfile.Profile() for v in variants} if args.profile else {}
                 t0 = time.perf_counter()
+                phases = random.Random(args.phase_seed)
                 for block in range(args.blocks):
                     k = block % len(variants)
                     for i, v in enumerate(variants[k:] + variants[:k]):
                         run_id = f"bench-{block}-{i}"
+                        if not args.fixed_phase:  # see "Phase" in the module's docstring
+                            time.sleep(phases.uniform(0.0, ENGINE_TICK))
                         proxy, end, own = run_block(
                             grid,
                             v,
@@ -601,6 +616,18 @@ def _short(filename: str) -> str:
             head = "" if marker.startswith("site") else "lensemble_flwr" + os.sep
             return head + filename.split(marker, 1)[1]
     return os.path.basename(filename)
+
+
+def ratio_error(lens: Measured, fed: Measured) -> float:
+    """Standard error of mean(lens) / mean(fed) from the spread of each variant's block
+    means (first-order propagation; NaN with fewer than two blocks)."""
+    if len(lens.block_means) < 2 or len(fed.block_means) < 2:
+        return float("nan")
+    rel = 0.0
+    for m in (lens, fed):
+        mean = statistics.fmean(m.block_means)
+        rel += (statistics.stdev(m.block_means) / mean) ** 2 / len(m.block_means)
+    return statistics.fmean(lens.block_means) / statistics.fmean(fed.block_means) * rel**0.5
 
 
 def per_message(measured: Iterable[Measured]) -> float:
@@ -674,20 +701,25 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
         comparisons.insert(0, ("as shipped (each its default)", 0.05, 0.1))
     print(
         f"\n{'LensembleStrategy / FedAvg':<32}{'lens poll':>10}{'FedAvg poll':>12}"
-        f"{'ratio of means':>16}{'of medians':>12}{'of mins':>9}"
+        f"{'ratio of means':>16}{'+- s.e.':>9}{'of medians':>12}{'of mins':>9}"
     )
     judged = []
     for label, lens_poll, fed_poll in comparisons:
         lens, fed = by[("LensembleStrategy", lens_poll)], by[("FedAvg", fed_poll)]
         ratio = statistics.fmean(lens.wall) / statistics.fmean(fed.wall)
+        error = ratio_error(lens, fed)
         of_medians, of_mins = median(lens.wall) / median(fed.wall), min(lens.wall) / min(fed.wall)
         print(
-            f"{label:<32}{lens_poll:>9.2f}s{fed_poll:>11.2f}s{ratio:>16.2f}"
+            f"{label:<32}{lens_poll:>9.2f}s{fed_poll:>11.2f}s{ratio:>16.2f}{error:>9.2f}"
             f"{of_medians:>12.2f}{of_mins:>9.2f}"
         )
         if lens_poll == fed_poll:
-            judged.append((ratio, label))
-    worst, label = max(judged)
+            judged.append((ratio, label, error))
+    print(
+        "  +- s.e.: the ratio's standard error from the spread of the blocks' means (each "
+        "block starts at a random phase of the engine's tick)"
+    )
+    worst, label, worst_error = max(judged)
     client = {
         strategy: per_message(measured[v] for v in variants if v.strategy == strategy)
         for strategy in ("FedAvg", "LensembleStrategy")
@@ -705,6 +737,7 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
         "means": means,
         "ratio": worst,
         "ratio_label": label,
+        "ratio_error": worst_error,
         "client_fedavg": client["FedAvg"],
         "client_lensemble": client["LensembleStrategy"],
         "cpu_fedavg": cpu["FedAvg"],
@@ -733,7 +766,7 @@ def print_verdicts(results: list[dict], target: float, client_target: float) -> 
         print(
             f"{'PASS' if ratio <= target else 'FAIL'}: N = {r['nodes']}: seconds per round "
             f"<= {target:g} x FedAvg's at equal polls: worst ratio of means {ratio:.2f} "
-            f"({r['ratio_label']})"
+            f"+- {r.get('ratio_error', float('nan')):.2f} ({r['ratio_label']})"
         )
         client = r["client_lensemble"] / r["client_fedavg"]
         print(
@@ -763,7 +796,7 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-SCHEDULE = {10: (12, 4, [0.1, 0.05]), 50: (8, 3, [0.1, 0.05]), 200: (5, 2, [0.1])}
+SCHEDULE = {10: (6, 10, [0.1, 0.05]), 50: (5, 6, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
 (a round of 500 nodes takes seconds)."""
@@ -939,6 +972,18 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         action="store_true",
         help="cProfile the ServerApp thread during the timed blocks",
+    )
+    parser.add_argument(
+        "--phase-seed",
+        type=int,
+        default=0,
+        help="seed of the random pause (0 to one engine tick) before every timed block",
+    )
+    parser.add_argument(
+        "--fixed-phase",
+        action="store_true",
+        help="diagnostic: no pause before a block; each block then starts at whatever "
+        "phase of the engine's tick the previous one ended on",
     )
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
     parser.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
