@@ -810,3 +810,30 @@ def test_a_round_over_the_grid_invites_each_node_once_not_once_per_reply(
     # more per phase records that nobody is left to invite: 3 today), not one per reply
     # (100 calls before, for these 3 rounds of 4 nodes)
     assert len(calls) <= 3 * (4 * len(NODES)), len(calls)
+
+
+def test_the_recipients_of_a_round_open_share_one_content_until_the_close_changes() -> None:
+    """Every node of an attempt gets the same RoundOpen, so its instruction is encoded
+    once and shared (FedAvg shares one RecordDict among its messages too); a RoundClose
+    or another RoundOpen gives a new content, which carries it."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent})
+    transport = make_transport(grid, clock)
+    first = round_open(1)
+    for node in (11, 12):
+        transport.send(f"node-{node}", first)
+    transport.recv(timeout_s=0.0)
+    a, b = grid.pushes[-1]
+    assert a.content is b.content and a.metadata.dst_node_id != b.metadata.dst_node_id
+    transport.broadcast(round_close(1))
+    second = round_open(2)
+    transport.send("node-11", second)
+    transport.send("node-13", second)
+    transport.send("node-12", first)  # another RoundOpen again: encoded afresh
+    transport.recv(timeout_s=0.0)
+    c, d, e = grid.pushes[-1]
+    assert c.content is d.content and c.content is not a.content
+    assert records.decode_instruction(c.content)[0]["kind"] == "round-close"
+    assert records.decode_instruction(c.content)[1]["round"] == 2
+    assert e.content is not a.content and e.content is not c.content
+    assert records.decode_instruction(e.content)[1]["round"] == 1

@@ -128,6 +128,10 @@ class GridTransport:
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
         self._config_record: ConfigRecord | None = None  # the last instruction's, to share
+        # the last RoundOpen sent, the close it carried and its content: every recipient of
+        # an attempt gets the same RoundOpen object, so they share one content, as FedAvg's
+        # nodes share one RecordDict (encoding it again cost O(fields) per node)
+        self._last_instruction: tuple[RoundOpen, WirePayload | None, Any, RecordDict] | None = None
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -173,6 +177,15 @@ class GridTransport:
             return
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
+        last = self._last_instruction
+        if (
+            last is not None
+            and last[0] is message
+            and last[1] is self._close
+            and last[2] is self.user_config
+        ):
+            self._queue_message(peer_id, last[3], MessageType.TRAIN, payload)
+            return
         params = payload["params"]
         layout = self.layout
         if self._params_record is None or self._params_record[0] is not params:
@@ -191,6 +204,7 @@ class GridTransport:
         )
         shared = content[self.config_key]
         self._config_record = shared if isinstance(shared, ConfigRecord) else None
+        self._last_instruction = (message, self._close, self.user_config, content)
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
 
     def broadcast(self, message: ControlMessage) -> None:
