@@ -187,6 +187,23 @@ def test_a_cut_commit_of_a_run_that_kept_one_closing_entry_is_completed(
     assert [r.round for r in verify(resumed.store)] == [1, 2]
 
 
+def test_a_closing_entry_kept_again_for_the_same_attempt_replaces_the_first(
+    tmp_path: Path,
+) -> None:
+    """Closing entries are claimed, not rebound; if the same attempt's entry is kept
+    twice with other contents, the newer one is what resume reads."""
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(1)
+    store = coordinator.store
+    entry = RunManifest.entry(store, 1, 1)
+    assert entry is not None and entry.state is RoundState.CLOSED
+    assert durable.load_closing(store, 1, entry.attempt) == entry
+    changed = entry.model_copy(update={"diagnostics": {**entry.diagnostics, "x": 1.0}})
+    durable.save_closing(store, changed)
+    assert durable.load_closing(store, 1, entry.attempt) == changed
+    assert durable.load_closing(store, 1, entry.attempt + 1) is None  # none kept, no old one
+
+
 def test_a_round_replaces_no_name_and_adds_three_blobs(tmp_path: Path) -> None:
     """Between its last reply and the next round, the commit writes new names only
     (replacing a file is what costs on ext4 with ``discard``), and three new blobs:
