@@ -19,7 +19,7 @@ the same federation, blocks of rounds of up to four variants:
 
 each with the Grid polled every 0.10 s (Flower's ``InMemoryGrid.pull_interval`` default)
 and, at N <= 50, also every 0.05 s (``LensembleStrategy``'s ``poll_interval`` default).
-Rounds and blocks shrink with N (:data:`SCHEDULE`: 10 blocks x 6 rounds at N = 10, 2 x 3
+Rounds and blocks shrink with N (:data:`SCHEDULE`: 12 blocks x 6 rounds at N = 10, 2 x 3
 at N = 500, where a round takes seconds) unless ``--rounds``/``--blocks``/``--polls`` say.
 The two train functions live in one ClientApp that routes on the instruction (a
 lensemble RoundOpen carries ``lensemble.kind`` in its config), so both strategies pay
@@ -56,9 +56,11 @@ block of a few rounds sees only part of the cycle: its mean depends on the phase
 starts at, which before was wherever the previous block had ended. Every timed block
 therefore starts after a random pause of 0 to 0.1 s (``--phase-seed``; ``--fixed-phase``
 turns it off), so the blocks sample the phase evenly, and the ratio is printed with its
-standard error over the blocks' means. With the defaults (2 Ray
-actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes ~2 minutes and the four N
-together ~15-25 minutes.
+standard error over the blocks' means (paired by block). Block counts are multiples of
+four, so that the rotation puts every variant in every position equally often.
+
+With the defaults (2 Ray actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes
+~1-2 minutes and the four N together ~15-25 minutes.
 
 Targets (issue 13), printed as one PASS/FAIL line each per N after a summary table:
 
@@ -619,15 +621,19 @@ def _short(filename: str) -> str:
 
 
 def ratio_error(lens: Measured, fed: Measured) -> float:
-    """Standard error of mean(lens) / mean(fed) from the spread of each variant's block
-    means (first-order propagation; NaN with fewer than two blocks)."""
-    if len(lens.block_means) < 2 or len(fed.block_means) < 2:
+    """Standard error of mean(lens) / mean(fed) from the blocks' means (first-order
+    propagation). The two variants ran in the same blocks, one after the other, so their
+    block means are paired and their covariance enters (a block slowed by the machine
+    slows both). NaN with fewer than two blocks."""
+    a, b = lens.block_means, fed.block_means
+    n = min(len(a), len(b))
+    if n < 2:
         return float("nan")
-    rel = 0.0
-    for m in (lens, fed):
-        mean = statistics.fmean(m.block_means)
-        rel += (statistics.stdev(m.block_means) / mean) ** 2 / len(m.block_means)
-    return statistics.fmean(lens.block_means) / statistics.fmean(fed.block_means) * rel**0.5
+    a, b = a[:n], b[:n]
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True)) / (n - 1)
+    rel = statistics.variance(a) / ma**2 + statistics.variance(b) / mb**2 - 2 * cov / (ma * mb)
+    return ma / mb * (max(rel, 0.0) / n) ** 0.5
 
 
 def per_message(measured: Iterable[Measured]) -> float:
@@ -716,7 +722,7 @@ def report(args: argparse.Namespace, variants: list[Variant], out: dict, total: 
         if lens_poll == fed_poll:
             judged.append((ratio, label, error))
     print(
-        "  +- s.e.: the ratio's standard error from the spread of the blocks' means (each "
+        "  +- s.e.: the ratio's standard error from the blocks' means, paired by block (each "
         "block starts at a random phase of the engine's tick)"
     )
     worst, label, worst_error = max(judged)
@@ -796,7 +802,7 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-SCHEDULE = {10: (6, 10, [0.1, 0.05]), 50: (5, 6, [0.1, 0.05]), 200: (5, 2, [0.1])}
+SCHEDULE = {10: (6, 12, [0.1, 0.05]), 50: (5, 8, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
 (a round of 500 nodes takes seconds)."""

@@ -698,6 +698,8 @@ def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
     assert [o.count for o in coordinator.outcomes] == [len(NODES)] * 3
     assert all(o.contributors == everyone and o.late == () for o in coordinator.outcomes)
     assert [len(batch) for batch in grid.pushes] == [len(NODES)] * 3  # one push per round
+    # every node of a round gets the same encoded instruction (FedAvg shares one too)
+    assert [len({id(m.content) for m in batch}) for batch in grid.pushes] == [1, 1, 1]
 
     first = exchanges_of(grid, 1)  # round 1 binds: commitment and update in one reply
     assert sorted(first) == list(NODES)
@@ -814,8 +816,8 @@ def test_a_round_over_the_grid_invites_each_node_once_not_once_per_reply(
 
 def test_the_recipients_of_a_round_open_share_one_content_until_the_close_changes() -> None:
     """Every node of an attempt gets the same RoundOpen, so its instruction is encoded
-    once and shared (FedAvg shares one RecordDict among its messages too); a RoundClose
-    or another RoundOpen gives a new content, which carries it."""
+    once and shared (FedAvg shares one RecordDict among its messages too); a RoundClose,
+    another RoundOpen or another user config gives a new content, which carries it."""
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent})
     transport = make_transport(grid, clock)
@@ -837,3 +839,11 @@ def test_the_recipients_of_a_round_open_share_one_content_until_the_close_change
     assert records.decode_instruction(c.content)[1]["round"] == 2
     assert e.content is not a.content and e.content is not c.content
     assert records.decode_instruction(e.content)[1]["round"] == 1
+    transport.send("node-11", second)  # still the same close and config: shared
+    transport.user_config["lr"] = 0.5  # a config changed in place: encoded afresh
+    transport.send("node-13", second)
+    transport.recv(timeout_s=0.0)
+    f, g = grid.pushes[-1]
+    assert f.content is c.content and g.content is not c.content
+    assert records.instruction_user_config(g.content)["lr"] == 0.5
+    assert "lr" not in records.instruction_user_config(f.content)

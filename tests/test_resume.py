@@ -35,6 +35,11 @@ class Crash(BaseException):
     """Stands for the process dying: nothing catches it."""
 
 
+def closings_of(store: Store, round: int) -> list[str]:
+    """The names of the closing entries kept for ``round``'s attempts."""
+    return [n for n in store.bound(durable.CLOSINGS) if n.endswith(f"/{round:08d}-0001")]
+
+
 def restart(coordinator: Coordinator, **kwargs) -> Coordinator:
     """A new coordinator on the same store and network, as a restarted process would be."""
     return Coordinator.resume(
@@ -140,7 +145,7 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
         RunManifest.with_round = real
     with pytest.raises(LedgerError):
         verify(coordinator.store)  # the half-done commit is visible as such
-    (entry_name,) = coordinator.store.bound(f"{durable.CLOSINGS}/{2:08d}")
+    (entry_name,) = closings_of(coordinator.store, 2)
     entry_file = coordinator.store.root / "names" / entry_name
     kept = entry_file.read_bytes()
     entry_file.unlink()  # without the entry kept before the commit, nothing is guessed
@@ -160,7 +165,8 @@ def test_a_cut_commit_of_a_run_that_kept_one_closing_entry_is_completed(
     tmp_path: Path,
 ) -> None:
     """A run directory of an earlier version kept the closing entry under one name
-    (``coordinator/closing``), rebound every round: resume still completes from it."""
+    (``coordinator/closing``), rebound every round: resume still completes from it, and
+    refuses it when it holds another round's entry."""
     coordinator, _network, _ = federation(tmp_path)
     coordinator.run(1)
     real = RunManifest.with_round
@@ -177,10 +183,14 @@ def test_a_cut_commit_of_a_run_that_kept_one_closing_entry_is_completed(
     finally:
         RunManifest.with_round = real
     names = coordinator.store.root / "names"
-    (entry_name,) = coordinator.store.bound(durable.CLOSINGS + f"/{2:08d}")
-    kept = (names / entry_name).read_bytes()
+    (entry_name,) = closings_of(coordinator.store, 2)
+    (earlier_name,) = closings_of(coordinator.store, 1)
+    kept, earlier = (names / entry_name).read_bytes(), (names / earlier_name).read_bytes()
     for old in coordinator.store.bound(durable.CLOSINGS):  # the earlier layout
         (names / old).unlink()
+    (names / durable.CLOSING).write_bytes(earlier)  # another round's entry: not guessed
+    with pytest.raises(LedgerError, match="another round's"):
+        restart(coordinator)
     (names / durable.CLOSING).write_bytes(kept)
     resumed = restart(coordinator)
     assert resumed.global_state().round == 2

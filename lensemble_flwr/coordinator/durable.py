@@ -11,7 +11,7 @@ configuration and every attempt. Two more things are needed to pick a run up aga
   member set is fixed (spending their keys), and before a round's sum is revealed.
 * **the closing entry** — the manifest entry of the round being committed, written just
   before its ledger record, under a name of its own attempt (``coordinator/closings/
-  <round>/<attempt>``; runs written before kept one, ``coordinator/closing``, rebound
+  <round>-<attempt>``; runs written before kept one, ``coordinator/closing``, rebound
   every round). A crash between the record (the commit) and the manifest entry then
   loses nothing: resume writes this entry, not a reconstruction from the record. Its
   bytes are the manifest entry's, so the store keeps them once.
@@ -24,10 +24,12 @@ configuration and every attempt. Two more things are needed to pick a run up aga
   (round, attempt) only once, answer it. The name says everything: every marker is bound
   to the same small blob.
 
-Each round thus rebinds no name and adds no blob beyond its checkpoint, its ledger record
-and its entry: rebinding a name replaces a file, which on some filesystems (ext4 mounted
-with ``discard``) costs several times a new name, and that cost sat between a round's last
-reply and the next round's instructions.
+A plaintext round (no external step, no new binding) thus rebinds no name and adds no
+blob beyond its checkpoint, its ledger record and its entry: rebinding a name replaces a
+file, which on some filesystems (ext4 mounted with ``discard``) costs several times a new
+name, and that cost sat between a round's last reply and the next round's instructions.
+(A masked round still rebinds the registry, which spends its members' mask keys, and a
+run with an external step rebinds it.)
 
 Every write goes through :class:`~lensemble_flwr.artifacts.store.Store`, so a crash leaves
 either the previous version or the new one, never a half-written file.
@@ -74,7 +76,7 @@ def _round_attempts(round: int) -> str:
 
 
 def _closing_name(round: int, attempt: int) -> str:
-    return f"{CLOSINGS}/{round:08d}/{attempt:04d}"
+    return f"{CLOSINGS}/{round:08d}-{attempt:04d}"  # one folder, as the manifest's entries
 
 
 def mark_started(store: Store, round: int, attempt: int) -> None:

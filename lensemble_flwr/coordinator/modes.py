@@ -125,6 +125,7 @@ class PlaintextMode:
         self.aggregator_factory = aggregator_factory
         self.readiness = "invited and bound" if config.federation.require_binding else "invited"
         self._memo = ReachMemo()  # ready is asked after every message: O(1) if unchanged
+        self._invitations: dict[tuple[int, int, bool], RoundOpen] = {}
 
     def begin(self, attempt: Attempt) -> None:
         """Build the attempt's exact aggregator (its self-check seed derives from the root
@@ -157,9 +158,18 @@ class PlaintextMode:
         if peer in attempt.invited:
             return None
         attempt.invited.add(peer)
-        return attempt.round_open.model_copy(
-            update={"needs_commitment": not self.registry.is_bound(peer)}
-        )
+        needs = not self.registry.is_bound(peer)
+        # every bound (every unbound) recipient gets the same frozen RoundOpen: a transport
+        # encodes it once for all of them, as FedAvg's nodes share one instruction
+        key = (attempt.round, attempt.number, needs)
+        shared = self._invitations.get(key)
+        if shared is None:
+            self._invitations = {  # this attempt's two at most: earlier ones can go
+                k: v for k, v in self._invitations.items() if k[:2] == key[:2]
+            }
+            shared = attempt.round_open.model_copy(update={"needs_commitment": needs})
+            self._invitations[key] = shared
+        return shared
 
     def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
         """The exact sum, self-checked; ``exchange`` is not used."""

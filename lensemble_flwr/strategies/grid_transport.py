@@ -128,10 +128,12 @@ class GridTransport:
         self._close: WirePayload | None = None
         self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
         self._config_record: ConfigRecord | None = None  # the last instruction's, to share
-        # the last RoundOpen sent, the close it carried and its content: every recipient of
-        # an attempt gets the same RoundOpen object, so they share one content, as FedAvg's
-        # nodes share one RecordDict (encoding it again cost O(fields) per node)
-        self._last_instruction: tuple[RoundOpen, WirePayload | None, Any, RecordDict] | None = None
+        # the contents encoded for the RoundOpens sent since the close or the user config
+        # last changed, by the RoundOpen's id (the RoundOpen is kept, so the id is its
+        # own): the coordinator hands every bound recipient of an attempt the same frozen
+        # RoundOpen, and they share one content, as FedAvg's nodes share one RecordDict
+        self._encoded: dict[int, tuple[RoundOpen, RecordDict]] = {}
+        self._encoded_with: tuple[WirePayload | None, dict[str, Any]] | None = None
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -177,14 +179,9 @@ class GridTransport:
             return
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
-        last = self._last_instruction
-        if (
-            last is not None
-            and last[0] is message
-            and last[1] is self._close
-            and last[2] is self.user_config
-        ):
-            self._queue_message(peer_id, last[3], MessageType.TRAIN, payload)
+        content = self._encoded_content(message)
+        if content is not None:
+            self._queue_message(peer_id, content, MessageType.TRAIN, payload)
             return
         params = payload["params"]
         layout = self.layout
@@ -204,8 +201,23 @@ class GridTransport:
         )
         shared = content[self.config_key]
         self._config_record = shared if isinstance(shared, ConfigRecord) else None
-        self._last_instruction = (message, self._close, self.user_config, content)
+        if len(self._encoded) >= _ENCODED_KEPT:
+            self._encoded.clear()
+        self._encoded[id(message)] = (message, content)
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
+
+    def _encoded_content(self, message: RoundOpen) -> RecordDict | None:
+        """The content already encoded for ``message``, if the close it carries and the
+        user config are still the ones it was encoded with (compared by value: a config
+        changed in place is noticed); None otherwise, which forgets every content."""
+        if self._encoded_with is None or self._encoded_with[0] is not self._close or (
+            self._encoded_with[1] != self.user_config
+        ):
+            self._encoded.clear()
+            self._encoded_with = (self._close, dict(self.user_config))
+            return None
+        held = self._encoded.get(id(message))
+        return held[1] if held is not None and held[0] is message else None
 
     def broadcast(self, message: ControlMessage) -> None:
         """Keep a RoundClose to ride on the next instruction to each node."""
@@ -405,6 +417,11 @@ class GridTransport:
             self.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
             }
+
+
+_ENCODED_KEPT = 8
+"""Encoded RoundOpen contents a GridTransport keeps (an attempt has two at most: for
+recipients that are bound and for those asked for a commitment)."""
 
 
 def train_reply_payloads(
