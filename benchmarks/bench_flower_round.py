@@ -19,7 +19,7 @@ the same federation, blocks of rounds of up to four variants:
 
 each with the Grid polled every 0.10 s (Flower's ``InMemoryGrid.pull_interval`` default)
 and, at N <= 50, also every 0.05 s (``LensembleStrategy``'s ``poll_interval`` default).
-Rounds and blocks shrink with N (:data:`SCHEDULE`: 12 blocks x 6 rounds at N = 10, 2 x 3
+Rounds and blocks shrink with N (:data:`SCHEDULE`: 4 blocks x 41 rounds at N = 10, 2 x 3
 at N = 500, where a round takes seconds) unless ``--rounds``/``--blocks``/``--polls`` say.
 The two train functions live in one ClientApp that routes on the instruction (a
 lensemble RoundOpen carries ``lensemble.kind`` in its config), so both strategies pay
@@ -51,13 +51,20 @@ the median jumps between ~0.1 and ~0.2 s from run to run; the verdict therefore 
 mean over all measured rounds (median and min are printed too).
 
 Phase. Whether a round fits in one tick depends on when its push lands between two
-ticks, and that moment drifts by about the server phase's length each round, so a
-block of a few rounds sees only part of the cycle: its mean depends on the phase it
-starts at, which before was wherever the previous block had ended. Every timed block
-therefore starts after a random pause of 0 to 0.1 s (``--phase-seed``; ``--fixed-phase``
-turns it off), so the blocks sample the phase evenly, and the ratio is printed with its
-standard error over the blocks' means (paired by block). Block counts are multiples of
-four, so that the rotation puts every variant in every position equally often.
+ticks, and that moment moves with the server phase's length each round: consecutive
+rounds share their fate (runs of one-tick rounds, runs of two-tick ones), and the
+rounds lock to the tick in ways that depend on the strategy's own timing. A block of a
+few rounds sees only part of that, and its mean depends on the phase it starts at. So
+every timed block starts after a random pause of 0 to 0.1 s (``--phase block``, the
+default; ``--phase-seed``), and at N = 10 a block is 40 measured rounds long, so that
+the rounds inside it keep their natural dynamics for long enough. ``--phase fixed``
+never pauses. ``--phase round`` pauses a random part of a tick before every round's
+push (not counted) and so draws every round's phase uniformly: a diagnostic only, since
+a run's phase is not uniform (the locking is part of what a run costs; in a simulation
+of the two loops, and on the engine, it gave a ratio some 0.05-0.15 lower at 0.05 s
+polls than natural runs do). The ratio is printed with its standard error over the
+blocks' means (paired by block). Block counts are multiples of four, so that the
+rotation puts every variant in every position equally often.
 
 With the defaults (2 Ray actors: ``num_cpus=1`` per ClientApp on 2 cores) N = 10 takes
 ~1-2 minutes and the four N together ~15-25 minutes.
@@ -304,6 +311,7 @@ class RoundMarks:
     first_start: float = float("inf")  # earliest train call start (inside an actor)
     last_end: float = 0.0  # latest train call end
     last_pull: float = 0.0  # when the last train reply reached the ServerApp thread
+    paused: float = 0.0  # the bench's pause just before this push (not the strategy's)
 
 
 def now_marks() -> RoundMarks:
@@ -316,16 +324,21 @@ class TimedGrid:
     """A Grid proxy that marks the push of every round's train instructions and notes
     what the train replies pulled after it carry (see :class:`RoundMarks`)."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, pauses: random.Random | None = None) -> None:
         self._grid = grid
         self.rounds: list[RoundMarks] = []
+        self._pauses = pauses  # a random pause before every train push (``--phase round``)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
 
     def _mark(self, messages: list[Message]) -> None:
         if any(m.metadata.message_type == MessageType.TRAIN for m in messages):
-            self.rounds.append(now_marks())
+            paused = 0.0
+            if self._pauses is not None:  # the push lands at a random phase of the tick
+                paused = self._pauses.uniform(0.0, ENGINE_TICK)
+                time.sleep(paused)
+            self.rounds.append(dataclasses.replace(now_marks(), paused=paused))
 
     def _count(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
@@ -411,10 +424,12 @@ def run_block(
     profiler: cProfile.Profile | None = None,
     stock: str = "add-one",
     durable_writes: bool | None = None,
+    pauses: random.Random | None = None,
 ) -> tuple[TimedGrid, RoundMarks, list[float]]:
     """``rounds`` rounds of ``variant``; (proxy with the push marks, end mark, the
-    coordinator's own per-round seconds for LensembleStrategy)."""
-    proxy = TimedGrid(grid)
+    coordinator's own per-round seconds for LensembleStrategy). With ``pauses``, every
+    train push waits a random part of an engine tick first (not counted)."""
+    proxy = TimedGrid(grid, pauses)
     initial = ArrayRecord({"w": Array(np.zeros(size, np.float32))})
     own: list[float] = []
     if profiler is not None:
@@ -482,11 +497,16 @@ def record_block(
 ) -> None:
     """Add the block's rounds after the first ``discard`` to ``measured``."""
     marks = [*proxy.rounds, end]
-    walls = [marks[r + 1].perf - marks[r].perf for r in range(discard, len(proxy.rounds))]
+    # a round runs from its push to the next round's; the bench's pause before that push
+    # is not the round's
+    walls = [
+        marks[r + 1].perf - marks[r].perf - marks[r + 1].paused
+        for r in range(discard, len(proxy.rounds))
+    ]
     measured.block_means.append(statistics.fmean(walls))
     for r in range(discard, len(proxy.rounds)):
         m, nxt = marks[r], marks[r + 1]
-        measured.wall.append(nxt.perf - m.perf)
+        measured.wall.append(walls[r - discard])
         measured.server_cpu.append(nxt.cpu - m.cpu)
         measured.client.append(m.client_seconds)
         measured.reused += m.reused
@@ -498,7 +518,7 @@ def record_block(
             "dispatch": m.first_start - m.pushed,
             "clients": m.last_end - m.first_start,
             "pickup": m.last_pull - m.last_end,
-            "server": nxt.pushed - m.last_pull,
+            "server": nxt.pushed - nxt.paused - m.last_pull,
         }
         for name, seconds in timeline.items():
             measured.phases[name].append(seconds)
@@ -552,12 +572,12 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                 measured = {v: Measured() for v in variants}
                 profilers = {v: cProfile.Profile() for v in variants} if args.profile else {}
                 t0 = time.perf_counter()
-                phases = random.Random(args.phase_seed)
+                phases = random.Random(args.phase_seed)  # see "Phase" in the docstring
                 for block in range(args.blocks):
                     k = block % len(variants)
                     for i, v in enumerate(variants[k:] + variants[:k]):
                         run_id = f"bench-{block}-{i}"
-                        if not args.fixed_phase:  # see "Phase" in the module's docstring
+                        if args.phase == "block":
                             time.sleep(phases.uniform(0.0, ENGINE_TICK))
                         proxy, end, own = run_block(
                             grid,
@@ -570,6 +590,7 @@ def bench_server_app(args: argparse.Namespace, variants: list[Variant], out: dic
                             profilers.get(v),
                             stock=args.stock_train,
                             durable_writes=args.durable_writes,
+                            pauses=phases if args.phase == "round" else None,
                         )
                         record_block(measured[v], proxy, end, own, args.discard)
                 out["blocks"] = time.perf_counter() - t0
@@ -802,7 +823,7 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-SCHEDULE = {10: (6, 12, [0.1, 0.05]), 50: (5, 8, [0.1, 0.05]), 200: (5, 2, [0.1])}
+SCHEDULE = {10: (41, 4, [0.1, 0.05]), 50: (5, 8, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
 (a round of 500 nodes takes seconds)."""
@@ -980,16 +1001,16 @@ def main(argv: list[str] | None = None) -> int:
         help="cProfile the ServerApp thread during the timed blocks",
     )
     parser.add_argument(
-        "--phase-seed",
-        type=int,
-        default=0,
-        help="seed of the random pause (0 to one engine tick) before every timed block",
+        "--phase",
+        choices=("block", "fixed", "round"),
+        default="block",
+        help="where the bench pauses a random part of an engine tick (not counted): "
+        "before every block (default), nowhere, or before every round's push (a "
+        "diagnostic: it draws every round's phase uniformly, which a run's rounds, "
+        "locked to the tick, do not do; see the module docstring)",
     )
     parser.add_argument(
-        "--fixed-phase",
-        action="store_true",
-        help="diagnostic: no pause before a block; each block then starts at whatever "
-        "phase of the engine's tick the previous one ended on",
+        "--phase-seed", type=int, default=0, help="seed of the random pauses (--phase)"
     )
     parser.add_argument("--top", type=int, default=25, help="cProfile rows")
     parser.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
