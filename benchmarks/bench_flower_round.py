@@ -823,7 +823,7 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-SCHEDULE = {10: (41, 4, [0.1, 0.05]), 50: (5, 8, [0.1, 0.05]), 200: (5, 2, [0.1])}
+SCHEDULE = {10: (41, 4, [0.1, 0.05]), 50: (13, 4, [0.1, 0.05]), 200: (5, 2, [0.1])}
 """Per N (up to the key): default rounds per block, blocks and polls; larger N:
 :data:`LARGE_SCHEDULE`. Fewer rounds at large N keep a run on 2 cores within minutes
 (a round of 500 nodes takes seconds)."""

@@ -131,6 +131,7 @@ class PlaintextMode:
         """Build the attempt's exact aggregator (its self-check seed derives from the root
         seed, the round and the attempt)."""
         self._memo.forget()  # it names the previous attempt: let its sums go first
+        self._invitations = {}  # and its RoundOpens (they hold the model they sent)
         seed = derive_seed(
             self.config.federation.root_seed, "self-check", attempt.round, attempt.number
         )
@@ -163,10 +164,7 @@ class PlaintextMode:
         # encodes it once for all of them, as FedAvg's nodes share one instruction
         key = (attempt.round, attempt.number, needs)
         shared = self._invitations.get(key)
-        if shared is None:
-            self._invitations = {  # this attempt's two at most: earlier ones can go
-                k: v for k, v in self._invitations.items() if k[:2] == key[:2]
-            }
+        if shared is None:  # (begin forgets the previous attempt's)
             shared = attempt.round_open.model_copy(update={"needs_commitment": needs})
             self._invitations[key] = shared
         return shared
