@@ -127,7 +127,9 @@ def test_an_interrupted_attempt_is_recorded_and_the_round_retried(tmp_path: Path
     assert network.crashes == []
 
 
-def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Path) -> None:
+def cut_round_two_before_its_manifest_entry(tmp_path: Path) -> Coordinator:
+    """A federation that closed round 1 and crashed in round 2 right after its ledger
+    record was written, before its manifest entry."""
     coordinator, _network, _ = federation(tmp_path)
     coordinator.run(1)
     real = RunManifest.with_round
@@ -143,6 +145,11 @@ def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Pat
             coordinator.run(1)
     finally:
         RunManifest.with_round = real
+    return coordinator
+
+
+def test_a_commit_cut_short_before_its_manifest_entry_is_completed(tmp_path: Path) -> None:
+    coordinator = cut_round_two_before_its_manifest_entry(tmp_path)
     with pytest.raises(LedgerError):
         verify(coordinator.store)  # the half-done commit is visible as such
     (entry_name,) = closings_of(coordinator.store, 2)
@@ -167,21 +174,7 @@ def test_a_cut_commit_of_a_run_that_kept_one_closing_entry_is_completed(
     """A run directory of an earlier version kept the closing entry under one name
     (``coordinator/closing``), rebound every round: resume still completes from it, and
     refuses it when it holds another round's entry."""
-    coordinator, _network, _ = federation(tmp_path)
-    coordinator.run(1)
-    real = RunManifest.with_round
-
-    def crash_after_ledger(self, store, entry):
-        if entry.state is RoundState.CLOSED:
-            raise Crash
-        return real(self, store, entry)
-
-    RunManifest.with_round = crash_after_ledger
-    try:
-        with pytest.raises(Crash):
-            coordinator.run(1)
-    finally:
-        RunManifest.with_round = real
+    coordinator = cut_round_two_before_its_manifest_entry(tmp_path)
     names = coordinator.store.root / "names"
     (entry_name,) = closings_of(coordinator.store, 2)
     (earlier_name,) = closings_of(coordinator.store, 1)
