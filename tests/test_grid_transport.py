@@ -847,3 +847,22 @@ def test_the_recipients_of_a_round_open_share_one_content_until_the_close_change
     assert f.content is c.content and g.content is not c.content
     assert records.instruction_user_config(g.content)["lr"] == 0.5
     assert "lr" not in records.instruction_user_config(f.content)
+
+
+def test_the_encoded_contents_a_transport_keeps_are_bounded() -> None:
+    """A sender of many distinct RoundOpens (a masked round's members each get their
+    own) does not make the transport keep a content for each: past a few it starts
+    afresh, and a RoundOpen it no longer keeps is simply encoded again."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent})
+    transport = make_transport(grid, clock)
+    opens = [round_open(r) for r in range(1, 11)]
+    for message in opens:
+        transport.send("node-11", message)
+    transport.send("node-11", opens[0])  # dropped when the kept ones filled up
+    transport.send("node-11", opens[-1])  # kept
+    transport.recv(timeout_s=0.0)
+    pushed = grid.pushes[-1]
+    assert pushed[10].content is not pushed[0].content
+    assert pushed[11].content is pushed[9].content
+    assert len(transport._encoded) <= 8

@@ -37,7 +37,7 @@ class Crash(BaseException):
 
 def closings_of(store: Store, round: int) -> list[str]:
     """The names of the closing entries kept for ``round``'s attempts."""
-    return [n for n in store.bound(durable.CLOSINGS) if n.endswith(f"/{round:08d}-0001")]
+    return [n for n in store.bound(durable.CLOSINGS) if f"/{round:08d}-" in n]
 
 
 def restart(coordinator: Coordinator, **kwargs) -> Coordinator:

@@ -98,10 +98,8 @@ def started_attempts(store: Store, round: int) -> list[int]:
 def save_closing(store: Store, entry: RoundEntry) -> None:
     """Keep the manifest entry of the round about to be committed (see the module doc),
     under its attempt's own name: a new name, never a file replaced."""
-    name, digest = (
-        _closing_name(entry.round, entry.attempt),
-        store.put(canonical_json(entry.model_dump(mode="json"))),
-    )
+    name = _closing_name(entry.round, entry.attempt)
+    digest = store.put(canonical_json(entry.model_dump(mode="json")))
     if not store.claim(name, digest) and store.resolve(name) != digest:
         store.bind(name, digest)  # the same attempt's commit tried again: the newer entry
 

@@ -209,7 +209,8 @@ class GridTransport:
     def _encoded_content(self, message: RoundOpen) -> RecordDict | None:
         """The content already encoded for ``message``, if the close it carries and the
         user config are still the ones it was encoded with (compared by value: a config
-        changed in place is noticed); None otherwise, which forgets every content."""
+        changed in place is noticed); None if it was not kept, or if the close or the
+        config changed (then every kept content is forgotten)."""
         if self._encoded_with is None or self._encoded_with[0] is not self._close or (
             self._encoded_with[1] != self.user_config
         ):
