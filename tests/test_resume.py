@@ -226,6 +226,29 @@ def test_a_round_replaces_no_name_and_adds_three_blobs(tmp_path: Path) -> None:
     assert len(blobs) == 3 * 3
 
 
+def test_a_round_makes_its_files_while_it_waits_for_replies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making a file or a folder is what a small write costs on some filesystems: a
+    plaintext round's writes take the temp files its coordinator made once its
+    instructions were out (``Store.prepare_writes``), and no write makes a folder under
+    ``names/`` (one folder holds every attempt marker)."""
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(2)  # bindings, the registry
+    store = coordinator.store
+    taken: list[bool] = []  # per temp file a write took: was it a prepared one?
+    real_take = Store._temp_file
+    monkeypatch.setattr(
+        Store, "_temp_file", lambda self: (taken.append(bool(self._spares)), real_take(self))[1]
+    )
+    folders = lambda: {p for p in (store.root / "names").rglob("*") if p.is_dir()}  # noqa: E731
+    before = folders()
+    coordinator.run(3)
+    assert len(taken) >= 3 * 6 and all(taken), taken
+    assert folders() == before
+    assert durable.started_attempts(store, 4) == [1]  # found in the one folder
+
+
 def test_resume_refuses_another_config_an_empty_store_and_a_broken_ledger(
     tmp_path: Path,
 ) -> None:
@@ -245,6 +268,23 @@ def test_resume_refuses_another_config_an_empty_store_and_a_broken_ledger(
     first.write_text(second.read_text())
     with pytest.raises(LedgerError):
         restart(coordinator)
+
+
+def test_attempt_markers_of_a_run_that_kept_a_folder_per_round_are_read(
+    tmp_path: Path,
+) -> None:
+    """A run directory of an earlier version kept each round's markers in a folder of
+    its own (``coordinator/attempts/<round>/<attempt>``): resume still finds them, and
+    the attempts marked after them in the one folder."""
+    store = Store(tmp_path / "s")
+    started = store.put(b'{"attempt":"started"}')
+    for attempt in (1, 2):  # the earlier layout
+        assert store.claim(f"{durable.ATTEMPTS}/00000003/{attempt:04d}", started)
+    durable.mark_started(store, 3, 3)  # after the upgrade
+    durable.mark_started(store, 4, 1)
+    assert durable.started_attempts(store, 3) == [1, 2, 3]
+    assert durable.started_attempts(store, 4) == [1]
+    assert durable.started_attempts(store, 5) == []
 
 
 def test_attempt_markers_never_repeat(tmp_path: Path) -> None:

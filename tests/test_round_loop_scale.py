@@ -39,10 +39,12 @@ from lensemble_flwr.transports.inprocess import InProcessNetwork
 # numpy feature level this machine can be forced to, and they guard the phase loop's
 # memory from here on. Re-pinned again when closing entries got a name per attempt and
 # attempt markers one shared blob (coordinator/ names only: with them left out, both
-# runs give the same digest of names and blobs as before).
+# runs give the same digest of names and blobs as before), and again when attempt markers
+# left their folder per round for one folder (``coordinator/attempts/<round>-<attempt>``;
+# the same check held).
 PORTABLE = {"trainer_of": PortableTrainer, "params": portable_params()}
-CHURN_DIGEST = "5de776404f65eea5b480e319dacc0ebeb54151984aace340f246883214ce5f5d"
-SAMPLED_DIGEST = "3563fbee8380fb5b096873bfa1acba8fa0be55dd4cf10f7c1fc6dd85a251c24c"
+CHURN_DIGEST = "30708fbf095207a29c02dcb72e902d8c1e0d052c37aff29716b476df9437ba25"
+SAMPLED_DIGEST = "e5cbed68a7bdff1cd59f90ca22cc787f080a86f3d7a97d9b84b5a18634f9d259"
 
 
 @pytest.fixture

@@ -310,3 +310,106 @@ def test_sync_false_publishes_as_atomically_without_fsync(
     with pytest.raises(OSError, match="killed"):
         store.put(b"never published")
     assert not store.has(hashlib.sha256(b"never published").hexdigest())
+
+
+# -- writes prepared ahead (the files a coordinator makes while it waits for replies) ----
+def _made_temp_files(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every temp file the store makes from now on (prepared or not), by path."""
+    made: list[str] = []
+    real = store_module.tempfile.mkstemp
+
+    def counting(*args: object, **kwargs: object) -> tuple[int, str]:
+        fd, path = real(*args, **kwargs)  # type: ignore[call-overload]
+        made.append(path)
+        return fd, path
+
+    monkeypatch.setattr(store_module.tempfile, "mkstemp", counting)
+    return made
+
+
+def test_prepared_temp_files_are_what_later_writes_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path / "s")
+    made = _made_temp_files(monkeypatch)
+    store.prepare_writes(3)
+    assert len(made) == 3 and sorted(os.listdir(tmp_path / "s" / "tmp")) == sorted(
+        Path(p).name for p in made
+    )
+    assert all(Path(p).stat().st_size == 0 for p in made)
+    store.prepare_writes(3)  # three are ready: none more is made
+    assert len(made) == 3
+    digest = store.put(b"first")
+    assert store.claim("a/b", digest)  # a name is a write too
+    store.put_parts([b"par", memoryview(b"ts")])
+    assert len(made) == 3, "a write made its own temp file though prepared ones were left"
+    assert store.get(digest) == b"first" and store.get(store.put(b"parts")) == b"parts"
+    assert store.resolve("a/b") == digest
+    assert len(made) == 3  # b"parts" was stored already: nothing was written
+    store.put(b"fourth")  # none left: the write makes its own
+    assert len(made) == 4
+    assert os.listdir(tmp_path / "s" / "tmp") == []  # every taken temp file was published
+
+
+def test_prepare_writes_makes_blob_folders_a_few_at_a_time(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    blobs = tmp_path / "s" / "blobs"
+    digest = store.put(b"x")  # its folder is made by the write
+    store.prepare_writes(5)
+    assert len(os.listdir(blobs)) == 1 + 5
+    for _ in range(60):
+        store.prepare_writes(5)
+    assert sorted(os.listdir(blobs)) == [f"{i:02x}" for i in range(256)]
+    assert [p.name for p in blobs.rglob("*") if p.is_file()] == [digest]  # folders only
+    assert store.bound() == []
+    assert store.get(digest) == b"x"
+
+
+def test_close_removes_the_prepared_files_and_the_store_stays_usable(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.prepare_writes(4)
+    store.put(b"one")  # takes one
+    store.close()
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+    assert store.get(store.put(b"two")) == b"two"
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+
+
+def test_a_store_dropped_without_close_removes_its_prepared_files(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.prepare_writes(4)
+    del store
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+
+
+def test_a_forked_child_does_not_remove_its_parents_prepared_files(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.prepare_writes(2)
+    spares = list(store._spares)
+    store_module._discard_spares(store._spares, owner=os.getpid() + 1)  # as in a child
+    assert store._spares == spares and len(os.listdir(tmp_path / "s" / "tmp")) == 2
+    store.close()
+
+
+@pytest.mark.parametrize("count", [-1, True, 2.0, "3"])
+def test_prepare_writes_refuses_a_bad_count(tmp_path: Path, count: object) -> None:
+    store = Store(tmp_path / "s")
+    with pytest.raises(StoreError, match="count must be an int >= 0"):
+        store.prepare_writes(count)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path / "s" / "tmp") == [] and os.listdir(tmp_path / "s" / "blobs") == []
+
+
+def test_prepare_writes_on_a_store_opened_to_read_writes_nothing(tmp_path: Path) -> None:
+    Store(tmp_path / "s").put(b"x")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(StoreError, match="create=False"):
+        Store(tmp_path / "s", create=False).prepare_writes(3)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_prepare_writes_that_cannot_make_a_file_is_a_store_error(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    shutil.rmtree(tmp_path / "s" / "tmp")
+    (tmp_path / "s" / "tmp").write_bytes(b"")  # tmp/ is a file: nothing can be made in it
+    with pytest.raises(StoreError, match="cannot prepare writes"):
+        store.prepare_writes(2)

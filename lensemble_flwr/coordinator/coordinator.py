@@ -132,6 +132,11 @@ _UNTYPED_INPUT_ERRORS = (
 _DISCOVERY_INTERVAL = 1.0
 """Seconds between looks for newly reachable participants while a round is OPEN."""
 
+WRITES_PREPARED = 8
+"""Store writes prepared as an attempt's instructions go out: a plaintext commit makes
+six files (checkpoint, ledger record and its name, closing entry and its name, the
+manifest entry's name) and the next attempt's marker one; more are made as needed."""
+
 _OLDER_ENTRIES_KEPT = 4
 """Update digests of earlier rounds' attempts kept in memory once read from the store (to
 recognise replays of late updates without reading their entry again for each)."""
@@ -541,6 +546,10 @@ class Coordinator:
         attempt = self.begin_attempt()
         try:
             self._send_all(self.invite(transport.peers()))
+            # idle until replies come: make now the files the commit and the next
+            # attempt's marker will write, so that they are not made between this
+            # round's last reply and the next round's instructions
+            self.store.prepare_writes(WRITES_PREPARED)
             if self.on_transition is not None:
                 self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
             phases = ((fed.open_timeout, _DISCOVERY_INTERVAL), (fed.collect_timeout, None))

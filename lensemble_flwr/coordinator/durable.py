@@ -18,16 +18,20 @@ configuration and every attempt. Two more things are needed to pick a run up aga
 * **the external step** — a model changed after the last commit that the next round
   trains from (:mod:`.external_step`), kept before anything is sent from it: a
   restarted coordinator trains from it too, never from the model it replaced.
-* **attempt markers** — a name claimed as an attempt starts. An attempt that has a
-  marker but no manifest entry was cut short by a crash; on resume it is recorded as
-  aborted, so the next attempt gets a fresh number and participants, which answer each
-  (round, attempt) only once, answer it. The name says everything: every marker is bound
-  to the same small blob.
+* **attempt markers** — a name claimed as an attempt starts (``coordinator/attempts/
+  <round>-<attempt>``, one folder for the whole run; runs written before kept a folder
+  per round, ``coordinator/attempts/<round>/<attempt>``, which resume still reads). An
+  attempt that has a marker but no manifest entry was cut short by a crash; on resume it
+  is recorded as aborted, so the next attempt gets a fresh number and participants,
+  which answer each (round, attempt) only once, answer it. The name says everything:
+  every marker is bound to the same small blob.
 
-A plaintext round (no external step, no new binding) thus rebinds no name and adds no
-blob beyond its checkpoint, its ledger record and its entry: rebinding a name replaces a
-file, which on some filesystems (ext4 mounted with ``discard``) costs several times a new
-name, and that cost sat between a round's last reply and the next round's instructions.
+A plaintext round (no external step, no new binding) thus rebinds no name, makes no
+folder and adds no blob beyond its checkpoint, its ledger record and its entry:
+rebinding a name replaces a file, which on some filesystems (ext4 mounted with
+``discard``) costs several times a new name, and a new folder costs as much as a new
+file or more; those costs sat between a round's last reply and the next round's
+instructions.
 (A masked round still rebinds the registry, which spends its members' mask keys, and a
 run with an external step rebinds it.)
 
@@ -71,8 +75,12 @@ _STARTED = canonical_json({"attempt": "started"})
 """What every attempt marker is bound to: the marker's name says which attempt."""
 
 
-def _round_attempts(round: int) -> str:
-    return f"{ATTEMPTS}/{round:08d}"
+def _marker_name(round: int, attempt: int) -> str:
+    return f"{ATTEMPTS}/{round:08d}-{attempt:04d}"  # one folder, as the closings
+
+
+def _legacy_round_attempts(round: int) -> str:
+    return f"{ATTEMPTS}/{round:08d}"  # a folder per round: runs written before
 
 
 def _closing_name(round: int, attempt: int) -> str:
@@ -85,14 +93,26 @@ def mark_started(store: Store, round: int, attempt: int) -> None:
     Raises:
         LedgerError: the attempt was already started once (attempt numbers never repeat).
     """
-    if not store.claim(f"{_round_attempts(round)}/{attempt:04d}", store.put(_STARTED)):
+    if not store.claim(_marker_name(round, attempt), store.put(_STARTED)):
         raise LedgerError(f"round {round} attempt {attempt} was already started")
 
 
 def started_attempts(store: Store, round: int) -> list[int]:
-    """The attempt numbers of ``round`` that have a start marker, ascending (only that
-    round's markers are listed, however long the run)."""
-    return sorted(int(n.rsplit("/", 1)[-1]) for n in store.bound(_round_attempts(round)))
+    """The attempt numbers of ``round`` that have a start marker, ascending.
+
+    Attempts are numbered 1, 2, ... and each is marked before the next can start, so the
+    markers are found by looking up their names in turn until one is missing (after the
+    round's folder of markers, in a run written when each round had one): the cost is
+    that of the round's attempts, however long the run.
+    """
+    legacy = sorted(
+        int(n.rsplit("/", 1)[-1]) for n in store.bound(_legacy_round_attempts(round))
+    )
+    started, attempt = legacy, (legacy[-1] if legacy else 0) + 1
+    while store.bound(_marker_name(round, attempt)):
+        started.append(attempt)
+        attempt += 1
+    return started
 
 
 def save_closing(store: Store, entry: RoundEntry) -> None:

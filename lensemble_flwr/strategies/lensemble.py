@@ -492,6 +492,7 @@ class LensembleStrategy(Strategy):
             if evaluation is not None:
                 say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
         recycling.clear()  # the run is over: the last sum's buffers need not stay resident
+        coordinator.store.close()  # and the temp files it made ahead of writes can go
         say(INFO, "")
         say(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         return result
