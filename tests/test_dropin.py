@@ -309,6 +309,21 @@ def test_the_clients_own_metrics_are_aggregated_as_fedavg_does_and_bookkeeping_i
     assert metrics["lensemble.C_t"] == 4.0 and metrics["lensemble.exchanges"] == 1.0
 
 
+def test_the_bytes_a_round_reports_are_its_own_not_the_runs_so_far(tmp_path: Path) -> None:
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    result = strategy.start(
+        grid=grid_of(quickstart_app(batch_norm=False)),
+        initial_arrays=ArrayRecord(Net(False).state_dict()),
+        num_rounds=3,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )
+    for key, total in (("sent", "bytes_sent"), ("received", "bytes_received")):
+        per_round = [result.train_metrics_clientapp[r][f"lensemble.bytes-{key}"] for r in (1, 2, 3)]
+        # the same model to and from the same four nodes every round: about the same bytes
+        assert min(per_round) > 0 and max(per_round) < 1.1 * min(per_round), (key, per_round)
+        assert sum(per_round) <= getattr(strategy.transport, total)  # the run's, warm-up too
+
+
 def test_a_custom_metrics_aggregation_and_weighting_key_are_used(tmp_path: Path) -> None:
     calls: list[tuple[int, str]] = []
 

@@ -141,8 +141,11 @@ class GridTransport:
         self._peers: tuple[str, ...] = ()
         self._peers_at = -float("inf")
         self.sent_per_round: dict[int, dict[str, int]] = {}
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # over the whole run
         self.bytes_received = 0
+        # (sent, received) bytes of each round's instructions and their replies, every
+        # attempt of the round together; -1 holds what belongs to no round
+        self.bytes_per_round: dict[int, list[int]] = {}
         self.client_metrics: dict[tuple[int, str], dict[str, float]] = {}
         self.dropped: list[tuple[str, int, str]] = []
 
@@ -286,12 +289,19 @@ class GridTransport:
         is a single exchange)."""
         return max(self.sent_per_round.get(round, {}).values(), default=0)
 
+    def round_bytes(self, round: int) -> tuple[int, int]:
+        """Bytes of ``round``'s instructions sent and of their replies received (every
+        attempt of the round; content bytes, as ``bytes_sent`` counts them)."""
+        sent, received = self.bytes_per_round.get(round, (0, 0))
+        return sent, received
+
     def forget_through(self, round: int) -> None:
         """Drop the per-round bookkeeping (client metrics, instruction counts) of ``round``
         and every round before it, once the strategy reported it: kept, it grew with every
         round of a long run."""
         self.client_metrics = {k: m for k, m in self.client_metrics.items() if k[0] > round}
         self.sent_per_round = {r: n for r, n in self.sent_per_round.items() if r > round}
+        self.bytes_per_round = {r: b for r, b in self.bytes_per_round.items() if r > round}
 
     # -- internals ---------------------------------------------------------------------
     def _queue_message(
@@ -326,8 +336,10 @@ class GridTransport:
             return []
         queue, infos = self._queue, self._queued_info
         self._queue, self._queued_info = [], []
-        for message in queue:
-            self.bytes_sent += _content_bytes(message.content)
+        for message, info in zip(queue, infos, strict=True):
+            size = _content_bytes(message.content)
+            self.bytes_sent += size
+            self.bytes_per_round.setdefault(info.round, [0, 0])[0] += size
         # Grids name each message in place; InMemoryGrid leaves the ones it refuses out of
         # the returned ids, the HTTP grid returns None for them (or [] when the push is
         # too large), so match by id, not by position.
@@ -383,7 +395,9 @@ class GridTransport:
                 reply.error.reason,
             )
             return
-        self.bytes_received += _content_bytes(reply.content)
+        size = _content_bytes(reply.content)
+        self.bytes_received += size
+        self.bytes_per_round.setdefault(info.round, [0, 0])[1] += size
         if info.kind in records.INSTRUCTION_KINDS:
             self._unpack_train_reply(reply.content, info, source)
         else:

@@ -717,8 +717,9 @@ class LensembleStrategy(Strategy):
         transport = self.transport
         if transport is not None:
             book["exchanges"] = float(transport.exchanges(outcome.round))
-            book["bytes-sent"] = float(transport.bytes_sent)
-            book["bytes-received"] = float(transport.bytes_received)
+            sent, received = transport.round_bytes(outcome.round)
+            book["bytes-sent"] = float(sent)  # this round's, not the run's so far
+            book["bytes-received"] = float(received)
             if client_metrics is None:
                 client_metrics = [
                     RecordDict({records.METRICS: MetricRecord(m)})
