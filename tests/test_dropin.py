@@ -321,7 +321,7 @@ def test_the_bytes_a_round_reports_are_its_own_not_the_runs_so_far(tmp_path: Pat
         per_round = [result.train_metrics_clientapp[r][f"lensemble.bytes-{key}"] for r in (1, 2, 3)]
         # the same model to and from the same four nodes every round: about the same bytes
         assert min(per_round) > 0 and max(per_round) < 1.1 * min(per_round), (key, per_round)
-        assert sum(per_round) <= getattr(strategy.transport, total)  # the run's, warm-up too
+        assert sum(per_round) == getattr(strategy.transport, total)  # the run's, exactly
 
 
 def test_a_custom_metrics_aggregation_and_weighting_key_are_used(tmp_path: Path) -> None:

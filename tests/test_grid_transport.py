@@ -718,6 +718,40 @@ def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
     assert all(load_state(c.state).meta["last_open"][:2] == [3, 1] for c in contexts.values())
 
 
+def test_a_rounds_files_are_made_after_its_instructions_are_pushed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GridTransport only queues what the coordinator sends: the coordinator flushes it
+    before it makes the files its commit will write (``Store.prepare_writes``), so that
+    making them delays no instruction, and the commit then makes none."""
+    coordinator, _transport, grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0
+    )
+    events: list[str] = []
+    real_push, real_prepare, real_take = grid.push_messages, Store.prepare_writes, Store._temp_file
+
+    def push(messages: Iterable[Message]) -> Iterable[str]:
+        events.append("push")
+        return real_push(messages)
+
+    def prepare(store: Store, count: int) -> None:
+        events.append("prepare")
+        real_prepare(store, count)
+
+    def take(store: Store) -> tuple[int, str]:
+        events.append("take" if store._spares else "make")
+        return real_take(store)
+
+    monkeypatch.setattr(grid, "push_messages", push)
+    monkeypatch.setattr(Store, "prepare_writes", prepare)
+    monkeypatch.setattr(Store, "_temp_file", take)
+    coordinator.run(3)
+    rounds = [e for e in events if e in ("push", "prepare")]
+    assert rounds == ["push", "prepare"] * 3, events
+    after_first = events[events.index("prepare") + 1 :]  # round 2 on: bound, plaintext
+    assert "make" not in after_first[after_first.index("push") :], events
+
+
 def test_end_to_end_a_late_node_is_dropped_then_contributes_again(tmp_path: Path) -> None:
     collect = small_config().federation.collect_timeout
     late_node = 14

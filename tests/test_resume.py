@@ -287,6 +287,37 @@ def test_attempt_markers_of_a_run_that_kept_a_folder_per_round_are_read(
     assert durable.started_attempts(store, 5) == []
 
 
+def test_markers_past_a_gap_are_found_up_to_the_attempts_the_caller_knows(
+    tmp_path: Path,
+) -> None:
+    """Markers are numbered without gaps today; should one appear, the markers up to the
+    highest attempt the manifest knows are still found (resume passes it)."""
+    store = Store(tmp_path / "s")
+    durable.mark_started(store, 5, 1)
+    durable.mark_started(store, 5, 3)  # as if attempt 2's marker were missing
+    durable.mark_started(store, 5, 4)
+    assert durable.started_attempts(store, 5) == [1]
+    assert durable.started_attempts(store, 5, at_least=2) == [1, 3, 4]
+
+
+def test_a_round_whose_writes_cannot_be_prepared_still_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Preparing the files ahead only saves time: when it fails, the round's writes make
+    their own files, and the failure is logged, not an abort."""
+
+    def refuse(store: Store, count: int) -> None:
+        raise StoreError("tmp/: cannot prepare writes: No space left on device")
+
+    monkeypatch.setattr(Store, "prepare_writes", refuse)
+    coordinator, _network, _ = federation(tmp_path)
+    with caplog.at_level("WARNING"):
+        coordinator.run(2)
+    assert [o.state for o in coordinator.outcomes] == [RoundState.CLOSED] * 2
+    assert "not prepared ahead" in caplog.text and "No space left" in caplog.text
+    assert [r.round for r in verify(coordinator.store)] == [1, 2]
+
+
 def test_attempt_markers_never_repeat(tmp_path: Path) -> None:
     store = Store(tmp_path / "s")
     durable.mark_started(store, 3, 1)

@@ -382,13 +382,50 @@ def test_a_store_dropped_without_close_removes_its_prepared_files(tmp_path: Path
     assert os.listdir(tmp_path / "s" / "tmp") == []
 
 
-def test_a_forked_child_does_not_remove_its_parents_prepared_files(tmp_path: Path) -> None:
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_neither_writes_into_nor_removes_its_parents_prepared_files(
+    tmp_path: Path,
+) -> None:
+    """The spares' descriptors share their file offsets with the parent's after a fork:
+    a child writing into them would mix both processes' bytes into one blob."""
     store = Store(tmp_path / "s")
     store.prepare_writes(2)
     spares = list(store._spares)
-    store_module._discard_spares(store._spares, owner=os.getpid() + 1)  # as in a child
-    assert store._spares == spares and len(os.listdir(tmp_path / "s" / "tmp")) == 2
+    pid = os.fork()
+    if pid == 0:  # the child: write, close, leave without running the parent's cleanup
+        code = 0
+        try:
+            digest = store.put(b"child-bytes")
+            store.prepare_writes(1)
+            store.close()
+            code = 0 if store.get(digest) == b"child-bytes" else 3
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store._spares == spares and all(Path(p).exists() for _, p in spares)
+    digest = store.put(b"parent-bytes")
+    assert store.get(digest) == b"parent-bytes"
+    assert store.get(hashlib.sha256(b"child-bytes").hexdigest()) == b"child-bytes"
     store.close()
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+
+
+def test_a_prepared_file_replaced_in_tmp_is_not_written_into(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.prepare_writes(2)
+    (_, gone), (_, linked) = store._spares
+    os.unlink(gone)  # someone cleaned tmp/
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    os.unlink(linked)
+    os.link(outside, linked)  # and put another file under the name
+    digest = store.put(b"payload")
+    digest2 = store.put(b"other payload")
+    assert store.get(digest) == b"payload" and store.get(digest2) == b"other payload"
+    assert outside.read_bytes() == b""
+    assert sorted(os.listdir(tmp_path / "s" / "tmp")) == [Path(linked).name]  # not ours
 
 
 @pytest.mark.parametrize("count", [-1, True, 2.0, "3"])

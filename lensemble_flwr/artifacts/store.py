@@ -9,7 +9,8 @@ Layout under ``root``:
 * ``tmp/``: scratch space. Every write goes to a temp file here, is flushed and
   fsynced, then published with ``os.replace`` (or ``os.link`` for :meth:`Store.claim`),
   after which the destination directory is fsynced. Nothing half-written is ever
-  visible under ``blobs/`` or ``names/``, and temp files are removed on every path.
+  visible under ``blobs/`` or ``names/``, and a write removes its temp file on every
+  path (empty temp files made ahead of writes are another matter: see below).
 
 A large blob (a checkpoint) is written by :meth:`Store.put_parts` from its parts (views of
 the arrays it holds) and hashed as it is written, on a second thread: the blob is never
@@ -32,7 +33,10 @@ making their own, and some of the blob folders not made yet. A coordinator does 
 a round's instructions are out, so that the commit between the round's last reply and
 the next round's instructions makes no file. The spare temp files are empty and are
 removed when the store is closed (:meth:`Store.close`), garbage-collected or the process
-exits; a killed process may leave them in ``tmp/``, where nothing reads them.
+exits. A killed process leaves its spares (at most the count it prepared) in ``tmp/``,
+where nothing reads or removes them: they add up over repeated crashes, and may be
+deleted while no process writes to the store. A forked child never writes into the
+spares it inherited.
 
 A write can be watched, or cut short, from outside: ``Store(root, on_write=hook)`` calls
 ``hook(kind, key, data)`` before each write is published (:data:`WriteHook`); the crash
@@ -150,6 +154,7 @@ class Store:
         self._tmp = self.root / "tmp"
         self._writable = create
         self._spares: list[tuple[int, str]] = []  # (fd, path) of empty temp files
+        self._spares_owner = os.getpid()  # a forked child must not write into them
         self._unmade_folders: list[str] | None = None  # blob folders to make, once listed
         self._discard = weakref.finalize(self, _discard_spares, self._spares, os.getpid())
         for folder in (self._blobs, self._names, self._tmp):
@@ -178,6 +183,7 @@ class Store:
             raise StoreError(f"{self.root}: opened with create=False: nothing is written")
         self._check_no_links(self._tmp)
         self._check_no_links(self._blobs)
+        self._forget_inherited_spares()
         try:
             while len(self._spares) < count:
                 self._spares.append(tempfile.mkstemp(dir=self._tmp))
@@ -185,8 +191,12 @@ class Store:
                 made = set(os.listdir(self._blobs))
                 self._unmade_folders = [f for f in _BLOB_FOLDERS if f not in made]
             made_any = False
-            for _ in range(min(count, len(self._unmade_folders))):
-                (self._blobs / self._unmade_folders.pop()).mkdir(exist_ok=True)
+            for _ in range(count):
+                try:
+                    folder = self._unmade_folders.pop()
+                except IndexError:  # all made (or another thread took the last)
+                    break
+                (self._blobs / folder).mkdir(exist_ok=True)
                 made_any = True
             if made_any and self.sync:
                 _fsync_dir(self._blobs)
@@ -198,12 +208,40 @@ class Store:
         stays usable (a later write makes its own temp file)."""
         _discard_spares(self._spares, os.getpid())
 
+    def _forget_inherited_spares(self) -> None:
+        """In a forked child, drop the spares it inherited: they are its parent's files
+        (the descriptors share the parent's file offsets), so writing into them would mix
+        both processes' bytes. The child closes its copies of the descriptors only."""
+        if self._spares_owner == os.getpid():
+            return
+        inherited, self._spares = self._spares, []
+        self._spares_owner = os.getpid()
+        self._discard.detach()  # the finalizer would remove the parent's files otherwise
+        self._discard = weakref.finalize(self, _discard_spares, self._spares, os.getpid())
+        for fd, _path in inherited:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def _temp_file(self) -> tuple[int, str]:
-        """A temp file in ``tmp/`` to write into: a prepared one if any is left."""
-        try:
-            return self._spares.pop()
-        except IndexError:  # none left (a check first could race another thread's pop)
-            return tempfile.mkstemp(dir=self._tmp)
+        """A temp file in ``tmp/`` to write into: a prepared one if one is left and it is
+        still the file at its path (nothing replaced or linked it meanwhile), else a new
+        one."""
+        self._forget_inherited_spares()
+        while True:
+            try:
+                fd, path = self._spares.pop()
+            except IndexError:  # none left (a check first could race another thread's pop)
+                return tempfile.mkstemp(dir=self._tmp)
+            try:
+                held, named = os.fstat(fd), os.lstat(path)
+                if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and (
+                    held.st_nlink == 1 and held.st_size == 0
+                ):
+                    return fd, path
+            except OSError:
+                pass  # removed from tmp/: made anew below
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def put(self, data: bytes) -> str:
         """Store ``data`` and return its SHA-256 hex digest; an existing blob is not rewritten."""

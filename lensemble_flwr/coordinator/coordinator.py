@@ -106,7 +106,12 @@ from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundEvent, RoundMach
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
-from lensemble_flwr.transports.base import COORDINATOR, DeclaresFederation, Transport
+from lensemble_flwr.transports.base import (
+    COORDINATOR,
+    BuffersSends,
+    DeclaresFederation,
+    Transport,
+)
 
 __all__ = [
     "INTERRUPTED",
@@ -546,10 +551,9 @@ class Coordinator:
         attempt = self.begin_attempt()
         try:
             self._send_all(self.invite(transport.peers()))
-            # idle until replies come: make now the files the commit and the next
-            # attempt's marker will write, so that they are not made between this
-            # round's last reply and the next round's instructions
-            self.store.prepare_writes(WRITES_PREPARED)
+            if isinstance(transport, BuffersSends):
+                transport.flush()  # the instructions go out before anything else is done
+            self._prepare_writes()
             if self.on_transition is not None:
                 self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
             phases = ((fed.open_timeout, _DISCOVERY_INTERVAL), (fed.collect_timeout, None))
@@ -567,6 +571,17 @@ class Coordinator:
         except LensembleError as exc:
             return self.abort(exc)
         return self.conclude(exchange=self._exchange)
+
+    def _prepare_writes(self) -> None:
+        """Make now, while the round's instructions are out and its replies are awaited,
+        the files the commit and the next attempt's marker will write, so that they are
+        not made between this round's last reply and the next round's instructions
+        (``Store.prepare_writes``). Only a saving: if it fails, the writes make their
+        own files, and the failure is logged."""
+        try:
+            self.store.prepare_writes(WRITES_PREPARED)
+        except StoreError as exc:
+            log.warning("round writes not prepared ahead (they make their own files): %s", exc)
 
     # -- the steps every feeder drives -------------------------------------------------
     def _check_quorum_reachable(self) -> None:

@@ -97,22 +97,25 @@ def mark_started(store: Store, round: int, attempt: int) -> None:
         raise LedgerError(f"round {round} attempt {attempt} was already started")
 
 
-def started_attempts(store: Store, round: int) -> list[int]:
+def started_attempts(store: Store, round: int, *, at_least: int = 0) -> list[int]:
     """The attempt numbers of ``round`` that have a start marker, ascending.
 
     Attempts are numbered 1, 2, ... and each is marked before the next can start, so the
-    markers are found by looking up their names in turn until one is missing (after the
-    round's folder of markers, in a run written when each round had one): the cost is
-    that of the round's attempts, however long the run.
+    markers are found by looking up their names in turn (after the round's folder of
+    markers, in a run written when each round had one): every number up to
+    ``at_least`` (the highest attempt the caller knows of, e.g. from the manifest), then
+    on until one is missing. The cost is that of the round's attempts, however long the
+    run.
     """
-    legacy = sorted(
-        int(n.rsplit("/", 1)[-1]) for n in store.bound(_legacy_round_attempts(round))
-    )
-    started, attempt = legacy, (legacy[-1] if legacy else 0) + 1
-    while store.bound(_marker_name(round, attempt)):
-        started.append(attempt)
+    legacy = [int(n.rsplit("/", 1)[-1]) for n in store.bound(_legacy_round_attempts(round))]
+    started = sorted(legacy)
+    attempt = (started[-1] if started else 0) + 1
+    while True:
+        if store.bound(_marker_name(round, attempt)):
+            started.append(attempt)
+        elif attempt > at_least:
+            return started
         attempt += 1
-    return started
 
 
 def save_closing(store: Store, entry: RoundEntry) -> None:

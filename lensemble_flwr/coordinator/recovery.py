@@ -157,7 +157,7 @@ def record_interrupted(
     manifest entry (``external_step``: the one ``state`` was adopted by, if any)."""
     t = state.next_round
     finished = {e.attempt for e in manifest.rounds if e.round == t}
-    for attempt in started_attempts(store, t):
+    for attempt in started_attempts(store, t, at_least=max(finished, default=0)):
         if attempt in finished:
             continue
         log.warning("round %d attempt %d was interrupted by a restart", t, attempt)

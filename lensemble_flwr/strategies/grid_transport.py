@@ -229,6 +229,10 @@ class GridTransport:
             raise ValueError(f"only RoundClose is broadcast over a Grid, not {message.kind}")
         self._close = to_wire(message)  # rides on the next instruction to each node
 
+    def flush(self) -> None:
+        """Push what is queued now (``recv`` does it too, first)."""
+        self._flush()
+
     def recv(self, *, timeout_s: float) -> WirePayload | None:
         """Push what is queued, then the next reply payload (None after ``timeout_s``)."""
         self._flush()

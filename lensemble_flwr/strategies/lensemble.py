@@ -463,36 +463,38 @@ class LensembleStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 1); the
         # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
-        while (r := coordinator.global_state().next_round) <= num_rounds:
-            say(INFO, "")
-            say(INFO, "[ROUND %s/%s]", r, num_rounds)
-            seen = len(coordinator.outcomes)
-            try:
-                coordinator.run(1)
-            finally:
-                transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
-                new = coordinator.outcomes[seen:]
-                result.outcomes.extend(new)
-                aborted = [o.reason or "" for o in new if o.state is RoundState.ABORTED]
-                if aborted:
-                    result.aborted[r] = aborted
-            closed = new[-1]
-            result.arrays = self._user_arrays(coordinator.global_state().params)
-            metrics = self._metrics(closed, attempts=len(new))
-            result.train_metrics_clientapp[r] = metrics
-            evaluation = self._evaluate(r, result.arrays, evaluate_config, timeout)
-            if evaluation is not None:
-                result.evaluate_metrics_clientapp[r] = evaluation
-            if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
-                result.evaluate_metrics_serverapp[r] = res
-            self._report(closed, metrics, evaluation, aborted)
-            self._keep_metrics(r, metrics, evaluation)
-            transport.forget_through(r)  # reported: its bookkeeping is no longer needed
-            say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-            if evaluation is not None:
-                say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
+        try:
+            while (r := coordinator.global_state().next_round) <= num_rounds:
+                say(INFO, "")
+                say(INFO, "[ROUND %s/%s]", r, num_rounds)
+                seen = len(coordinator.outcomes)
+                try:
+                    coordinator.run(1)
+                finally:
+                    transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+                    new = coordinator.outcomes[seen:]
+                    result.outcomes.extend(new)
+                    aborted = [o.reason or "" for o in new if o.state is RoundState.ABORTED]
+                    if aborted:
+                        result.aborted[r] = aborted
+                closed = new[-1]
+                result.arrays = self._user_arrays(coordinator.global_state().params)
+                metrics = self._metrics(closed, attempts=len(new))
+                result.train_metrics_clientapp[r] = metrics
+                evaluation = self._evaluate(r, result.arrays, evaluate_config, timeout)
+                if evaluation is not None:
+                    result.evaluate_metrics_clientapp[r] = evaluation
+                if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
+                    result.evaluate_metrics_serverapp[r] = res
+                self._report(closed, metrics, evaluation, aborted)
+                self._keep_metrics(r, metrics, evaluation)
+                transport.forget_through(r)  # reported: its bookkeeping is no longer needed
+                say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+                if evaluation is not None:
+                    say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
+        finally:  # the temp files made ahead of writes can go, however the run ended
+            coordinator.store.close()
         recycling.clear()  # the run is over: the last sum's buffers need not stay resident
-        coordinator.store.close()  # and the temp files it made ahead of writes can go
         say(INFO, "")
         say(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         return result

@@ -46,6 +46,16 @@ class DeclaresFederation(Protocol):
         """The number of participants the federation is declared with (None: unknown)."""
 
 
+@runtime_checkable
+class BuffersSends(Protocol):
+    """A transport whose :meth:`~Transport.send` only queues, and which delivers the queue
+    on its next ``recv`` (Flower's Grid: one push for the round's instructions). The
+    coordinator flushes it when it wants the messages out before other work."""
+
+    def flush(self) -> None:
+        """Deliver every queued message now."""
+
+
 class MessageHandler(Protocol):
     """A party the in-process network drives (a Participant, or a test double)."""
 
