@@ -43,6 +43,7 @@ from torch import nn
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients import wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, ParameterMismatch
 from lensemble_flwr.provenance.audit import audit_run
 from lensemble_flwr.provenance.ledger import verify
@@ -322,6 +323,31 @@ def test_the_bytes_a_round_reports_are_its_own_not_the_runs_so_far(tmp_path: Pat
         # the same model to and from the same four nodes every round: about the same bytes
         assert min(per_round) > 0 and max(per_round) < 1.1 * min(per_round), (key, per_round)
         assert sum(per_round) == getattr(strategy.transport, total)  # the run's, exactly
+
+
+def test_a_run_that_fails_leaves_no_prepared_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator makes its commit's temp files while it waits for replies; a run
+    that stops with an error removes the ones no write took."""
+    real = Coordinator.conclude
+
+    def conclude(self: Coordinator, *args: object, **kwargs: object) -> object:
+        if self.global_state().next_round == 2:
+            raise RuntimeError("test: the coordinator fails in round 2")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Coordinator, "conclude", conclude)
+    strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
+    with pytest.raises(RuntimeError, match="fails in round 2"):
+        strategy.start(
+            grid=grid_of(quickstart_app(batch_norm=False)),
+            initial_arrays=ArrayRecord(Net(False).state_dict()),
+            num_rounds=3,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )
+    assert strategy.coordinator is not None and strategy.coordinator.global_state().round == 1
+    assert list((tmp_path / "run" / "tmp").iterdir()) == []
 
 
 def test_a_custom_metrics_aggregation_and_weighting_key_are_used(tmp_path: Path) -> None:

@@ -15,11 +15,13 @@ from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator import durable
 from lensemble_flwr.coordinator.coordinator import INTERRUPTED, Coordinator
+from lensemble_flwr.coordinator.recovery import record_interrupted
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     CommitmentMismatch,
     ConfigError,
     LedgerError,
+    RoundError,
     StoreError,
 )
 from lensemble_flwr.identity import registry_store
@@ -298,6 +300,24 @@ def test_markers_past_a_gap_are_found_up_to_the_attempts_the_caller_knows(
     durable.mark_started(store, 5, 4)
     assert durable.started_attempts(store, 5) == [1]
     assert durable.started_attempts(store, 5, at_least=2) == [1, 3, 4]
+
+
+def test_resume_records_an_interrupted_attempt_past_a_missing_marker(tmp_path: Path) -> None:
+    """Resume looks for markers up to the attempts the manifest knows: an attempt that
+    started and never ended is recorded as interrupted even if an earlier attempt's
+    marker is missing."""
+    coordinator, _network, _ = federation(tmp_path)
+    coordinator.run(1)
+    store = coordinator.store
+    coordinator.begin_attempt()  # round 2, attempt 1: ends aborted, with its entry
+    coordinator.abort(RoundError("test: an attempt that aborted"))
+    durable.mark_started(store, 2, 2)  # attempt 2 started; the process died in it
+    (store.root / "names" / durable.ATTEMPTS / "00000002-0001").unlink()
+    manifest = record_interrupted(store, coordinator.manifest, coordinator.global_state())
+    assert [(e.round, e.attempt, e.reason) for e in manifest.rounds if e.round == 2] == [
+        (2, 1, "RoundError: test: an attempt that aborted"),
+        (2, 2, INTERRUPTED),
+    ]
 
 
 def test_a_round_whose_writes_cannot_be_prepared_still_closes(

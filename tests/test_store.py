@@ -392,6 +392,13 @@ def test_a_forked_child_neither_writes_into_nor_removes_its_parents_prepared_fil
     store.prepare_writes(2)
     spares = list(store._spares)
     pid = os.fork()
+    if pid == 0:  # a child that closes the store at once
+        store.close()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store._spares == spares and all(Path(p).exists() for _, p in spares)
+    pid = os.fork()
     if pid == 0:  # the child: write, close, leave without running the parent's cleanup
         code = 0
         try:
@@ -414,18 +421,19 @@ def test_a_forked_child_neither_writes_into_nor_removes_its_parents_prepared_fil
 
 def test_a_prepared_file_replaced_in_tmp_is_not_written_into(tmp_path: Path) -> None:
     store = Store(tmp_path / "s")
-    store.prepare_writes(2)
-    (_, gone), (_, linked) = store._spares
+    store.prepare_writes(3)
+    (_, gone), (_, replaced), (_, shared) = store._spares
     os.unlink(gone)  # someone cleaned tmp/
-    outside = tmp_path / "outside"
+    outside, elsewhere = tmp_path / "outside", tmp_path / "elsewhere"
     outside.write_bytes(b"")
-    os.unlink(linked)
-    os.link(outside, linked)  # and put another file under the name
-    digest = store.put(b"payload")
-    digest2 = store.put(b"other payload")
-    assert store.get(digest) == b"payload" and store.get(digest2) == b"other payload"
-    assert outside.read_bytes() == b""
-    assert sorted(os.listdir(tmp_path / "s" / "tmp")) == [Path(linked).name]  # not ours
+    os.unlink(replaced)
+    os.link(outside, replaced)  # put another file under the name
+    os.link(shared, elsewhere)  # and gave ours a second name
+    digests = [store.put(b"payload"), store.put(b"other payload"), store.put(b"third")]
+    assert [store.get(d) for d in digests] == [b"payload", b"other payload", b"third"]
+    assert outside.read_bytes() == b"" and elsewhere.read_bytes() == b""
+    # the replaced name is not the store's to remove; the linked one is gone from tmp/
+    assert sorted(os.listdir(tmp_path / "s" / "tmp")) == [Path(replaced).name]
 
 
 @pytest.mark.parametrize("count", [-1, True, 2.0, "3"])

@@ -205,7 +205,9 @@ class Store:
 
     def close(self) -> None:
         """Remove the temp files :meth:`prepare_writes` kept and no write took. The store
-        stays usable (a later write makes its own temp file)."""
+        stays usable (a later write makes its own temp file). A forked child removes
+        none of its parent's."""
+        self._forget_inherited_spares()
         _discard_spares(self._spares, os.getpid())
 
     def _forget_inherited_spares(self) -> None:
@@ -216,7 +218,7 @@ class Store:
             return
         inherited, self._spares = self._spares, []
         self._spares_owner = os.getpid()
-        self._discard.detach()  # the finalizer would remove the parent's files otherwise
+        self._discard.detach()  # the parent's (a no-op here: it checks the pid)
         self._discard = weakref.finalize(self, _discard_spares, self._spares, os.getpid())
         for fd, _path in inherited:
             with contextlib.suppress(OSError):
@@ -234,12 +236,13 @@ class Store:
                 return tempfile.mkstemp(dir=self._tmp)
             try:
                 held, named = os.fstat(fd), os.lstat(path)
-                if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and (
-                    held.st_nlink == 1 and held.st_size == 0
-                ):
+                ours = (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+                if ours and held.st_nlink == 1 and held.st_size == 0:
                     return fd, path
+                if ours:  # linked elsewhere or written into: not used, and not left behind
+                    os.unlink(path)
             except OSError:
-                pass  # removed from tmp/: made anew below
+                pass  # removed from tmp/ (or replaced: then not ours to remove)
             with contextlib.suppress(OSError):
                 os.close(fd)
 

@@ -552,7 +552,7 @@ class Coordinator:
         try:
             self._send_all(self.invite(transport.peers()))
             if isinstance(transport, BuffersSends):
-                transport.flush()  # the instructions go out before anything else is done
+                transport.deliver_queued()  # the instructions go out before anything else
             self._prepare_writes()
             if self.on_transition is not None:
                 self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered

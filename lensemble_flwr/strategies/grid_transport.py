@@ -229,7 +229,7 @@ class GridTransport:
             raise ValueError(f"only RoundClose is broadcast over a Grid, not {message.kind}")
         self._close = to_wire(message)  # rides on the next instruction to each node
 
-    def flush(self) -> None:
+    def deliver_queued(self) -> None:
         """Push what is queued now (``recv`` does it too, first)."""
         self._flush()
 

@@ -50,9 +50,10 @@ class DeclaresFederation(Protocol):
 class BuffersSends(Protocol):
     """A transport whose :meth:`~Transport.send` only queues, and which delivers the queue
     on its next ``recv`` (Flower's Grid: one push for the round's instructions). The
-    coordinator flushes it when it wants the messages out before other work."""
+    coordinator has it deliver the queue when it wants the messages out before other
+    work."""
 
-    def flush(self) -> None:
+    def deliver_queued(self) -> None:
         """Deliver every queued message now."""
 
 
