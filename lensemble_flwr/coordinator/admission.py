@@ -276,8 +276,16 @@ admit nothing: the round no longer listens."""
 
 
 # -- the step ---------------------------------------------------------------------------
-def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table) -> Verdict:
+def admit(
+    attempt: Attempt,
+    msg: ControlMessage,
+    ingress: Ingress,
+    table: Table,
+    fields: dict[str, Any] | None = None,
+) -> Verdict:
     """Admit one validated message into ``attempt``, or raise and change nothing.
+    ``fields``: the message's :func:`canonical_fields`, if already computed (a batch
+    hashed on threads, :mod:`.batch`).
 
     Raises:
         IllegalMessage: the round admits nothing in its state, a kind no participant may
@@ -302,7 +310,8 @@ def admit(attempt: Attempt, msg: ControlMessage, ingress: Ingress, table: Table)
             log.info("round %d: late %s from unknown %s dropped", attempt.round, msg.kind, pid)
             return Verdict.LATE  # and not filed: nobody unknown writes to the manifest
         raise ForgedMessage(f"{pid}: neither invited to this round nor a registered participant")
-    fields = canonical_fields(msg)  # hashes an update's arrays: once, here
+    if fields is None:
+        fields = canonical_fields(msg)  # hashes an update's arrays: once, here
     seed = (
         attempt.state.sketch_seed
         if msg.round == attempt.round

@@ -42,6 +42,7 @@ from lensemble_flwr.canonical import derive_seed, poisson_sample, seeded_sample
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import Ingress, Verdict, admit
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
+from lensemble_flwr.coordinator.batch import Prepared, prepare_batch
 from lensemble_flwr.coordinator.commit import entry_of, retain, write_commit
 from lensemble_flwr.coordinator.durable import mark_started
 from lensemble_flwr.coordinator.external_step import (
@@ -741,19 +742,27 @@ class Coordinator:
         log.info("round %d: %s is participant %s", attempt.round, address, participant)
         return True
 
-    def receive(self, payload: WirePayload | None) -> Verdict | None:
+    def receive(
+        self, payload: WirePayload | None, *, prepared: Prepared | None = None
+    ) -> Verdict | None:
         """Validate one payload and hand it to the admission table.
 
         Errors whose response is to reject the message are logged and counted (None is
         returned), and so is any untyped error a malformed message could still raise
         (logged with its traceback); every other typed error propagates, and the caller
-        aborts the attempt or stops.
+        aborts the attempt or stops. ``prepared``: the payload already validated and its
+        arrays hashed (or the error that raised), as :meth:`conclude_collected` does for a
+        batch on threads.
         """
         if payload is None:
             return None
         attempt = self._current()
         try:
-            return admit(attempt, from_wire(payload), self._ingress, self._mode.admission)
+            if prepared is None:
+                message, fields = from_wire(payload), None
+            else:
+                message, fields = prepared.result()
+            return admit(attempt, message, self._ingress, self._mode.admission, fields)
         except LensembleError as exc:
             if response_to(exc) is not Response.REJECT_MESSAGE:
                 raise
@@ -927,9 +936,10 @@ class Coordinator:
             )
         peers = sorted(set(reachable))
         attempt = self._current()
+        batch = list(payloads)
         try:
-            for payload in payloads:
-                self.receive(payload)
+            for payload, prepared in zip(batch, prepare_batch(batch), strict=True):
+                self.receive(payload, prepared=prepared)
             while attempt.phase in (RoundState.OPEN, RoundState.COLLECTING):
                 self.advance(peers, deadline_passed=True)
         except LensembleError as exc:
