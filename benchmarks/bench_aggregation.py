@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lensemble_flwr.aggregation import compiled, recycling
+from lensemble_flwr.aggregation.chunked import available_cores
 from lensemble_flwr.aggregation.fixed_point import AggregateSum, FixedPointAggregator
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.outer_optimizer import outer_step, zero_momentum
@@ -243,7 +244,7 @@ def throughput_report(args: argparse.Namespace, config: LensembleConfig) -> str:
     fed = Federation(config, params, zero_momentum(params))
     deltas = [random_arrays(sizes, rng, 1e-3) for _ in range(args.clients)]
     nbytes = args.clients * args.params * 4
-    workers = max(1, min(4, os.cpu_count() or 1))  # as lensemble_flwr.aggregation.chunked
+    workers = max(1, min(4, available_cores()))  # as lensemble_flwr.aggregation.chunked
 
     print(
         f"== throughput: C={args.clients} updates x P={args.params:,} float32 "

@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from lensemble_flwr.aggregation.chunked import available_cores
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
@@ -264,11 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         reference.measure()  # warm-up of both
         one_round(coordinator, updates)
         refs, walls, hashes = [], [], []
-        cores = (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else (os.cpu_count() or 1)
-        )  # the cores this process may run on
+        cores = available_cores()
         for _ in range(args.rounds):  # interleaved: all see the same machine load
             refs.append(reference.measure())
             hashes.append(hash_floor(updates, cores))

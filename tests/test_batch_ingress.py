@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_hash_once import unbound_coordinator
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator import batch as batch_module
 from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.coordinator import Coordinator
@@ -22,26 +22,18 @@ SIZE = 1 << 20  # float32 values per update: 4 MB each, 16 MB a batch (on thread
 
 
 def _coordinator(run_dir: Path) -> Coordinator:
-    config = LensembleConfig(
-        federation={
-            "min_participants": 3,
-            "open_timeout": 10.0,
-            "collect_timeout": 10.0,
-            "retry_wait": 0.0,
-            "root_seed": 7,
-        },
-        inner={"steps": 1},
-    )
-    theta = {"w": np.zeros(SIZE, np.float32)}
-    return Coordinator(config, initial_params=theta, store=Store(run_dir), run_id="batch")
+    return unbound_coordinator(Store(run_dir), size=SIZE)  # a quorum of 3
 
 
 def _payloads(coordinator: Coordinator, *, malformed: int | None = None) -> list[dict]:
     rng = np.random.default_rng(1)
-    round = coordinator.global_state().next_round
+    state = coordinator.global_state()
+    round, params = state.next_round, state.params
     out = []
     for i, pid in enumerate(PEERS):
-        delta = {"w": (rng.standard_normal(SIZE) * 1e-3).astype(np.float32)}
+        delta = {
+            n: (rng.standard_normal(a.shape) * 1e-3).astype(np.float32) for n, a in params.items()
+        }
         update = Update(
             run_id=coordinator.run_id,
             round=round,
@@ -53,7 +45,7 @@ def _payloads(coordinator: Coordinator, *, malformed: int | None = None) -> list
         )
         wire = to_wire(update)
         if i == malformed:
-            wire["delta"] = {"w": np.full(SIZE, np.nan, np.float32)}  # refused by validation
+            wire["delta"] = dict(wire["delta"], w=np.full(SIZE, np.nan, np.float32))  # refused
         out.append(wire)
     return out
 
@@ -78,7 +70,7 @@ def test_a_large_batch_is_prepared_on_threads_with_the_fields_admission_would_co
         assert ready is not None
         message, fields = ready.result()
         assert fields == canonical_fields(message) and message.participant_id == payload["sender"]
-    small = [dict(p, delta={"w": p["delta"]["w"][:10]}) for p in payloads]
+    small = [dict(p, delta={n: a[:10] for n, a in p["delta"].items()}) for p in payloads]
     assert batch_module.prepare_batch(small) == [None] * len(small)  # in line: not worth it
 
 

@@ -17,8 +17,17 @@ from typing import TypeVar
 
 CHUNK = 1 << 16
 """Elements per chunk: a few float64 temporaries of this length fit in L2."""
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 _PARALLEL_MIN = 4 * CHUNK
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_WORKERS = max(1, min(4, available_cores()))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

@@ -13,13 +13,13 @@ against the round, stays in order on the caller's thread and gets the results.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from lensemble_flwr.aggregation.chunked import available_cores
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -54,7 +54,7 @@ class Prepared:
 def prepare_batch(batch: list[WirePayload]) -> list[Prepared | None]:
     """Validate and hash every payload of ``batch`` on threads when its updates are
     large; one None per payload otherwise (each is then validated as it is admitted)."""
-    threads = min(len(batch), _cores())
+    threads = min(len(batch), available_cores())
     if threads < 2 or sum(_array_bytes(p) for p in batch) < PREPARE_ON_THREADS_MIN_BYTES:
         return [None] * len(batch)
     with ThreadPoolExecutor(threads, thread_name_prefix="lensemble-ingress") as pool:
@@ -67,13 +67,6 @@ def _prepare(payload: WirePayload) -> Prepared:
         return Prepared(message=message, fields=canonical_fields(message))
     except Exception as exc:  # the caller's admission raises it, and handles it as ever
         return Prepared(error=exc)
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _array_bytes(payload: Any) -> int:
