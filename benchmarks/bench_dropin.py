@@ -27,17 +27,15 @@ differ on purpose: DiLoCo's outer step, uniform weighting; see docs/flower.md). 
 not a test: the exit code is 0 whatever the outcome.
 """
 
-
+# ruff: noqa: E402  (Flower reads its environment when it is imported)
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="bench-dropin-flwr-"))
+from own_flwr_home import use_own_flwr_home
+
+use_own_flwr_home("bench-dropin-flwr-")
 
 from collections import OrderedDict
 from typing import Any

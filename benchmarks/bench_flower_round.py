@@ -88,14 +88,11 @@ whatever the outcome.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-_OWN_FLWR_HOME: str | None = None
-if not os.environ.get("FLWR_HOME"):
-    _OWN_FLWR_HOME = tempfile.mkdtemp(prefix="bench-flwr-home-")
-    os.environ["FLWR_HOME"] = _OWN_FLWR_HOME
+from own_flwr_home import use_own_flwr_home
+
+use_own_flwr_home("bench-flwr-home-")
 
 import argparse
 import cProfile
@@ -1037,9 +1034,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    finally:
-        if _OWN_FLWR_HOME is not None:
-            shutil.rmtree(_OWN_FLWR_HOME, ignore_errors=True)
-    raise SystemExit(code)
+    raise SystemExit(main())

@@ -38,14 +38,14 @@ target in no more rounds than the best tuned Flower arm (median over seeds), and
 final accuracy is within one standard deviation of the best tuned Flower arm's.
 """
 
+# ruff: noqa: E402  (Flower reads its environment when it is imported)
 from __future__ import annotations
 
-import os
 import tempfile
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="bench-learning-flwr-"))
+from own_flwr_home import use_own_flwr_home
+
+use_own_flwr_home("bench-learning-flwr-")
 
 import argparse
 import dataclasses

@@ -65,15 +65,11 @@ with the defaults on 2 cores (``--no-flower`` skips part 2: ~20 s).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-_OWN_FLWR_HOME: str | None = None
-if not os.environ.get("FLWR_HOME"):
-    _OWN_FLWR_HOME = tempfile.mkdtemp(prefix="bench-secagg-flwr-home-")
-    os.environ["FLWR_HOME"] = _OWN_FLWR_HOME
+from own_flwr_home import use_own_flwr_home
+
+use_own_flwr_home("bench-secagg-flwr-home-")
 
 import argparse
 import contextlib
@@ -954,7 +950,4 @@ if __name__ == "__main__":
     except Exception:  # a report, not a test: say what broke, exit 0
         traceback.print_exc()
         code = 0
-    finally:
-        if _OWN_FLWR_HOME is not None:
-            shutil.rmtree(_OWN_FLWR_HOME, ignore_errors=True)
     raise SystemExit(code)
