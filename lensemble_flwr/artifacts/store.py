@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
+from lensemble_flwr.artifacts.direct_write import DIRECT_WRITE_MIN_BYTES, write_direct
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES
 from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
 
@@ -296,13 +297,15 @@ class Store:
                 hashing.start()
             try:
                 with os.fdopen(fd, "wb", buffering=0) as f:
-                    for view in views:
-                        for lo in range(0, len(view), _SLICE):
-                            chunk = view[lo : lo + _SLICE]
-                            while chunk:
-                                chunk = chunk[f.write(chunk) :]
-                    if self.sync:
-                        os.fsync(f.fileno())
+                    large = sum(len(view) for view in views) >= DIRECT_WRITE_MIN_BYTES
+                    if not (self.sync and large and write_direct(tmp, views)):
+                        for view in views:
+                            for lo in range(0, len(view), _SLICE):
+                                chunk = view[lo : lo + _SLICE]
+                                while chunk:
+                                    chunk = chunk[f.write(chunk) :]
+                        if self.sync:
+                            os.fsync(f.fileno())
             finally:
                 if hashing is not None:
                     hashing.join()
