@@ -38,19 +38,19 @@ Measured in the same run, on the same arrays:
   When the floor is above 4 x the reference, the round-time target cannot be met while
   the ledger commits to every buffer and the checkpoint survives a power loss.
 
-Order. The reference and the round are timed back to back, each right after the other
-(the round's pruned checkpoint and the reference's unlinked file free the page cache the
-next write takes). The hash floor is timed in a block of its own before them. On a
-virtual machine that hands memory left idle back to its host (a balloon with free page
-reporting, or DAMON reclaiming cold pages, as on the machine these figures come from),
-the page cache a write takes after a second and more of pure computation must be backed
-by the host again: timed between the reference and the round, the floor's 1.4 s of
-hashing at P = 100M made the round's kernel time go from 0.65 s to 1.6-1.9 s (and the
-round from 2.9-3.1 s to 3.8-4.3 s) while the reference, timed before it, did not pay it.
-The round writes its checkpoint with ``O_DIRECT`` (around the page cache), so it frees
-no page cache for the reference to reuse: the reference writes into page cache freed by
-an untimed ``save_file`` of its own just before (800 MB in 0.19 s here, against 1.2 s
-when that cache is cold), so that it is timed at its fastest.
+Order. The hash floor is timed in a block of its own, before the reference/round pairs;
+each reference is timed right before its round. On a virtual machine that hands memory
+left idle back to its host (a balloon with free page reporting, or DAMON reclaiming cold
+pages, as on the machine these figures come from), page cache taken a second or more
+after other pages were freed must be backed by the host again. Timed between the
+reference and the round (before the round writes its checkpoint with ``O_DIRECT``), the
+floor's 1.4 s of hashing at P = 100M made the round's kernel time go from 0.65-0.83 s to
+1.45-1.75 s, and the round from 2.95-3.06 s to 3.57-4.03 s, while the reference, timed
+before it, did not pay it. The reference's ``save_file`` is timed right after an untimed
+one whose file it has just deleted, so that it writes into page cache freed a moment
+ago: its fastest case (800 MB in 0.19 s here, against 1.2 s when that cache is cold).
+The round's checkpoint goes around the page cache (``O_DIRECT``), so the state of the
+cache no longer changes what the round costs.
 
 Targets (one PASS/FAIL line each; exit code 0 either way):
 

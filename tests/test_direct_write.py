@@ -54,6 +54,9 @@ def small_buffer(monkeypatch: pytest.MonkeyPatch) -> int:
         [ALIGNMENT - 1, 1],
         [17, 3 * ALIGNMENT, 5],  # a header, then a part that fills the buffer exactly
         [100, 7 * ALIGNMENT + 123, 0, 2 * ALIGNMENT],
+        [3 * ALIGNMENT],  # exactly one buffer: no partial block at the end
+        [2 * ALIGNMENT, 4 * ALIGNMENT],  # exactly two buffers
+        [],
     ],
 )
 def test_a_direct_write_holds_exactly_the_bytes(
@@ -74,14 +77,18 @@ def test_a_durable_large_blob_is_written_direct_with_the_same_digest(
 ) -> None:
     if not _direct_here(tmp_path):
         pytest.skip("this filesystem refuses direct I/O")
-    used: list[str] = []
+    returned: list[bool] = []
     real = store_module.write_direct
-    monkeypatch.setattr(
-        store_module, "write_direct", lambda path, parts: used.append(path) or real(path, parts)
-    )
+
+    def recorded(path: str, parts: list[memoryview]) -> bool:
+        returned.append(real(path, parts))
+        return returned[-1]
+
+    monkeypatch.setattr(store_module, "write_direct", recorded)
     parts = _parts([40, 5 * ALIGNMENT + 7, 2 * ALIGNMENT])
     direct = Store(tmp_path / "direct", sync=True).put_parts(parts)
-    assert used and direct == hashlib.sha256(b"".join(parts)).hexdigest()
+    assert returned == [True]  # written direct, not by the fallback
+    assert direct == hashlib.sha256(b"".join(parts)).hexdigest()
     blob = tmp_path / "direct" / "blobs" / direct[:2] / direct
     assert blob.read_bytes() == b"".join(parts)
     assert not any((tmp_path / "direct" / "tmp").iterdir())
@@ -100,7 +107,7 @@ def test_a_store_that_does_not_sync_or_a_small_blob_is_written_through_the_cache
     assert Store(tmp_path / "b", sync=False).put_parts(parts)  # not durable: the cache
 
 
-@pytest.mark.parametrize("refused_at", ["open", "write"])
+@pytest.mark.parametrize("refused_at", ["open", "write", "a later write"])
 def test_direct_io_refused_falls_back_to_the_page_cache(
     tmp_path: Path, small_buffer: int, monkeypatch: pytest.MonkeyPatch, refused_at: str
 ) -> None:
@@ -121,7 +128,8 @@ def test_direct_io_refused_falls_back_to_the_page_cache(
         return real_open(path, flags, *args)
 
     def write(fd: int, data: bytes) -> int:
-        if fd in direct_fds:
+        first = os.lseek(fd, 0, os.SEEK_CUR) == 0
+        if fd in direct_fds and (refused_at == "write" or not first):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
@@ -131,29 +139,51 @@ def test_direct_io_refused_falls_back_to_the_page_cache(
     path.touch()
     parts = _parts([10, 4 * ALIGNMENT])
     assert write_direct(str(path), parts) is False
-    assert path.stat().st_size == 0  # nothing written: the caller writes it another way
+    assert path.stat().st_size == 0  # nothing left: the caller writes it another way
+    returned: list[bool] = []
+    real = store_module.write_direct
+
+    def recorded(path: str, parts: list[memoryview]) -> bool:
+        returned.append(real(path, parts))
+        return returned[-1]
+
+    monkeypatch.setattr(store_module, "write_direct", recorded)
     digest = Store(tmp_path / "run", sync=True).put_parts(parts)
+    assert returned == [False]  # tried, refused, then written through the cache
     assert Store(tmp_path / "run").get(digest) == b"".join(parts)
 
 
 def test_a_direct_write_that_fails_publishes_nothing(
     tmp_path: Path, small_buffer: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = {"n": 0}
-    real = store_module.write_direct
+    if not hasattr(os, "O_DIRECT") or not _direct_here(tmp_path):
+        pytest.skip("no direct I/O here")
+    real_write = os.write
+    writes = {"n": 0}
 
-    def full_disk(path: str, parts: list[memoryview]) -> bool:
-        calls["n"] += 1
-        Path(path).write_bytes(b"part of it")
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(fd: int, data: memoryview) -> int:  # the second block finds the disk full
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
 
-    monkeypatch.setattr(store_module, "write_direct", full_disk)
+    monkeypatch.setattr(direct_module.os, "write", full_disk)
     store = Store(tmp_path / "run", sync=True)
     with pytest.raises(StoreError, match="No space left on device"):
         store.put_parts(_parts([10, 4 * ALIGNMENT]))
-    assert calls["n"] == 1 and real is not full_disk
+    assert writes["n"] == 2  # the real direct write ran, and failed part-way
     assert not any((tmp_path / "run" / "tmp").iterdir())
     assert not [p for p in (tmp_path / "run" / "blobs").rglob("*") if p.is_file()]
+
+
+def test_write_direct_takes_any_bytes_like_parts(tmp_path: Path, small_buffer: int) -> None:
+    if not hasattr(os, "O_DIRECT") or not _direct_here(tmp_path):
+        pytest.skip("no direct I/O here")
+    values = np.arange(3000, dtype=np.float32).reshape(30, 100)
+    path = tmp_path / "file"
+    path.touch()
+    assert write_direct(str(path), [b"head", memoryview(values), values[::2].tobytes()])
+    assert path.read_bytes() == b"head" + values.tobytes() + values[::2].tobytes()
 
 
 @needs_o_direct

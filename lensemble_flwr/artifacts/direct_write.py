@@ -15,14 +15,19 @@ that is written whole; the last one is padded with zeros, and the file is then t
 to its exact length. Where the flag is missing (not Linux) or refused (a filesystem
 without direct I/O, such as an older tmpfs), :func:`write_direct` writes nothing and says
 so, and the caller writes through the page cache as before.
+
+A blob written this way is not in the page cache afterwards: its first reader reads it
+from the disk. Here 800 MB took 1.1-2.2 s to read back that way, against 0.37 s for a
+blob just written through the cache. The coordinator never reads its own checkpoint back;
+a shared-folder participant on the same machine reads each round's checkpoint once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
+import traceback
 from collections.abc import Sequence
 
 __all__ = ["ALIGNMENT", "BUFFER_BYTES", "DIRECT_WRITE_MIN_BYTES", "write_direct"]
@@ -39,14 +44,15 @@ DIRECT_WRITE_MIN_BYTES = 1 << 26
 """Smaller durable writes go through the page cache (64 MiB): for them the cache costs
 little, and a direct write waits for the disk where a cached one would not."""
 
-_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-def write_direct(path: str, parts: Sequence[memoryview]) -> bool:
-    """Write the concatenation of ``parts`` (byte views) to the empty file at ``path``
-    with ``O_DIRECT`` and fsync it. False when direct I/O is unavailable there (the flag
-    is missing, or the filesystem refuses it at the open or at the first write): the file
-    is then left empty, for the caller to write another way.
+def write_direct(path: str, parts: Sequence[bytes | memoryview]) -> bool:
+    """Write the concatenation of ``parts`` to the empty file at ``path`` with
+    ``O_DIRECT`` and fsync it. False when direct I/O is unavailable there (the flag is
+    missing, the aligned buffer cannot be mapped, or the filesystem refuses direct I/O at
+    the open or at any write): the file is then left empty, for the caller to write
+    another way.
 
     Raises:
         OSError: the write or the fsync failed (the disk is full, an I/O error): the
@@ -55,7 +61,11 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> bool:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return False
-    buffer = mmap.mmap(-1, BUFFER_BYTES)  # anonymous: page-aligned
+    views = [memoryview(part).cast("B") for part in parts]
+    try:
+        buffer = mmap.mmap(-1, BUFFER_BYTES)  # anonymous: page-aligned
+    except OSError:
+        return False
     view = memoryview(buffer)
     try:
         try:
@@ -65,22 +75,23 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> bool:
                 return False
             raise
         try:
-            length = _write_all(fd, view, parts)
+            length = _write_all(fd, view, views)
             os.ftruncate(fd, length)  # drop the last block's padding
             os.fsync(fd)
         except OSError as exc:
-            if exc.errno in _REFUSED and os.fstat(fd).st_size == 0:
-                return False  # refused at the first write: nothing was written
-            raise
+            # the frames of the failed write hold views of the buffer: let them go, so
+            # that the buffer is unmapped now, not when the error is
+            traceback.clear_frames(exc.__traceback__)
+            if exc.errno not in _REFUSED:
+                raise
+            os.ftruncate(fd, 0)  # refused part-way (a filesystem may): start again
+            return False
         finally:
             os.close(fd)
         return True
     finally:
-        # after a failed write the traceback still holds views of the buffer: it is then
-        # freed with them
-        with contextlib.suppress(BufferError):
-            view.release()
-            buffer.close()
+        view.release()
+        buffer.close()
 
 
 def _write_all(fd: int, buffer: memoryview, parts: Sequence[memoryview]) -> int:

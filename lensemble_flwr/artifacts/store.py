@@ -288,16 +288,17 @@ class Store:
                 failed.append(exc)
 
         fd, tmp = self._temp_file()
+        size = sum(len(view) for view in views)
         try:
             hashing: threading.Thread | None = None
-            if sum(len(view) for view in views) < HASH_ON_A_THREAD_MIN_BYTES:
+            if size < HASH_ON_A_THREAD_MIN_BYTES:
                 hash_all()  # small: hashed here, before the write (a thread costs more)
             else:
                 hashing = threading.Thread(target=hash_all, name="lensemble-store-hash")
                 hashing.start()
             try:
                 with os.fdopen(fd, "wb", buffering=0) as f:
-                    large = sum(len(view) for view in views) >= DIRECT_WRITE_MIN_BYTES
+                    large = size >= DIRECT_WRITE_MIN_BYTES
                     if not (self.sync and large and write_direct(tmp, views)):
                         for view in views:
                             for lo in range(0, len(view), _SLICE):
