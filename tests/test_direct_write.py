@@ -45,6 +45,20 @@ def small_buffer(monkeypatch: pytest.MonkeyPatch) -> int:
     return 3 * ALIGNMENT
 
 
+@pytest.fixture
+def returned(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each call of ``write_direct`` by the store returned (True: written direct)."""
+    calls: list[bool] = []
+    real = store_module.write_direct
+
+    def recorded(path: str, parts: list[memoryview]) -> bool:
+        calls.append(real(path, parts))
+        return calls[-1]
+
+    monkeypatch.setattr(store_module, "write_direct", recorded)
+    return calls
+
+
 @needs_o_direct
 @pytest.mark.parametrize(
     "sizes",
@@ -73,18 +87,10 @@ def test_a_direct_write_holds_exactly_the_bytes(
 
 @needs_o_direct
 def test_a_durable_large_blob_is_written_direct_with_the_same_digest(
-    tmp_path: Path, small_buffer: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, small_buffer: int, returned: list[bool]
 ) -> None:
     if not _direct_here(tmp_path):
         pytest.skip("this filesystem refuses direct I/O")
-    returned: list[bool] = []
-    real = store_module.write_direct
-
-    def recorded(path: str, parts: list[memoryview]) -> bool:
-        returned.append(real(path, parts))
-        return returned[-1]
-
-    monkeypatch.setattr(store_module, "write_direct", recorded)
     parts = _parts([40, 5 * ALIGNMENT + 7, 2 * ALIGNMENT])
     direct = Store(tmp_path / "direct", sync=True).put_parts(parts)
     assert returned == [True]  # written direct, not by the fallback
@@ -109,7 +115,11 @@ def test_a_store_that_does_not_sync_or_a_small_blob_is_written_through_the_cache
 
 @pytest.mark.parametrize("refused_at", ["open", "write", "a later write"])
 def test_direct_io_refused_falls_back_to_the_page_cache(
-    tmp_path: Path, small_buffer: int, monkeypatch: pytest.MonkeyPatch, refused_at: str
+    tmp_path: Path,
+    small_buffer: int,
+    returned: list[bool],
+    monkeypatch: pytest.MonkeyPatch,
+    refused_at: str,
 ) -> None:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -140,14 +150,6 @@ def test_direct_io_refused_falls_back_to_the_page_cache(
     parts = _parts([10, 4 * ALIGNMENT])
     assert write_direct(str(path), parts) is False
     assert path.stat().st_size == 0  # nothing left: the caller writes it another way
-    returned: list[bool] = []
-    real = store_module.write_direct
-
-    def recorded(path: str, parts: list[memoryview]) -> bool:
-        returned.append(real(path, parts))
-        return returned[-1]
-
-    monkeypatch.setattr(store_module, "write_direct", recorded)
     digest = Store(tmp_path / "run", sync=True).put_parts(parts)
     assert returned == [False]  # tried, refused, then written through the cache
     assert Store(tmp_path / "run").get(digest) == b"".join(parts)
