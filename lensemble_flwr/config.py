@@ -130,7 +130,10 @@ class FederationConfig(_Section):
         0, ge=0, description="Fewest participants a sampled attempt invites (and at least K)."
     )
     min_available: int = Field(
-        0, ge=0, description="Reachable participants a sampled attempt waits for before it draws."
+        0,
+        ge=0,
+        description="Reachable participants an attempt waits for before it invites any "
+        "(and, sampled, draws its sample): FedAvg's min_available_nodes.",
     )
     max_round_attempts: int = Field(
         3, ge=1, description="Attempts of one round before the federation stops."

@@ -504,3 +504,75 @@ def test_the_transports_per_round_bookkeeping_does_not_grow_with_the_run(
     transport = strategy.transport
     assert transport is not None
     assert transport.client_metrics == {} and transport.sent_per_round == {}
+
+
+_BAD_REPLIES = {
+    "a wrong shape": lambda state: {**state, "fc.weight": torch.zeros(5, 5)},
+    "NaN": lambda state: {**state, "fc.bias": torch.full_like(state["fc.bias"], float("nan"))},
+    "no example count": None,  # the metrics lack num-examples
+}
+
+
+@pytest.mark.parametrize("fault", sorted(_BAD_REPLIES))
+def test_a_malformed_reply_does_not_hold_the_round_to_its_deadline(
+    tmp_path: Path, fault: str
+) -> None:
+    """FedAvg stops at once on a reply it cannot aggregate; lensemble drops it, counts it
+    as that node's refusal, and closes the round with the others without waiting out its
+    collect timeout (120 s here)."""
+    app, bad_node = ClientApp(), NODES[0]
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = Net(False)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        train_locally(model, context.node_id, 0.1)
+        state, metrics = model.state_dict(), {"train_loss": 0.5, "num-examples": 24}
+        if context.node_id == bad_node:
+            if _BAD_REPLIES[fault] is None:
+                metrics = {"train_loss": 0.5}
+            else:
+                state = _BAD_REPLIES[fault](state)
+        content = RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+        return Message(content=content, reply_to=msg)
+
+    config = fedavg_config(min_participants=3, open_timeout=120.0, collect_timeout=120.0)
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0)
+    result = strategy.start(
+        grid=grid_of(app), initial_arrays=ArrayRecord(Net(False).state_dict()), num_rounds=2
+    )
+    for r in (1, 2):
+        metrics = result.train_metrics_clientapp[r]
+        assert metrics["lensemble.C_t"] == 3.0 and metrics["lensemble.aborted-attempts"] == 0
+        assert metrics["lensemble.seconds"] < 60  # not the 120 s collect timeout
+    for outcome in result.outcomes:
+        assert len(outcome.contributors) == 3 and f"node-{bad_node}" not in outcome.contributors
+
+
+def test_min_available_nodes_above_the_federation_fails_at_the_warm_up_naming_it(
+    tmp_path: Path,
+) -> None:
+    """FedAvg waits for min_available_nodes for ever; lensemble waits its warm-up, then
+    says which argument cannot be met and how to run it, before any round."""
+    grid = grid_of(quickstart_app(False))
+    strategy = LensembleStrategy(
+        fedavg_config(min_participants=2),
+        run_dir=tmp_path / "run",
+        warmup_timeout=0.2,
+        min_available_nodes=6,
+    )
+    with pytest.raises(ConfigError, match=r"4 node\(s\) connected.*min_available_nodes = 6"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
+    assert grid.pushes == []  # no round was tried
+    strategy = LensembleStrategy(
+        fedavg_config(min_participants=2),
+        run_dir=tmp_path / "run-4",
+        min_available_nodes=4,
+        fraction_evaluate=0,
+    )
+    result = strategy.start(
+        grid=grid_of(quickstart_app(False)),
+        initial_arrays=ArrayRecord(Net(False).state_dict()),
+        train_config=ConfigRecord({"lr": 0.1}),
+    )
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0

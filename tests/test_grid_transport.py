@@ -39,6 +39,7 @@ from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     Commitment,
     MessageKind,
+    Refusal,
     RoundClose,
     RoundOpen,
     Update,
@@ -50,7 +51,11 @@ from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
-from lensemble_flwr.strategies.grid_transport import GridTransport
+from lensemble_flwr.strategies.grid_transport import (
+    GridTransport,
+    SentInstruction,
+    malformed_refusal,
+)
 from lensemble_flwr.strategies.records import participant_id
 from lensemble_flwr.transports.base import COORDINATOR, ReplyCollector
 
@@ -497,16 +502,76 @@ def test_a_stock_reply_becomes_an_unbound_update_with_the_right_delta() -> None:
     assert transport.client_metrics[(4, "node-11")] == {"num-examples": 32.0, "train_loss": 0.75}
 
 
-def test_a_reply_that_is_neither_kind_is_dropped() -> None:
+def _stock_reply(message: Message, arrays: dict[str, np.ndarray], metrics: dict) -> Message:
+    """A stock train reply; ``{"n": k}`` stands for ``{"num-examples": k}``."""
+    if "n" in metrics:
+        metrics = {"num-examples": metrics["n"]}
+    content = RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in arrays.items()})})
+    content["metrics"] = MetricRecord(metrics)
+    return Message(content, reply_to=message)
+
+
+_MALFORMED: dict[str, tuple[NodeFn, str]] = {
+    "neither kind": (
+        lambda m: Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=m),
+        "neither a lensemble nor a stock train reply",
+    ),
+    "no example count": (
+        lambda m: _stock_reply(m, PARAMS, {"train_loss": 0.5}),
+        "MetricRecord 'metrics' ['train_loss']",  # says what it holds, and what is needed
+    ),
+    "a wrong shape": (
+        lambda m: _stock_reply(
+            m, {**PARAMS, "w": np.zeros((5, 5), np.float32)}, {"num-examples": 3}
+        ),
+        "array 'w' has shape (5, 5); the model's has (2, 3)",
+    ),
+    "NaN": (
+        lambda m: _stock_reply(
+            m, {**PARAMS, "b": np.array([np.nan, 1], np.float32)}, {"num-examples": 3}
+        ),
+        "array 'b' holds NaN or infinite values",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MALFORMED))
+def test_a_malformed_reply_is_that_nodes_refusal_at_once(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reply that cannot become an update is the node's answer all the same: the round
+    stops waiting for it (as for an error reply), and the reason says what was wrong."""
     clock = FakeClock()
+    node, reason = _MALFORMED[case]
+    transport = make_transport(FakeGrid(clock, {11: node}), clock)
+    transport.send("node-11", round_open(3, attempt=2))
+    refusal = transport.recv(timeout_s=5.0)
+    assert clock.t == 0.0  # at once
+    refused = from_wire(refusal)
+    assert isinstance(refused, Refusal) and refused.error == "MalformedReply"
+    assert refused.participant_id == "node-11" and (refused.round, refused.attempt) == (3, 2)
+    assert reason in refused.reason
+    if case in ("neither kind", "no example count"):  # and what a stock reply needs
+        assert "'num-examples'" in refused.reason and "weighted_by_key" in refused.reason
+    assert [d[:2] for d in transport.dropped] == [("node-11", 3)]
+    assert transport.recv(timeout_s=0.0) is None
 
-    def odd(message: Message) -> Message:
-        return Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=message)
 
-    transport = make_transport(FakeGrid(clock, {11: odd}), clock)
-    transport.send("node-11", round_open())
-    assert transport.recv(timeout_s=1.0) is None
-    assert [d[:2] for d in transport.dropped] == [("node-11", 1)]
+def test_only_a_reply_to_a_round_open_stands_for_the_nodes_part() -> None:
+    """A bad reply to anything but a RoundOpen (an unmask request) is only dropped and
+    logged: it is not the node's refusal of the attempt."""
+    info = SentInstruction(
+        peer="node-11",
+        kind=MessageKind.UNMASK_REQUEST,
+        round=1,
+        attempt=1,
+        run_id="run",
+        params=None,
+        pushed_at=0.0,
+    )
+    assert malformed_refusal(info, "whatever") is None
+    open_info = dataclasses.replace(info, kind=MessageKind.ROUND_OPEN)
+    assert from_wire(malformed_refusal(open_info, "whatever")).error == "MalformedReply"
 
 
 @pytest.mark.parametrize(
@@ -535,8 +600,10 @@ def test_a_lensemble_reply_is_returned_only_when_its_sender_is_the_node_it_came_
         transport.send(sender, round_open(2, needs_commitment=False))
         transport.recv(timeout_s=0.0)
         assert len(grid.pushes) == pushes + 1 and grid.pushes[-1][0].metadata.dst_node_id == 11
-    else:
-        assert payloads == []
+    else:  # node-11 answered with another's name: its refusal, not the other's update
+        refused = [from_wire(p) for p in payloads]
+        assert [(r.error, r.participant_id) for r in refused] == [("MalformedReply", "node-11")]
+        assert sender in refused[0].reason
         assert [d[:2] for d in transport.dropped] == [("node-11", 1)]
         assert sender in transport.dropped[0][2]
     assert grid.stored == {}

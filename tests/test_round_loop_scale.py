@@ -16,6 +16,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.reach import ReachMemo
+from lensemble_flwr.errors import FaultToleranceExceeded
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.commitment_secret import secret_path
@@ -251,3 +252,21 @@ def test_an_admission_without_its_digest_is_derived_again() -> None:
     assert memo.outstanding(attempt, attempt.invited, peers) == {"a", "b"}
     attempt.admitted.add("a")  # no digest written with it: the memo cannot trust the log
     assert memo.outstanding(attempt, attempt.invited, peers) == {"b"}
+
+
+def test_no_participant_is_invited_before_min_available_are_reachable(tmp_path: Path) -> None:
+    """FedAvg's min_available_nodes, unsampled: with fewer participants than it, no one is
+    invited, and the attempt aborts at its open deadline saying why."""
+    coordinator, network, _ = build(
+        _config(min_available=5, max_round_attempts=1), tmp_path / "run", participants=4
+    )
+    with pytest.raises(
+        FaultToleranceExceeded, match=r"4 participants reachable.*min-available = 5"
+    ):
+        coordinator.run(1)
+    network.flush()
+    assert [o.state for o in coordinator.outcomes] == [RoundState.ABORTED]
+    assert [e.invited for e in RunManifest.load(Store(tmp_path / "run")).rounds] == [()]
+    enough, network, _ = build(_config(min_available=4), tmp_path / "run-4", participants=4)
+    enough.run(1)
+    assert [o.state for o in enough.outcomes] == [RoundState.CLOSED]

@@ -672,8 +672,8 @@ class Coordinator:
         seed of the round and the attempt: each reachable participant is ranked by a
         SHA-256 of that seed and its id, and the first ``sample_size`` are invited."""
         fed = self.config.federation
-        if not fed.sampled:
-            return reachable
+        if not fed.sampled:  # everyone, once min-available are there (FedAvg waits so too)
+            return reachable if len(reachable) >= fed.min_available else frozenset()
         if attempt.sample is None:
             if len(reachable) < max(fed.min_available, fed.quorum, 1):
                 return frozenset()  # a sample below K could only abort: wait for more peers
@@ -793,6 +793,7 @@ class Coordinator:
         """
         attempt, quorum = self._current(), self.config.federation.quorum
         peers: set[str] | frozenset[str] = self._reach.peer_set(reachable)
+        available, wanted = len(peers), self.config.federation.min_available
         if self.config.federation.sampled:  # only the sample counts (none before it is drawn)
             peers = set() if attempt.sample is None else self._reach.sampled(peers, attempt.sample)
         if attempt.sample is not None and len(attempt.sample) < quorum:
@@ -805,6 +806,12 @@ class Coordinator:
             if len(ready) >= quorum:
                 self._fire(attempt, RoundEvent.QUORUM_REACHED)
                 return True
+            if deadline_passed and not attempt.invited and available < wanted:
+                raise FaultToleranceExceeded(
+                    f"{available} participants reachable by the open timeout, and an attempt "
+                    f"invites none before min-available = {wanted} are (FedAvg's "
+                    "min_available_nodes)"
+                )
             if deadline_passed:
                 raise FaultToleranceExceeded(
                     f"{len(ready)} of quorum {quorum} participants ready by the open timeout "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -429,7 +430,11 @@ class GridTransport:
             )
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
-            log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
+            refusal = malformed_refusal(info, str(exc))
+            if refusal is not None:  # it answered, badly: the round stops waiting for it
+                self._inbox.append(refusal)  # the coordinator logs it, with the reason
+            else:
+                log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return
         metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
         if metrics is not None:
@@ -471,17 +476,28 @@ def train_reply_payloads(
         return list(payloads)
     stock = records.stock_reply(content, weight_key)
     if stock is None or info.params is None:
-        raise ValueError("neither a lensemble nor a stock train reply")
+        raise ValueError(
+            "neither a lensemble nor a stock train reply (a stock reply is one ArrayRecord "
+            f"and one MetricRecord holding a positive number under {weight_key!r}, the "
+            f"strategy's weighted_by_key): {_reply_shape(content)}"
+        )
     arrays, count, _ = stock
     arrays = {name: array for name, array in arrays.items() if name not in carried}
     delta: dict[str, np.ndarray] = arrays  # wrong names: ingress refuses it, with the reason
     norm = 0.0
     if set(arrays) == set(info.params):
+        for name in sorted(arrays):
+            sent, got = np.shape(info.params[name]), np.shape(arrays[name])
+            if got != sent:
+                raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
         delta = {
             n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
             for n in sorted(arrays)
         }
         norm = l2_norm(delta)
+        if not math.isfinite(norm):
+            bad = next(n for n in sorted(delta) if not np.isfinite(delta[n]).all())
+            raise ValueError(f"array {bad!r} holds NaN or infinite values")
     return [
         {
             "kind": MessageKind.UPDATE.value,
@@ -497,6 +513,37 @@ def train_reply_payloads(
             "transforms": ("stock-clientapp",),
         }
     ]
+
+
+def _reply_shape(content: RecordDict) -> str:
+    """What a train reply holds, by record type and name (for an error message)."""
+    parts = []
+    for kind, label in ((ArrayRecord, "ArrayRecord"), (MetricRecord, "MetricRecord")):
+        for name, record in records.records_of(content, kind).items():
+            keys = f" {sorted(record)}" if kind is MetricRecord else ""
+            parts.append(f"{label} {name!r}{keys}")
+    return "it holds " + (", ".join(parts) if parts else "no arrays and no metrics")
+
+
+def malformed_refusal(info: SentInstruction, reason: str) -> WirePayload | None:
+    """A node's malformed reply to a RoundOpen (one that cannot become an update: wrong
+    arrays, NaN, no example count) as that node's Refusal of the attempt, None for any
+    other instruction: the node answered and will not answer again, so the round must
+    not wait its deadline out for it, as for an error reply. The source is the node
+    Flower delivered the reply from, answering this instruction: no payload field says
+    so."""
+    if info.kind is not MessageKind.ROUND_OPEN:
+        return None
+    return {
+        "kind": MessageKind.REFUSAL.value,
+        "run_id": info.run_id,
+        "round": info.round,
+        "attempt": info.attempt,
+        "sender": info.peer,
+        "participant_id": info.peer,
+        "error": "MalformedReply",
+        "reason": f"malformed train reply: {reason}"[:2000],
+    }
 
 
 def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:

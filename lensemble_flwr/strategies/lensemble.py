@@ -42,7 +42,12 @@ from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
 from lensemble_flwr.coordinator.outer_optimizer import influence_scale
-from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, ParameterMismatch
+from lensemble_flwr.errors import (
+    ConfigError,
+    FaultToleranceExceeded,
+    ParameterMismatch,
+    StoreError,
+)
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
@@ -97,7 +102,9 @@ class LensembleStrategy(Strategy):
             the N reachable nodes once ``min_available_nodes`` are reachable, drawn from a
             seed of the round (None: the config's ``sample-fraction``, ``sample-min`` and
             ``min-available``; a value given here replaces the config's, and the run
-            manifest records it).
+            manifest records it). Unsampled (``fraction_train=1``), every reachable node
+            is invited once ``min_available_nodes`` are reachable; fewer than that after
+            the warm-up is a ConfigError (FedAvg would wait for ever).
         fraction_evaluate, min_evaluate_nodes: the share (0: none) and the fewest of the
             nodes asked to evaluate after each round, drawn from a seed of the round.
         arrayrecord_key, configrecord_key: the names of an instruction's ArrayRecord
@@ -231,7 +238,12 @@ class LensembleStrategy(Strategy):
                 fed.min_available,
             )
         else:
-            say(INFO, "\t└── sampling: none (every reachable node is asked every round)")
+            say(
+                INFO,
+                "\t└── sampling: none (every reachable node is asked every round, once %d "
+                "are reachable)",
+                max(fed.min_available, fed.quorum),
+            )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -436,10 +448,22 @@ class LensembleStrategy(Strategy):
         transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
-        warm = transport.warm_up(min_nodes=fed.quorum, timeout_s=self.warmup_timeout)
+        needed = max(fed.quorum, fed.min_available)
+        warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
         waited = transport.now() - started
         say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
-        if len(warm) < fed.quorum and coordinator.global_state().round < num_rounds:
+        unfinished = coordinator.global_state().round < num_rounds
+        if fed.quorum <= len(warm) < fed.min_available and unfinished:
+            raise ConfigError(
+                "min-available",
+                f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
+                f" s), and no round starts before min_available_nodes = {fed.min_available} "
+                "are (FedAvg would wait for them for ever): start more SuperNodes (on "
+                f'the simulation engine `--federation-config "num-supernodes='
+                f'{fed.min_available}"`), raise the warm-up timeout, or lower '
+                "min_available_nodes (lensemble.min-available)",
+            )
+        if len(warm) < fed.quorum and unfinished:
             raise ConfigError(
                 "min-participants",
                 f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
@@ -539,6 +563,12 @@ class LensembleStrategy(Strategy):
                 self.coordinator = Coordinator.resume(self.config, **common)
                 log.info("resumed at round %d", self.coordinator.global_state().next_round)
             else:
+                if store.bound("ledger/") or store.bound("manifest"):
+                    raise StoreError(
+                        f"{self.run_dir} already holds a run: give the strategy a fresh "
+                        "run_dir (or none: a new temporary one), or resume=True to continue "
+                        "that run"
+                    )
                 self.coordinator = Coordinator(
                     self.config,
                     initial_params=ArrayLayout.split(arrays)[1],
