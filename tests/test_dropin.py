@@ -422,17 +422,29 @@ def test_progress_goes_through_flowers_logger_like_fedavgs(
 ) -> None:
     strategy = LensembleStrategy(fedavg_config(), run_dir=tmp_path / "run", fraction_evaluate=0)
     with caplog.at_level("INFO", logger="flwr"):
-        strategy.start(
+        result = strategy.start(
             grid=grid_of(quickstart_app(False)),
             initial_arrays=ArrayRecord(Net(False).state_dict()),
             num_rounds=2,
             train_config=ConfigRecord({"lr": 0.1}),
+            evaluate_fn=lambda r, arrays: MetricRecord({"central_loss": 0.5 / (r + 1)}),
         )
     flower = [r.getMessage() for r in caplog.records if r.name == "flwr"]
     assert "[ROUND 1/2]" in flower and "[ROUND 2/2]" in flower
     assert any("round 2: open→" in m and "C_t=4" in m for m in flower)  # lensemble's line
     assert sum("Aggregated MetricRecord" in m for m in flower) == 2
     assert any("update weighting uniform (FedAvg's: num-examples)" in m for m in flower)
+    # the server-side evaluation and the closing summary, with FedAvg's lines
+    assert any(m.startswith("Initial global evaluation results: ") for m in flower)
+    assert flower.count("Global evaluation") == 2
+    assert sum("MetricRecord: {'central_loss': " in m for m in flower) == 2
+    final = flower[flower.index("Final results:") :]
+    assert any("Aggregated ClientApp-side Train Metrics:" in m for m in final)
+    assert any(
+        f"Run directory (checkpoints, ledger, manifest): {tmp_path / 'run'}" in m for m in final
+    )
+    assert "Aggregated ClientApp-side Train Metrics:" in repr(result)  # Flower's summary
+    assert "outcomes=" not in repr(result)  # not a dump of every round's outcome
 
 
 def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to_run_it(

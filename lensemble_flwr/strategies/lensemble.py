@@ -76,13 +76,24 @@ BOOKKEEPING = "lensemble."
 """Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)  # Flower's summary, not a dump of every outcome
 class LensembleResult(Result):
     """Flower's Result, plus what a MetricRecord cannot hold: why attempts aborted."""
 
     aborted: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     outcomes: list[RoundOutcome] = dataclasses.field(default_factory=list)
     run_dir: Path | None = None
+
+    def __repr__(self) -> str:
+        """Flower's summary of a Result, then the run directory and the aborted attempts."""
+        aborted = sum(len(reasons) for reasons in self.aborted.values())
+        return (
+            super().__repr__()
+            + f"\nRun directory (checkpoints, ledger, manifest): {self.run_dir}\n"
+            + f"Aborted attempts: {aborted}"
+            + "".join(f"\n\tround {r}: {'; '.join(why)}" for r, why in sorted(self.aborted.items()))
+            + "\n"
+        )
 
 
 class LensembleStrategy(Strategy):
@@ -483,8 +494,11 @@ class LensembleStrategy(Strategy):
         # deadlines with the grace: an instruction that expired before a cold ClientApp
         # picked it up would lose the node the round (it did, on a loaded machine)
         transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
-        if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
-            result.evaluate_metrics_serverapp[0] = res
+        if evaluate_fn is not None:
+            res = evaluate_fn(0, initial_arrays)
+            say(INFO, "Initial global evaluation results: %s", res)
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 1); the
         # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
         try:
@@ -505,22 +519,31 @@ class LensembleStrategy(Strategy):
                 result.arrays = self._user_arrays(coordinator.global_state().params)
                 metrics = self._metrics(closed, attempts=len(new))
                 result.train_metrics_clientapp[r] = metrics
+                say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
                 evaluation = self._evaluate(r, result.arrays, evaluate_config, timeout)
                 if evaluation is not None:
                     result.evaluate_metrics_clientapp[r] = evaluation
-                if evaluate_fn is not None and (res := evaluate_fn(r, result.arrays)) is not None:
-                    result.evaluate_metrics_serverapp[r] = res
+                    say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
+                if evaluate_fn is not None:  # in FedAvg's order, with its lines
+                    say(INFO, "Global evaluation")
+                    res = evaluate_fn(r, result.arrays)
+                    say(INFO, "\t└──> MetricRecord: %s", res)
+                    if res is not None:
+                        result.evaluate_metrics_serverapp[r] = res
                 self._report(closed, metrics, evaluation, aborted)
                 self._keep_metrics(r, metrics, evaluation)
                 transport.forget_through(r)  # reported: its bookkeeping is no longer needed
-                say(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-                if evaluation is not None:
-                    say(INFO, "\t└──> Aggregated evaluation MetricRecord: %s", evaluation)
         finally:  # the temp files made ahead of writes can go, however the run ended
             coordinator.store.close()
         recycling.clear()  # the run is over: the last sum's buffers need not stay resident
         say(INFO, "")
         say(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        say(INFO, "")
+        say(INFO, "Final results:")
+        say(INFO, "")
+        for line in str(result).splitlines():
+            say(INFO, "\t%s", line)
+        say(INFO, "")
         return result
 
     # -- helpers -----------------------------------------------------------------------
