@@ -57,6 +57,7 @@ from lensemble_flwr.provenance.round_metrics import (
     append_round_metrics,
 )
 from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.flower_logs import lensemble_logs_through_flower
 from lensemble_flwr.strategies.grid_transport import (
     GridTransport,
     SentInstruction,
@@ -434,7 +435,25 @@ class LensembleStrategy(Strategy):
         ``timeout`` bounds each evaluation exchange; training rounds use the config's open
         and collect timeouts. A round whose attempts abort is retried as configured; an
         error that stops the federation is raised (the result so far is in the run dir).
+        lensemble's own warnings show as Flower's lines do, unless logging is configured
+        (:mod:`.flower_logs`).
         """
+        with lensemble_logs_through_flower():
+            return self._start(
+                grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                evaluate_fn,
+            )  # fmt: skip
+
+    def _start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord | None,
+        evaluate_config: ConfigRecord | None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> LensembleResult:
         noise_multiplier_of(self.config, rounds=num_rounds)  # a plan that fits
         say(INFO, "Starting %s strategy:", type(self).__name__)
         log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
