@@ -132,8 +132,8 @@ class FederationConfig(_Section):
     min_available: int = Field(
         0,
         ge=0,
-        description="Reachable participants an attempt waits for before it invites any "
-        "(and, sampled, draws its sample): FedAvg's min_available_nodes.",
+        description="Reachable participants a sampled attempt waits for before it draws "
+        "(FedAvg's min_available_nodes; LensembleStrategy.start's warm-up waits for them too).",
     )
     max_round_attempts: int = Field(
         3, ge=1, description="Attempts of one round before the federation stops."

@@ -526,6 +526,10 @@ _MALFORMED: dict[str, tuple[NodeFn, str]] = {
         ),
         "array 'w' has shape (5, 5); the model's has (2, 3)",
     ),
+    "other arrays": (
+        lambda m: _stock_reply(m, {"w": PARAMS["w"], "extra": np.ones(2, np.float32)}, {"n": 3}),
+        "its arrays are not the model's: missing ['b'], unexpected ['extra']",
+    ),
     "NaN": (
         lambda m: _stock_reply(
             m, {**PARAMS, "b": np.array([np.nan, 1], np.float32)}, {"num-examples": 3}

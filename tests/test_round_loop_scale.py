@@ -254,19 +254,20 @@ def test_an_admission_without_its_digest_is_derived_again() -> None:
     assert memo.outstanding(attempt, attempt.invited, peers) == {"b"}
 
 
-def test_no_participant_is_invited_before_min_available_are_reachable(tmp_path: Path) -> None:
-    """FedAvg's min_available_nodes, unsampled: with fewer participants than it, no one is
-    invited, and the attempt aborts at its open deadline saying why."""
+def test_a_sampled_attempt_short_of_min_available_says_so(tmp_path: Path) -> None:
+    """FedAvg's min_available_nodes with sampling: with fewer participants than it, no
+    sample is drawn and no one is invited, and the attempt aborts at its open deadline
+    saying why (it said "0 of quorum 3 ready, of 0 reachable")."""
     coordinator, network, _ = build(
-        _config(min_available=5, max_round_attempts=1), tmp_path / "run", participants=4
+        _config(sample_fraction=0.6, min_available=5, max_round_attempts=1),
+        tmp_path / "run",
+        participants=4,
     )
-    with pytest.raises(
-        FaultToleranceExceeded, match=r"4 participants reachable.*min-available = 5"
-    ):
+    with pytest.raises(FaultToleranceExceeded, match=r"4 participants reachable.*available = 5"):
         coordinator.run(1)
     network.flush()
     assert [o.state for o in coordinator.outcomes] == [RoundState.ABORTED]
     assert [e.invited for e in RunManifest.load(Store(tmp_path / "run")).rounds] == [()]
-    enough, network, _ = build(_config(min_available=4), tmp_path / "run-4", participants=4)
-    enough.run(1)
-    assert [o.state for o in enough.outcomes] == [RoundState.CLOSED]
+    unsampled, network, _ = build(_config(min_available=5), tmp_path / "run-1", participants=4)
+    unsampled.run(1)  # min-available is for sampled rounds (and the strategy's warm-up)
+    assert [o.state for o in unsampled.outcomes] == [RoundState.CLOSED]

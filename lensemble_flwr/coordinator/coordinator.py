@@ -672,8 +672,8 @@ class Coordinator:
         seed of the round and the attempt: each reachable participant is ranked by a
         SHA-256 of that seed and its id, and the first ``sample_size`` are invited."""
         fed = self.config.federation
-        if not fed.sampled:  # everyone, once min-available are there (FedAvg waits so too)
-            return reachable if len(reachable) >= fed.min_available else frozenset()
+        if not fed.sampled:
+            return reachable
         if attempt.sample is None:
             if len(reachable) < max(fed.min_available, fed.quorum, 1):
                 return frozenset()  # a sample below K could only abort: wait for more peers
@@ -806,16 +806,17 @@ class Coordinator:
             if len(ready) >= quorum:
                 self._fire(attempt, RoundEvent.QUORUM_REACHED)
                 return True
-            if deadline_passed and not attempt.invited and available < wanted:
+            sampled = self.config.federation.sampled
+            if deadline_passed and sampled and attempt.sample is None and available < wanted:
                 raise FaultToleranceExceeded(
-                    f"{available} participants reachable by the open timeout, and an attempt "
-                    f"invites none before min-available = {wanted} are (FedAvg's "
+                    f"{available} participants reachable by the open timeout, and a sampled "
+                    f"attempt draws none before min-available = {wanted} are (FedAvg's "
                     "min_available_nodes)"
                 )
             if deadline_passed:
                 raise FaultToleranceExceeded(
                     f"{len(ready)} of quorum {quorum} participants ready by the open timeout "
-                    f"({self._mode.readiness}), of {len(peers)} reachable"
+                    f"({self._mode.readiness}), of {available} reachable"
                 )
             return False
         if attempt.phase is RoundState.COLLECTING:

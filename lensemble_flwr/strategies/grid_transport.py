@@ -430,8 +430,10 @@ class GridTransport:
             )
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
-            refusal = malformed_refusal(info, str(exc))
-            if refusal is not None:  # it answered, badly: the round stops waiting for it
+            # it answered, badly: the round stops waiting for it (only for a reply from the
+            # node the instruction names now: a renamed participant's old node is not it)
+            refusal = malformed_refusal(info, str(exc)) if source == info.peer else None
+            if refusal is not None:
                 self._inbox.append(refusal)  # the coordinator logs it, with the reason
             else:
                 log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
@@ -483,21 +485,24 @@ def train_reply_payloads(
         )
     arrays, count, _ = stock
     arrays = {name: array for name, array in arrays.items() if name not in carried}
-    delta: dict[str, np.ndarray] = arrays  # wrong names: ingress refuses it, with the reason
-    norm = 0.0
-    if set(arrays) == set(info.params):
-        for name in sorted(arrays):
-            sent, got = np.shape(info.params[name]), np.shape(arrays[name])
-            if got != sent:
-                raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
-        delta = {
-            n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
-            for n in sorted(arrays)
-        }
-        norm = l2_norm(delta)
-        if not math.isfinite(norm):
-            bad = next(n for n in sorted(delta) if not np.isfinite(delta[n]).all())
-            raise ValueError(f"array {bad!r} holds NaN or infinite values")
+    if set(arrays) != set(info.params):
+        missing = sorted(set(info.params) - set(arrays))
+        unexpected = sorted(set(arrays) - set(info.params))
+        raise ValueError(
+            f"its arrays are not the model's: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    for name in sorted(arrays):
+        sent, got = np.shape(info.params[name]), np.shape(arrays[name])
+        if got != sent:
+            raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
+    delta = {
+        n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
+        for n in sorted(arrays)
+    }
+    norm = l2_norm(delta)
+    if not math.isfinite(norm):
+        bad = next(n for n in sorted(delta) if not np.isfinite(delta[n]).all())
+        raise ValueError(f"array {bad!r} holds NaN or infinite values")
     return [
         {
             "kind": MessageKind.UPDATE.value,

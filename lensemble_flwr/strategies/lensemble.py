@@ -606,10 +606,14 @@ class LensembleStrategy(Strategy):
                 log.info("resumed at round %d", self.coordinator.global_state().next_round)
             else:
                 if store.bound("ledger/") or store.bound("manifest"):
+                    how = (
+                        "it has no run manifest, so it cannot be resumed"
+                        if self.resume
+                        else "or resume=True to continue that run"
+                    )
                     raise StoreError(
                         f"{self.run_dir} already holds a run: give the strategy a fresh "
-                        "run_dir (or none: a new temporary one), or resume=True to continue "
-                        "that run"
+                        f"run_dir (or none: a new temporary one); {how}"
                     )
                 self.coordinator = Coordinator(
                     self.config,
