@@ -539,16 +539,7 @@ def malformed_refusal(info: SentInstruction, reason: str) -> WirePayload | None:
     so."""
     if info.kind is not MessageKind.ROUND_OPEN:
         return None
-    return {
-        "kind": MessageKind.REFUSAL.value,
-        "run_id": info.run_id,
-        "round": info.round,
-        "attempt": info.attempt,
-        "sender": info.peer,
-        "participant_id": info.peer,
-        "error": "MalformedReply",
-        "reason": f"malformed train reply: {reason}"[:2000],
-    }
+    return _refusal_of(info, "MalformedReply", f"malformed train reply: {reason}")
 
 
 def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
@@ -561,6 +552,11 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
     where = "the SuperLink" if reply.metadata.src_node_id == SUPERLINK_NODE_ID else info.peer
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
     log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
+    return _refusal_of(info, "ClientAppError", reason)
+
+
+def _refusal_of(info: SentInstruction, error: str, reason: str) -> WirePayload:
+    """The Refusal of the attempt ``info`` names, on behalf of the node it was sent to."""
     return {
         "kind": MessageKind.REFUSAL.value,
         "run_id": info.run_id,
@@ -568,7 +564,7 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
         "attempt": info.attempt,
         "sender": info.peer,
         "participant_id": info.peer,
-        "error": "ClientAppError",
+        "error": error,
         "reason": reason[:2000],
     }
 
