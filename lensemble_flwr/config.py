@@ -71,18 +71,20 @@ class _Section(BaseModel):
         """A number is a number and a flag is a flag: ``True`` is not a participant count
         and ``"yes"`` is not a boolean (pydantic would convert both)."""
         kind = cls.model_fields[info.field_name].annotation if info.field_name else None
+        # the value itself is quoted by the error (_error_from): say only what was wanted
+        text = " (text: write it unquoted)" if isinstance(value, str) else ""
         if kind is bool and not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
+            raise ValueError(f"expected true or false{text}")
         if kind in (int, float) and (
             isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
         ):
-            raise ValueError(f"expected a number, got {value!r}")
+            raise ValueError(f"expected a number{text}")
         if (
             kind is int
             and not isinstance(value, numbers.Integral)
             and not float(value).is_integer()
         ):
-            raise ValueError(f"expected a whole number, got {value!r}")
+            raise ValueError("expected a whole number")
         return value
 
     def __init__(self, **data: Any) -> None:

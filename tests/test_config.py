@@ -172,9 +172,7 @@ def test_fixed_point_capacity_check_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^AggregationConfig: .*below 2\*\*62"):
         AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=4)
     with pytest.raises(ConfigError, match=r"below 2\*\*62"):
-        LensembleConfig.from_flat(
-            {"fraction-bits": 40, "max-abs-update": 2.0**20, "max-weight": 4}
-        )
+        LensembleConfig.from_flat({"fraction-bits": 40, "max-abs-update": 2.0**20, "max-weight": 4})
     # One step below the limit is accepted.
     ok = AggregationConfig(fraction_bits=40, max_abs_update=2.0**20, max_weight=3)
     assert ok.max_weight == 3
@@ -208,6 +206,28 @@ def test_a_value_that_is_only_half_right_is_refused_naming_its_key(
     with pytest.raises(ConfigError, match=complaint) as refused:
         LensembleConfig.from_flat({key: value})
     assert refused.value.field == key
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "require-binding",
+            "false",
+            "expected true or false (text: write it unquoted) (got 'false')",
+        ),
+        ("outer-lr", "fast", "expected a number (text: write it unquoted) (got 'fast')"),
+        ("inner-steps", 2.5, "expected a whole number (got 2.5)"),
+    ],
+)
+def test_a_wrong_value_is_quoted_once_and_text_is_called_text(
+    key: str, value: object, message: str
+) -> None:
+    """A string where a flag or a number belongs (``--run-config "lensemble.x='false'"``) is
+    told apart from a wrong flag, and the value is quoted once."""
+    with pytest.raises(ConfigError) as refused:
+        LensembleConfig.from_flat({key: value})
+    assert str(refused.value).endswith(message) and str(refused.value).count(repr(value)) == 1
 
 
 def test_whole_floats_and_ints_for_floats_are_numbers() -> None:

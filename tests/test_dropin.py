@@ -169,14 +169,23 @@ def test_a_numpy_client_with_the_usual_state_dict_setter_gets_the_list_in_model_
             return params, 24, {"train_loss": loss}
 
     config = fedavg_config()
+    through_mod: list[str] = []
+
+    def recording_mod(msg: Message, context: Context, call_next):  # type: ignore[no-untyped-def]
+        through_mod.append(msg.metadata.message_type)  # a mod the user gives (e.g. DP's)
+        return call_next(msg, context)
+
     app = wrap_numpy_client(
-        lambda context: Client(context.node_id).to_client(), config_fn=lambda c: config
+        lambda context: Client(context.node_id).to_client(),
+        config_fn=lambda c: config,
+        mods=[recording_mod],
     )
     strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0)
     initial = ArrayRecord(Net(batch_norm=True).state_dict())
     result = strategy.start(grid=grid_of(app), initial_arrays=initial, num_rounds=2)
     shapes = [tuple(v.shape) for v in Net(batch_norm=True).state_dict().values()]
     assert seen and all(list(map(tuple, s)) == shapes for s in seen)
+    assert through_mod == ["train"] * 8  # every train message went through the mod
     assert result.train_metrics_clientapp[2]["lensemble.C_t"] == 4.0
     assert list(result.arrays.keys()) == list(initial.keys())
 

@@ -138,7 +138,14 @@ def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path
         fraction_evaluate=0.0,
         resume=True,
     )
-    result = again.start(grid=grid, initial_arrays=initial, num_rounds=3)
+    evaluated: list[int] = []
+    result = again.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=3,
+        evaluate_fn=lambda r, arrays: evaluated.append(r),  # type: ignore[func-returns-value]
+    )
+    assert evaluated == [3]  # not round 0 again: the initial arrays are not where it resumed
     records = verify(Store(tmp_path / "run"))
     assert [r.record_hash for r in records[:2]] == before  # nothing committed was lost
     assert [r.round for r in records] == [1, 2, 3]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
 
 from lensemble_flwr.clients.live import (
     DEFAULT_KEEP_BYTES,
@@ -277,6 +278,7 @@ def make_client_app(
     identity_fn: Callable[[Context], IdentityKey | None] = identity_from_node_config,
     pipeline_fn: Callable[[Context], ReleaseTransform | None] | None = None,
     keep_live_bytes: int = DEFAULT_KEEP_BYTES,
+    mods: list[Mod] | None = None,
 ) -> ClientApp:
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
@@ -308,8 +310,11 @@ def make_client_app(
             state of every stage is kept in ``context.state`` between messages (see
             :mod:`lensemble_flwr.release.state_codec` for what a state may hold).
         keep_live_bytes: bytes of participants this process keeps between messages.
+        mods: Flower mods around every handler, as ``ClientApp(mods=...)`` takes them
+            (e.g. ``[fixedclipping_mod]`` for Flower's client-side DP wrapper). Give them
+            here: Flower fixes a handler's mods when the handler is registered.
     """
-    app = ClientApp()
+    app = ClientApp(mods=list(mods or []))
     process_participants(keep_live_bytes)  # a negative size fails here, not per message
 
     @app.train()

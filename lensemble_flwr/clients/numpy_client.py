@@ -18,6 +18,7 @@ import numpy as np
 from flwr.app import Context
 from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.config import LensembleConfig
@@ -151,8 +152,10 @@ def wrap_numpy_client(
     *,
     records_fn: Callable[[Context], Iterable[bytes]] | None = None,
     config_fn: Callable[[Context], LensembleConfig] = config_from_context,
+    mods: list[Mod] | None = None,
 ) -> ClientApp:
-    """A lensemble ClientApp around an existing ``client_fn`` returning a NumPyClient."""
+    """A lensemble ClientApp around an existing ``client_fn`` returning a NumPyClient;
+    ``mods`` are Flower mods around its handlers (see :func:`.app.make_client_app`)."""
 
     def trainer_fn(context: Context) -> NumPyClientTraining:
         records = records_fn(context) if records_fn is not None else None
@@ -161,4 +164,4 @@ def wrap_numpy_client(
     def evaluate(training: Any, params: NamedArrays, config: Mapping[str, Any]) -> dict[str, float]:
         return training.evaluate(params, config)
 
-    return make_client_app(trainer_fn, config_fn=config_fn, evaluate_fn=evaluate)
+    return make_client_app(trainer_fn, config_fn=config_fn, evaluate_fn=evaluate, mods=mods)

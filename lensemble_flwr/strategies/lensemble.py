@@ -513,7 +513,7 @@ class LensembleStrategy(Strategy):
         # deadlines with the grace: an instruction that expired before a cold ClientApp
         # picked it up would lose the node the round (it did, on a loaded machine)
         transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
-        if evaluate_fn is not None:
+        if evaluate_fn is not None and coordinator.global_state().round == 0:  # not resumed
             res = evaluate_fn(0, initial_arrays)
             say(INFO, "Initial global evaluation results: %s", res)
             if res is not None:
