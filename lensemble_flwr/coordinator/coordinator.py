@@ -172,6 +172,12 @@ def poisson_draw(reachable: set[str], rate: float, seed: int, quorum: int) -> li
     return drawn
 
 
+def holds_a_run(store: Store) -> bool:
+    """Whether ``store`` already holds a run (a manifest, or ledger records): a new
+    coordinator refuses it, and only a resume may continue it."""
+    return store.bound("ledger/") or store.bound("manifest")
+
+
 class Coordinator:
     """Drives rounds, holds the canonical global state, runs the outer optimizer.
 
@@ -228,7 +234,7 @@ class Coordinator:
                 raise ParameterMismatch(f"{name}: initial params must be floating-point")
         check_initial_groups(initial_params, config.groups)
         check_warm_start_of(gauge, config, initial_params)
-        if store.bound("ledger/") or store.bound("manifest"):
+        if holds_a_run(store):
             raise StoreError(
                 f"{store.root} already holds a run; use a fresh run directory, or "
                 "Coordinator.resume to continue it"

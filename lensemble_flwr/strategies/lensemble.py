@@ -40,7 +40,7 @@ from lensemble_flwr.aggregation import recycling
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import FederationConfig, LensembleConfig, metrics_released
-from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome
+from lensemble_flwr.coordinator.coordinator import Coordinator, RoundOutcome, holds_a_run
 from lensemble_flwr.coordinator.outer_optimizer import influence_scale
 from lensemble_flwr.errors import (
     ConfigError,
@@ -114,9 +114,9 @@ class LensembleStrategy(Strategy):
             the N reachable nodes once ``min_available_nodes`` are reachable, drawn from a
             seed of the round (None: the config's ``sample-fraction``, ``sample-min`` and
             ``min-available``; a value given here replaces the config's, and the run
-            manifest records it). Unsampled (``fraction_train=1``), every reachable node
-            is invited once ``min_available_nodes`` are reachable; fewer than that after
-            the warm-up is a ConfigError (FedAvg would wait for ever).
+            manifest records it). :meth:`start`'s warm-up waits for
+            ``min_available_nodes`` whether rounds are sampled or not; fewer than that
+            after it is a ConfigError (FedAvg would wait for ever).
         fraction_evaluate, min_evaluate_nodes: the share (0: none) and the fewest of the
             nodes asked to evaluate after each round, drawn from a seed of the round.
         arrayrecord_key, configrecord_key: the names of an instruction's ArrayRecord
@@ -605,7 +605,7 @@ class LensembleStrategy(Strategy):
                 self.coordinator = Coordinator.resume(self.config, **common)
                 log.info("resumed at round %d", self.coordinator.global_state().next_round)
             else:
-                if store.bound("ledger/") or store.bound("manifest"):
+                if holds_a_run(store):  # said in the strategy's terms, not Coordinator's
                     how = (
                         "it has no run manifest, so it cannot be resumed"
                         if self.resume
