@@ -24,13 +24,13 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LedgerError, LensembleError, Response, reported, response_to
 from lensemble_flwr.identity.signing import IdentityKey
-from lensemble_flwr.protocol.messages import Commitment, MessageKind, Update, to_wire
+from lensemble_flwr.protocol.messages import Commitment, MessageKind, Refusal, Update, to_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.records import arrays_to_record
-from lensemble_flwr.transports.base import COORDINATOR
+from lensemble_flwr.transports.base import COORDINATOR, MALFORMED_REPLY, FiledByTransport
 
 LISTENING = [RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING]
 
@@ -38,6 +38,31 @@ LISTENING = [RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING]
 def update_payload(**changes: Any) -> dict[str, Any]:
     """p00's valid update of round 0 attempt 1 (see test_admission), with ``changes``."""
     return {**to_wire(messages()[Update]), **changes}
+
+
+# -- what only the coordinator's own transport may file ------------------------------------
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # a transport files no other message than a refusal ...
+        update_payload(),
+        # ... and no refusal whose error would stop the federation
+        to_wire(messages()[Refusal]) | {"error": "PrivacyBudgetExceeded"},
+        to_wire(messages()[Refusal]),  # (ProbeError)
+    ],
+    ids=["update", "stopping-refusal", "other-refusal"],
+)
+def test_a_transport_files_nothing_but_its_own_refusals(
+    tmp_path: Path, caplog, payload: dict[str, Any]
+) -> None:
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING)
+    before = snapshot(coordinator)
+    assert coordinator.receive(FiledByTransport(payload)) is None
+    assert "a transport files only refusals" in caplog.text
+    after = snapshot(coordinator)
+    assert after.pop("rejected") == before.pop("rejected") + 1 and after == before
+    filed = FiledByTransport(to_wire(messages()[Refusal]) | {"error": MALFORMED_REPLY})
+    assert coordinator.receive(filed) is not None  # what it may file is taken
 
 
 # -- non-finite floats ------------------------------------------------------------------

@@ -34,7 +34,9 @@ from lensemble_flwr.clients import app as app_module
 from lensemble_flwr.clients.app import handle_train
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -56,8 +58,9 @@ from lensemble_flwr.strategies.grid_transport import (
     SentInstruction,
     malformed_refusal,
 )
+from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.records import participant_id
-from lensemble_flwr.transports.base import COORDINATOR, ReplyCollector
+from lensemble_flwr.transports.base import COORDINATOR, FiledByTransport, ReplyCollector
 
 ROOT = "ab" * 32
 HASH = "cd" * 32
@@ -700,29 +703,45 @@ def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:
 NODES = (11, 12, 13, 14)
 
 
-def clientapp_node(index: int, context: Context, config: LensembleConfig) -> NodeFn:
+def clientapp_node(
+    index: int, context: Context, config: LensembleConfig, identity: IdentityKey | None = None
+) -> NodeFn:
     """A node running ``handle_train`` as ``make_client_app``'s train function does: a
     fresh trainer per message, the participant's state kept in the node's Context."""
 
     def answer(message: Message) -> Message:
-        return handle_train(message, context, ToyTrainer(index), config)
+        return handle_train(message, context, ToyTrainer(index), config, identity=identity)
 
     return answer
 
 
 def federation_over_grid(
-    run_dir: Path, delay: Callable[[int, Message], float]
+    run_dir: Path,
+    delay: Callable[[int, Message], float],
+    *,
+    identities: dict[int, IdentityKey] | None = None,
+    **federation: Any,
 ) -> tuple[Coordinator, GridTransport, FakeGrid, dict[int, Context]]:
-    config = small_config(min_participants=3)
+    """Four ``handle_train`` nodes on a FakeGrid and their coordinator; ``identities``:
+    the nodes that sign their messages, with their keys."""
+    config = small_config(min_participants=3, **federation)
     clock = FakeClock()
     contexts = {
         n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
         for n in NODES
     }
-    nodes = {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    nodes = {
+        n: clientapp_node(i, contexts[n], config, (identities or {}).get(n))
+        for i, n in enumerate(NODES)
+    }
     grid = FakeGrid(clock, nodes, delay=delay)
     fed = config.federation
-    transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
+    names = NodeNames()  # what the strategy's first exchange teaches it: who signs as whom
+    for node, key in (identities or {}).items():
+        names.learn(node, f"key-{key.fingerprint}")
+    transport = make_transport(
+        grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout, names=names
+    )
     coordinator = Coordinator(
         config,
         transport=transport,
@@ -787,6 +806,66 @@ def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
     assert grid.clock.t < 3 * 2.0  # no round waited for its deadline
     # each node's participant state outlived its messages, in its Context
     assert all(load_state(c.state).meta["last_open"][:2] == [3, 1] for c in contexts.values())
+
+
+@pytest.mark.parametrize("failure", ["error", "malformed"])
+def test_a_signing_nodes_failed_reply_ends_its_wait_at_once(
+    tmp_path: Path, failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nodes that sign with identity keys: the Refusal a transport files for one whose
+    ClientApp raised, or whose reply was malformed, carries no signature of the node, and
+    is taken all the same (the coordinator's own transport saw the reply), so the round
+    does not wait its deadline out. It stops nothing, and is recorded as such."""
+    keys = {n: IdentityKey.generate() for n in NODES}
+    coordinator, _transport, grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0, identities=keys, require_signatures=True
+    )
+    coordinator.run(1)  # every node binds its key
+
+    def failing(message: Message) -> Message:
+        if failure == "error":
+            return Message(
+                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="KeyError: 'lr'"),
+                reply_to=message,
+            )
+        return Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=message)
+
+    grid.nodes[14] = failing
+    started = grid.clock.t
+    with caplog.at_level("WARNING"):
+        coordinator.run(1)
+    outcome = coordinator.outcomes[-1]
+    assert outcome.state is RoundState.CLOSED and outcome.count == 3
+    assert grid.clock.t - started < 5.0  # the collect deadline is 10 s: nobody waited it out
+    assert "ForgedMessage" not in caplog.text
+    (entry,) = [r for r in verify(Store(tmp_path / "run")) if r.round == 2]
+    assert f"key-{keys[14].fingerprint}" not in entry.contributors
+
+
+def test_a_forged_refusal_from_the_wire_still_needs_a_signature(tmp_path: Path) -> None:
+    """Only a Refusal the transport itself files skips the node's signature: the same
+    payload arriving as a node's own reply content is checked like any message."""
+    keys = {n: IdentityKey.generate() for n in NODES}
+    coordinator, _transport, _grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0, identities=keys, require_signatures=True
+    )
+    coordinator.run(1)
+    coordinator.begin_attempt()
+    attempt = coordinator._current()
+    forged = {
+        "kind": MessageKind.REFUSAL.value,
+        "run_id": "flwr-1",
+        "round": attempt.round,
+        "attempt": attempt.number,
+        "sender": f"key-{keys[12].fingerprint}",
+        "participant_id": f"key-{keys[12].fingerprint}",
+        "error": "ClientAppError",
+        "reason": "forged",
+    }
+    assert coordinator.receive(forged) is None  # rejected: unsigned
+    assert attempt.rejected == 1 and not attempt.refused
+    assert coordinator.receive(FiledByTransport(forged)) is Verdict.REFUSED  # the transport's
+    assert list(attempt.refused) == [f"key-{keys[12].fingerprint}"]
 
 
 def test_a_rounds_files_are_made_after_its_instructions_are_pushed(

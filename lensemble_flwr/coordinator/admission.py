@@ -57,6 +57,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg.keys import check_public_key
+from lensemble_flwr.transports.base import TRANSPORT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -282,10 +283,15 @@ def admit(
     ingress: Ingress,
     table: Table,
     fields: dict[str, Any] | None = None,
+    *,
+    filed_by_transport: bool = False,
 ) -> Verdict:
     """Admit one validated message into ``attempt``, or raise and change nothing.
     ``fields``: the message's :func:`canonical_fields`, if already computed (a batch
-    hashed on threads, :mod:`.batch`).
+    hashed on threads, :mod:`.batch`). ``filed_by_transport``: a Refusal the
+    coordinator's own transport filed for the node
+    (:class:`~lensemble_flwr.transports.base.FiledByTransport`): no signature of the
+    node is asked for, and it stops nothing, whatever error it names.
 
     Raises:
         IllegalMessage: the round admits nothing in its state, a kind no participant may
@@ -317,7 +323,14 @@ def admit(
         if msg.round == attempt.round
         else derive_seed(ingress.config.federation.root_seed, "round", msg.round)
     )
-    ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
+    if filed_by_transport:
+        if not isinstance(msg, Refusal) or msg.error not in TRANSPORT_ERRORS:
+            raise IllegalMessage(
+                f"a transport files only refusals of its own ({sorted(TRANSPORT_ERRORS)}), "
+                f"not this {msg.kind}"
+            )
+    else:
+        ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
     if not current:
         _check_replay(msg, ingress, fields)
         attempt.late.add(msg.sender)

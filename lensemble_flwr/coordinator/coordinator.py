@@ -111,6 +111,7 @@ from lensemble_flwr.transports.base import (
     COORDINATOR,
     BuffersSends,
     DeclaresFederation,
+    FiledByTransport,
     Transport,
 )
 
@@ -768,7 +769,14 @@ class Coordinator:
                 message, fields = from_wire(payload), None
             else:
                 message, fields = prepared.result()
-            return admit(attempt, message, self._ingress, self._mode.admission, fields)
+            return admit(
+                attempt,
+                message,
+                self._ingress,
+                self._mode.admission,
+                fields,
+                filed_by_transport=isinstance(payload, FiledByTransport),
+            )
         except LensembleError as exc:
             if response_to(exc) is not Response.REJECT_MESSAGE:
                 raise

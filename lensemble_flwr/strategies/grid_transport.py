@@ -50,6 +50,11 @@ from lensemble_flwr.protocol.messages import (
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.transports.base import (
+    CLIENT_APP_ERROR,
+    MALFORMED_REPLY,
+    FiledByTransport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +220,10 @@ class GridTransport:
         user config are still the ones it was encoded with (compared by value: a config
         changed in place is noticed); None if it was not kept, or if the close or the
         config changed (then every kept content is forgotten)."""
-        if self._encoded_with is None or self._encoded_with[0] is not self._close or (
-            self._encoded_with[1] != self.user_config
+        if (
+            self._encoded_with is None
+            or self._encoded_with[0] is not self._close
+            or (self._encoded_with[1] != self.user_config)
         ):
             self._encoded.clear()
             self._encoded_with = (self._close, dict(self.user_config))
@@ -539,7 +546,7 @@ def malformed_refusal(info: SentInstruction, reason: str) -> WirePayload | None:
     so."""
     if info.kind is not MessageKind.ROUND_OPEN:
         return None
-    return _refusal_of(info, "MalformedReply", f"malformed train reply: {reason}")
+    return _refusal_of(info, MALFORMED_REPLY, f"malformed train reply: {reason}")
 
 
 def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
@@ -552,21 +559,24 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
     where = "the SuperLink" if reply.metadata.src_node_id == SUPERLINK_NODE_ID else info.peer
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
     log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
-    return _refusal_of(info, "ClientAppError", reason)
+    return _refusal_of(info, CLIENT_APP_ERROR, reason)
 
 
-def _refusal_of(info: SentInstruction, error: str, reason: str) -> WirePayload:
-    """The Refusal of the attempt ``info`` names, on behalf of the node it was sent to."""
-    return {
-        "kind": MessageKind.REFUSAL.value,
-        "run_id": info.run_id,
-        "round": info.round,
-        "attempt": info.attempt,
-        "sender": info.peer,
-        "participant_id": info.peer,
-        "error": error,
-        "reason": reason[:2000],
-    }
+def _refusal_of(info: SentInstruction, error: str, reason: str) -> FiledByTransport:
+    """The Refusal of the attempt ``info`` names, on behalf of the node it was sent to
+    (filed by the transport: a node that signs its messages signed none of it)."""
+    return FiledByTransport(
+        {
+            "kind": MessageKind.REFUSAL.value,
+            "run_id": info.run_id,
+            "round": info.round,
+            "attempt": info.attempt,
+            "sender": info.peer,
+            "participant_id": info.peer,
+            "error": error,
+            "reason": reason[:2000],
+        }
+    )
 
 
 def _content_bytes(content: RecordDict) -> int:

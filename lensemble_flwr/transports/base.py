@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
 
@@ -34,6 +34,26 @@ class Transport(Protocol):
 
     def now(self) -> float:
         """Seconds on the clock that ``recv`` timeouts are measured in."""
+
+
+CLIENT_APP_ERROR = "ClientAppError"
+"""The error of a Refusal filed for a node whose reply was an error (its app raised, or
+the SuperLink reports it unavailable)."""
+MALFORMED_REPLY = "MalformedReply"
+"""The error of a Refusal filed for a node whose reply cannot become an update."""
+TRANSPORT_ERRORS = frozenset({CLIENT_APP_ERROR, MALFORMED_REPLY})
+"""The only errors a :class:`FiledByTransport` refusal may name."""
+
+
+class FiledByTransport(dict[str, Any]):
+    """A Refusal payload that a coordinator's own transport files on a node's behalf,
+    from what it delivered for that node: an error reply to the node's instruction, or a
+    reply that cannot become an update. The node signed nothing, so the coordinator does
+    not ask for its signature; the refusal only says that the node releases nothing this
+    attempt (it stops nothing: see :func:`~lensemble_flwr.coordinator.admission.admit`).
+
+    Only code makes one: no payload decoded from a message is of this type, so a node
+    cannot pass its own words off as the transport's."""
 
 
 @runtime_checkable
