@@ -33,6 +33,16 @@ run_flower_app() {
   # Start the local simulation SuperLink ourselves, so that we know its PID and stop it
   # afterwards (a SuperLink that `flwr run` starts on its own keeps running).
   local port="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-39091}" control="${FLWR_LOCAL_CONTROL_API_PORT:-39093}"
+  # A SuperLink left running on these ports would take the run instead of ours.
+  "$VENV/bin/python" - "$port" "$control" <<'PY' || exit 1
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            sys.exit(f"port {port} on 127.0.0.1 is in use (a SuperLink still running from an "
+                     "earlier `flwr run`?): stop that process by its PID, or set "
+                     "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT and FLWR_LOCAL_CONTROL_API_PORT")
+PY
   setsid "$VENV/bin/flower-superlink" --insecure --simulation --isolation subprocess \
     --control-api-address "127.0.0.1:$control" --host 127.0.0.1 --port "$port" \
     --database "$FLWR_HOME/state.db" --log-file "$FLWR_HOME/superlink.log" \
@@ -43,13 +53,20 @@ run_flower_app() {
     "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=0.5)" 2>/dev/null && break
     sleep 0.2
   done
+  if ! kill -0 "$superlink" 2>/dev/null; then
+    echo "the SuperLink did not start: see $FLWR_HOME/superlink.out" >&2
+    cat "$FLWR_HOME/superlink.out" >&2
+    exit 1
+  fi
   "$VENV/bin/flwr" run "${APP:-.}" --stream --federation-config "num-supernodes=${NUM_SUPERNODES:-10}" "$@"
   # `flwr run` exits 0 even when the run failed: ask the SuperLink.
   "$VENV/bin/flwr" ls --format json | "$VENV/bin/python" -c '
 import json, sys
 runs = json.load(sys.stdin)["runs"]
-status = runs[-1]["status"] if runs else "no run"
-print(f"run status: {status}")
+run = max(runs, key=lambda r: r["pending-at"]) if runs else {"status": "no run"}
+status = run["status"]
+details = f" ({run['status-details']})" if run.get("status-details") else ""
+print(f"run status: {status}{details if status != 'finished:completed' else ''}")
 sys.exit(0 if status == "finished:completed" else 1)'
 }
 

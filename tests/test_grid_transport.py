@@ -36,6 +36,7 @@ from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.errors import FaultToleranceExceeded
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
@@ -60,7 +61,12 @@ from lensemble_flwr.strategies.grid_transport import (
 )
 from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.records import participant_id
-from lensemble_flwr.transports.base import COORDINATOR, FiledByTransport, ReplyCollector
+from lensemble_flwr.transports.base import (
+    COORDINATOR,
+    DeliveredFrom,
+    FiledByTransport,
+    ReplyCollector,
+)
 
 ROOT = "ab" * 32
 HASH = "cd" * 32
@@ -519,6 +525,18 @@ _MALFORMED: dict[str, tuple[NodeFn, str]] = {
         lambda m: Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=m),
         "neither a lensemble nor a stock train reply",
     ),
+    "metrics as a ConfigRecord": (
+        lambda m: Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord({n: Array(a) for n, a in PARAMS.items()}),
+                    "metrics": ConfigRecord({"num-examples": "32"}),
+                }
+            ),
+            reply_to=m,
+        ),
+        "ConfigRecord 'metrics' ['num-examples']",  # says where the metrics went
+    ),
     "no example count": (
         lambda m: _stock_reply(m, PARAMS, {"train_loss": 0.5}),
         "MetricRecord 'metrics' ['train_loss']",  # says what it holds, and what is needed
@@ -558,7 +576,7 @@ def test_a_malformed_reply_is_that_nodes_refusal_at_once(
     assert isinstance(refused, Refusal) and refused.error == "MalformedReply"
     assert refused.participant_id == "node-11" and (refused.round, refused.attempt) == (3, 2)
     assert reason in refused.reason
-    if case in ("neither kind", "no example count"):  # and what a stock reply needs
+    if case in ("neither kind", "no example count", "metrics as a ConfigRecord"):
         assert "'num-examples'" in refused.reason and "weighted_by_key" in refused.reason
     assert [d[:2] for d in transport.dropped] == [("node-11", 3)]
     assert transport.recv(timeout_s=0.0) is None
@@ -684,6 +702,20 @@ def test_warm_up_gives_up_at_its_timeout() -> None:
     transport = make_transport(grid, clock)
     assert transport.warm_up(min_nodes=1, timeout_s=3.0) == []
     assert clock.t == pytest.approx(3.0)
+
+
+def test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the simulation engine every node exists from the start (``declared_size``): too
+    few is said at once, not after the warm-up timeout; enough waits as before."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent})
+    transport = make_transport(grid, clock)
+    monkeypatch.setattr(transport, "declared_size", lambda: 2)
+    assert transport.warm_up(min_nodes=3, timeout_s=120.0) == ["node-11", "node-12"]
+    assert clock.t == 0.0
+    assert transport.warm_up(min_nodes=2, timeout_s=120.0) == ["node-11", "node-12"]
 
 
 def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:
@@ -838,8 +870,83 @@ def test_a_signing_nodes_failed_reply_ends_its_wait_at_once(
     assert outcome.state is RoundState.CLOSED and outcome.count == 3
     assert grid.clock.t - started < 5.0  # the collect deadline is 10 s: nobody waited it out
     assert "ForgedMessage" not in caplog.text
+    if failure == "error":  # logged once, by the transport, with the node
+        assert caplog.text.count("KeyError: 'lr'") == 1
     (entry,) = [r for r in verify(Store(tmp_path / "run")) if r.round == 2]
     assert f"key-{keys[14].fingerprint}" not in entry.contributors
+
+
+def huge_update_node(message: Message) -> Message:
+    """A stock train whose update the coordinator refuses (|value| far past
+    ``max-abs-update``), as a BatchNorm ``running_var`` on raw pixels can be."""
+    trained = {n: Array(a.numpy() + 1e6) for n, a in message.content["arrays"].items()}
+    metrics = MetricRecord({"num-examples": 32})
+    return Message(
+        RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=message
+    )
+
+
+def test_a_node_whose_update_is_rejected_has_answered_all_the_same(tmp_path: Path) -> None:
+    """The coordinator rejects node 14's update: node 14 answered, and will not answer
+    again, so the round closes with the others at once instead of at its deadline, and
+    the closing entry says why node 14 contributed nothing."""
+    coordinator, _transport, grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0
+    )
+    grid.nodes[14] = huge_update_node
+    coordinator.run(1)
+    outcome = coordinator.outcomes[-1]
+    assert outcome.state is RoundState.CLOSED and outcome.count == 3
+    assert grid.clock.t < 5.0  # the collect deadline is 10 s
+    (record,) = verify(Store(tmp_path / "run"))
+    assert participant_id(14) not in record.contributors
+
+
+def test_when_every_update_is_rejected_the_run_says_why_at_once(tmp_path: Path) -> None:
+    """Two of four nodes' updates rejected with a quorum of 3: the attempt aborts as soon
+    as the quorum is out of reach, and its error names the rejection, so that the run's
+    final status says what to change."""
+    coordinator, _transport, grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0, max_round_attempts=1
+    )
+    grid.nodes[13] = grid.nodes[14] = huge_update_node
+    with pytest.raises(FaultToleranceExceeded) as caught:
+        coordinator.run(1)
+    assert grid.clock.t < 5.0
+    assert "2 updates and nobody left to answer, quorum 3" in str(caught.value)
+    assert "2 answered without an update" in str(caught.value)
+    assert "exceeds max_abs_update" in str(caught.value)
+    assert "set lensemble.max-abs-update" in str(caught.value)  # and what to change
+
+
+def test_a_rejection_waits_when_no_transport_vouches_for_the_sender(tmp_path: Path) -> None:
+    """In process anyone may write any sender into a payload: a rejected update that did
+    not come through a transport that authenticates its sender leaves that participant
+    free to answer (nobody can shut another out by sending junk in its name)."""
+    coordinator = Coordinator(
+        small_config(min_participants=1),
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        run_id="run",
+    )
+    attempt = coordinator.begin_attempt()
+    coordinator.invite(["p00"])
+    junk = {
+        "kind": MessageKind.UPDATE.value,
+        "run_id": "run",
+        "round": attempt.round,
+        "attempt": attempt.number,
+        "sender": "p00",
+        "participant_id": "p00",
+    }
+    assert coordinator.receive(junk) is None
+    assert attempt.rejected == 1 and not attempt.refused
+    vouched = DeliveredFrom(junk, peer="p00", round=attempt.round, attempt=attempt.number)
+    assert coordinator.receive(vouched) is None
+    assert list(attempt.refused) == ["p00"] and "RejectedUpdate" in attempt.refused["p00"]
+    other = DeliveredFrom(junk, peer="p00", round=attempt.round, attempt=attempt.number + 1)
+    del attempt.refused["p00"]
+    assert coordinator.receive(other) is None and not attempt.refused  # another attempt's
 
 
 def test_a_forged_refusal_from_the_wire_still_needs_a_signature(tmp_path: Path) -> None:

@@ -46,6 +46,16 @@ _FLOAT_EXACT = 1 << 53
 _INT_CAPACITY = (1 << 63) - 1
 
 
+def _room(config: AggregationConfig) -> str:
+    """How far max-abs-update and max-weight may be raised, for a rejection's message."""
+    room = 2.0**62 / 2.0**config.fraction_bits
+    return (
+        f"set lensemble.max-abs-update or lensemble.max-weight in the run config: their "
+        f"product must stay below 2**62 / 2**fraction-bits = {room:.4g}, e.g. "
+        f"max-abs-update {room / 2 / config.max_weight:.4g} at max-weight {config.max_weight}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AggregateSum:
     """The revealed sum of one round's contributing updates.
@@ -285,11 +295,14 @@ class FixedPointAggregator:
         if pid in self._contributed:
             raise RoundError(f"{pid}: already contributed to this round")
         if not 1 <= weight <= self._config.max_weight:
-            raise RoundError(f"{pid}: weight {weight} outside [1, {self._config.max_weight}]")
+            raise RoundError(
+                f"{pid}: weight {weight} outside [1, {self._config.max_weight}] "
+                f"(max-weight; {_room(self._config)})"
+            )
         if update.max_abs > self._config.max_abs_update:
             raise RoundError(
                 f"{pid}: |value| {update.max_abs:.3g} exceeds max_abs_update "
-                f"{self._config.max_abs_update:.3g}"
+                f"{self._config.max_abs_update:.3g} (max-abs-update; {_room(self._config)})"
             )
         check_same_layout(self._template, update.delta, f"update from {pid}")
         bound = weight * (math.ceil(update.max_abs * float(self._scale_unit)) + 1)

@@ -57,7 +57,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.secagg.keys import check_public_key
-from lensemble_flwr.transports.base import TRANSPORT_ERRORS
+from lensemble_flwr.transports.base import CLIENT_APP_ERROR, TRANSPORT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,9 @@ def record_refusal(
     asked more often than that is expected to refuse the rest, and the others go on."""
     pid = msg.participant_id
     attempt.refused[pid] = f"{msg.error}: {msg.reason}"
-    log.warning("round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
+    # an error reply: the transport that filed it logged it, with the node and its text
+    level = logging.DEBUG if msg.error == CLIENT_APP_ERROR else logging.WARNING
+    log.log(level, "round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
     error = reported(msg.error, f"{pid}: {msg.reason}")
     if isinstance(error, PrivacyBudgetExceeded) and ingress.config.federation.sampled:
         log.warning(

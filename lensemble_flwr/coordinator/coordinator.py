@@ -95,6 +95,7 @@ from lensemble_flwr.privacy.calibration import (
 from lensemble_flwr.privacy.guarantee import guarantee_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
+    MessageKind,
     RoundClose,
     RoundOpen,
     UnmaskRequest,
@@ -111,6 +112,7 @@ from lensemble_flwr.transports.base import (
     COORDINATOR,
     BuffersSends,
     DeclaresFederation,
+    DeliveredFrom,
     FiledByTransport,
     Transport,
 )
@@ -158,6 +160,37 @@ def fixed_point_aggregator(
 
 POISSON_DRAWS = 100
 """Poisson draws an attempt makes (each from its own seed) before it gives up on K."""
+
+
+def _answered_all_the_same(attempt: Attempt, payload: WirePayload, error: Exception) -> None:
+    """A rejected update that the transport took from the invited node's own reply to
+    this attempt (:class:`~lensemble_flwr.transports.base.DeliveredFrom`) is that node's
+    answer all the same: it will not send another, so the round stops waiting for it, and
+    the attempt records why it contributed nothing. Nothing else is changed (a rejection
+    of anything else, or of a message whose sender no transport vouches for, still waits:
+    in process anyone may write any sender into a payload)."""
+    if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
+        return
+    if (payload.round, payload.attempt) != (attempt.round, attempt.number):
+        return
+    if attempt.phase not in (RoundState.OPEN, RoundState.COLLECTING):
+        return
+    peer = payload.peer
+    if peer not in attempt.invited or peer in attempt.admitted or peer in attempt.refused:
+        return
+    attempt.refused[peer] = f"RejectedUpdate: {type(error).__name__}: {str(error)[:500]}"
+
+
+def _shortfall(attempt: Attempt) -> str:
+    """Why an attempt is short of its quorum, as far as the answers say: appended to its
+    FaultToleranceExceeded, so that the run's final status names the cause."""
+    parts = []
+    if attempt.refused:
+        peer, reason = min(attempt.refused.items())
+        parts.append(f"{len(attempt.refused)} answered without an update (first, {peer}: {reason})")
+    if attempt.rejected:
+        parts.append(f"{attempt.rejected} messages rejected")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def poisson_draw(reachable: set[str], rate: float, seed: int, quorum: int) -> list[str]:
@@ -784,14 +817,16 @@ class Coordinator:
             log.warning(
                 "round %d: message rejected (%s): %s", attempt.round, type(exc).__name__, exc
             )
+            _answered_all_the_same(attempt, payload, exc)
             return None
-        except _UNTYPED_INPUT_ERRORS:
+        except _UNTYPED_INPUT_ERRORS as exc:
             # A message that passed validation and still tripped something below: it is
             # rejected like any bad message (and logged with its traceback, as a bug),
             # never a crash of the coordinator. I/O errors are not the message's: they
             # propagate.
             attempt.rejected += 1
             log.exception("round %d: message rejected (untyped error)", attempt.round)
+            _answered_all_the_same(attempt, payload, exc)
             return None
 
     def advance(self, reachable: Iterable[str], *, deadline_passed: bool) -> bool:
@@ -839,13 +874,15 @@ class Coordinator:
             if outstanding and len(attempt.admitted) + len(outstanding) < quorum:
                 raise FaultToleranceExceeded(
                     f"{len(attempt.admitted)} updates and {len(outstanding)} reachable "
-                    f"participants left; quorum {quorum} cannot be met"
+                    f"participants left; quorum {quorum} cannot be met{_shortfall(attempt)}"
                 )
             if outstanding and not deadline_passed:
                 return False
             if len(attempt.admitted) < quorum:
+                when = "by the collect deadline" if outstanding else "and nobody left to answer"
                 raise FaultToleranceExceeded(
-                    f"{len(attempt.admitted)} updates by the collect deadline, quorum {quorum}"
+                    f"{len(attempt.admitted)} updates {when}, quorum {quorum}"
+                    f"{_shortfall(attempt)}"
                 )
             self.registry.persist()  # the bindings this round's sum rests on
             self._fire(attempt, RoundEvent.COLLECTION_CLOSED)

@@ -53,6 +53,7 @@ from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.transports.base import (
     CLIENT_APP_ERROR,
     MALFORMED_REPLY,
+    DeliveredFrom,
     FiledByTransport,
 )
 
@@ -284,12 +285,16 @@ class GridTransport:
     def warm_up(self, *, min_nodes: int, timeout_s: float) -> list[str]:
         """Wait (at most ``timeout_s``) until ``min_nodes`` nodes are connected, without
         sending them anything: a stock ClientApp has no handler for a query, and one
-        would answer it with an error traceback.
+        would answer it with an error traceback. On the simulation engine, where every
+        node exists from the start, fewer than ``min_nodes`` returns at once.
 
         Returns:
             The participants connected when it returned.
         """
         deadline = self.now() + timeout_s
+        declared = self.declared_size()
+        if declared is not None and declared < min_nodes:  # no more will come: say so now
+            deadline = self.now()
         while len(self.peers()) < min_nodes and self.now() < deadline:
             self._peers_at = -float("inf")
             self._sleep(min(1.0, max(0.0, deadline - self.now())))
@@ -430,11 +435,16 @@ class GridTransport:
                     self._peers_at = -float("inf")
                     info, source = dataclasses.replace(info, peer=claimed), claimed
             carried = self.layout.carried if self.layout else ()
-            self._inbox.extend(
-                train_reply_payloads(
-                    content, info, source, carried=carried, weight_key=self.weight_key
-                )
+            payloads = train_reply_payloads(
+                content, info, source, carried=carried, weight_key=self.weight_key
             )
+            if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
+                # the node's answer to this attempt, whatever the coordinator makes of it
+                payloads = [
+                    DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt)
+                    for p in payloads
+                ]
+            self._inbox.extend(payloads)
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
@@ -530,9 +540,14 @@ def train_reply_payloads(
 def _reply_shape(content: RecordDict) -> str:
     """What a train reply holds, by record type and name (for an error message)."""
     parts = []
-    for kind, label in ((ArrayRecord, "ArrayRecord"), (MetricRecord, "MetricRecord")):
+    kinds = (
+        (ArrayRecord, "ArrayRecord"),
+        (MetricRecord, "MetricRecord"),
+        (ConfigRecord, "ConfigRecord"),
+    )
+    for kind, label in kinds:
         for name, record in records.records_of(content, kind).items():
-            keys = f" {sorted(record)}" if kind is MetricRecord else ""
+            keys = f" {sorted(record)}" if kind is not ArrayRecord else ""
             parts.append(f"{label} {name!r}{keys}")
     return "it holds " + (", ".join(parts) if parts else "no arrays and no metrics")
 

@@ -103,7 +103,10 @@ class LensembleStrategy(Strategy):
     Args:
         config: the federation's config (defaults to ``LensembleConfig()``).
         run_dir: where checkpoints, the ledger and the manifest go (a fresh temporary
-            directory if omitted; ``result.run_dir`` says where).
+            directory if omitted; ``result.run_dir`` says where). A relative path is
+            taken from the ServerApp process's working directory when the strategy is
+            made (under ``flwr run``, the folder the SuperLink was started from, not
+            the app's); the log and ``result.run_dir`` show it absolute.
         run_id: names the run in every message (default ``flwr-<Flower run id>``).
         warmup_timeout: seconds ``start`` waits, before round 1, for K nodes to connect
             (nothing is sent to them); what it did not use is the first round's grace on
@@ -115,8 +118,9 @@ class LensembleStrategy(Strategy):
             seed of the round (None: the config's ``sample-fraction``, ``sample-min`` and
             ``min-available``; a value given here replaces the config's, and the run
             manifest records it). :meth:`start`'s warm-up waits for
-            ``min_available_nodes`` whether rounds are sampled or not; fewer than that
-            after it is a ConfigError (FedAvg would wait for ever).
+            ``min_available_nodes`` and ``min_train_nodes`` nodes whether rounds are
+            sampled or not, as FedAvg does before it samples; fewer than that after it
+            is a ConfigError (FedAvg would wait for ever).
         fraction_evaluate, min_evaluate_nodes: the share (0: none) and the fewest of the
             nodes asked to evaluate after each round, drawn from a seed of the round.
         arrayrecord_key, configrecord_key: the names of an instruction's ArrayRecord
@@ -189,7 +193,7 @@ class LensembleStrategy(Strategy):
         self.identities = identities
         self.resume = resume
         self.durable_writes = durable_writes
-        self.run_dir = Path(run_dir) if run_dir else None
+        self.run_dir = Path(run_dir).absolute() if run_dir else None
         self.run_id = run_id
         self.warmup_timeout = warmup_timeout
         self.fraction_evaluate = fraction_evaluate
@@ -478,20 +482,27 @@ class LensembleStrategy(Strategy):
         transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         started = transport.now()
-        needed = max(fed.quorum, fed.min_available)
+        # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
+        floor = max(fed.min_available, fed.sample_min)
+        needed = max(fed.quorum, floor)
         warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
         waited = transport.now() - started
         say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
         unfinished = coordinator.global_state().round < num_rounds
-        if fed.quorum <= len(warm) < fed.min_available and unfinished:
+        if fed.quorum <= len(warm) < floor and unfinished:
+            argument, key = (
+                ("min_available_nodes", "min-available")
+                if fed.min_available >= fed.sample_min
+                else ("min_train_nodes", "sample-min")
+            )
             raise ConfigError(
-                "min-available",
+                key,
                 f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
-                f" s), and no round starts before min_available_nodes = {fed.min_available} "
+                f" s), and no round starts before {argument} = {floor} "
                 "are (FedAvg would wait for them for ever): start more SuperNodes (on "
-                f'the simulation engine `--federation-config "num-supernodes='
-                f'{fed.min_available}"`), raise the warm-up timeout, or lower '
-                "min_available_nodes (lensemble.min-available)",
+                f'the simulation engine `--federation-config "num-supernodes={floor}"`), '
+                f"raise the warm-up timeout, or lower {argument} (the strategy's argument; "
+                f"lensemble.{key} when the argument is not given)",
             )
         if len(warm) < fed.quorum and unfinished:
             raise ConfigError(

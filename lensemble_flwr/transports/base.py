@@ -8,7 +8,7 @@ real network, a simulated clock in-process.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from lensemble_flwr.protocol.messages import ControlMessage, WirePayload, to_wire
@@ -54,6 +54,21 @@ class FiledByTransport(dict[str, Any]):
 
     Only code makes one: no payload decoded from a message is of this type, so a node
     cannot pass its own words off as the transport's."""
+
+
+class DeliveredFrom(dict[str, Any]):
+    """A payload a coordinator's transport took from ``peer``'s reply to its instruction
+    of ``round`` and ``attempt``: the transport, not the payload, says who answered (on
+    Flower, the SuperLink authenticates the node a reply comes from). When the coordinator
+    rejects such an update, that peer has still answered the attempt, and the round stops
+    waiting for it (see :meth:`~lensemble_flwr.coordinator.coordinator.Coordinator.receive`).
+    Only code makes one: no payload decoded from a message is of this type."""
+
+    def __init__(self, payload: Mapping[str, Any], *, peer: str, round: int, attempt: int):
+        super().__init__(payload)
+        self.peer = peer
+        self.round = round
+        self.attempt = attempt
 
 
 @runtime_checkable
