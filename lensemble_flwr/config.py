@@ -186,14 +186,25 @@ class FederationConfig(_Section):
         return min(available, wanted)
 
 
+GUARDED_MAX_ABS_UPDATE = 64.0
+"""``max-abs-update`` when unset, for protected releases (clipped, noised, quantized or
+masked)."""
+
+
 class AggregationConfig(_Section):
     """The exact fixed-point accumulator that sums released updates."""
 
     fraction_bits: int = Field(
         32, ge=8, le=40, description="Fixed-point grid 2**-fraction_bits of the exact sum."
     )
-    max_abs_update: float = Field(
-        64.0, gt=0, le=2.0**20, description="Largest |value| an update may carry (ingress check)."
+    max_abs_update: float | None = Field(
+        None,
+        gt=0,
+        le=2.0**20,
+        description="Largest |value| an update may carry (ingress check). Unset: 64 when "
+        "releases are clipped, noised, quantized or masked; otherwise (stock ClientApps, "
+        "as FedAvg) as large as the exact sum allows: half of 2**62 / (max-weight * "
+        "2**fraction-bits), 8192 at the defaults.",
     )
     max_weight: int = Field(
         2**16, ge=1, le=2**30, description="Largest per-update weight (example count)."
@@ -202,8 +213,23 @@ class AggregationConfig(_Section):
         8, ge=1, le=64, description="Admitted updates folded per pass over the accumulator."
     )
 
+    def plaintext_bound(self) -> float:
+        """The ingress bound of a plaintext round without DP: ``max-abs-update`` if set,
+        else half of what one update at ``max-weight`` may reach in the int64 sum."""
+        if self.max_abs_update is not None:
+            return self.max_abs_update
+        return 2.0**61 / (self.max_weight * 2.0**self.fraction_bits)
+
+    def guarded_bound(self) -> float:
+        """The ingress bound of protected releases (clipped, noised, quantized or masked):
+        ``max-abs-update`` if set, else :data:`GUARDED_MAX_ABS_UPDATE` (a masked sum adds
+        up every member's bound; a clipped release past it was not clipped as declared)."""
+        return self.max_abs_update if self.max_abs_update is not None else GUARDED_MAX_ABS_UPDATE
+
     @model_validator(mode="after")
     def _one_update_fits(self) -> AggregationConfig:
+        if self.max_abs_update is None:
+            return self
         if self.max_abs_update * self.max_weight * 2.0**self.fraction_bits >= 2.0**62:
             raise ValueError(
                 "max_abs_update * max_weight * 2**fraction_bits must stay below 2**62 "
@@ -708,7 +734,8 @@ def run_config_table() -> str:
         info = type(getattr(defaults, section)).model_fields[field]
         value = getattr(getattr(defaults, section), field)
         shown = ",".join(value) if isinstance(value, tuple) else value
-        rows.append(f"| `{key}` | `{section}.{field}` | `{shown!r}` | {info.description} |")
+        cell = "unset" if value is None else f"`{shown!r}`"
+        rows.append(f"| `{key}` | `{section}.{field}` | {cell} | {info.description} |")
     return "\n".join(rows)
 
 

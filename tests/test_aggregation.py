@@ -323,7 +323,7 @@ GUARDS = [
     (_bad_duplicate, RoundError, "a: already contributed"),
     (_bad_weight_zero, RoundError, r"c: weight 0 outside \[1, 65536\]"),
     (_bad_weight_too_large, RoundError, r"c: weight 65537 outside \[1, 65536\]"),
-    (_bad_value, RoundError, r"c: \|value\| 64.5 exceeds max_abs_update 64"),
+    (_bad_value, RoundError, r"c: \|value\| 64.5 exceeds max_abs_update 64 \(max-abs-update; set"),
     (_bad_layout, ParameterMismatch, r"enc.w expected shape \(3, 4\), got \(4, 3\)"),
     (_bad_missing_name, ParameterMismatch, r"missing \['enc.b'\]"),
 ]
@@ -341,7 +341,7 @@ def test_refused_update_leaves_the_aggregator_unchanged(
     match: str,
     fold_batch: int,
 ) -> None:
-    cfg = AggregationConfig(fold_batch=fold_batch)
+    cfg = AggregationConfig(fold_batch=fold_batch, max_abs_update=64.0)
     a, b = _good("a", 1), _good("b", 2)
     agg = FixedPointAggregator(_template(), cfg, check_seed=0)
     agg.admit(a, weight=2)
@@ -627,3 +627,29 @@ def test_a_small_models_checksum_weights_are_the_first_of_a_chunks(size: int) ->
     full = fixed_point_module._checksum_vector(11)
     assert full.size == chunked.CHUNK
     np.testing.assert_array_equal(aggregator._r, full[: max(size, 3)])
+
+
+def test_an_unset_value_bound_is_the_exact_sums_room_for_unprotected_updates() -> None:
+    """A stock ClientApp's update (a BatchNorm running_var on raw pixels reaches hundreds)
+    is taken as FedAvg takes it, up to what the exact sum can hold; protected releases
+    (clipped, noised, quantized, masked) keep the guard's 64."""
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.privacy.calibration import ingress_bound
+
+    assert AggregationConfig().plaintext_bound() == 8192.0
+    assert AggregationConfig(max_weight=1).plaintext_bound() == 2.0**29
+    assert AggregationConfig(max_abs_update=3.0).plaintext_bound() == 3.0
+    assert ingress_bound(LensembleConfig()) == 8192.0
+    for protected in (
+        {"privacy": {"clip_norm": 1.0}},
+        {"release": {"quantize": "int8"}},
+        {"federation": {"min_participants": 3, "secagg_threshold": 2}},
+    ):
+        assert ingress_bound(LensembleConfig(**protected)) == 64.0, protected
+    agg = FixedPointAggregator(_template(), AggregationConfig(), check_seed=0)
+    delta = _random_delta(np.random.default_rng(4))
+    delta["enc.b"][2] = np.float32(300.0)
+    agg.admit(_update("c", delta), weight=1)
+    delta["enc.b"][2] = np.float32(8193.0)
+    with pytest.raises(RoundError, match=r"exceeds max_abs_update 8\.19e\+03"):
+        agg.admit(_update("d", delta), weight=1)

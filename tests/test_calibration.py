@@ -145,12 +145,12 @@ def test_the_ingress_bound_admits_the_noises_reach(tmp_path: Path) -> None:
     config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=1.0, dp_rounds=20)
     sigma = calibrated_noise_multiplier(1.0, 1e-5, 20)
     assert ingress_bound(config) == pytest.approx(0.5 * (1 + 10 * sigma))
-    assert ingress_bound(config) > config.aggregation.max_abs_update
+    assert ingress_bound(config) > config.aggregation.guarded_bound() == 64.0
     coordinator, network, _ = federation(tmp_path, config=config)
     coordinator.run(1)
     network.flush()
     assert coordinator.outcomes[-1].count == 4  # nobody's release was rejected
-    assert ingress_bound(dp_config(tmp_path, noise_multiplier=0.0)) == 64.0  # no noise
+    assert ingress_bound(dp_config(tmp_path, noise_multiplier=0.0)) == 64.0  # clipped only
     tight = LensembleConfig(
         federation=config.federation.model_dump(), privacy=config.privacy.model_dump(),
         aggregation={"max_weight": 2**29, "max_abs_update": 1.0},

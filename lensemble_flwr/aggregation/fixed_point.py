@@ -280,7 +280,9 @@ class FixedPointAggregator:
         Raises:
             RoundError: a masked update; after reveal, a second update from the same
                 participant, a weight outside [1, max_weight], a value beyond
-                max_abs_update, an update that would overflow the accumulator, or any
+                max_abs_update (``AggregationConfig.plaintext_bound``: set by the
+                coordinator to the run's ingress bound), an update that would overflow
+                the accumulator, or any
                 update after a fold failed. Nothing is admitted when it raises.
             ParameterMismatch: the update's names or shapes differ from the template.
             Exception: the fold this admission started failed (out of memory, say);
@@ -299,10 +301,10 @@ class FixedPointAggregator:
                 f"{pid}: weight {weight} outside [1, {self._config.max_weight}] "
                 f"(max-weight; {_room(self._config)})"
             )
-        if update.max_abs > self._config.max_abs_update:
+        if update.max_abs > (bound := self._config.plaintext_bound()):
             raise RoundError(
                 f"{pid}: |value| {update.max_abs:.3g} exceeds max_abs_update "
-                f"{self._config.max_abs_update:.3g} (max-abs-update; {_room(self._config)})"
+                f"{bound:.3g} (max-abs-update; {_room(self._config)})"
             )
         check_same_layout(self._template, update.delta, f"update from {pid}")
         bound = weight * (math.ceil(update.max_abs * float(self._scale_unit)) + 1)

@@ -253,8 +253,10 @@ reach at ingress (a Gaussian coordinate is beyond 10σ with probability ~1.5e-23
 
 
 def ingress_bound(config: LensembleConfig) -> float:
-    """The largest |value| an update may carry: ``max-abs-update``, raised under local DP
-    to what a noised release reaches (clip norm plus ``NOISE_REACH`` noise std), so that
+    """The largest |value| an update may carry: ``max-abs-update`` (when unset, 64 for
+    protected releases, else as large as the exact sum allows:
+    :meth:`~lensemble_flwr.config.AggregationConfig.plaintext_bound`), raised under local
+    DP to what a noised release reaches (clip norm plus ``NOISE_REACH`` noise std), so that
     calibrated noise at a small epsilon does not get every release rejected.
 
     Raises:
@@ -262,7 +264,9 @@ def ingress_bound(config: LensembleConfig) -> float:
             ``max-weight`` and ``fraction-bits``.
     """
     agg, privacy = config.aggregation, config.privacy
-    bound = agg.max_abs_update
+    # unset: the exact sum's room for unprotected releases (a stock ClientApp's, as FedAvg
+    # takes any), the guard's 64 once releases are clipped, noised, quantized or masked
+    bound = agg.guarded_bound() if config.protected_releases else agg.plaintext_bound()
     if privacy.noised and privacy.dp_mode == "local":
         reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(config))
         bound = max(bound, reach)

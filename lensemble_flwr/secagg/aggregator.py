@@ -51,12 +51,12 @@ def check_capacity(members: int, config: AggregationConfig) -> None:
     Raises:
         ConfigError: it could.
     """
-    bound = members * config.max_weight * config.max_abs_update * 2.0**config.fraction_bits
+    bound = members * config.max_weight * config.guarded_bound() * 2.0**config.fraction_bits
     if bound >= 2.0**63:
         raise ConfigError(
             "secagg-threshold",
             f"{members} members x max-weight {config.max_weight} x max-abs-update "
-            f"{config.max_abs_update:g} x 2**fraction-bits {config.fraction_bits} could "
+            f"{config.guarded_bound():g} x 2**fraction-bits {config.fraction_bits} could "
             "overflow the int64 sum: lower max-weight (uniform weighting needs 1) or "
             "fraction-bits, or sample fewer members",
         )
