@@ -57,6 +57,7 @@ def default_state_dir() -> Path:
         / "lensemble-flwr/privacy"
     )
 
+
 Adjacency = Literal["substitution", "zero-out"]
 """What a privacy epsilon protects (``dp-adjacency``; see lensemble_flwr.privacy.budget)."""
 
@@ -187,8 +188,8 @@ class FederationConfig(_Section):
 
 
 GUARDED_MAX_ABS_UPDATE = 64.0
-"""``max-abs-update`` when unset, for protected releases (clipped, noised, quantized or
-masked)."""
+"""``max-abs-update`` when unset (0), for protected releases (clipped, noised or masked),
+unless the clip norm is larger."""
 
 
 class AggregationConfig(_Section):
@@ -197,14 +198,15 @@ class AggregationConfig(_Section):
     fraction_bits: int = Field(
         32, ge=8, le=40, description="Fixed-point grid 2**-fraction_bits of the exact sum."
     )
-    max_abs_update: float | None = Field(
-        None,
-        gt=0,
+    max_abs_update: float = Field(
+        0.0,
+        ge=0,
         le=2.0**20,
-        description="Largest |value| an update may carry (ingress check). Unset: 64 when "
-        "releases are clipped, noised, quantized or masked; otherwise (stock ClientApps, "
-        "as FedAvg) as large as the exact sum allows: half of 2**62 / (max-weight * "
-        "2**fraction-bits), 8192 at the defaults.",
+        description="Largest |value| an update may carry (ingress check). 0: unset, which "
+        "is max(64, clip-norm) when releases are clipped, noised or masked, and otherwise "
+        "(stock ClientApps, as FedAvg) as large as the exact sum allows one update: half of "
+        "2**62 / (largest weight * 2**fraction-bits), at most 2**20; at the defaults 8192 "
+        'under weighting = "num-examples", 2**20 under uniform weighting.',
     )
     max_weight: int = Field(
         2**16, ge=1, le=2**30, description="Largest per-update weight (example count)."
@@ -213,22 +215,27 @@ class AggregationConfig(_Section):
         8, ge=1, le=64, description="Admitted updates folded per pass over the accumulator."
     )
 
-    def plaintext_bound(self) -> float:
-        """The ingress bound of a plaintext round without DP: ``max-abs-update`` if set,
-        else half of what one update at ``max-weight`` may reach in the int64 sum."""
-        if self.max_abs_update is not None:
+    def plaintext_bound(self, largest_weight: int | None = None) -> float:
+        """The ingress bound of unprotected releases: ``max-abs-update`` if set, else half
+        of what one update of ``largest_weight`` (default ``max-weight``) may reach in the
+        int64 sum, at most 2**20."""
+        if self.max_abs_update > 0:
             return self.max_abs_update
-        return 2.0**61 / (self.max_weight * 2.0**self.fraction_bits)
+        weight = self.max_weight if largest_weight is None else largest_weight
+        return min(2.0**61 / (weight * 2.0**self.fraction_bits), 2.0**20)
 
-    def guarded_bound(self) -> float:
-        """The ingress bound of protected releases (clipped, noised, quantized or masked):
-        ``max-abs-update`` if set, else :data:`GUARDED_MAX_ABS_UPDATE` (a masked sum adds
-        up every member's bound; a clipped release past it was not clipped as declared)."""
-        return self.max_abs_update if self.max_abs_update is not None else GUARDED_MAX_ABS_UPDATE
+    def guarded_bound(self, clip_norm: float = 0.0) -> float:
+        """The ingress bound of protected releases (clipped, noised or masked):
+        ``max-abs-update`` if set, else the larger of :data:`GUARDED_MAX_ABS_UPDATE` and
+        ``clip_norm`` (a coordinate of a release clipped to that L2 norm can reach it; a
+        masked sum adds up every member's bound)."""
+        if self.max_abs_update > 0:
+            return self.max_abs_update
+        return max(GUARDED_MAX_ABS_UPDATE, clip_norm)
 
     @model_validator(mode="after")
     def _one_update_fits(self) -> AggregationConfig:
-        if self.max_abs_update is None:
+        if self.max_abs_update == 0:  # unset: resolved within what fits
             return self
         if self.max_abs_update * self.max_weight * 2.0**self.fraction_bits >= 2.0**62:
             raise ValueError(
@@ -565,8 +572,13 @@ class LensembleConfig(_Section):
             differ = sorted(
                 k for k in recorded.keys() | given.keys() if recorded.get(k) != given.get(k)
             )
+            shown = ", ".join(
+                f"{k}: recorded {recorded.get(k)!r}, given {given.get(k)!r}" for k in differ[:8]
+            )
             raise ConfigError(
-                "config", f"differs from the run's recorded configuration in {differ}"
+                "config",
+                f"differs from the run's recorded configuration in {differ} ({shown}): "
+                "give the recorded values to continue this run",
             )
 
     @property
@@ -610,8 +622,8 @@ class LensembleConfig(_Section):
             )
         if self.release.quantize != "none":
             raise ConfigError(
-                "dp-mode", "distributed noise is added on the exact fixed-point grid: quantize "
-                "must be none"
+                "dp-mode",
+                "distributed noise is added on the exact fixed-point grid: quantize must be none",
             )
         return self
 
@@ -734,8 +746,7 @@ def run_config_table() -> str:
         info = type(getattr(defaults, section)).model_fields[field]
         value = getattr(getattr(defaults, section), field)
         shown = ",".join(value) if isinstance(value, tuple) else value
-        cell = "unset" if value is None else f"`{shown!r}`"
-        rows.append(f"| `{key}` | `{section}.{field}` | {cell} | {info.description} |")
+        rows.append(f"| `{key}` | `{section}.{field}` | `{shown!r}` | {info.description} |")
     return "\n".join(rows)
 
 

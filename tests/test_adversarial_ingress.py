@@ -21,6 +21,7 @@ from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 from test_strategy import stock_loop_federation
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LedgerError, LensembleError, Response, reported, response_to
 from lensemble_flwr.identity.signing import IdentityKey
@@ -30,7 +31,12 @@ from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.records import arrays_to_record
-from lensemble_flwr.transports.base import COORDINATOR, MALFORMED_REPLY, FiledByTransport
+from lensemble_flwr.transports.base import (
+    COORDINATOR,
+    MALFORMED_REPLY,
+    DeliveredFrom,
+    FiledByTransport,
+)
 
 LISTENING = [RoundState.OPEN, RoundState.COLLECTING, RoundState.AGGREGATING]
 
@@ -63,6 +69,32 @@ def test_a_transport_files_nothing_but_its_own_refusals(
     assert after.pop("rejected") == before.pop("rejected") + 1 and after == before
     filed = FiledByTransport(to_wire(messages()[Refusal]) | {"error": MALFORMED_REPLY})
     assert coordinator.receive(filed) is not None  # what it may file is taken
+
+
+def test_a_rejected_update_answers_for_its_node_only_when_it_is_that_nodes_own(
+    tmp_path: Path, caplog
+) -> None:
+    """A delivered update that fails its signature is not proven to be the node's own
+    (another node may have taken the name): it answers for nobody. Nor does a second,
+    rejected update of a participant already admitted."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING, require_signatures=True)
+    attempt = coordinator.attempt
+    assert attempt is not None
+
+    def delivered(payload: dict[str, Any]) -> DeliveredFrom:
+        return DeliveredFrom(
+            payload, peer="p00", round=attempt.round, attempt=attempt.number, node=5
+        )
+
+    assert coordinator.receive(delivered(update_payload())) is None
+    assert "ForgedMessage" in caplog.text and not attempt.refused
+
+    coordinator = coordinator_in(tmp_path / "b", RoundState.COLLECTING)
+    attempt = coordinator.attempt
+    assert attempt is not None
+    assert coordinator.receive(delivered(update_payload())) is Verdict.ADMITTED
+    assert coordinator.receive(delivered(update_payload())) is None  # a duplicate
+    assert attempt.admitted == {"p00"} and not attempt.refused
 
 
 # -- non-finite floats ------------------------------------------------------------------

@@ -631,21 +631,27 @@ def test_a_small_models_checksum_weights_are_the_first_of_a_chunks(size: int) ->
 
 def test_an_unset_value_bound_is_the_exact_sums_room_for_unprotected_updates() -> None:
     """A stock ClientApp's update (a BatchNorm running_var on raw pixels reaches hundreds)
-    is taken as FedAvg takes it, up to what the exact sum can hold; protected releases
-    (clipped, noised, quantized, masked) keep the guard's 64."""
+    is taken as FedAvg takes it, up to what the exact sum holds for one update at the
+    largest weight; clipped, noised or masked releases keep the guard's 64 (or the clip
+    norm, if larger)."""
     from lensemble_flwr.config import LensembleConfig
     from lensemble_flwr.privacy.calibration import ingress_bound
 
-    assert AggregationConfig().plaintext_bound() == 8192.0
-    assert AggregationConfig(max_weight=1).plaintext_bound() == 2.0**29
+    assert AggregationConfig().max_abs_update == 0.0  # unset
+    assert AggregationConfig().plaintext_bound() == 8192.0  # at max-weight 2**16
+    assert AggregationConfig().plaintext_bound(largest_weight=1) == 2.0**20  # capped
     assert AggregationConfig(max_abs_update=3.0).plaintext_bound() == 3.0
-    assert ingress_bound(LensembleConfig()) == 8192.0
-    for protected in (
-        {"privacy": {"clip_norm": 1.0}},
-        {"release": {"quantize": "int8"}},
-        {"federation": {"min_participants": 3, "secagg_threshold": 2}},
+    assert ingress_bound(LensembleConfig()) == 2.0**20  # uniform weighting: weight 1
+    examples = {"federation": {"weighting": "num-examples"}}
+    assert ingress_bound(LensembleConfig(**examples)) == 8192.0
+    assert ingress_bound(LensembleConfig(release={"quantize": "int8"})) == 2.0**20
+    for protected, bound in (
+        ({"privacy": {"clip_norm": 1.0}}, 64.0),
+        ({"privacy": {"clip_norm": 100.0}}, 100.0),  # a clipped coordinate reaches it
+        ({"federation": {"min_participants": 3, "secagg_threshold": 2}}, 64.0),
+        ({"aggregation": {"max_abs_update": 5.0}}, 5.0),  # set: as given
     ):
-        assert ingress_bound(LensembleConfig(**protected)) == 64.0, protected
+        assert ingress_bound(LensembleConfig(**protected)) == bound, protected
     agg = FixedPointAggregator(_template(), AggregationConfig(), check_seed=0)
     delta = _random_delta(np.random.default_rng(4))
     delta["enc.b"][2] = np.float32(300.0)

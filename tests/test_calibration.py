@@ -133,9 +133,7 @@ def test_the_privacy_pages_examples_run_as_written(tmp_path: Path, index: int) -
     final = Ledger(coordinator.store).records()[-1]
     assert final.round == planned
     assert all(e is not None and e <= config.privacy.dp_epsilon for e in final.epsilon.values())
-    assert final.privacy is not None and final.privacy.mechanism.startswith(
-        config.privacy.dp_mode
-    )
+    assert final.privacy is not None and final.privacy.mechanism.startswith(config.privacy.dp_mode)
 
 
 def test_the_ingress_bound_admits_the_noises_reach(tmp_path: Path) -> None:
@@ -145,16 +143,17 @@ def test_the_ingress_bound_admits_the_noises_reach(tmp_path: Path) -> None:
     config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=1.0, dp_rounds=20)
     sigma = calibrated_noise_multiplier(1.0, 1e-5, 20)
     assert ingress_bound(config) == pytest.approx(0.5 * (1 + 10 * sigma))
-    assert ingress_bound(config) > config.aggregation.guarded_bound() == 64.0
+    assert ingress_bound(config) > config.aggregation.guarded_bound() == 64.0  # unset
     coordinator, network, _ = federation(tmp_path, config=config)
     coordinator.run(1)
     network.flush()
     assert coordinator.outcomes[-1].count == 4  # nobody's release was rejected
     assert ingress_bound(dp_config(tmp_path, noise_multiplier=0.0)) == 64.0  # clipped only
     tight = LensembleConfig(
-        federation=config.federation.model_dump(), privacy=config.privacy.model_dump(),
+        federation={**config.federation.model_dump(), "weighting": "num-examples"},
+        privacy=config.privacy.model_dump(),
         aggregation={"max_weight": 2**29, "max_abs_update": 1.0},
-    )  # fmt: skip
+    )  # fmt: skip  (weighted by examples: a weight may reach max-weight)
     with pytest.raises(ConfigError, match="does not fit the int64 accumulator"):
         ingress_bound(tight)
 

@@ -877,9 +877,9 @@ def test_a_signing_nodes_failed_reply_ends_its_wait_at_once(
 
 
 def huge_update_node(message: Message) -> Message:
-    """A stock train whose update the coordinator refuses (|value| far past
-    ``max-abs-update``), as a BatchNorm ``running_var`` on raw pixels can be."""
-    trained = {n: Array(a.numpy() + 1e6) for n, a in message.content["arrays"].items()}
+    """A stock train whose update the coordinator refuses (|value| past what the exact
+    sum takes for one update: ``max-abs-update``, unset, is 2**20 here)."""
+    trained = {n: Array(a.numpy() + 1e7) for n, a in message.content["arrays"].items()}
     metrics = MetricRecord({"num-examples": 32})
     return Message(
         RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=message
@@ -971,8 +971,14 @@ def test_a_forged_refusal_from_the_wire_still_needs_a_signature(tmp_path: Path) 
     }
     assert coordinator.receive(forged) is None  # rejected: unsigned
     assert attempt.rejected == 1 and not attempt.refused
-    assert coordinator.receive(FiledByTransport(forged)) is Verdict.REFUSED  # the transport's
+    # filed by the transport for a node that signed under that name before: taken
+    assert coordinator.receive(FiledByTransport(forged, node=12)) is Verdict.REFUSED
     assert list(attempt.refused) == [f"key-{keys[12].fingerprint}"]
+    del attempt.refused[f"key-{keys[12].fingerprint}"]
+    # for another node claiming that name (squatting it while node 12 is away): refused
+    assert coordinator.receive(FiledByTransport(forged, node=99)) is None
+    assert coordinator.receive(FiledByTransport(forged)) is None
+    assert not attempt.refused and attempt.rejected == 3
 
 
 def test_a_rounds_files_are_made_after_its_instructions_are_pushed(

@@ -50,9 +50,9 @@ def _room(config: AggregationConfig) -> str:
     """How far max-abs-update and max-weight may be raised, for a rejection's message."""
     room = 2.0**62 / 2.0**config.fraction_bits
     return (
-        f"set lensemble.max-abs-update or lensemble.max-weight in the run config: their "
-        f"product must stay below 2**62 / 2**fraction-bits = {room:.4g}, e.g. "
-        f"max-abs-update {room / 2 / config.max_weight:.4g} at max-weight {config.max_weight}"
+        f"set lensemble.max-abs-update (and lensemble.max-weight) in the run config: "
+        f"max-abs-update x the largest weight (1 under uniform weighting, else max-weight) "
+        f"must stay below 2**62 / 2**fraction-bits = {room:.4g}"
     )
 
 

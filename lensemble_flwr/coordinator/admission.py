@@ -287,13 +287,16 @@ def admit(
     fields: dict[str, Any] | None = None,
     *,
     filed_by_transport: bool = False,
+    vouched: bool = False,
 ) -> Verdict:
     """Admit one validated message into ``attempt``, or raise and change nothing.
     ``fields``: the message's :func:`canonical_fields`, if already computed (a batch
     hashed on threads, :mod:`.batch`). ``filed_by_transport``: a Refusal the
     coordinator's own transport filed for the node
     (:class:`~lensemble_flwr.transports.base.FiledByTransport`): no signature of the
-    node is asked for, and it stops nothing, whatever error it names.
+    node is asked for, and it stops nothing, whatever error it names; for a participant
+    that signs, only when ``vouched`` (a signed message from the same node was admitted
+    before). One of another attempt, or for a participant already admitted, is dropped.
 
     Raises:
         IllegalMessage: the round admits nothing in its state, a kind no participant may
@@ -331,6 +334,15 @@ def admit(
                 f"a transport files only refusals of its own ({sorted(TRANSPORT_ERRORS)}), "
                 f"not this {msg.kind}"
             )
+        if ingress.registry.signs(pid) and not vouched:
+            # the name is the node's own, unsigned claim until a signed message from that
+            # node was admitted: a node squatting an absent participant's name files nothing
+            raise ForgedMessage(
+                f"{pid}: a refusal the transport filed for a node that has not signed as {pid} yet"
+            )
+        if not current or pid in attempt.admitted:  # nothing to stop waiting for: dropped
+            log.debug("round %d: %s's %s dropped", attempt.round, pid, msg.error)
+            return Verdict.LATE
     else:
         ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
     if not current:

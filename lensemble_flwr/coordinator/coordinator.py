@@ -69,6 +69,7 @@ from lensemble_flwr.coordinator.recovery import (
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
+    ForgedMessage,
     IllegalTransition,
     LensembleError,
     ParameterMismatch,
@@ -170,6 +171,8 @@ def _answered_all_the_same(attempt: Attempt, payload: WirePayload, error: Except
     of anything else, or of a message whose sender no transport vouches for, still waits:
     in process anyone may write any sender into a payload)."""
     if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
+        return
+    if isinstance(error, ForgedMessage):  # not proven to be the node's own: it may not be
         return
     if (payload.round, payload.attempt) != (attempt.round, attempt.number):
         return
@@ -412,6 +415,7 @@ class Coordinator:
         self._update_transform = update_transform
         self._gauge = gauge
         self.registry = ParticipantRegistry(config, store, identities)
+        self._signed_from: dict[str, int] = {}  # participant -> the node it last signed from
         self._mode: RoundMode = mode_for(
             with_ingress_bound(config),  # under local DP, the noise's reach is admitted
             self.registry,
@@ -802,14 +806,24 @@ class Coordinator:
                 message, fields = from_wire(payload), None
             else:
                 message, fields = prepared.result()
-            return admit(
+            filed = isinstance(payload, FiledByTransport)
+            verdict = admit(
                 attempt,
                 message,
                 self._ingress,
                 self._mode.admission,
                 fields,
-                filed_by_transport=isinstance(payload, FiledByTransport),
+                filed_by_transport=filed,
+                vouched=filed and self._signed_from.get(message.sender) == payload.node,
             )
+            if (
+                isinstance(payload, DeliveredFrom)
+                and payload.node is not None
+                and verdict is not Verdict.LATE  # (an unknown sender's late one is unchecked)
+            ):
+                # admitted, so signed if the participant signs: its node has proven the name
+                self._signed_from[payload.peer] = payload.node
+            return verdict
         except LensembleError as exc:
             if response_to(exc) is not Response.REJECT_MESSAGE:
                 raise
@@ -881,8 +895,7 @@ class Coordinator:
             if len(attempt.admitted) < quorum:
                 when = "by the collect deadline" if outstanding else "and nobody left to answer"
                 raise FaultToleranceExceeded(
-                    f"{len(attempt.admitted)} updates {when}, quorum {quorum}"
-                    f"{_shortfall(attempt)}"
+                    f"{len(attempt.admitted)} updates {when}, quorum {quorum}{_shortfall(attempt)}"
                 )
             self.registry.persist()  # the bindings this round's sum rests on
             self._fire(attempt, RoundEvent.COLLECTION_CLOSED)

@@ -159,6 +159,14 @@ class ParticipantRegistry:
             return
         verify_signature(msg, key, round_seed, fields)
 
+    def signs(self, pid: str) -> bool:
+        """Whether ``pid``'s messages must carry its signature: an allow-list, a key
+        bound with its commitment, or ``require-signatures``."""
+        if self.identities is not None or self.config.federation.require_signatures:
+            return True
+        bound = self.commitments.get(pid)
+        return bound is not None and bound.identity_key is not None
+
     def registered(self, pid: str) -> bool:
         """Bound by a Commitment, or named in the identity allow-list."""
         return pid in self.commitments or (self.identities is not None and pid in self.identities)

@@ -200,9 +200,13 @@ def check_plan(config: LensembleConfig, noise_multiplier: float, rounds: int) ->
     affords = max_rounds(noise_multiplier, eps, delta, mech, sensitivity=factor)
     adjacency = "" if privacy.dp_adjacency == "substitution" else ", zero-out adjacency"
     unit = "rounds" if releases == rounds else "releases"
-    plan = f"{rounds} rounds" if releases == rounds else (
-        f"{releases} releases ({rounds} rounds at sample-fraction "
-        f"{config.federation.sample_fraction:g}, dp-overrun {privacy.dp_overrun:g})"
+    plan = (
+        f"{rounds} rounds"
+        if releases == rounds
+        else (
+            f"{releases} releases ({rounds} rounds at sample-fraction "
+            f"{config.federation.sample_fraction:g}, dp-overrun {privacy.dp_overrun:g})"
+        )
     )
     raise ConfigError(
         "noise-multiplier",
@@ -253,29 +257,37 @@ reach at ingress (a Gaussian coordinate is beyond 10σ with probability ~1.5e-23
 
 
 def ingress_bound(config: LensembleConfig) -> float:
-    """The largest |value| an update may carry: ``max-abs-update`` (when unset, 64 for
-    protected releases, else as large as the exact sum allows:
-    :meth:`~lensemble_flwr.config.AggregationConfig.plaintext_bound`), raised under local
-    DP to what a noised release reaches (clip norm plus ``NOISE_REACH`` noise std), so that
-    calibrated noise at a small epsilon does not get every release rejected.
+    """The largest |value| an update may carry: ``max-abs-update`` (when unset, 0:
+    max(64, clip norm) for clipped, noised or masked releases, else as large as the exact
+    sum allows: :meth:`~lensemble_flwr.config.AggregationConfig.plaintext_bound`), raised
+    under local DP to what a noised release reaches (clip norm plus ``NOISE_REACH`` noise
+    std), so that calibrated noise at a small epsilon does not get every release rejected.
 
     Raises:
-        ConfigError: that bound does not fit the int64 accumulator at the run's
-            ``max-weight`` and ``fraction-bits``.
+        ConfigError: that bound does not fit the int64 accumulator at the run's largest
+            weight (1 under uniform weighting, else ``max-weight``) and ``fraction-bits``.
     """
     agg, privacy = config.aggregation, config.privacy
-    # unset: the exact sum's room for unprotected releases (a stock ClientApp's, as FedAvg
-    # takes any), the guard's 64 once releases are clipped, noised, quantized or masked
-    bound = agg.guarded_bound() if config.protected_releases else agg.plaintext_bound()
+    # unset: the guard's 64 (or the clip norm) for clipped, noised or masked releases; for
+    # unprotected ones (a stock ClientApp's, as FedAvg takes any) the exact sum's room
+    protected = privacy.clip_norm > 0 or privacy.noised or config.federation.secagg_threshold > 0
+    # under uniform weighting every weight is 1, whatever max-weight says
+    largest = 1 if config.federation.weighting == "uniform" else agg.max_weight
+    bound = (
+        agg.guarded_bound(privacy.clip_norm)
+        if protected
+        else agg.plaintext_bound(largest_weight=largest)
+    )
     if privacy.noised and privacy.dp_mode == "local":
         reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(config))
         bound = max(bound, reach)
-    if bound * agg.max_weight * 2.0**agg.fraction_bits >= 2.0**62:
+    if bound * largest * 2.0**agg.fraction_bits >= 2.0**62:
         raise ConfigError(
             "max-abs-update",
-            f"a noised release reaches |value| {bound:.4g}, which does not fit the int64 "
-            f"accumulator at max-weight {agg.max_weight} and fraction-bits "
-            f"{agg.fraction_bits}: lower max-weight or fraction-bits (or the noise)",
+            f"updates may reach |value| {bound:.4g}, which does not fit the int64 "
+            f"accumulator at a weight of {largest} and fraction-bits "
+            f"{agg.fraction_bits}: lower max-weight or fraction-bits (or the noise, or "
+            "the clip norm)",
         )
     return bound
 

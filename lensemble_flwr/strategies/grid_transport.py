@@ -387,6 +387,13 @@ class GridTransport:
             if info.pushed_at < horizon:
                 del self._outstanding[message_id]
 
+    def _node_of(self, peer: str) -> int | None:
+        """The Flower node ``peer`` is now (None: neither a learnt name nor an address)."""
+        try:
+            return self.names.node_of(peer)
+        except ValueError:
+            return None
+
     def _absorb(self, reply: Message) -> None:
         info = self._outstanding.pop(reply.metadata.reply_to_message_id, None)
         source = self.names.name_of(reply.metadata.src_node_id)
@@ -399,7 +406,7 @@ class GridTransport:
             return
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
-            refusal = error_refusal(reply, info)
+            refusal = error_refusal(reply, info, self._node_of(info.peer))
             if refusal is not None:  # the round stops waiting for this node
                 self._inbox.append(refusal)
                 return
@@ -440,8 +447,9 @@ class GridTransport:
             )
             if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
                 # the node's answer to this attempt, whatever the coordinator makes of it
+                node = self.names.node_of(source)
                 payloads = [
-                    DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt)
+                    DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt, node=node)
                     for p in payloads
                 ]
             self._inbox.extend(payloads)
@@ -449,7 +457,11 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
             # node the instruction names now: a renamed participant's old node is not it)
-            refusal = malformed_refusal(info, str(exc)) if source == info.peer else None
+            refusal = (
+                malformed_refusal(info, str(exc), self._node_of(source))
+                if source == info.peer
+                else None
+            )
             if refusal is not None:
                 self._inbox.append(refusal)  # the coordinator logs it, with the reason
             else:
@@ -552,7 +564,9 @@ def _reply_shape(content: RecordDict) -> str:
     return "it holds " + (", ".join(parts) if parts else "no arrays and no metrics")
 
 
-def malformed_refusal(info: SentInstruction, reason: str) -> WirePayload | None:
+def malformed_refusal(
+    info: SentInstruction, reason: str, node: int | None = None
+) -> WirePayload | None:
     """A node's malformed reply to a RoundOpen (one that cannot become an update: wrong
     arrays, NaN, no example count) as that node's Refusal of the attempt, None for any
     other instruction: the node answered and will not answer again, so the round must
@@ -561,10 +575,12 @@ def malformed_refusal(info: SentInstruction, reason: str) -> WirePayload | None:
     so."""
     if info.kind is not MessageKind.ROUND_OPEN:
         return None
-    return _refusal_of(info, MALFORMED_REPLY, f"malformed train reply: {reason}")
+    return _refusal_of(info, MALFORMED_REPLY, f"malformed train reply: {reason}", node)
 
 
-def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
+def error_refusal(
+    reply: Message, info: SentInstruction, node: int | None = None
+) -> WirePayload | None:
     """A node's error reply to a RoundOpen as that node's Refusal of the attempt (None for
     any other instruction): a ClientApp that raised, or a SuperLink that reports the node
     unavailable, will not deliver an update, so the round must not wait its deadline out
@@ -574,12 +590,15 @@ def error_refusal(reply: Message, info: SentInstruction) -> WirePayload | None:
     where = "the SuperLink" if reply.metadata.src_node_id == SUPERLINK_NODE_ID else info.peer
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
     log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
-    return _refusal_of(info, CLIENT_APP_ERROR, reason)
+    return _refusal_of(info, CLIENT_APP_ERROR, reason, node)
 
 
-def _refusal_of(info: SentInstruction, error: str, reason: str) -> FiledByTransport:
+def _refusal_of(
+    info: SentInstruction, error: str, reason: str, node: int | None = None
+) -> FiledByTransport:
     """The Refusal of the attempt ``info`` names, on behalf of the node it was sent to
-    (filed by the transport: a node that signs its messages signed none of it)."""
+    (``node``: its Flower id; filed by the transport: a node that signs its messages
+    signed none of it)."""
     return FiledByTransport(
         {
             "kind": MessageKind.REFUSAL.value,
@@ -590,7 +609,8 @@ def _refusal_of(info: SentInstruction, error: str, reason: str) -> FiledByTransp
             "participant_id": info.peer,
             "error": error,
             "reason": reason[:2000],
-        }
+        },
+        node=node,
     )
 
 

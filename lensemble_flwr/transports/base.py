@@ -55,6 +55,10 @@ class FiledByTransport(dict[str, Any]):
     Only code makes one: no payload decoded from a message is of this type, so a node
     cannot pass its own words off as the transport's."""
 
+    def __init__(self, payload: Mapping[str, Any], *, node: int | None = None):
+        super().__init__(payload)
+        self.node = node  # the transport's address of the node it files for
+
 
 class DeliveredFrom(dict[str, Any]):
     """A payload a coordinator's transport took from ``peer``'s reply to its instruction
@@ -64,11 +68,20 @@ class DeliveredFrom(dict[str, Any]):
     waiting for it (see :meth:`~lensemble_flwr.coordinator.coordinator.Coordinator.receive`).
     Only code makes one: no payload decoded from a message is of this type."""
 
-    def __init__(self, payload: Mapping[str, Any], *, peer: str, round: int, attempt: int):
+    def __init__(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        peer: str,
+        round: int,
+        attempt: int,
+        node: int | None = None,
+    ):
         super().__init__(payload)
         self.peer = peer
         self.round = round
         self.attempt = attempt
+        self.node = node  # the transport's address of the node that answered
 
 
 @runtime_checkable
