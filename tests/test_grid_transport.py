@@ -55,6 +55,7 @@ from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
+    WARM_UP_SETTLE_S,
     GridTransport,
     SentInstruction,
     malformed_refusal,
@@ -707,15 +708,22 @@ def test_warm_up_gives_up_at_its_timeout() -> None:
 def test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_come(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the simulation engine every node exists from the start (``declared_size``): too
-    few is said at once, not after the warm-up timeout; enough waits as before."""
+    """On the simulation engine the nodes are registered as it starts (``declared_size``):
+    a count too low that stays so for a few seconds is said then, not after the warm-up
+    timeout; a count still rising (or none yet) is waited for as before."""
     clock = FakeClock()
-    grid = FakeGrid(clock, {11: silent, 12: silent})
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent}, appear_at={13: 2.5})
     transport = make_transport(grid, clock)
-    monkeypatch.setattr(transport, "declared_size", lambda: 2)
-    assert transport.warm_up(min_nodes=3, timeout_s=120.0) == ["node-11", "node-12"]
-    assert clock.t == 0.0
-    assert transport.warm_up(min_nodes=2, timeout_s=120.0) == ["node-11", "node-12"]
+    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
+    assert transport.warm_up(min_nodes=4, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
+    assert 2.5 + WARM_UP_SETTLE_S <= clock.t <= 2.5 + WARM_UP_SETTLE_S + 1.0  # then settled
+    assert transport.warm_up(min_nodes=3, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent}, appear_at={11: 30.0})  # the engine not started yet
+    transport = make_transport(grid, clock)
+    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
+    assert transport.warm_up(min_nodes=1, timeout_s=120.0) == ["node-11"]
+    assert 30.0 <= clock.t <= 31.0
 
 
 def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:

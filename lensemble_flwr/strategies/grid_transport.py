@@ -63,6 +63,11 @@ log = logging.getLogger(__name__)
 _IN_MEMORY_GRID = "flwr.superlink.grid.inmemory_grid"
 
 
+WARM_UP_SETTLE_S = 3.0
+"""Seconds the simulation engine's node count must stay below what the warm-up waits for
+before it stops waiting (the engine registers its nodes as it starts, not all at once)."""
+
+
 def is_simulation_grid(grid: Grid) -> bool:
     """Whether ``grid`` is Flower's ``InMemoryGrid`` (the simulation engine's), checked
     without importing it: its module pulls in the SuperLink's state (SQLAlchemy, FastAPI;
@@ -285,17 +290,24 @@ class GridTransport:
     def warm_up(self, *, min_nodes: int, timeout_s: float) -> list[str]:
         """Wait (at most ``timeout_s``) until ``min_nodes`` nodes are connected, without
         sending them anything: a stock ClientApp has no handler for a query, and one
-        would answer it with an error traceback. On the simulation engine, where every
-        node exists from the start, fewer than ``min_nodes`` returns at once.
+        would answer it with an error traceback. On the simulation engine, whose nodes
+        are all registered as it starts, a count below ``min_nodes`` that has not changed
+        for :data:`WARM_UP_SETTLE_S` seconds returns then (no more will come).
 
         Returns:
             The participants connected when it returned.
         """
         deadline = self.now() + timeout_s
-        declared = self.declared_size()
-        if declared is not None and declared < min_nodes:  # no more will come: say so now
-            deadline = self.now()
+        settled: tuple[int, float] | None = None  # (the engine's node count, since when)
         while len(self.peers()) < min_nodes and self.now() < deadline:
+            declared = self.declared_size()
+            if declared is not None and 0 < declared < min_nodes:
+                if settled is None or settled[0] != declared:
+                    settled = (declared, self.now())
+                elif self.now() - settled[1] >= WARM_UP_SETTLE_S:
+                    break  # the engine registered its nodes: no more will come
+            else:
+                settled = None
             self._peers_at = -float("inf")
             self._sleep(min(1.0, max(0.0, deadline - self.now())))
         self._peers_at = -float("inf")
