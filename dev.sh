@@ -65,9 +65,10 @@ import json, sys
 runs = json.load(sys.stdin)["runs"]
 run = max(runs, key=lambda r: r["pending-at"]) if runs else {"status": "no run"}
 status = run["status"]
-details = f" ({run['status-details']})" if run.get("status-details") else ""
-print(f"run status: {status}{details if status != 'finished:completed' else ''}")
-sys.exit(0 if status == "finished:completed" else 1)'
+ok = status == "finished:completed"
+details = "" if ok or not run.get("status-details") else " (" + run["status-details"] + ")"
+print("run status: " + status + details)
+sys.exit(0 if ok else 1)'
 }
 
 case "${1:-}" in
