@@ -570,39 +570,26 @@ def test_a_malformed_reply_does_not_hold_the_round_to_its_deadline(
         assert len(outcome.contributors) == 3 and f"node-{bad_node}" not in outcome.contributors
 
 
-def test_min_train_nodes_above_the_federation_fails_at_the_warm_up_naming_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("argument", ["min_available_nodes", "min_train_nodes"])
+def test_a_node_floor_above_the_federation_fails_at_the_warm_up_naming_it(
+    tmp_path: Path, argument: str
 ) -> None:
-    """FedAvg samples max(fraction * N, min_train_nodes) and waits until that many are
-    connected: with 4 nodes and min_train_nodes = 6 it waits for ever. lensemble says
-    so, naming the argument, before any round (it used to train on the 4)."""
+    """FedAvg waits for ever for max(min_available_nodes, its sample size, which is at
+    least min_train_nodes); lensemble waits its warm-up, then says which argument cannot
+    be met and how to run it, before any round (it used to train on the 4 there are)."""
     grid = grid_of(quickstart_app(False))
     strategy = LensembleStrategy(
         fedavg_config(min_participants=2),
         run_dir=tmp_path / "run",
         warmup_timeout=0.2,
-        min_train_nodes=6,
+        **{argument: 6},
     )
-    with pytest.raises(ConfigError, match=r"4 node\(s\) connected.*min_train_nodes = 6"):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
-    assert grid.pushes == []
-
-
-def test_min_available_nodes_above_the_federation_fails_at_the_warm_up_naming_it(
-    tmp_path: Path,
-) -> None:
-    """FedAvg waits for min_available_nodes for ever; lensemble waits its warm-up, then
-    says which argument cannot be met and how to run it, before any round."""
-    grid = grid_of(quickstart_app(False))
-    strategy = LensembleStrategy(
-        fedavg_config(min_participants=2),
-        run_dir=tmp_path / "run",
-        warmup_timeout=0.2,
-        min_available_nodes=6,
-    )
-    with pytest.raises(ConfigError, match=r"4 node\(s\) connected.*min_available_nodes = 6"):
+    with pytest.raises(ConfigError, match=rf"4 node\(s\) connected.*{argument} = 6"):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
     assert grid.pushes == []  # no round was tried
+
+
+def test_min_available_nodes_the_federation_meets_runs(tmp_path: Path) -> None:
     strategy = LensembleStrategy(
         fedavg_config(min_participants=2),
         run_dir=tmp_path / "run-4",
