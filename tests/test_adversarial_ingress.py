@@ -97,6 +97,35 @@ def test_a_rejected_update_answers_for_its_node_only_when_it_is_that_nodes_own(
     assert attempt.admitted == {"p00"} and not attempt.refused
 
 
+def test_a_transport_refusal_with_nothing_left_to_stop_is_dropped(tmp_path: Path) -> None:
+    """A refusal the transport files for a participant already admitted (a SuperLink error
+    arriving after its update), or for another attempt, is dropped: not recorded as a
+    refusal, not filed as late (it is nobody's signed word)."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING)
+    attempt = coordinator.attempt
+    assert attempt is not None
+    assert coordinator.receive(update_payload()) is Verdict.ADMITTED
+    refusal = to_wire(messages()[Refusal]) | {"error": MALFORMED_REPLY}
+    assert coordinator.receive(FiledByTransport(refusal)) is Verdict.LATE
+    other = refusal | {"attempt": attempt.number + 1}
+    assert coordinator.receive(FiledByTransport(other)) is Verdict.LATE
+    assert not attempt.refused and not attempt.late and attempt.admitted == {"p00"}
+
+
+def test_a_rejection_after_collection_closed_answers_for_nobody(tmp_path: Path) -> None:
+    """Once the round aggregates, nobody is waited for: a delivered update rejected then
+    changes no participant's answer."""
+    coordinator = coordinator_in(tmp_path, RoundState.AGGREGATING)
+    attempt = coordinator.attempt
+    assert attempt is not None
+    junk = DeliveredFrom(
+        update_payload(l2_norm=math.inf), peer="p00", round=attempt.round,
+        attempt=attempt.number, node=5,
+    )  # fmt: skip
+    assert coordinator.receive(junk) is None
+    assert attempt.rejected == 1 and not attempt.refused
+
+
 # -- non-finite floats ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "changes",
