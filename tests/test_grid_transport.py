@@ -987,6 +987,11 @@ def test_a_forged_refusal_from_the_wire_still_needs_a_signature(tmp_path: Path) 
     assert coordinator.receive(FiledByTransport(forged, node=99)) is None
     assert coordinator.receive(FiledByTransport(forged)) is None
     assert not attempt.refused and attempt.rejected == 3
+    # a participant that never signed from any node is vouched for by no node (not even None)
+    unsigned = {**forged, "sender": "key-unknown", "participant_id": "key-unknown"}
+    attempt.invited.add("key-unknown")
+    assert coordinator.receive(FiledByTransport(unsigned)) is None
+    assert not attempt.refused and attempt.rejected == 4
 
 
 def test_a_rounds_files_are_made_after_its_instructions_are_pushed(

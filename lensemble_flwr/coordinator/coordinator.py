@@ -814,7 +814,9 @@ class Coordinator:
                 self._mode.admission,
                 fields,
                 filed_by_transport=filed,
-                vouched=filed and self._signed_from.get(message.sender) == payload.node,
+                vouched=filed
+                and payload.node is not None
+                and self._signed_from.get(message.sender) == payload.node,
             )
             if (
                 isinstance(payload, DeliveredFrom)
