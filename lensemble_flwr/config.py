@@ -582,6 +582,14 @@ class LensembleConfig(_Section):
             )
 
     @property
+    def largest_weight(self) -> int:
+        """The largest weight an update can carry in the sum: 1 under uniform weighting
+        (:meth:`FederationConfig.weight_of`), else ``max-weight``."""
+        if self.federation.weighting == "uniform":
+            return 1
+        return self.aggregation.max_weight
+
+    @property
     def protected_releases(self) -> list[str]:
         """The settings (run_config keys) under which participants protect what they
         release: clipping, noise, quantization, masking. A coordinator-side transform of

@@ -230,9 +230,9 @@ def masked_aggregation(config: LensembleConfig) -> AggregationConfig:
     """The bounds a masked sum is checked against: ``config``'s, except that under uniform
     weighting every weight is 1, so ``max-weight`` is 1 (at the default 2**16 the int64
     capacity would cap a masked round at 511 members)."""
-    if config.federation.weighting != "uniform":
+    if config.largest_weight == config.aggregation.max_weight:
         return config.aggregation
-    return config.aggregation.model_copy(update={"max_weight": 1})
+    return config.aggregation.model_copy(update={"max_weight": config.largest_weight})
 
 
 class MaskedMode:

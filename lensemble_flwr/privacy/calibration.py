@@ -271,8 +271,7 @@ def ingress_bound(config: LensembleConfig) -> float:
     # unset: the guard's 64 (or the clip norm) for clipped, noised or masked releases; for
     # unprotected ones (a stock ClientApp's, as FedAvg takes any) the exact sum's room
     protected = privacy.clip_norm > 0 or privacy.noised or config.federation.secagg_threshold > 0
-    # under uniform weighting every weight is 1, whatever max-weight says
-    largest = 1 if config.federation.weighting == "uniform" else agg.max_weight
+    largest = config.largest_weight
     bound = (
         agg.guarded_bound(privacy.clip_norm)
         if protected

@@ -459,7 +459,7 @@ class GridTransport:
             )
             if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
                 # the node's answer to this attempt, whatever the coordinator makes of it
-                node = self.names.node_of(source)
+                node = self._node_of(source)
                 payloads = [
                     DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt, node=node)
                     for p in payloads
