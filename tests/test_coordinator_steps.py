@@ -21,6 +21,7 @@ from lensemble_flwr.errors import (
     IllegalTransition,
     StoreError,
 )
+from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.secagg.membership import Membership
@@ -192,3 +193,52 @@ def test_a_federation_that_declares_nothing_names_ready_and_reachable_at_the_ope
     assert isinstance(outcome.error, FaultToleranceExceeded)
     assert "4 of quorum 6 participants ready" in str(outcome.error)
     assert "of 4 reachable" in str(outcome.error)
+
+
+def test_an_attempt_opened_ahead_is_continued_not_begun_again(tmp_path: Path) -> None:
+    """open_attempt delivers the next attempt's RoundOpens at once; the next run carries
+    that attempt to its close (attempt 1, one RoundOpen per participant)."""
+    coordinator, network, participants = federation(tmp_path)
+    opens: list[tuple[str, int, int]] = []
+    network.on_deliver(
+        lambda source, dest, payload: opens.append((dest, payload["round"], payload["attempt"]))
+        if kind_of(payload) is MessageKind.ROUND_OPEN
+        else None
+    )
+    coordinator.run(1)
+    coordinator.open_attempt()
+    assert coordinator.round_state() is RoundState.OPEN
+    assert coordinator.attempt is not None and coordinator.attempt.round == 2
+    coordinator.run(1)
+    assert [(o.round, o.attempt, o.state) for o in coordinator.outcomes] == [
+        (1, 1, RoundState.CLOSED),
+        (2, 1, RoundState.CLOSED),
+    ]
+    everyone = sorted(p.participant_id for p in participants)
+    assert sorted(dest for dest, r, _ in opens if r == 2) == everyone
+    assert {attempt for _, r, attempt in opens if r == 2} == {1}
+
+
+def test_an_attempt_opened_ahead_that_fails_to_go_out_counts_against_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error delivering the RoundOpens ends the opened attempt ABORTED; the next run
+    takes that outcome as its attempt's (here the last one allowed: the run stops)."""
+    coordinator, network, _ = federation(tmp_path, config=small_config(max_round_attempts=1))
+    coordinator.run(1)
+
+    def link_down(peer: str, message: object) -> None:
+        raise FaultToleranceExceeded("the link is down")
+
+    send = network.coordinator.send
+    monkeypatch.setattr(network.coordinator, "send", link_down)
+    coordinator.open_attempt()
+    assert coordinator.round_state() is RoundState.ABORTED
+    monkeypatch.setattr(network.coordinator, "send", send)  # the link is back
+    with pytest.raises(FaultToleranceExceeded, match="the link is down"):
+        coordinator.run(1)
+    assert [(o.round, o.attempt, o.state) for o in coordinator.outcomes] == [
+        (1, 1, RoundState.CLOSED),
+        (2, 1, RoundState.ABORTED),
+    ]
+    assert coordinator.global_state().round == 1

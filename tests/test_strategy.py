@@ -262,3 +262,59 @@ def test_start_asks_no_node_to_evaluate_in_masked_rounds(tmp_path: Path) -> None
     kinds = {m.metadata.message_type for m in grid.pushed()}
     assert kinds == {MessageType.TRAIN}, kinds
     assert result.evaluate_metrics_clientapp == {}
+
+
+def _train_rounds_pushed(grid: FakeGrid) -> list[int]:
+    """The round of each train instruction pushed so far, in push order."""
+    return [
+        int(m.metadata.group_id)
+        for m in grid.pushed()
+        if m.metadata.message_type == MessageType.TRAIN
+    ]
+
+
+def test_the_next_round_trains_while_the_server_evaluates_the_last(tmp_path: Path) -> None:
+    """Without federated evaluation, round r + 1's instructions go out as soon as round r
+    commits: its metrics, log lines and ``evaluate_fn(r)`` run while the nodes train.
+    Every round is still one attempt with one instruction per node, and the last round
+    opens nothing after it."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    latest_at_evaluation: dict[int, int | None] = {}
+
+    def evaluate_fn(server_round: int, arrays: object) -> MetricRecord:
+        rounds = _train_rounds_pushed(grid)
+        latest_at_evaluation[server_round] = max(rounds) if rounds else None
+        return MetricRecord({"seen": float(server_round)})
+
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=arrays_to_record(initial_params()),
+        num_rounds=3,
+        evaluate_fn=evaluate_fn,
+    )
+    assert latest_at_evaluation == {0: None, 1: 2, 2: 3, 3: 3}
+    assert _train_rounds_pushed(grid) == [r for r in (1, 2, 3) for _ in NODES]
+    coordinator = strategy.coordinator
+    assert coordinator is not None
+    assert [(o.round, o.attempt) for o in coordinator.outcomes] == [(1, 1), (2, 1), (3, 1)]
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+
+
+def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(
+    tmp_path: Path,
+) -> None:
+    """FedAvg's order: round r's evaluate instructions are pushed before round r + 1's
+    train instructions (the next round is not opened ahead)."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    strategy.fraction_evaluate = 1.0
+    strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3)
+    kinds = [
+        (batch[0].metadata.message_type, int(batch[0].metadata.group_id or 0))
+        for batch in grid.pushes
+        if batch
+    ]
+    train, evaluate = MessageType.TRAIN, MessageType.EVALUATE
+    order = [(kind, r) for kind, r in kinds if kind in (train, evaluate)]
+    assert [kind for kind, _ in order] == [train, evaluate] * 3
+    assert [r for kind, r in order if kind == train] == [1, 2, 3]

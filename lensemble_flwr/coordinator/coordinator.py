@@ -436,6 +436,9 @@ class Coordinator:
         self._ledger = Ledger(store)
         self._head_hash = GENESIS
         self._attempt: Attempt | None = None
+        # an attempt open_attempt() began and delivered (or the outcome it ended with),
+        # which the next run_attempt continues instead of beginning another
+        self._opened: Attempt | RoundOutcome | None = None
         self._reach = ReachMemo()  # what invite and advance derived from the peers
         self._older_digests: dict[tuple[int, int], Mapping[str, str] | None] = {}
         self.last_close: RoundClose | None = None
@@ -593,14 +596,16 @@ class Coordinator:
         """
         transport = self._require_transport()
         fed = self.config.federation
-        attempt = self.begin_attempt()
+        opened, self._opened = self._opened, None
+        if isinstance(opened, RoundOutcome):
+            return opened  # open_attempt's attempt ended as it was delivered
+        if opened is None or opened is not self._attempt or opened.phase is not RoundState.OPEN:
+            opened = self.begin_attempt()
+            failed = self._deliver_invitations(opened)
+            if failed is not None:
+                return failed
+        attempt = opened
         try:
-            self._send_all(self.invite(transport.peers()))
-            if isinstance(transport, BuffersSends):
-                transport.deliver_queued()  # the instructions go out before anything else
-            self._prepare_writes()
-            if self.on_transition is not None:
-                self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
             phases = ((fed.open_timeout, _DISCOVERY_INTERVAL), (fed.collect_timeout, None))
             for timeout, poll in phases:  # OPEN, then COLLECTING
                 deadline = self._clock() + timeout + attempt.grace
@@ -616,6 +621,43 @@ class Coordinator:
         except LensembleError as exc:
             return self.abort(exc)
         return self.conclude(exchange=self._exchange)
+
+    def open_attempt(self) -> None:
+        """Begin the next attempt and deliver its RoundOpens now, without waiting for a
+        reply: the next :meth:`run_attempt` (or :meth:`run`) continues this attempt
+        rather than beginning another. A caller with work of its own between rounds (the
+        Flower strategy's metrics, log lines and server-side evaluation of the round just
+        committed) does it while the participants train. The deadlines start when
+        ``run_attempt`` starts waiting: time spent before that is not taken from the
+        participants.
+
+        An error delivering the RoundOpens ends the attempt ABORTED, as in
+        ``run_attempt``, which then returns that outcome (and ``run`` retries or stops
+        per the error table).
+
+        Raises:
+            IllegalTransition, LedgerError, ConfigError: as :meth:`begin_attempt` (nothing
+                is started).
+        """
+        self._require_transport()
+        attempt = self.begin_attempt()
+        failed = self._deliver_invitations(attempt)
+        self._opened = failed if failed is not None else attempt
+
+    def _deliver_invitations(self, attempt: Attempt) -> RoundOutcome | None:
+        """Send the attempt's first RoundOpens and push them out; then make the files the
+        round will write. The outcome if that ended the attempt (ABORTED), else None."""
+        transport = self._require_transport()
+        try:
+            self._send_all(self.invite(transport.peers()))
+            if isinstance(transport, BuffersSends):
+                transport.deliver_queued()  # the instructions go out before anything else
+            self._prepare_writes()
+            if self.on_transition is not None:
+                self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
+        except LensembleError as exc:
+            return self.abort(exc)
+        return None
 
     def _prepare_writes(self) -> None:
         """Make now, while the round's instructions are out and its replies are awaited,

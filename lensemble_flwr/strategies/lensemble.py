@@ -546,6 +546,12 @@ class LensembleStrategy(Strategy):
                     if aborted:
                         result.aborted[r] = aborted
                 closed = new[-1]
+                if r < num_rounds and not self._evaluates():
+                    # the next round's instructions go out now: what follows (metrics, log
+                    # lines, the server-side evaluate_fn of this round's model) runs while
+                    # the nodes train; with federated evaluation, FedAvg's order is kept
+                    # (the nodes evaluate this round's model before they train again)
+                    coordinator.open_attempt()
                 result.arrays = self._user_arrays(coordinator.global_state().params)
                 metrics = self._metrics(closed, attempts=len(new))
                 result.train_metrics_clientapp[r] = metrics
