@@ -285,3 +285,15 @@ def test_a_fixed_sample_larger_than_the_plan_assumes_is_warned_once(
     coordinator, network, _ = federation(tmp_path, participants=4, config=plain, name="plain")
     coordinator.run(1)
     assert not [r for r in caplog.records if "privacy plan" in r.getMessage()]
+
+
+def test_an_attempt_is_not_opened_ahead_past_the_plan(tmp_path: Path) -> None:
+    """``open_attempt`` checks the plan as ``run`` does: a round beyond ``dp-rounds`` is
+    refused before anything is sent (the attempt is not even begun)."""
+    config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=40.0, dp_rounds=1)
+    coordinator, _, _ = federation(tmp_path, config=config)
+    coordinator.run(1)
+    with pytest.raises(ConfigError, match="plans 2 rounds but the noise is planned for dp-rou"):
+        coordinator.open_attempt()
+    assert coordinator.attempt is not None and coordinator.attempt.round == 1
+    assert [o.round for o in coordinator.outcomes] == [1]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,10 +22,12 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, StoreError
+from lensemble_flwr.protocol.messages import RoundOpen
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.grid_transport import GridTransport
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 
@@ -273,11 +278,47 @@ def _train_rounds_pushed(grid: FakeGrid) -> list[int]:
     ]
 
 
-def test_the_next_round_trains_while_the_server_evaluates_the_last(tmp_path: Path) -> None:
-    """Without federated evaluation, round r + 1's instructions go out as soon as round r
-    commits: its metrics, log lines and ``evaluate_fn(r)`` run while the nodes train.
-    Every round is still one attempt with one instruction per node, and the last round
-    opens nothing after it."""
+class _TrainPushedWhenReported(logging.Handler):
+    """At each "Aggregated MetricRecord" line Flower's logger prints, the latest round
+    whose train instructions were pushed."""
+
+    def __init__(self, grid: FakeGrid) -> None:
+        super().__init__()
+        self.grid = grid
+        self.latest: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Aggregated MetricRecord" in record.getMessage():
+            self.latest.append(max(_train_rounds_pushed(self.grid)))
+
+
+def test_the_next_round_trains_while_the_server_reports_the_last(tmp_path: Path) -> None:
+    """With nothing to evaluate between the rounds, round r + 1's instructions go out as
+    soon as round r commits: its metrics and log lines are written while the nodes
+    train. Every round is still one attempt with one instruction per node, and the last
+    round opens nothing after it."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    seen = _TrainPushedWhenReported(grid)
+    logging.getLogger("flwr").addHandler(seen)
+    try:
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
+        )
+    finally:
+        logging.getLogger("flwr").removeHandler(seen)
+    assert seen.latest == [2, 3, 3]
+    assert _train_rounds_pushed(grid) == [r for r in (1, 2, 3) for _ in NODES]
+    coordinator = strategy.coordinator
+    assert coordinator is not None
+    assert [(o.round, o.attempt) for o in coordinator.outcomes] == [(1, 1), (2, 1), (3, 1)]
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (3, 1)]
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
+
+
+def test_with_an_evaluate_fn_the_next_round_waits_for_it(tmp_path: Path) -> None:
+    """``evaluate_fn(r)`` runs before round r + 1's instructions go out, as with FedAvg:
+    instructions pushed before it, and pulled only after it, could outlive their TTL on
+    a SuperLink while a slow evaluation runs."""
     strategy, grid = stock_loop_federation(tmp_path)
     latest_at_evaluation: dict[int, int | None] = {}
 
@@ -286,19 +327,58 @@ def test_the_next_round_trains_while_the_server_evaluates_the_last(tmp_path: Pat
         latest_at_evaluation[server_round] = max(rounds) if rounds else None
         return MetricRecord({"seen": float(server_round)})
 
-    result = strategy.start(
+    strategy.start(
         grid=grid,
         initial_arrays=arrays_to_record(initial_params()),
         num_rounds=3,
         evaluate_fn=evaluate_fn,
     )
-    assert latest_at_evaluation == {0: None, 1: 2, 2: 3, 3: 3}
-    assert _train_rounds_pushed(grid) == [r for r in (1, 2, 3) for _ in NODES]
-    coordinator = strategy.coordinator
-    assert coordinator is not None
-    assert [(o.round, o.attempt) for o in coordinator.outcomes] == [(1, 1), (2, 1), (3, 1)]
-    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
-    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+    assert latest_at_evaluation == {0: None, 1: 1, 2: 2, 3: 3}
+
+
+def test_an_attempt_that_fails_as_it_opens_ahead_is_reported_with_its_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt opened ahead that ends ABORTED as its instructions go out belongs to
+    the next round's outcomes and counts (``result.aborted``, ``lensemble.attempts``)."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    send = GridTransport.send
+
+    def flaky_send(self: GridTransport, peer: str, message: object) -> None:
+        if isinstance(message, RoundOpen) and (message.round, message.attempt) == (2, 1):
+            raise FaultToleranceExceeded("the link dropped round 2's first instructions")
+        send(self, peer, message)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GridTransport, "send", flaky_send)
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (2, 2)]
+    assert list(result.aborted) == [2]
+    assert "dropped round 2" in result.aborted[2][0]
+    assert result.train_metrics_clientapp[1]["lensemble.attempts"] == 1.0
+    assert result.train_metrics_clientapp[2]["lensemble.attempts"] == 2.0
+
+
+def test_an_error_opening_the_next_round_is_raised_once_this_one_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that fails outright (not a round error: a broken link to the SuperLink)
+    ends ``start``, but only after the committed round's metrics were written."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    push = grid.push_messages
+
+    def broken_push(messages: Any) -> list[str]:
+        batch = list(messages)
+        if any(m.metadata.group_id == "2" for m in batch):
+            raise ConnectionError("the SuperLink went away")
+        return push(batch)
+
+    monkeypatch.setattr(grid, "push_messages", broken_push)
+    with pytest.raises(ConnectionError, match="went away"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3)
+    lines = (tmp_path / "run" / "round-metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [1]
 
 
 def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(

@@ -626,10 +626,11 @@ class Coordinator:
         """Begin the next attempt and deliver its RoundOpens now, without waiting for a
         reply: the next :meth:`run_attempt` (or :meth:`run`) continues this attempt
         rather than beginning another. A caller with work of its own between rounds (the
-        Flower strategy's metrics, log lines and server-side evaluation of the round just
-        committed) does it while the participants train. The deadlines start when
-        ``run_attempt`` starts waiting: time spent before that is not taken from the
-        participants.
+        Flower strategy's metrics and log lines of the round just committed) does it while
+        the participants train. The deadlines start when ``run_attempt`` starts waiting:
+        time spent before that is not taken from the participants. Keep that time short
+        over a transport whose messages expire (a Flower SuperLink drops an instruction,
+        and its reply, once its TTL has passed).
 
         An error delivering the RoundOpens ends the attempt ABORTED, as in
         ``run_attempt``, which then returns that outcome (and ``run`` retries or stops
@@ -638,8 +639,11 @@ class Coordinator:
         Raises:
             IllegalTransition, LedgerError, ConfigError: as :meth:`begin_attempt` (nothing
                 is started).
+            ConfigError: under DP, the rounds up to this one would take a participant past
+                its budget (as :meth:`run` checks; nothing is started).
         """
         self._require_transport()
+        noise_multiplier_of(self.config, rounds=self._global.next_round)
         attempt = self.begin_attempt()
         failed = self._deliver_invitations(attempt)
         self._opened = failed if failed is not None else attempt

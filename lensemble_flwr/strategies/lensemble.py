@@ -531,11 +531,11 @@ class LensembleStrategy(Strategy):
                 result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 1); the
         # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
+        seen = len(coordinator.outcomes)  # the outcomes reported so far
         try:
             while (r := coordinator.global_state().next_round) <= num_rounds:
                 say(INFO, "")
                 say(INFO, "[ROUND %s/%s]", r, num_rounds)
-                seen = len(coordinator.outcomes)
                 try:
                     coordinator.run(1)
                 finally:
@@ -546,12 +546,19 @@ class LensembleStrategy(Strategy):
                     if aborted:
                         result.aborted[r] = aborted
                 closed = new[-1]
-                if r < num_rounds and not self._evaluates():
-                    # the next round's instructions go out now: what follows (metrics, log
-                    # lines, the server-side evaluate_fn of this round's model) runs while
-                    # the nodes train; with federated evaluation, FedAvg's order is kept
-                    # (the nodes evaluate this round's model before they train again)
-                    coordinator.open_attempt()
+                seen = len(coordinator.outcomes)  # an attempt opened below is the next round's
+                not_opened: Exception | None = None
+                if r < num_rounds and evaluate_fn is None and not self._evaluates():
+                    # Nothing is evaluated between the rounds: the next round's instructions
+                    # go out now, and this round's metrics and log lines are written while
+                    # the nodes train. Not before an evaluation: its replies would mix with
+                    # the next round's, and a slow evaluate_fn could outlast the TTL of
+                    # instructions nobody pulls meanwhile (the SuperLink then drops the
+                    # replies). An error opening it is raised once this round is reported.
+                    try:
+                        coordinator.open_attempt()
+                    except Exception as exc:
+                        not_opened = exc
                 result.arrays = self._user_arrays(coordinator.global_state().params)
                 metrics = self._metrics(closed, attempts=len(new))
                 result.train_metrics_clientapp[r] = metrics
@@ -569,6 +576,8 @@ class LensembleStrategy(Strategy):
                 self._report(closed, metrics, evaluation, aborted)
                 self._keep_metrics(r, metrics, evaluation)
                 transport.forget_through(r)  # reported: its bookkeeping is no longer needed
+                if not_opened is not None:
+                    raise not_opened
         finally:  # the temp files made ahead of writes can go, however the run ended
             coordinator.store.close()
         recycling.clear()  # the run is over: the last sum's buffers need not stay resident
