@@ -141,8 +141,9 @@ class FakeGrid(Grid):
       is why the message id must be set on the instruction before the node sees it. Nothing
       is faked in the reply's metadata.
     * ``pull_messages`` returns the ready replies and deletes them with their instructions.
-      An instruction whose TTL passed unanswered (or answered too late) yields, once, the
-      error reply a SuperLink generates (``create_message_error_unavailable_ins_message``:
+      An instruction whose TTL passed before it was pulled (answered or not: a SuperLink
+      drops an expired instruction with its reply) yields, once, the error reply a
+      SuperLink generates (``create_message_error_unavailable_ins_message``:
       code 3 MESSAGE_UNAVAILABLE, from the SuperLink's node id) and is deleted. (A real
       SuperLink answers code 3 again whenever asked for an id it no longer holds; here an
       unknown id yields nothing, so a transport that keeps asking is visible in
@@ -221,13 +222,13 @@ class FakeGrid(Grid):
             held = self.stored.get(message_id)
             if held is None:
                 continue
-            if held.reply is not None and held.ready_at <= min(now, held.expires_at):
-                out.append(held.reply)
-                self.delivered.append((held.instruction, held.reply))
-            elif now > held.expires_at:
+            if now >= held.expires_at:  # Flower drops the instruction and any reply to it
                 error = create_message_error_unavailable_ins_message(message_id, 1)
                 out.append(error)
                 self.errors.append(error)
+            elif held.reply is not None and held.ready_at <= now:
+                out.append(held.reply)
+                self.delivered.append((held.instruction, held.reply))
             else:
                 continue
             del self.stored[message_id]

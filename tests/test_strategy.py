@@ -325,15 +325,19 @@ def test_with_an_evaluate_fn_the_next_round_waits_for_it(tmp_path: Path) -> None
     def evaluate_fn(server_round: int, arrays: object) -> MetricRecord:
         rounds = _train_rounds_pushed(grid)
         latest_at_evaluation[server_round] = max(rounds) if rounds else None
+        grid.clock.t += 1000.0  # a slow evaluation: longer than any instruction's TTL
         return MetricRecord({"seen": float(server_round)})
 
-    strategy.start(
+    result = strategy.start(
         grid=grid,
         initial_arrays=arrays_to_record(initial_params()),
         num_rounds=3,
         evaluate_fn=evaluate_fn,
     )
     assert latest_at_evaluation == {0: None, 1: 1, 2: 2, 3: 3}
+    # no instruction waited out the evaluation on the SuperLink: nothing expired
+    assert grid.errors == []
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (3, 1)]
 
 
 def test_an_attempt_that_fails_as_it_opens_ahead_is_reported_with_its_round(
