@@ -62,7 +62,9 @@ def flower_md_apps() -> tuple[dict[str, Any], list[Any]]:
     return namespace, clients
 
 
-def run_server(namespace: dict[str, Any], client_app: Any) -> None:
+def run_server(
+    namespace: dict[str, Any], client_app: Any, run_config: dict[str, Any] | None = None
+) -> None:
     contexts = {
         n: Context(
             run_id=1,
@@ -74,7 +76,9 @@ def run_server(namespace: dict[str, Any], client_app: Any) -> None:
         for i, n in enumerate(range(31, 31 + NODES))
     }
     grid = FakeGrid(FakeClock(), {n: (lambda m, n=n: client_app(m, contexts[n])) for n in contexts})
-    server = Context(run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    server = Context(
+        run_id=9, node_id=0, node_config={}, state=RecordDict(), run_config=run_config or {}
+    )
     namespace["main"](grid, server)
 
 
@@ -421,7 +425,7 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
     from lensemble_flwr.provenance.ledger import verify
     from lensemble_flwr.simulations.inprocess import build
 
-    (block,) = python_blocks(REPO / "docs" / "recovery.md")
+    block, _flower = python_blocks(REPO / "docs" / "recovery.md")
     monkeypatch.chdir(tmp_path)
     config = LensembleConfig(federation={"min_participants": 3}, inner={"steps": 2})
     first, network, _ = build(config, Path("runs/demo"), participants=3)
@@ -432,6 +436,41 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
     records = verify(Store("runs/demo"))
     assert len(records) == 4 and [r.record_hash for r in records[:2]] == before
     assert namespace["coordinator"].global_state().params_hash == records[-1].new_global_hash
+
+
+def test_the_recovery_md_flower_app_resumes_a_run_to_its_total(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/recovery.md's ServerApp, with flower.md's ``Net`` and Trainer ClientApp and the
+    run config its toml block declares: a first start runs 2 of its rounds; restarted
+    with ``resume = true`` and 3 rounds it runs round 3 only, on the same run; restarted
+    again it runs nothing; without ``resume`` the directory is refused."""
+    from lensemble_flwr.artifacts.store import Store
+    from lensemble_flwr.errors import StoreError
+    from lensemble_flwr.provenance.ledger import verify
+
+    flower, (trainer_app, _numpy_app) = flower_md_apps()
+    _first, block = python_blocks(REPO / "docs" / "recovery.md")
+    namespace: dict[str, Any] = {"__name__": "recovery_md", "Net": flower["Net"]}
+    exec(compile(block, "docs/recovery.md[1]", "exec"), namespace)
+    (declared,) = [c for w, c in toml_run_configs() if w.startswith("recovery.md")]
+    run_dir = tmp_path / "runs" / "my-run"
+    base = {**declared, "run-dir": str(run_dir)}
+    run_server(namespace, trainer_app, {**base, "num-server-rounds": 2})
+    first = [r.record_hash for r in verify(Store(run_dir))]
+    run_server(namespace, trainer_app, {**base, "num-server-rounds": 3, "resume": True})
+    records = verify(Store(run_dir))
+    assert [r.round for r in records] == [1, 2, 3]
+    assert [r.record_hash for r in records[:2]] == first
+    run_server(namespace, trainer_app, {**base, "num-server-rounds": 3, "resume": True})
+    assert len(verify(Store(run_dir))) == 3
+    assert capsys.readouterr().out.splitlines() == [
+        f"{run_dir} [1, 2]",
+        f"{run_dir} [3]",
+        f"{run_dir} []",
+    ]
+    with pytest.raises(StoreError, match="already holds a run"):
+        run_server(namespace, trainer_app, {**base, "num-server-rounds": 4})
 
 
 def private_run_configs() -> list[tuple[str, dict[str, Any]]]:

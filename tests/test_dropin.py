@@ -48,6 +48,7 @@ from lensemble_flwr.errors import ConfigError, ParameterMismatch
 from lensemble_flwr.provenance.audit import audit_run
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.grid_transport import GridTransport
 
 NODES = (21, 22, 23, 24)
 
@@ -466,6 +467,24 @@ def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to
     with pytest.raises(ConfigError, match=r'4 node\(s\) connected.*"num-supernodes=6"'):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
     assert grid.pushes == []  # no round was tried
+
+
+def test_on_the_simulation_engine_the_warm_up_error_says_how_many_nodes_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's node count is fixed: the warm-up gives up once it has settled, long
+    before its timeout, so the error names the count, not the timeout it did not wait."""
+    monkeypatch.setattr(GridTransport, "declared_size", lambda self: 4)
+    grid = grid_of(quickstart_app(False))
+    strategy = LensembleStrategy(
+        fedavg_config(min_participants=6), run_dir=tmp_path / "run", warmup_timeout=0.2
+    )
+    with pytest.raises(ConfigError) as raised:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
+    assert str(raised.value).startswith(
+        "min-participants: the simulation engine runs 4 node(s), and every round needs K = 6"
+    )
+    assert "warm-up (" not in str(raised.value)
 
 
 def test_a_stock_app_that_weights_by_another_key_is_read_by_weighted_by_key(

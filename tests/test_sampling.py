@@ -127,11 +127,28 @@ def test_fraction_train_over_fifty_stock_nodes_asks_fifteen_each_round(tmp_path:
     assert RunManifest.load(Store(tmp_path / "run")).config["sample-fraction"] == 0.3
 
 
-def test_flowers_sampling_arguments_are_checked_like_the_config(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="sample_fraction"):
-        LensembleStrategy(fraction_train=0.0)
-    with pytest.raises(ConfigError, match="fraction_evaluate"):
-        LensembleStrategy(fraction_evaluate=2.0)
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"fraction_train": 0.0}, "fraction_train: Input should be greater than 0"),
+        ({"fraction_train": 1.5}, "fraction_train: Input should be less than or equal to 1"),
+        ({"min_train_nodes": -1}, "min_train_nodes: Input should be greater than or equal"),
+        ({"min_available_nodes": -2}, "min_available_nodes: Input should be greater than"),
+        ({"fraction_evaluate": 2.0}, "fraction_evaluate: must be in"),
+        ({"poll_interval": -1.0}, "poll_interval: must be a finite number of seconds >= 0"),
+        ({"poll_interval": float("nan")}, "poll_interval: must be a finite number"),
+        ({"poll_interval": "0.1"}, "poll_interval: must be a number of seconds"),
+        ({"warmup_timeout": -5}, "warmup_timeout: must be a finite number of seconds >= 0"),
+    ],
+)
+def test_the_strategys_arguments_are_checked_and_named_as_given(
+    arguments: dict, named: str
+) -> None:
+    """Flower's argument names, not the config fields they set; a negative wait is
+    refused here, not as a ValueError from the transport's sleep in round 1."""
+    with pytest.raises(ConfigError) as raised:
+        LensembleStrategy(**arguments)
+    assert str(raised.value).startswith(named)
 
 
 def test_the_stock_loop_samples_too(tmp_path: Path) -> None:

@@ -10,7 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 from federation_helpers import small_config
-from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp.strategy import Strategy
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     NODES,
@@ -105,6 +115,38 @@ def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> 
     assert averaged is not None and averaged["loss"] == pytest.approx(3.25)  # by examples
 
 
+def test_evaluation_replies_left_out_of_the_average_are_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """FedAvg stops the run on an evaluate reply without ``num-examples``; lensemble has
+    committed the round already, so it leaves such replies out and says which, and why."""
+    strategy = LensembleStrategy(small_config(), fraction_evaluate=1.0)
+    grid = FakeGrid(FakeClock(), {n: (lambda m: None) for n in NODES})
+    messages = list(
+        strategy.configure_evaluate(3, arrays_to_record(initial_params()), ConfigRecord(), grid)
+    )
+    grid.push_messages(messages)
+    good, no_count, zero, failed = messages
+
+    def reply(message: Message, metrics: dict) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=message)
+
+    replies = [
+        reply(good, {"loss": 2.0, "num-examples": 5}),
+        reply(no_count, {"loss": 9.0}),
+        reply(zero, {"loss": 9.0, "num-examples": 0}),
+        Message(Error(code=0, reason="ClientApp raised"), reply_to=failed),
+    ]
+    with caplog.at_level(logging.WARNING, logger="lensemble_flwr"):
+        averaged = strategy.aggregate_evaluate(3, replies)
+    assert averaged is not None and averaged["loss"] == 2.0
+    (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert line.startswith("round 3: 3 evaluation replies left out of the aggregated metrics")
+    assert f"node-{no_count.metadata.dst_node_id} (no 'num-examples' in its MetricRecord)" in line
+    assert "'num-examples' is 0, not a finite number > 0" in line
+    assert "(error 0: ClientApp raised)" in line
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [
@@ -159,6 +201,34 @@ def test_a_restarted_server_app_resumes_the_run_to_the_same_total(tmp_path: Path
         LensembleStrategy(strategy.config, run_dir=tmp_path / "run", fraction_evaluate=0.0).start(
             grid=grid, initial_arrays=initial, num_rounds=1
         )
+
+
+def test_a_resumed_run_with_no_round_left_says_so_and_returns_its_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """num_rounds counts from round 1: resuming a run that holds them all runs nothing,
+    waits for no node, says so, and hands back the run's model, not the initial one."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    initial = arrays_to_record(initial_params())
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    pushes = len(grid.pushes)
+    again = LensembleStrategy(
+        strategy.config, run_dir=tmp_path / "run", run_id="stock-loop",
+        fraction_evaluate=0.0, resume=True,
+    )  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        result = again.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    assert len(grid.pushes) == pushes and result.train_metrics_clientapp == {}
+    assert "already holds round 2, and num_rounds = 2 counts from round 1" in caplog.text
+    assert "warm-up:" not in caplog.text
+    assert again.coordinator is not None
+    final = record_to_arrays(result.arrays)
+    for name, array in again.coordinator.global_state().params.items():
+        np.testing.assert_array_equal(final[name], array)
+    assert any(
+        not np.array_equal(final[n], a) for n, a in record_to_arrays(initial).items()
+    )
 
 
 def test_the_stock_loop_applies_the_attempt_limit(tmp_path: Path) -> None:
@@ -402,3 +472,29 @@ def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(
     order = [(kind, r) for kind, r in kinds if kind in (train, evaluate)]
     assert [kind for kind, _ in order] == [train, evaluate] * 3
     assert [r for kind, r in order if kind == train] == [1, 2, 3]
+
+
+def test_a_node_that_answers_without_an_update_is_counted_as_refused(tmp_path: Path) -> None:
+    """A reply that cannot become an update (here, an array the model does not have) is
+    the node's refusal: ``lensemble.refused`` counts it, ``lensemble.rejected`` (messages
+    refused at ingress) does not."""
+    strategy, grid = stock_loop_federation(tmp_path)
+
+    def stray_arrays(message: Message) -> Message:
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({"not-in-the-model": Array(np.zeros(3, np.float32))}),
+                "metrics": MetricRecord({"num-examples": 4}),
+            }
+        )
+        return Message(content, reply_to=message)
+
+    grid.nodes[NODES[0]] = stray_arrays
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
+    )
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["lensemble.C_t"] == 3.0
+    assert metrics["lensemble.refused"] == 1.0 and metrics["lensemble.rejected"] == 0.0
+    (outcome,) = result.outcomes
+    assert outcome.refused == (f"node-{NODES[0]}",)

@@ -38,6 +38,9 @@ class RoundOutcome:
     diagnostics: Mapping[str, float]
     elapsed: float
     path: tuple[RoundState, ...] = ()
+    refused: tuple[str, ...] = ()
+    """Invited participants that answered without contributing: a refusal, an error
+    reply, a reply that is no update, or an update rejected at ingress."""
 
     @property
     def reason(self) -> str | None:

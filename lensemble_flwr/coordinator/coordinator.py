@@ -1141,6 +1141,7 @@ class Coordinator:
             diagnostics=dict(diagnostics),
             elapsed=self._clock() - attempt.started,
             path=attempt.path(),
+            refused=tuple(sorted(attempt.refused)),
         )
 
     def _report(self, outcome: RoundOutcome) -> None:

@@ -175,6 +175,7 @@ class LensembleStrategy(Strategy):
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
         durable_writes: bool | None = None,
     ) -> None:
+        _check_strategy_arguments(poll_interval, warmup_timeout)
         self.config = with_sampling(
             config or LensembleConfig(),
             sample_fraction=fraction_train,
@@ -416,8 +417,26 @@ class LensembleStrategy(Strategy):
     ) -> MetricRecord | None:
         """Aggregate the replies' metrics with ``evaluate_metrics_aggr_fn`` (default: the
         mean weighted by ``weighted_by_key``, as FedAvg does)."""
-        contents = [r.content for r in replies if not r.has_error()]
-        valid = [c for c in contents if _weighted(c, self.weighted_by_key)]
+        valid: list[RecordDict] = []
+        left_out: list[str] = []
+        for reply in replies:
+            node = self.names.name_of(reply.metadata.src_node_id)
+            if reply.has_error():
+                left_out.append(f"{node} (error {reply.error.code}: {reply.error.reason[:80]})")
+            elif (why := _not_weighted(reply.content, self.weighted_by_key)) is not None:
+                left_out.append(f"{node} ({why})")
+            else:
+                valid.append(reply.content)
+        if left_out:  # FedAvg would stop the run; the round is committed, so say it loudly
+            more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+            log.warning(
+                "round %d: %d evaluation repl%s left out of the aggregated metrics: %s%s",
+                server_round,
+                len(left_out),
+                "y" if len(left_out) == 1 else "ies",
+                "; ".join(left_out[:3]),
+                more,
+            )
         if not valid:
             return None
         return _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
@@ -481,14 +500,34 @@ class LensembleStrategy(Strategy):
         transport.allowed = set(self.identities) if self.identities is not None else None
         transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
+        done = coordinator.global_state().round
+        if done > 0:  # resumed: the run's model, whether or not a round is left to run
+            result.arrays = self._user_arrays(coordinator.global_state().params)
+        unfinished = done < num_rounds
         started = transport.now()
         # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
         floor = max(fed.min_available, fed.sample_min)
         needed = max(fed.quorum, floor)
-        warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
-        waited = transport.now() - started
-        say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
-        unfinished = coordinator.global_state().round < num_rounds
+        if unfinished:
+            warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
+            waited = transport.now() - started
+            say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
+        else:
+            warm, waited = [], 0.0
+            say(
+                INFO,
+                "%s already holds round %d, and num_rounds = %d counts from round 1: "
+                "no round left to run",
+                self.run_dir,
+                done,
+                num_rounds,
+            )
+        declared = transport.declared_size()  # the simulation engine's fixed node count
+        connected = (
+            f"the simulation engine runs {declared} node(s)"
+            if declared is not None and len(warm) >= declared
+            else f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f} s)"
+        )
         if fed.quorum <= len(warm) < floor and unfinished:
             argument, key = (
                 ("min_available_nodes", "min-available")
@@ -497,8 +536,7 @@ class LensembleStrategy(Strategy):
             )
             raise ConfigError(
                 key,
-                f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
-                f" s), and no round starts before {argument} = {floor} "
+                f"{connected}, and no round starts before {argument} = {floor} "
                 "are (FedAvg would wait for them for ever): start more SuperNodes (on "
                 f'the simulation engine `--federation-config "num-supernodes={floor}"`), '
                 f"raise the warm-up timeout, or lower {argument} (the strategy's argument; "
@@ -507,9 +545,9 @@ class LensembleStrategy(Strategy):
         if len(warm) < fed.quorum and unfinished:
             raise ConfigError(
                 "min-participants",
-                f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f}"
-                f" s), and every round needs K = {fed.quorum}. On Flower's simulation engine "
-                f"give the run at least {fed.quorum} SuperNodes (`flwr run <app> --stream "
+                f"{connected}, and every round needs K = {fed.quorum}. On Flower's "
+                f"simulation engine give the run at least {fed.quorum} SuperNodes "
+                "(`flwr run <app> --stream "
                 f'--federation-config "num-supernodes={fed.quorum}"`; Flower\'s default local '
                 f"federation has 2); on a deployment, start at least {fed.quorum} SuperNodes "
                 "(or raise the warm-up timeout); or lower lensemble.min-participants",
@@ -815,6 +853,7 @@ class LensembleStrategy(Strategy):
             "seconds": float(outcome.elapsed),
             "late": float(len(outcome.late)),
             "rejected": float(outcome.rejected),
+            "refused": float(len(outcome.refused)),
         }
         if "frame_drift" in outcome.diagnostics:
             book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
@@ -883,24 +922,61 @@ def with_sampling(config: LensembleConfig, **given: float | int | None) -> Lense
     updates = {field: value for field, value in given.items() if value is not None}
     if not updates:
         return config
-    federation = FederationConfig(**{**config.federation.model_dump(), **updates})
+    try:
+        federation = FederationConfig(**{**config.federation.model_dump(), **updates})
+    except ConfigError as exc:  # said in the strategy's terms: the argument, as given
+        for field, argument in _SAMPLING_ARGUMENTS.items():
+            if exc.field.endswith(f".{field}") and field in updates:
+                raise ConfigError(argument, exc.reason) from None
+        raise
     return config.model_copy(update={"federation": federation})
+
+
+_SAMPLING_ARGUMENTS = {
+    "sample_fraction": "fraction_train",
+    "sample_min": "min_train_nodes",
+    "min_available": "min_available_nodes",
+}
+"""The federation config's sampling fields, by the strategy argument that sets them."""
+
+
+def _check_strategy_arguments(poll_interval: float, warmup_timeout: float) -> None:
+    """Refuse, naming the argument, a wait no clock can keep.
+
+    Raises:
+        ConfigError: ``poll_interval`` or ``warmup_timeout`` is negative or not finite.
+    """
+    for name, value in (("poll_interval", poll_interval), ("warmup_timeout", warmup_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"must be a number of seconds, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(name, f"must be a finite number of seconds >= 0, got {value!r}")
 
 
 def _weighted(content: RecordDict, key: str) -> bool:
     """A reply content FedAvg would aggregate: one MetricRecord, holding ``key`` as a
     finite, positive number (a zero or negative weight would divide by zero or flip the
     mean; such a reply's metrics are left out, never a crash)."""
+    return _not_weighted(content, key) is None
+
+
+def _not_weighted(content: RecordDict, key: str) -> str | None:
+    """Why a reply content cannot be averaged by ``key`` (None: it can, see
+    :func:`_weighted`)."""
     records_ = list(records.records_of(content, MetricRecord).values())
     if len(records_) != 1:
-        return False
-    weight = records_[0].get(key)
-    return (
+        return f"{len(records_)} MetricRecords, where one is averaged"
+    if key not in records_[0]:
+        return f"no {key!r} in its MetricRecord"
+    weight = records_[0][key]
+    if (
         isinstance(weight, (int, float))
         and not isinstance(weight, bool)
         and math.isfinite(weight)
         and weight > 0
-    )
+    ):
+        return None
+    return f"{key!r} is {weight!r}, not a finite number > 0"
 
 
 def _aggregated(
