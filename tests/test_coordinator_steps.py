@@ -27,6 +27,7 @@ from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
 from lensemble_flwr.secagg.membership import Membership
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies.records import arrays_to_record
+from lensemble_flwr.transports.faults import FaultPlan
 
 
 def lone_coordinator(tmp: Path, **config) -> Coordinator:
@@ -242,3 +243,19 @@ def test_an_attempt_opened_ahead_that_fails_to_go_out_counts_against_the_limit(
         (2, 1, RoundState.ABORTED),
     ]
     assert coordinator.global_state().round == 1
+
+
+def test_a_round_short_at_its_collect_deadline_names_who_did_not_answer(
+    tmp_path: Path,
+) -> None:
+    """The error (and so a Flower run's final status) names the participants the round
+    waited for in vain, not only how many updates it had."""
+    faults = FaultPlan().delay("p02", round=1, seconds=100.0).delay("p03", round=1, seconds=100.0)
+    coordinator, _, _ = federation(
+        tmp_path, faults=faults, config=small_config(max_round_attempts=1)
+    )
+    with pytest.raises(FaultToleranceExceeded) as raised:
+        coordinator.run(1)
+    assert str(raised.value) == (
+        "2 updates by the collect deadline (no answer from p02, p03), quorum 3"
+    )

@@ -941,7 +941,13 @@ class Coordinator:
             if outstanding and not deadline_passed:
                 return False
             if len(attempt.admitted) < quorum:
-                when = "by the collect deadline" if outstanding else "and nobody left to answer"
+                when = "and nobody left to answer"
+                if outstanding:  # name who kept the round waiting
+                    silent = sorted(outstanding)
+                    more = f" and {len(silent) - 3} more" if len(silent) > 3 else ""
+                    when = (
+                        f"by the collect deadline (no answer from {', '.join(silent[:3])}{more})"
+                    )
                 raise FaultToleranceExceeded(
                     f"{len(attempt.admitted)} updates {when}, quorum {quorum}{_shortfall(attempt)}"
                 )
