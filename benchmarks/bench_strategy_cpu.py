@@ -11,7 +11,10 @@ It measures, per round:
 * the ServerApp's CPU (the process CPU minus the ClientApp calls'): building and pushing
   instructions, pulling replies, aggregation, and for lensemble the commit (checkpoint,
   ledger record, manifest entry; no fsync, as on the simulation engine);
-* the ClientApp's CPU per train message.
+* the ClientApp's CPU per train message;
+* the server phase: wall seconds from the pull that brings a round's last reply to the
+  push of the next round's train instructions (what a round adds to the engine's
+  critical path, between the nodes' work of two rounds).
 
 On the simulation engine half the train messages reach an actor that did not handle the
 node's previous message, so the participant that actor kept loads the state the other
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,10 +83,39 @@ class TimedApp:
             self.cpu += time.process_time() - t0
 
 
-def loopback(app: TimedApp, nodes: int) -> LoopbackGrid:
+class PhaseTimedGrid(LoopbackGrid):
+    """A LoopbackGrid that times the server phase: from the pull that returns the last
+    reply a round's train instructions are owed to the next push of train instructions."""
+
+    def __init__(self, apps: dict) -> None:
+        super().__init__(apps)
+        self.server_phases: list[float] = []
+        self._owed = 0  # train replies not pulled yet
+        self._last_reply_at: float | None = None
+
+    def push_messages(self, messages: Any) -> list[str]:
+        batch = list(messages)
+        trains = sum(1 for m in batch if m.metadata.message_type == MessageType.TRAIN)
+        if trains and self._last_reply_at is not None:
+            self.server_phases.append(time.perf_counter() - self._last_reply_at)
+            self._last_reply_at = None
+        ids = super().push_messages(batch)
+        self._owed += trains
+        return ids
+
+    def pull_messages(self, message_ids: Any) -> list[Message]:
+        replies = super().pull_messages(message_ids)
+        trains = sum(1 for m in replies if m.metadata.message_type == MessageType.TRAIN)
+        self._owed -= trains
+        if trains and self._owed <= 0:
+            self._last_reply_at = time.perf_counter()
+        return replies
+
+
+def loopback(app: TimedApp, nodes: int) -> PhaseTimedGrid:
     """A LoopbackGrid of ``nodes`` nodes, each with its own Context (its state kept between
     messages, as a SuperNode does), all answering with ``app``."""
-    return LoopbackGrid(
+    return PhaseTimedGrid(
         {
             node: (
                 app,
@@ -100,11 +133,13 @@ def loopback(app: TimedApp, nodes: int) -> LoopbackGrid:
 
 
 def run_once(
-    strategy: str, app: TimedApp, grid: LoopbackGrid, nodes: int, rounds: int, run_dir: Path
+    strategy: str, app: TimedApp, grid: PhaseTimedGrid, nodes: int, rounds: int, run_dir: Path
 ) -> dict:
-    """``rounds`` rounds of ``strategy``; ServerApp CPU per round, ClientApp CPU per message."""
+    """``rounds`` rounds of ``strategy``: ServerApp CPU per round, ClientApp CPU per message,
+    and the median server phase."""
     initial = ArrayRecord({"w": Array(np.zeros(SIZE, np.float32))})
     app.cpu = 0.0
+    grid.server_phases.clear()
     cpu0 = time.process_time()
     if strategy == "FedAvg":
         FedAvg(fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes).start(
@@ -124,6 +159,7 @@ def run_once(
     return {
         "server_ms_per_round": 1e3 * (cpu - app.cpu) / rounds,
         "client_ms_per_message": 1e3 * app.cpu / (rounds * nodes),
+        "server_phase_ms": 1e3 * statistics.median(grid.server_phases[1:] or [float("nan")]),
     }
 
 
@@ -142,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         f"best of {args.repeats} runs, stale participants {args.stale:.0%}, rebuilt "
         f"{args.rebuild:.0%}"
     )
-    print(f"{'N':>5} {'strategy':<18}{'server ms/round':>16}{'client ms/msg':>15}")
+    print(
+        f"{'N':>5} {'strategy':<18}{'server ms/round':>16}{'client ms/msg':>15}"
+        f"{'server phase ms':>17}"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-strategy-cpu-") as tmp:
         for nodes in args.nodes:
             app = TimedApp(
@@ -165,13 +204,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{nodes:>5} {name:<18}{figures['server_ms_per_round']:>16.2f}"
                     f"{figures['client_ms_per_message']:>15.2f}"
+                    f"{figures['server_phase_ms']:>17.2f}"
                 )
             lens, fedavg = best["LensembleStrategy"], best["FedAvg"]
             print(
                 f"{nodes:>5} {'ratio':<18}"
                 f"{lens['server_ms_per_round'] / fedavg['server_ms_per_round']:>16.2f}"
                 f"{lens['client_ms_per_message'] / fedavg['client_ms_per_message']:>15.2f}"
+                f"{lens['server_phase_ms'] / fedavg['server_phase_ms']:>17.2f}"
             )
+    print(
+        "(server phase: wall time, median over the rounds, from the pull that brings a "
+        "round's last reply to the next round's train push)"
+    )
     return 0
 
 
