@@ -151,7 +151,7 @@ def run_once(
             run_dir=run_dir,
             run_id=f"cpu-{uuid.uuid4().hex[:8]}",
             fraction_evaluate=0.0,
-            poll_interval=0.0,
+            poll_interval=0.001,  # its loopback Grid answers at once: no pull waits
             warmup_timeout=10.0,
             durable_writes=False,
         ).start(grid=grid, initial_arrays=initial, num_rounds=rounds)

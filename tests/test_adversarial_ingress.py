@@ -23,7 +23,14 @@ from test_strategy import stock_loop_federation
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.coordinator import Coordinator
-from lensemble_flwr.errors import LedgerError, LensembleError, Response, reported, response_to
+from lensemble_flwr.errors import (
+    FaultToleranceExceeded,
+    LedgerError,
+    LensembleError,
+    Response,
+    reported,
+    response_to,
+)
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.protocol.messages import Commitment, MessageKind, Refusal, Update, to_wire
 from lensemble_flwr.protocol.round import RoundState
@@ -366,3 +373,16 @@ def test_the_last_resort_guard_rejects_an_untyped_error_and_logs_it(tmp_path: Pa
     assert coordinator.receive(update_payload()) is None
     assert coordinator.attempt is not None and coordinator.attempt.rejected == 1
     assert untyped_rejections(caplog) and "a bug below admission" in caplog.text
+
+
+def test_the_outcomes_refusals_are_only_the_invited_participants_that_did_not_contribute(
+    tmp_path: Path,
+) -> None:
+    """``RoundOutcome.refused`` (``lensemble.refused``): a participant whose update was
+    admitted and that then sends a refusal contributed; it is not counted as refused."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING)
+    assert coordinator.receive(update_payload()) is Verdict.ADMITTED
+    coordinator.receive(to_wire(messages()[Refusal]))  # p00 again, after its update
+    assert coordinator.attempt is not None and "p00" in coordinator.attempt.refused
+    outcome = coordinator.abort(FaultToleranceExceeded("stopped here"))
+    assert outcome.refused == ()

@@ -439,19 +439,25 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
 
 
 def test_the_recovery_md_flower_app_resumes_a_run_to_its_total(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """docs/recovery.md's ServerApp, with flower.md's ``Net`` and Trainer ClientApp and the
     run config its toml block declares: a first start runs 2 of its rounds; restarted
     with ``resume = true`` and 3 rounds it runs round 3 only, on the same run; restarted
     again it runs nothing; without ``resume`` the directory is refused."""
+    import types
+
     from lensemble_flwr.artifacts.store import Store
     from lensemble_flwr.errors import StoreError
     from lensemble_flwr.provenance.ledger import verify
 
     flower, (trainer_app, _numpy_app) = flower_md_apps()
     _first, block = python_blocks(REPO / "docs" / "recovery.md")
-    namespace: dict[str, Any] = {"__name__": "recovery_md", "Net": flower["Net"]}
+    task = types.ModuleType("my_app.task")  # the page's stand-in for the user's model
+    task.Net = flower["Net"]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "my_app", types.ModuleType("my_app"))
+    monkeypatch.setitem(sys.modules, "my_app.task", task)
+    namespace: dict[str, Any] = {"__name__": "recovery_md"}
     exec(compile(block, "docs/recovery.md[1]", "exec"), namespace)
     (declared,) = [c for w, c in toml_run_configs() if w.startswith("recovery.md")]
     run_dir = tmp_path / "runs" / "my-run"

@@ -472,8 +472,11 @@ def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to
 def test_on_the_simulation_engine_the_warm_up_error_says_how_many_nodes_it_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine's node count is fixed: the warm-up gives up once it has settled, long
-    before its timeout, so the error names the count, not the timeout it did not wait."""
+    """Where the transport declares the federation's size (the simulation engine, whose
+    node count is fixed), the error names that count, not the warm-up's timeout: the
+    warm-up gives up once the count has settled, long before the timeout. (Only the
+    wording is checked here; the settling is
+    ``test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_come``.)"""
     monkeypatch.setattr(GridTransport, "declared_size", lambda self: 4)
     grid = grid_of(quickstart_app(False))
     strategy = LensembleStrategy(

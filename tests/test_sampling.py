@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from federation_helpers import federation, small_config
 from flwr.app import ConfigRecord
@@ -135,7 +136,8 @@ def test_fraction_train_over_fifty_stock_nodes_asks_fifteen_each_round(tmp_path:
         ({"min_train_nodes": -1}, "min_train_nodes: Input should be greater than or equal"),
         ({"min_available_nodes": -2}, "min_available_nodes: Input should be greater than"),
         ({"fraction_evaluate": 2.0}, "fraction_evaluate: must be in"),
-        ({"poll_interval": -1.0}, "poll_interval: must be a finite number of seconds >= 0"),
+        ({"poll_interval": -1.0}, "poll_interval: must be a finite number of seconds > 0"),
+        ({"poll_interval": 0.0}, "poll_interval: must be a finite number of seconds > 0"),
         ({"poll_interval": float("nan")}, "poll_interval: must be a finite number"),
         ({"poll_interval": "0.1"}, "poll_interval: must be a number of seconds"),
         ({"warmup_timeout": -5}, "warmup_timeout: must be a finite number of seconds >= 0"),
@@ -149,6 +151,11 @@ def test_the_strategys_arguments_are_checked_and_named_as_given(
     with pytest.raises(ConfigError) as raised:
         LensembleStrategy(**arguments)
     assert str(raised.value).startswith(named)
+
+
+def test_numpy_numbers_are_seconds_too() -> None:
+    strategy = LensembleStrategy(poll_interval=np.float32(0.25), warmup_timeout=np.int64(0))
+    assert strategy.poll_interval == pytest.approx(0.25) and strategy.warmup_timeout == 0
 
 
 def test_the_stock_loop_samples_too(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_ins_message
 from flwr.serverapp.strategy import Strategy
 from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     NODES,
@@ -33,6 +34,7 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, StoreError
 from lensemble_flwr.protocol.messages import RoundOpen
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
@@ -231,6 +233,16 @@ def test_a_resumed_run_with_no_round_left_says_so_and_returns_its_model(
     )
 
 
+def test_zero_rounds_run_nothing_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy, grid = stock_loop_federation(tmp_path)
+    with caplog.at_level(logging.INFO):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=0)
+    assert grid.pushes == [] and "num_rounds = 0: no round to run" in caplog.text
+    assert "already holds" not in caplog.text
+
+
 def test_the_stock_loop_applies_the_attempt_limit(tmp_path: Path) -> None:
     """Too few replies twice with max-round-attempts 2: the second aggregate_train raises
     the round's error (as Coordinator.run would) instead of returning normally."""
@@ -385,28 +397,42 @@ def test_the_next_round_trains_while_the_server_reports_the_last(tmp_path: Path)
     assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
 
 
-def test_with_an_evaluate_fn_the_next_round_waits_for_it(tmp_path: Path) -> None:
-    """``evaluate_fn(r)`` runs before round r + 1's instructions go out, as with FedAvg:
-    instructions pushed before it, and pulled only after it, could outlive their TTL on
-    a SuperLink while a slow evaluation runs."""
+@pytest.mark.parametrize("user_code", ["evaluate_fn", "on_round", "train_metrics_aggr_fn"])
+def test_with_user_code_between_rounds_the_next_round_waits_for_it(
+    tmp_path: Path, user_code: str
+) -> None:
+    """``evaluate_fn(r)``, ``on_round`` and a train metrics aggregation of the user's run
+    before round r + 1's instructions go out, as with FedAvg: instructions pushed before
+    them, and pulled only after them, could outlive their TTL on a SuperLink while slow
+    user code runs (the SuperLink then drops the replies)."""
     strategy, grid = stock_loop_federation(tmp_path)
-    latest_at_evaluation: dict[int, int | None] = {}
+    latest: list[int] = []
+
+    def slow() -> None:  # longer than any instruction's TTL
+        latest.append(max(_train_rounds_pushed(grid)))
+        grid.clock.t += 1000.0
 
     def evaluate_fn(server_round: int, arrays: object) -> MetricRecord:
-        rounds = _train_rounds_pushed(grid)
-        latest_at_evaluation[server_round] = max(rounds) if rounds else None
-        grid.clock.t += 1000.0  # a slow evaluation: longer than any instruction's TTL
+        if server_round > 0:
+            slow()
         return MetricRecord({"seen": float(server_round)})
 
+    def aggregate(contents: list[RecordDict], key: str) -> MetricRecord:
+        slow()
+        return MetricRecord()
+
+    if user_code == "on_round":
+        strategy.on_round = lambda line: slow()
+    if user_code == "train_metrics_aggr_fn":
+        strategy.train_metrics_aggr_fn = aggregate
     result = strategy.start(
         grid=grid,
         initial_arrays=arrays_to_record(initial_params()),
         num_rounds=3,
-        evaluate_fn=evaluate_fn,
+        evaluate_fn=evaluate_fn if user_code == "evaluate_fn" else None,
     )
-    assert latest_at_evaluation == {0: None, 1: 1, 2: 2, 3: 3}
-    # no instruction waited out the evaluation on the SuperLink: nothing expired
-    assert grid.errors == []
+    assert latest == [1, 2, 3]  # each ran before the next round's instructions went out
+    assert grid.errors == []  # no instruction waited on the SuperLink meanwhile
     assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (3, 1)]
 
 
@@ -453,6 +479,10 @@ def test_an_error_opening_the_next_round_is_raised_once_this_one_is_reported(
         strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3)
     lines = (tmp_path / "run" / "round-metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [1]
+    # the attempt that could not go out is over (recorded), not left open
+    coordinator = strategy.coordinator
+    assert coordinator is not None and coordinator.round_state() is RoundState.ABORTED
+    assert "could not be sent: ConnectionError" in str(coordinator.outcomes[-1].reason)
 
 
 def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(
@@ -474,22 +504,23 @@ def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(
     assert [r for kind, r in order if kind == train] == [1, 2, 3]
 
 
+def _stray_arrays(message: Message) -> Message:
+    """A stock reply with an array the model does not have."""
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"not-in-the-model": Array(np.zeros(3, np.float32))}),
+            "metrics": MetricRecord({"num-examples": 4}),
+        }
+    )
+    return Message(content, reply_to=message)
+
+
 def test_a_node_that_answers_without_an_update_is_counted_as_refused(tmp_path: Path) -> None:
     """A reply that cannot become an update (here, an array the model does not have) is
     the node's refusal: ``lensemble.refused`` counts it, ``lensemble.rejected`` (messages
     refused at ingress) does not."""
     strategy, grid = stock_loop_federation(tmp_path)
-
-    def stray_arrays(message: Message) -> Message:
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord({"not-in-the-model": Array(np.zeros(3, np.float32))}),
-                "metrics": MetricRecord({"num-examples": 4}),
-            }
-        )
-        return Message(content, reply_to=message)
-
-    grid.nodes[NODES[0]] = stray_arrays
+    grid.nodes[NODES[0]] = _stray_arrays
     result = strategy.start(
         grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
     )
@@ -498,3 +529,39 @@ def test_a_node_that_answers_without_an_update_is_counted_as_refused(tmp_path: P
     assert metrics["lensemble.refused"] == 1.0 and metrics["lensemble.rejected"] == 0.0
     (outcome,) = result.outcomes
     assert outcome.refused == (f"node-{NODES[0]}",)
+
+
+def test_flowers_own_loop_counts_a_malformed_reply_as_that_nodes_refusal(
+    tmp_path: Path,
+) -> None:
+    """In ``aggregate_train`` too, a reply that cannot become an update is the node's
+    refusal (``lensemble.refused``), as in ``start``."""
+    strategy, grid = stock_loop_federation(tmp_path)
+    grid.nodes[NODES[0]] = _stray_arrays
+    result = Strategy.start(
+        strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
+    )
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["lensemble.C_t"] == 3.0
+    assert metrics["lensemble.refused"] == 1.0 and metrics["lensemble.rejected"] == 0.0
+
+
+def test_an_evaluation_error_without_a_reason_or_from_the_superlink_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Flower turns an empty error reason into None, and the SuperLink answers for a node
+    whose evaluate instruction expired: neither crashes the aggregation, and the SuperLink
+    is named as such, not as a node."""
+    strategy = LensembleStrategy(small_config(), fraction_evaluate=1.0)
+    grid = FakeGrid(FakeClock(), {n: (lambda m: None) for n in NODES})
+    messages = list(
+        strategy.configure_evaluate(2, arrays_to_record(initial_params()), ConfigRecord(), grid)
+    )
+    grid.push_messages(messages)
+    expired = create_message_error_unavailable_ins_message(messages[1].metadata.message_id, 1)
+    replies = [Message(Error(code=0), reply_to=messages[0]), expired]
+    with caplog.at_level(logging.WARNING, logger="lensemble_flwr"):
+        assert strategy.aggregate_evaluate(2, replies) is None
+    (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert f"node-{messages[0].metadata.dst_node_id} (error 0: no reason given)" in line
+    assert "the SuperLink (error 3:" in line and "node-1 " not in line

@@ -39,8 +39,9 @@ class RoundOutcome:
     elapsed: float
     path: tuple[RoundState, ...] = ()
     refused: tuple[str, ...] = ()
-    """Invited participants that answered without contributing: a refusal, an error
-    reply, a reply that is no update, or an update rejected at ingress."""
+    """Invited participants that answered without contributing (a refusal, an error
+    reply, a reply that is no update, an update rejected at ingress), or that the
+    SuperLink reported unavailable."""
 
     @property
     def reason(self) -> str | None:

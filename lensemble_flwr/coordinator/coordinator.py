@@ -634,7 +634,8 @@ class Coordinator:
 
         An error delivering the RoundOpens ends the attempt ABORTED, as in
         ``run_attempt``, which then returns that outcome (and ``run`` retries or stops
-        per the error table).
+        per the error table); an error that is not a round's (a SuperLink out of reach)
+        ends it ABORTED too, and is raised.
 
         Raises:
             IllegalTransition, LedgerError, ConfigError: as :meth:`begin_attempt` (nothing
@@ -661,6 +662,14 @@ class Coordinator:
                 self.on_transition(attempt.machine)  # OPEN, its RoundOpens delivered
         except LensembleError as exc:
             return self.abort(exc)
+        except Exception as exc:  # not a round's error (a SuperLink out of reach): the
+            # attempt is over all the same, so that a later run begins the next one
+            self.abort(
+                FaultToleranceExceeded(
+                    f"its RoundOpens could not be sent: {type(exc).__name__}: {exc}"
+                )
+            )
+            raise
         return None
 
     def _prepare_writes(self) -> None:
@@ -1147,7 +1156,7 @@ class Coordinator:
             diagnostics=dict(diagnostics),
             elapsed=self._clock() - attempt.started,
             path=attempt.path(),
-            refused=tuple(sorted(attempt.refused)),
+            refused=tuple(sorted(set(attempt.refused) & attempt.invited - attempt.admitted)),
         )
 
     def _report(self, outcome: RoundOutcome) -> None:

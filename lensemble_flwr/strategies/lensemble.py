@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -63,6 +64,7 @@ from lensemble_flwr.strategies.grid_transport import (
     SentInstruction,
     error_refusal,
     is_simulation_grid,
+    malformed_refusal,
     train_reply_payloads,
 )
 from lensemble_flwr.strategies.layout import ArrayLayout
@@ -374,8 +376,10 @@ class LensembleStrategy(Strategy):
                         weight_key=self.weighted_by_key,
                     )
                 )
-            except ValueError as exc:
+            except ValueError as exc:  # the node's answer all the same: its refusal
                 log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
+                refusal = malformed_refusal(info, str(exc), reply.metadata.src_node_id)
+                payloads.extend([refusal] if refusal is not None else [])
         outcome = coordinator.conclude_collected(payloads, peers)
         client = {
             self.names.name_of(r.metadata.src_node_id): r.content
@@ -420,9 +424,12 @@ class LensembleStrategy(Strategy):
         valid: list[RecordDict] = []
         left_out: list[str] = []
         for reply in replies:
-            node = self.names.name_of(reply.metadata.src_node_id)
+            source = reply.metadata.src_node_id
+            node = "the SuperLink" if source == SUPERLINK_NODE_ID else self.names.name_of(source)
             if reply.has_error():
-                left_out.append(f"{node} (error {reply.error.code}: {reply.error.reason[:80]})")
+                reason = " ".join((reply.error.reason or "no reason given").split())
+                cut = reason if len(reason) <= 200 else reason[:199] + "…"
+                left_out.append(f"{node} (error {reply.error.code}: {cut})")
             elif (why := _not_weighted(reply.content, self.weighted_by_key)) is not None:
                 left_out.append(f"{node} ({why})")
             else:
@@ -501,8 +508,6 @@ class LensembleStrategy(Strategy):
         transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         done = coordinator.global_state().round
-        if done > 0:  # resumed: the run's model, whether or not a round is left to run
-            result.arrays = self._user_arrays(coordinator.global_state().params)
         unfinished = done < num_rounds
         started = transport.now()
         # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
@@ -512,7 +517,7 @@ class LensembleStrategy(Strategy):
             warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
             waited = transport.now() - started
             say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
-        else:
+        elif done > 0:
             warm, waited = [], 0.0
             say(
                 INFO,
@@ -522,6 +527,9 @@ class LensembleStrategy(Strategy):
                 done,
                 num_rounds,
             )
+        else:
+            warm, waited = [], 0.0
+            say(INFO, "num_rounds = %d: no round to run", num_rounds)
         declared = transport.declared_size()  # the simulation engine's fixed node count
         connected = (
             f"the simulation engine runs {declared} node(s)"
@@ -571,6 +579,8 @@ class LensembleStrategy(Strategy):
         # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
         seen = len(coordinator.outcomes)  # the outcomes reported so far
         try:
+            if done > 0:  # resumed: the run's model, whether or not a round is left to run
+                result.arrays = self._user_arrays(coordinator.global_state().params)
             while (r := coordinator.global_state().next_round) <= num_rounds:
                 say(INFO, "")
                 say(INFO, "[ROUND %s/%s]", r, num_rounds)
@@ -586,13 +596,11 @@ class LensembleStrategy(Strategy):
                 closed = new[-1]
                 seen = len(coordinator.outcomes)  # an attempt opened below is the next round's
                 not_opened: Exception | None = None
-                if r < num_rounds and evaluate_fn is None and not self._evaluates():
-                    # Nothing is evaluated between the rounds: the next round's instructions
-                    # go out now, and this round's metrics and log lines are written while
-                    # the nodes train. Not before an evaluation: its replies would mix with
-                    # the next round's, and a slow evaluate_fn could outlast the TTL of
-                    # instructions nobody pulls meanwhile (the SuperLink then drops the
-                    # replies). An error opening it is raised once this round is reported.
+                if r < num_rounds and self._opens_ahead(evaluate_fn):
+                    # Only lensemble's own bookkeeping comes between the rounds: the next
+                    # round's instructions go out now, and this round's metrics and log
+                    # lines are written while the nodes train. An error opening it is
+                    # raised once this round is reported.
                     try:
                         coordinator.open_attempt()
                     except Exception as exc:
@@ -630,6 +638,20 @@ class LensembleStrategy(Strategy):
         return result
 
     # -- helpers -----------------------------------------------------------------------
+    def _opens_ahead(self, evaluate_fn: object) -> bool:
+        """Whether ``start`` may send a round's instructions before it reports the last:
+        only when no code of the user's runs in between (no ``evaluate_fn``, no federated
+        evaluation, no ``on_round``, Flower's own train metrics aggregation). Instructions
+        nobody pulls while a slow evaluation or callback runs could outlive their TTL,
+        and a SuperLink drops an expired instruction with its reply; evaluation replies
+        would also mix with the next round's."""
+        return (
+            evaluate_fn is None
+            and self.on_round is None
+            and self.train_metrics_aggr_fn is aggregate_metricrecords
+            and not self._evaluates()
+        )
+
     def writes_durably(self, grid: Grid) -> bool:
         """Whether the run directory's writes are fsynced on ``grid`` (``durable_writes``;
         by default, everywhere but on the simulation engine)."""
@@ -917,7 +939,8 @@ def with_sampling(config: LensembleConfig, **given: float | int | None) -> Lense
     """``config`` with the sampling fields given (not None) replaced, validated.
 
     Raises:
-        ConfigError: a value out of range (naming the field).
+        ConfigError: a value out of range, named by the strategy argument that gave it
+            (``fraction_train``, ``min_train_nodes``, ``min_available_nodes``).
     """
     updates = {field: value for field, value in given.items() if value is not None}
     if not updates:
@@ -941,16 +964,22 @@ _SAMPLING_ARGUMENTS = {
 
 
 def _check_strategy_arguments(poll_interval: float, warmup_timeout: float) -> None:
-    """Refuse, naming the argument, a wait no clock can keep.
+    """Refuse, naming the argument, a wait no clock can keep, and a poll of the SuperLink
+    with no pause between pulls.
 
     Raises:
-        ConfigError: ``poll_interval`` or ``warmup_timeout`` is negative or not finite.
+        ConfigError: ``poll_interval`` is not a finite number > 0, or ``warmup_timeout``
+            not a finite number >= 0.
     """
-    for name, value in (("poll_interval", poll_interval), ("warmup_timeout", warmup_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    for name, value, floor in (
+        ("poll_interval", poll_interval, "> 0"),
+        ("warmup_timeout", warmup_timeout, ">= 0"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ConfigError(name, f"must be a number of seconds, got {value!r}")
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(name, f"must be a finite number of seconds >= 0, got {value!r}")
+        low = value <= 0 if floor == "> 0" else value < 0
+        if not math.isfinite(value) or low:
+            raise ConfigError(name, f"must be a finite number of seconds {floor}, got {value!r}")
 
 
 def _weighted(content: RecordDict, key: str) -> bool:
