@@ -508,58 +508,7 @@ class LensembleStrategy(Strategy):
         transport.weight_key = self.weighted_by_key
         result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
         done = coordinator.global_state().round
-        unfinished = done < num_rounds
-        started = transport.now()
-        # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
-        floor = max(fed.min_available, fed.sample_min)
-        needed = max(fed.quorum, floor)
-        if unfinished:
-            warm = transport.warm_up(min_nodes=needed, timeout_s=self.warmup_timeout)
-            waited = transport.now() - started
-            say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
-        elif done > 0:
-            warm, waited = [], 0.0
-            say(
-                INFO,
-                "%s already holds round %d, and num_rounds = %d counts from round 1: "
-                "no round left to run",
-                self.run_dir,
-                done,
-                num_rounds,
-            )
-        else:
-            warm, waited = [], 0.0
-            say(INFO, "num_rounds = %d: no round to run", num_rounds)
-        declared = transport.declared_size()  # the simulation engine's fixed node count
-        connected = (
-            f"the simulation engine runs {declared} node(s)"
-            if declared is not None and len(warm) >= declared
-            else f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f} s)"
-        )
-        if fed.quorum <= len(warm) < floor and unfinished:
-            argument, key = (
-                ("min_available_nodes", "min-available")
-                if fed.min_available >= fed.sample_min
-                else ("min_train_nodes", "sample-min")
-            )
-            raise ConfigError(
-                key,
-                f"{connected}, and no round starts before {argument} = {floor} "
-                "are (FedAvg would wait for them for ever): start more SuperNodes (on "
-                f'the simulation engine `--federation-config "num-supernodes={floor}"`), '
-                f"raise the warm-up timeout, or lower {argument} (the strategy's argument; "
-                f"lensemble.{key} when the argument is not given)",
-            )
-        if len(warm) < fed.quorum and unfinished:
-            raise ConfigError(
-                "min-participants",
-                f"{connected}, and every round needs K = {fed.quorum}. On Flower's "
-                f"simulation engine give the run at least {fed.quorum} SuperNodes "
-                "(`flwr run <app> --stream "
-                f'--federation-config "num-supernodes={fed.quorum}"`; Flower\'s default local '
-                f"federation has 2); on a deployment, start at least {fed.quorum} SuperNodes "
-                "(or raise the warm-up timeout); or lower lensemble.min-participants",
-            )
+        waited = self._warm_up(transport, done, num_rounds)
         # Connected is not started: Ray actors and SuperNode ClientApp processes start on
         # their first message. The first round's deadlines get the rest of the warm-up
         # budget as grace; a round in which every invited node answered ends at once, so
@@ -638,6 +587,68 @@ class LensembleStrategy(Strategy):
         return result
 
     # -- helpers -----------------------------------------------------------------------
+    def _warm_up(self, transport: GridTransport, done: int, num_rounds: int) -> float:
+        """Before the run's first round here: wait (at most ``warmup_timeout``) for the
+        nodes every round needs, sending them nothing; nothing to wait for when the run
+        already holds its ``num_rounds`` (``done`` of them closed). The seconds waited.
+
+        Raises:
+            ConfigError: fewer nodes connected than ``min_available_nodes``,
+                ``min_train_nodes`` or the quorum K, naming the one that cannot be met
+                and how to run the app.
+        """
+        fed = self.config.federation
+        if done >= num_rounds:
+            if done > 0:
+                say(
+                    INFO,
+                    "%s already holds round %d, and num_rounds = %d counts from round 1: "
+                    "no round left to run",
+                    self.run_dir,
+                    done,
+                    num_rounds,
+                )
+            else:
+                say(INFO, "num_rounds = %d: no round to run", num_rounds)
+            return 0.0
+        started = transport.now()
+        # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
+        floor = max(fed.min_available, fed.sample_min)
+        warm = transport.warm_up(min_nodes=max(fed.quorum, floor), timeout_s=self.warmup_timeout)
+        waited = transport.now() - started
+        say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
+        declared = transport.declared_size()  # the simulation engine's fixed node count
+        connected = (
+            f"the simulation engine runs {declared} node(s)"
+            if declared is not None and len(warm) >= declared
+            else f"{len(warm)} node(s) connected within the warm-up ({self.warmup_timeout:.0f} s)"
+        )
+        if fed.quorum <= len(warm) < floor:
+            argument, key = (
+                ("min_available_nodes", "min-available")
+                if fed.min_available >= fed.sample_min
+                else ("min_train_nodes", "sample-min")
+            )
+            raise ConfigError(
+                key,
+                f"{connected}, and no round starts before {argument} = {floor} "
+                "are (FedAvg would wait for them for ever): start more SuperNodes (on "
+                f'the simulation engine `--federation-config "num-supernodes={floor}"`), '
+                f"raise the warm-up timeout, or lower {argument} (the strategy's argument; "
+                f"lensemble.{key} when the argument is not given)",
+            )
+        if len(warm) < fed.quorum:
+            raise ConfigError(
+                "min-participants",
+                f"{connected}, and every round needs K = {fed.quorum}. On Flower's "
+                f"simulation engine give the run at least {fed.quorum} SuperNodes "
+                "(`flwr run <app> --stream "
+                f'--federation-config "num-supernodes={fed.quorum}"`; Flower\'s default local '
+                f"federation has 2); on a deployment, start at least {fed.quorum} SuperNodes "
+                "(or raise the warm-up timeout); or lower lensemble.min-participants",
+            )
+        return waited
+
     def _opens_ahead(self, evaluate_fn: object) -> bool:
         """Whether ``start`` may send a round's instructions before it reports the last:
         only when no code of the user's runs in between (no ``evaluate_fn``, no federated
