@@ -41,6 +41,7 @@ from lensemble_flwr.strategies.records import arrays_to_record
 from lensemble_flwr.transports.base import (
     COORDINATOR,
     MALFORMED_REPLY,
+    STOCK_CLIENTAPP,
     DeliveredFrom,
     FiledByTransport,
 )
@@ -102,6 +103,36 @@ def test_a_rejected_update_answers_for_its_node_only_when_it_is_that_nodes_own(
     assert coordinator.receive(delivered(update_payload())) is Verdict.ADMITTED
     assert coordinator.receive(delivered(update_payload())) is None  # a duplicate
     assert attempt.admitted == {"p00"} and not attempt.refused
+
+
+def test_a_stock_reply_that_can_never_be_signed_answers_for_its_node(
+    tmp_path: Path, caplog
+) -> None:
+    """Under ``require-signatures`` an update the transport made of a stock ClientApp's
+    reply, from a participant with no key, is refused (ForgedMessage) and is that node's
+    answer: nothing it sends can be signed, so the round does not wait for it. A
+    participant with a registered key is still not answered for by an unsigned one."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING, require_signatures=True)
+    attempt = coordinator.attempt
+    assert attempt is not None
+    stock = DeliveredFrom(
+        update_payload(transforms=[STOCK_CLIENTAPP], dataset_root=None),
+        peer="p00", round=attempt.round, attempt=attempt.number, node=5,
+    )  # fmt: skip
+    assert coordinator.receive(stock) is None
+    assert "signatures required" in caplog.text
+    assert list(attempt.refused) == ["p00"]
+    assert attempt.refused["p00"].startswith("RejectedUpdate: ForgedMessage")
+
+    key = IdentityKey.generate()
+    keyed = coordinator_in(
+        tmp_path / "b", RoundState.COLLECTING, require_signatures=True
+    )
+    keyed.registry.identities = {"p00": key.public_openssh}
+    attempt = keyed.attempt
+    assert attempt is not None
+    assert keyed.receive(stock) is None
+    assert not attempt.refused  # p00 has a key: an unsigned update is nobody's answer
 
 
 def test_a_transport_refusal_with_nothing_left_to_stop_is_dropped(tmp_path: Path) -> None:

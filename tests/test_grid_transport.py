@@ -559,6 +559,25 @@ _MALFORMED: dict[str, tuple[NodeFn, str]] = {
         ),
         "array 'b' holds NaN or infinite values",
     ),
+    "an integer array": (  # cast to float32, it became a silently collapsed model
+        lambda m: _stock_reply(
+            m, {**PARAMS, "w": PARAMS["w"].astype(np.int64)}, {"num-examples": 3}
+        ),
+        "array 'w' has dtype int64; the model's has float32",
+    ),
+    "a negative example count": (
+        lambda m: _stock_reply(m, PARAMS, {"num-examples": -200}),
+        "MetricRecord 'metrics' ['num-examples'] (num-examples = -200)",
+    ),
+    "many arrays that are not the model's": (
+        lambda m: _stock_reply(
+            m,
+            {**PARAMS, **{f"extra{i}": np.ones(2, np.float32) for i in range(10)}},
+            {"num-examples": 3},
+        ),
+        "unexpected ['extra0', 'extra1', 'extra2', 'extra3', 'extra4', 'extra5', 'extra6', "
+        "'extra7'] and 2 more",
+    ),
 }
 
 

@@ -141,6 +141,16 @@ def test_fraction_train_over_fifty_stock_nodes_asks_fifteen_each_round(tmp_path:
         ({"poll_interval": float("nan")}, "poll_interval: must be a finite number"),
         ({"poll_interval": "0.1"}, "poll_interval: must be a number of seconds"),
         ({"warmup_timeout": -5}, "warmup_timeout: must be a finite number of seconds >= 0"),
+        ({"config": 0.5}, "config: must be a LensembleConfig (or None), got 0.5: FedAvg's"),
+        ({"config": {"federation": {}}}, "config: must be a LensembleConfig"),
+        ({"identities": {"partition-id-0": "not a key"}},
+         "identities['partition-id-0']: not an OpenSSH public key"),
+        ({"weighted_by_key": None}, "weighted_by_key: must be a non-empty string"),
+        ({"arrayrecord_key": ""}, "arrayrecord_key: must be a non-empty string"),
+        ({"configrecord_key": 3}, "configrecord_key: must be a non-empty string"),
+        ({"on_round": 3}, "on_round: must be callable"),
+        ({"train_metrics_aggr_fn": "x"}, "train_metrics_aggr_fn: must be callable"),
+        ({"evaluate_metrics_aggr_fn": 1}, "evaluate_metrics_aggr_fn: must be callable"),
     ],
 )
 def test_the_strategys_arguments_are_checked_and_named_as_given(

@@ -111,6 +111,7 @@ from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import GENESIS, ExternalStep, Ledger, RunManifest
 from lensemble_flwr.transports.base import (
     COORDINATOR,
+    STOCK_CLIENTAPP,
     BuffersSends,
     DeclaresFederation,
     DeliveredFrom,
@@ -163,16 +164,24 @@ POISSON_DRAWS = 100
 """Poisson draws an attempt makes (each from its own seed) before it gives up on K."""
 
 
-def _answered_all_the_same(attempt: Attempt, payload: WirePayload, error: Exception) -> None:
+def _answered_all_the_same(
+    attempt: Attempt, payload: WirePayload, error: Exception, *, keyless: bool = False
+) -> None:
     """A rejected update that the transport took from the invited node's own reply to
     this attempt (:class:`~lensemble_flwr.transports.base.DeliveredFrom`) is that node's
     answer all the same: it will not send another, so the round stops waiting for it, and
     the attempt records why it contributed nothing. Nothing else is changed (a rejection
     of anything else, or of a message whose sender no transport vouches for, still waits:
-    in process anyone may write any sender into a payload)."""
+    in process anyone may write any sender into a payload).
+
+    A signature failure answers for nobody (another node may have taken the name), with
+    one exception: an update the transport made of a stock ClientApp's reply, from a
+    participant with no key (``keyless``). Nothing such a node sends can ever be signed,
+    so waiting for it (under ``require-signatures``) could only wait out the deadline."""
     if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
         return
-    if isinstance(error, ForgedMessage):  # not proven to be the node's own: it may not be
+    stock = tuple(payload.get("transforms") or ()) == (STOCK_CLIENTAPP,)
+    if isinstance(error, ForgedMessage) and not (stock and keyless):
         return
     if (payload.round, payload.attempt) != (attempt.round, attempt.number):
         return
@@ -888,7 +897,8 @@ class Coordinator:
             log.warning(
                 "round %d: message rejected (%s): %s", attempt.round, type(exc).__name__, exc
             )
-            _answered_all_the_same(attempt, payload, exc)
+            keyless = not self.registry.has_key(str(payload.get("participant_id")))
+            _answered_all_the_same(attempt, payload, exc, keyless=keyless)
             return None
         except _UNTYPED_INPUT_ERRORS as exc:
             # A message that passed validation and still tripped something below: it is

@@ -159,6 +159,14 @@ class ParticipantRegistry:
             return
         verify_signature(msg, key, round_seed, fields)
 
+    def has_key(self, pid: str) -> bool:
+        """Whether ``pid`` has an identity key its messages can be checked against: named
+        in the allow-list, or bound with its commitment."""
+        if self.identities is not None:
+            return pid in self.identities
+        bound = self.commitments.get(pid)
+        return bound is not None and bound.identity_key is not None
+
     def signs(self, pid: str) -> bool:
         """Whether ``pid``'s messages must carry its signature: an allow-list, a key
         bound with its commitment, or ``require-signatures``."""

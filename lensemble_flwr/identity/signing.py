@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -128,7 +128,7 @@ def parse_public_key(openssh: str) -> ec.EllipticCurvePublicKey:
     """
     try:
         key = serialization.load_ssh_public_key(openssh.strip().encode("ascii"))
-    except (ValueError, UnicodeEncodeError, TypeError) as exc:
+    except (ValueError, UnicodeEncodeError, TypeError, UnsupportedAlgorithm) as exc:
         raise ForgedMessage(f"not an OpenSSH public key: {exc}") from None
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise ForgedMessage("identity keys must be ECDSA (NIST P-256 or P-384)")

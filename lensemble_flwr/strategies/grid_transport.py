@@ -53,6 +53,7 @@ from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.transports.base import (
     CLIENT_APP_ERROR,
     MALFORMED_REPLY,
+    STOCK_CLIENTAPP,
     DeliveredFrom,
     FiledByTransport,
 )
@@ -522,20 +523,26 @@ def train_reply_payloads(
         raise ValueError(
             "neither a lensemble nor a stock train reply (a stock reply is one ArrayRecord "
             f"and one MetricRecord holding a positive number under {weight_key!r}, the "
-            f"strategy's weighted_by_key): {_reply_shape(content)}"
+            f"strategy's weighted_by_key): {_reply_shape(content, weight_key)}"
         )
     arrays, count, _ = stock
     arrays = {name: array for name, array in arrays.items() if name not in carried}
     if set(arrays) != set(info.params):
-        missing = sorted(set(info.params) - set(arrays))
-        unexpected = sorted(set(arrays) - set(info.params))
+        missing = _some(sorted(set(info.params) - set(arrays)))
+        unexpected = _some(sorted(set(arrays) - set(info.params)))
         raise ValueError(
-            f"its arrays are not the model's: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            f"its arrays are not the model's: missing {missing}, unexpected {unexpected}"
         )
     for name in sorted(arrays):
         sent, got = np.shape(info.params[name]), np.shape(arrays[name])
         if got != sent:
             raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
+        kind, model_kind = np.asarray(arrays[name]).dtype, np.asarray(info.params[name]).dtype
+        if kind.kind != "f":  # an integer or boolean array would be cast to a model
+            raise ValueError(
+                f"array {name!r} has dtype {kind}; the model's has {model_kind} (a float "
+                "array is expected: the reply's values would otherwise be truncated)"
+            )
     delta = {
         n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
         for n in sorted(arrays)
@@ -556,13 +563,14 @@ def train_reply_payloads(
             "delta": delta,
             "l2_norm": norm,
             "num_examples": count,
-            "transforms": ("stock-clientapp",),
+            "transforms": (STOCK_CLIENTAPP,),
         }
     ]
 
 
-def _reply_shape(content: RecordDict) -> str:
-    """What a train reply holds, by record type and name (for an error message)."""
+def _reply_shape(content: RecordDict, weight_key: str | None = None) -> str:
+    """What a train reply holds, by record type and name, with the value it holds under
+    ``weight_key`` if any (for an error message)."""
     parts = []
     kinds = (
         (ArrayRecord, "ArrayRecord"),
@@ -572,8 +580,16 @@ def _reply_shape(content: RecordDict) -> str:
     for kind, label in kinds:
         for name, record in records.records_of(content, kind).items():
             keys = f" {sorted(record)}" if kind is not ArrayRecord else ""
+            if weight_key is not None and kind is not ArrayRecord and weight_key in record:
+                keys += f" ({weight_key} = {record[weight_key]!r})"
             parts.append(f"{label} {name!r}{keys}")
     return "it holds " + (", ".join(parts) if parts else "no arrays and no metrics")
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """``names`` for an error message: the first ``shown``, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
 
 
 def malformed_refusal(

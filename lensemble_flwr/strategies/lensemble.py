@@ -46,10 +46,12 @@ from lensemble_flwr.coordinator.outer_optimizer import influence_scale
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
+    ForgedMessage,
     ParameterMismatch,
     StoreError,
 )
 from lensemble_flwr.gauge.runtime import GaugeSetup
+from lensemble_flwr.identity.signing import parse_public_key
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import MessageKind, to_wire
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
@@ -178,6 +180,20 @@ class LensembleStrategy(Strategy):
         durable_writes: bool | None = None,
     ) -> None:
         _check_strategy_arguments(poll_interval, warmup_timeout)
+        _check_flower_arguments(
+            config,
+            identities,
+            keys={
+                "weighted_by_key": weighted_by_key,
+                "arrayrecord_key": arrayrecord_key,
+                "configrecord_key": configrecord_key,
+            },
+            callbacks={
+                "on_round": on_round,
+                "train_metrics_aggr_fn": train_metrics_aggr_fn,
+                "evaluate_metrics_aggr_fn": evaluate_metrics_aggr_fn,
+            },
+        )
         self.config = with_sampling(
             config or LensembleConfig(),
             sample_fraction=fraction_train,
@@ -991,6 +1007,41 @@ def _check_strategy_arguments(poll_interval: float, warmup_timeout: float) -> No
         low = value <= 0 if floor == "> 0" else value < 0
         if not math.isfinite(value) or low:
             raise ConfigError(name, f"must be a finite number of seconds {floor}, got {value!r}")
+
+
+def _check_flower_arguments(
+    config: object,
+    identities: Mapping[str, str] | None,
+    *,
+    keys: Mapping[str, object],
+    callbacks: Mapping[str, object],
+) -> None:
+    """Refuse, naming the argument, what would only fail once the run started (an
+    untyped ``AttributeError`` or a key library's error).
+
+    Raises:
+        ConfigError: ``config`` is not a LensembleConfig (FedAvg's first positional
+            argument is ``fraction_train``), an ``identities`` value is not an OpenSSH
+            ECDSA public key, a record key or ``weighted_by_key`` is not a non-empty
+            string, or a callback is not callable.
+    """
+    if config is not None and not isinstance(config, LensembleConfig):
+        raise ConfigError(
+            "config",
+            f"must be a LensembleConfig (or None), got {config!r}: FedAvg's arguments "
+            "(fraction_train=..., min_train_nodes=...) are given by name",
+        )
+    for pid, key in (identities or {}).items():
+        try:
+            parse_public_key(key if isinstance(key, str) else repr(key))
+        except ForgedMessage as exc:
+            raise ConfigError(f"identities[{pid!r}]", str(exc)) from None
+    for name, value in keys.items():
+        if not isinstance(value, str) or not value:
+            raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+    for name, callback in callbacks.items():
+        if callback is not None and not callable(callback):
+            raise ConfigError(name, f"must be callable (or None), got {callback!r}")
 
 
 def _weighted(content: RecordDict, key: str) -> bool:

@@ -43,6 +43,9 @@ MALFORMED_REPLY = "MalformedReply"
 """The error of a Refusal filed for a node whose reply cannot become an update."""
 TRANSPORT_ERRORS = frozenset({CLIENT_APP_ERROR, MALFORMED_REPLY})
 """The only errors a :class:`FiledByTransport` refusal may name."""
+STOCK_CLIENTAPP = "stock-clientapp"
+"""The transform an update made by a transport of a stock ClientApp's reply names: an
+unbound, unsigned update (its arrays minus the global params it was sent)."""
 
 
 class FiledByTransport(dict[str, Any]):
