@@ -179,10 +179,10 @@ class LensembleStrategy(Strategy):
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
         durable_writes: bool | None = None,
     ) -> None:
-        _check_strategy_arguments(poll_interval, warmup_timeout)
-        _check_flower_arguments(
+        _check_arguments(
             config,
             identities,
+            seconds={"poll_interval": poll_interval, "warmup_timeout": warmup_timeout},
             keys={
                 "weighted_by_key": weighted_by_key,
                 "arrayrecord_key": arrayrecord_key,
@@ -392,8 +392,8 @@ class LensembleStrategy(Strategy):
                         weight_key=self.weighted_by_key,
                     )
                 )
-            except ValueError as exc:  # the node's answer all the same: its refusal
-                log.warning("round %d: reply from %s dropped: %s", server_round, peer, exc)
+            except ValueError as exc:  # the node's answer all the same: its refusal,
+                # which the coordinator logs with the reason (as on start's path)
                 refusal = malformed_refusal(info, str(exc), reply.metadata.src_node_id)
                 payloads.extend([refusal] if refusal is not None else [])
         outcome = coordinator.conclude_collected(payloads, peers)
@@ -990,40 +990,24 @@ _SAMPLING_ARGUMENTS = {
 """The federation config's sampling fields, by the strategy argument that sets them."""
 
 
-def _check_strategy_arguments(poll_interval: float, warmup_timeout: float) -> None:
-    """Refuse, naming the argument, a wait no clock can keep, and a poll of the SuperLink
-    with no pause between pulls.
-
-    Raises:
-        ConfigError: ``poll_interval`` is not a finite number > 0, or ``warmup_timeout``
-            not a finite number >= 0.
-    """
-    for name, value, floor in (
-        ("poll_interval", poll_interval, "> 0"),
-        ("warmup_timeout", warmup_timeout, ">= 0"),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ConfigError(name, f"must be a number of seconds, got {value!r}")
-        low = value <= 0 if floor == "> 0" else value < 0
-        if not math.isfinite(value) or low:
-            raise ConfigError(name, f"must be a finite number of seconds {floor}, got {value!r}")
-
-
-def _check_flower_arguments(
+def _check_arguments(
     config: object,
     identities: Mapping[str, str] | None,
     *,
+    seconds: Mapping[str, object],
     keys: Mapping[str, object],
     callbacks: Mapping[str, object],
 ) -> None:
     """Refuse, naming the argument, what would only fail once the run started (an
-    untyped ``AttributeError`` or a key library's error).
+    untyped ``AttributeError``, a key library's error, ``time.sleep``'s ValueError, or a
+    SuperLink pulled in a tight loop).
 
     Raises:
         ConfigError: ``config`` is not a LensembleConfig (FedAvg's first positional
-            argument is ``fraction_train``), an ``identities`` value is not an OpenSSH
-            ECDSA public key, a record key or ``weighted_by_key`` is not a non-empty
-            string, or a callback is not callable.
+            argument is ``fraction_train``), ``poll_interval`` is not a finite number
+            > 0 or ``warmup_timeout`` not one >= 0, an ``identities`` value is not an
+            OpenSSH ECDSA public key, a record key or ``weighted_by_key`` is not a
+            non-empty string, or a callback is not callable.
     """
     if config is not None and not isinstance(config, LensembleConfig):
         raise ConfigError(
@@ -1031,6 +1015,12 @@ def _check_flower_arguments(
             f"must be a LensembleConfig (or None), got {config!r}: FedAvg's arguments "
             "(fraction_train=..., min_train_nodes=...) are given by name",
         )
+    for name, value in seconds.items():
+        floor = "> 0" if name == "poll_interval" else ">= 0"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigError(name, f"must be a number of seconds, got {value!r}")
+        if not math.isfinite(value) or (value <= 0 if floor == "> 0" else value < 0):
+            raise ConfigError(name, f"must be a finite number of seconds {floor}, got {value!r}")
     for pid, key in (identities or {}).items():
         try:
             parse_public_key(key if isinstance(key, str) else repr(key))
