@@ -87,7 +87,8 @@ case "${1:-}" in
     setup
     flower_env
     shift
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    trap 'rm -rf "$FLWR_HOME"' EXIT  # the tests' Flower home: nothing of it is kept
+    "$VENV/bin/python" -m pytest -q "$@"
     ;;
   api)
     setup

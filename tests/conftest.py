@@ -8,15 +8,35 @@ tamper with and prove against a federated run.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 from run_dir_helpers import copy_run, federated_run
 
+# Everything the session leaves in the temp folder (the run directories of strategies
+# given none, the doc snippets' folders, the participants' private state) goes into one
+# folder of its own, removed when the session ends: a test run leaves nothing behind.
+# pytest's own tmp_path folders and Ray's session folder stay where they were.
+_SYSTEM_TMP = tempfile.gettempdir()
+multiprocessing.util.get_temp_dir()  # its folder stays there: it removes it at exit, after us
+_SESSION_TMP = tempfile.mkdtemp(prefix="lensemble-tests-")
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)
+os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+os.environ["TMPDIR"] = _SESSION_TMP  # subprocesses (a ServerApp, a SuperLink) too
+tempfile.tempdir = _SESSION_TMP
+
 if "LENSEMBLE_PRIVACY_DIR" not in os.environ:
     os.environ["LENSEMBLE_PRIVACY_DIR"] = tempfile.mkdtemp(prefix="lensemble-test-state-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's temp folder (see above)."""
+    tempfile.tempdir = None
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
