@@ -40,6 +40,7 @@ from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.grid_transport import GridTransport
+from lensemble_flwr.strategies.lensemble import LensembleResult
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 
@@ -81,6 +82,64 @@ def test_flowers_stock_loop_drives_the_same_state_machine(tmp_path: Path) -> Non
     # the user's train config rides along for stock ClientApps
     first = grid.pushes[0][0]
     assert first.content["config"]["lr"] == 0.1
+
+
+class _DecayingLearningRate(LensembleStrategy):
+    """What Flower's advanced examples do to FedAvg: a per-round config in
+    ``configure_train`` and a look at every aggregated model in ``aggregate_train``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aggregated: list[int] = []
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        config["lr"] = 0.1 * 0.5**server_round
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        self.aggregated.append(server_round)
+        return arrays, metrics
+
+
+def test_a_subclass_overriding_flowers_round_hooks_has_them_called_every_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """start's own loop calls no configure_train/aggregate_train: for a subclass that
+    overrides them, start runs Flower's loop (Strategy.start), which does, and says so."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _DecayingLearningRate(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    assert strategy.overridden_round_hooks() == ["configure_train", "aggregate_train"]
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
+        )
+    assert strategy.aggregated == [1, 2, 3]
+    rates = [m.content["config"]["lr"] for m in grid.pushed() if "config" in m.content]
+    assert rates == [0.05] * len(NODES) + [0.025] * len(NODES) + [0.0125] * len(NODES)
+    assert "overrides configure_train, aggregate_train" in caplog.text
+    coordinator = strategy.coordinator
+    assert coordinator is not None and coordinator.global_state().round == 3
+    assert isinstance(result, LensembleResult) and result.run_dir == tmp_path / "run"
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (3, 1)]
+    final = record_to_arrays(result.arrays)
+    for name, array in coordinator.global_state().params.items():
+        np.testing.assert_array_equal(final[name], array)
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
+    assert LensembleStrategy(small_config()).overridden_round_hooks() == []
+
+
+def test_a_subclass_overriding_flowers_round_hooks_cannot_resume(tmp_path: Path) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _DecayingLearningRate(small_config(min_participants=3), run_dir=tmp_path / "run")
+    strategy.resume = True
+    with pytest.raises(ConfigError, match="overrides configure_train, aggregate_train"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()))
+    assert grid.pushed() == [] and not (tmp_path / "run").exists()
 
 
 def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_path: Path) -> None:

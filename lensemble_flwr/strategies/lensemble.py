@@ -78,6 +78,9 @@ MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 """FedAvg's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``: (replies' contents,
 the weighting key) -> the aggregated MetricRecord."""
 BOOKKEEPING = "lensemble."
+_FLOWER_LOOP_HOOKS = ("configure_train", "aggregate_train", "configure_evaluate")
+"""The hooks Flower's ``Strategy.start`` calls every round and ``LensembleStrategy.start``'s
+own loop does not (it calls ``aggregate_evaluate`` and ``summary`` itself)."""
 """Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
 
 
@@ -483,12 +486,69 @@ class LensembleStrategy(Strategy):
         error that stops the federation is raised (the result so far is in the run dir).
         lensemble's own warnings show as Flower's lines do, unless logging is configured
         (:mod:`.flower_logs`).
+
+        A subclass that overrides ``configure_train``, ``aggregate_train`` or
+        ``configure_evaluate`` (as Flower's examples subclass FedAvg) gets Flower's own
+        round loop, ``Strategy.start``, which calls them every round; this method's own
+        loop would not. That loop has its limits (no masked rounds, no resume; a retried
+        attempt takes another Flower round): see ``docs/flower.md``.
         """
         with lensemble_logs_through_flower():
+            hooks = self.overridden_round_hooks()
+            if hooks and self.resume:
+                raise ConfigError(
+                    "resume",
+                    f"{type(self).__name__} overrides {', '.join(hooks)}, which only Flower's "
+                    "own round loop calls, and that loop cannot resume a run (it restarts "
+                    "at round 1 from the initial arrays): drop resume=True, or the overrides",
+                )
+            if hooks:
+                say(
+                    INFO,
+                    "%s overrides %s: Flower's own round loop (Strategy.start) runs the "
+                    "rounds, so that %s called every round",
+                    type(self).__name__,
+                    ", ".join(hooks),
+                    "it is" if len(hooks) == 1 else "they are",
+                )
+                flower = Strategy.start(
+                    self,
+                    grid=grid,
+                    initial_arrays=initial_arrays,
+                    num_rounds=num_rounds,
+                    timeout=timeout,
+                    train_config=train_config,
+                    evaluate_config=evaluate_config,
+                    evaluate_fn=evaluate_fn,
+                )
+                outcomes = list(self.coordinator.outcomes) if self.coordinator else []
+                aborted: dict[int, list[str]] = {}
+                for outcome in outcomes:
+                    if outcome.state is RoundState.ABORTED:
+                        aborted.setdefault(outcome.round, []).append(outcome.reason or "")
+                return LensembleResult(
+                    arrays=flower.arrays,
+                    train_metrics_clientapp=flower.train_metrics_clientapp,
+                    evaluate_metrics_clientapp=flower.evaluate_metrics_clientapp,
+                    evaluate_metrics_serverapp=flower.evaluate_metrics_serverapp,
+                    aborted=aborted,
+                    outcomes=outcomes,
+                    run_dir=self.run_dir,
+                )
             return self._start(
                 grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                 evaluate_fn,
             )  # fmt: skip
+
+    def overridden_round_hooks(self) -> list[str]:
+        """The round hooks of Flower's loop that this object's class overrides
+        (``configure_train``, ``aggregate_train``, ``configure_evaluate``): :meth:`start`
+        runs Flower's loop when there is any, since its own loop would not call them."""
+        return [
+            name
+            for name in _FLOWER_LOOP_HOOKS
+            if getattr(type(self), name) is not getattr(LensembleStrategy, name)
+        ]
 
     def _start(
         self,
