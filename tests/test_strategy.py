@@ -142,6 +142,93 @@ def test_a_subclass_overriding_flowers_round_hooks_cannot_resume(tmp_path: Path)
     assert grid.pushed() == [] and not (tmp_path / "run").exists()
 
 
+class _SendsNothing(LensembleStrategy):
+    """Begins each attempt and sends none of its instructions."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        super().configure_train(server_round, arrays, config, grid)
+        return []
+
+
+def test_flowers_loop_that_commits_no_round_returns_the_initial_model_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _SendsNothing(small_config(min_participants=3), run_dir=tmp_path / "run")
+    initial = arrays_to_record(initial_params())
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    assert list(result.arrays) == list(initial)  # Flower's Result alone would be empty
+    for name in initial:
+        np.testing.assert_array_equal(result.arrays[name].numpy(), initial[name].numpy())
+    assert "0 of 2 rounds committed" in caplog.text
+    assert [len(reasons) for reasons in result.aborted.values()] == [2]
+
+
+class _HalvesTheModel(LensembleStrategy):
+    """Changes every model it aggregates (as a server-side step of one's own would)."""
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None:
+            arrays = ArrayRecord({n: Array(a.numpy() * 0.5) for n, a in arrays.items()})
+        return arrays, metrics
+
+
+def test_a_change_in_the_last_rounds_model_is_said_to_be_outside_the_ledger(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _HalvesTheModel(small_config(min_participants=3), run_dir=tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    coordinator = strategy.coordinator
+    assert coordinator is not None and coordinator.global_state().round == 2
+    committed = coordinator.global_state().params
+    for name, array in record_to_arrays(result.arrays).items():  # Flower's: what it returned
+        np.testing.assert_array_equal(array, committed[name] * np.float32(0.5))
+    assert "differs from round 2's committed checkpoint" in caplog.text
+    records = verify(Store(tmp_path / "run"))
+    assert records[1].external_step is not None  # round 2 trained from round 1's change
+
+
+def test_flowers_loop_checks_what_starts_own_loop_checks_before_anything(
+    tmp_path: Path,
+) -> None:
+    evaluated: list[int] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> None:
+        evaluated.append(server_round)
+
+    _, grid = stock_loop_federation(tmp_path)
+    initial = arrays_to_record(initial_params())
+    masked = _DecayingLearningRate(
+        small_config(min_participants=3, secagg_threshold=3), run_dir=tmp_path / "masked"
+    )
+    with pytest.raises(ConfigError, match="overrides configure_train, aggregate_train"):
+        masked.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
+    too_few = _DecayingLearningRate(
+        small_config(min_participants=6), run_dir=tmp_path / "few", warmup_timeout=0.0
+    )
+    with pytest.raises(ConfigError, match="every round needs K = 6"):
+        too_few.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
+    assert evaluated == [] and grid.pushed() == []
+    assert not (tmp_path / "masked").exists() and not (tmp_path / "few").exists()
+
+
+def test_a_round_hook_set_on_the_object_counts_as_overridden() -> None:
+    strategy = LensembleStrategy(small_config())
+    original = strategy.aggregate_train
+    strategy.aggregate_train = lambda server_round, replies: original(  # type: ignore[method-assign]
+        server_round, replies
+    )
+    assert strategy.overridden_round_hooks() == ["aggregate_train"]
+
+
 def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_path: Path) -> None:
     strategy, grid = stock_loop_federation(tmp_path)
     arrays = arrays_to_record(initial_params())

@@ -78,10 +78,10 @@ MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 """FedAvg's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``: (replies' contents,
 the weighting key) -> the aggregated MetricRecord."""
 BOOKKEEPING = "lensemble."
+"""Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
 _FLOWER_LOOP_HOOKS = ("configure_train", "aggregate_train", "configure_evaluate")
 """The hooks Flower's ``Strategy.start`` calls every round and ``LensembleStrategy.start``'s
 own loop does not (it calls ``aggregate_evaluate`` and ``summary`` itself)."""
-"""Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
 
 
 @dataclasses.dataclass(repr=False)  # Flower's summary, not a dump of every outcome
@@ -362,7 +362,10 @@ class LensembleStrategy(Strategy):
         coordinator = self.coordinator
         attempt = coordinator.attempt if coordinator is not None else None
         if coordinator is None or attempt is None or attempt.phase in TERMINAL_STATES:
-            raise RuntimeError("aggregate_train without a round begun by configure_train")
+            raise RuntimeError(
+                "aggregate_train without a round begun by configure_train (an override of "
+                "configure_train must call super().configure_train, which begins it)"
+            )
         template = attempt.round_open
         payloads, peers = [], []
         replies = list(replies)
@@ -488,67 +491,150 @@ class LensembleStrategy(Strategy):
         (:mod:`.flower_logs`).
 
         A subclass that overrides ``configure_train``, ``aggregate_train`` or
-        ``configure_evaluate`` (as Flower's examples subclass FedAvg) gets Flower's own
-        round loop, ``Strategy.start``, which calls them every round; this method's own
-        loop would not. That loop has its limits (no masked rounds, no resume; a retried
-        attempt takes another Flower round): see ``docs/flower.md``.
+        ``configure_evaluate`` (as Flower's examples subclass FedAvg), on its class or on
+        the object, gets Flower's own round loop, ``Strategy.start``, which calls them
+        every round; this method's own loop would not. See :meth:`_start_flowers_loop`
+        for what that loop does differently.
         """
         with lensemble_logs_through_flower():
             hooks = self.overridden_round_hooks()
-            if hooks and self.resume:
-                raise ConfigError(
-                    "resume",
-                    f"{type(self).__name__} overrides {', '.join(hooks)}, which only Flower's "
-                    "own round loop calls, and that loop cannot resume a run (it restarts "
-                    "at round 1 from the initial arrays): drop resume=True, or the overrides",
-                )
             if hooks:
-                say(
-                    INFO,
-                    "%s overrides %s: Flower's own round loop (Strategy.start) runs the "
-                    "rounds, so that %s called every round",
-                    type(self).__name__,
-                    ", ".join(hooks),
-                    "it is" if len(hooks) == 1 else "they are",
-                )
-                flower = Strategy.start(
-                    self,
-                    grid=grid,
-                    initial_arrays=initial_arrays,
-                    num_rounds=num_rounds,
-                    timeout=timeout,
-                    train_config=train_config,
-                    evaluate_config=evaluate_config,
-                    evaluate_fn=evaluate_fn,
-                )
-                outcomes = list(self.coordinator.outcomes) if self.coordinator else []
-                aborted: dict[int, list[str]] = {}
-                for outcome in outcomes:
-                    if outcome.state is RoundState.ABORTED:
-                        aborted.setdefault(outcome.round, []).append(outcome.reason or "")
-                return LensembleResult(
-                    arrays=flower.arrays,
-                    train_metrics_clientapp=flower.train_metrics_clientapp,
-                    evaluate_metrics_clientapp=flower.evaluate_metrics_clientapp,
-                    evaluate_metrics_serverapp=flower.evaluate_metrics_serverapp,
-                    aborted=aborted,
-                    outcomes=outcomes,
-                    run_dir=self.run_dir,
-                )
+                return self._start_flowers_loop(
+                    hooks, grid, initial_arrays, num_rounds, timeout, train_config,
+                    evaluate_config, evaluate_fn,
+                )  # fmt: skip
             return self._start(
                 grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                 evaluate_fn,
             )  # fmt: skip
 
     def overridden_round_hooks(self) -> list[str]:
-        """The round hooks of Flower's loop that this object's class overrides
-        (``configure_train``, ``aggregate_train``, ``configure_evaluate``): :meth:`start`
-        runs Flower's loop when there is any, since its own loop would not call them."""
+        """The round hooks of Flower's loop that this strategy overrides, on its class or
+        on the object itself (``configure_train``, ``aggregate_train``,
+        ``configure_evaluate``): :meth:`start` runs Flower's loop when there is any, since
+        its own loop would not call them."""
         return [
             name
             for name in _FLOWER_LOOP_HOOKS
-            if getattr(type(self), name) is not getattr(LensembleStrategy, name)
+            if name in vars(self)
+            or getattr(type(self), name) is not getattr(LensembleStrategy, name)
         ]
+
+    def _start_flowers_loop(
+        self,
+        hooks: list[str],
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int,
+        timeout: float,
+        train_config: ConfigRecord | None,
+        evaluate_config: ConfigRecord | None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    ) -> LensembleResult:
+        """``start`` for a strategy that overrides ``hooks``: Flower's ``Strategy.start``,
+        after the checks and the warm-up of lensemble's own loop.
+
+        What Flower's loop does differently: a retried attempt takes a Flower round (the
+        run may end with fewer rounds committed than ``num_rounds``: the log says how
+        many); each exchange waits at most ``timeout`` or the config's open plus collect
+        timeouts, whichever is shorter; ``on_round`` is not called and
+        ``round-metrics.jsonl`` is not written. A model that ``aggregate_train`` changed
+        is adopted as that round's external step when the next round trains from it; a
+        change in the last round is in ``result.arrays`` only (the log says so).
+
+        Raises:
+            ConfigError: ``resume`` (Flower's loop restarts at round 1), masked rounds
+                (they need an unmask exchange within the attempt), a DP plan that does
+                not fit ``num_rounds``, or too few nodes for a round (as ``start``);
+                nothing is sent.
+        """
+        name, listed = type(self).__name__, ", ".join(hooks)
+        if self.resume:
+            raise ConfigError(
+                "resume",
+                f"{name} overrides {listed}, which only Flower's own round loop calls, and "
+                "that loop cannot resume a run (it restarts at round 1 from the initial "
+                "arrays): drop resume=True, or the overrides",
+            )
+        fed = self.config.federation
+        if fed.secagg_threshold > 0:
+            raise ConfigError(
+                "secagg-threshold",
+                f"{name} overrides {listed}, which only Flower's own round loop calls, and "
+                "masked rounds need an unmask exchange within each attempt that this loop "
+                "cannot make: drop the overrides, or set secagg-threshold = 0",
+            )
+        noise_multiplier_of(self.config, rounds=num_rounds)  # a plan that fits
+        say(
+            INFO,
+            "%s overrides %s: Flower's own round loop (Strategy.start) runs the rounds, "
+            "so that %s called every round",
+            name,
+            listed,
+            "it is" if len(hooks) == 1 else "they are",
+        )
+        warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
+        self._warm_up(warm_up, 0, num_rounds)
+        flower = Strategy.start(
+            self,
+            grid=grid,
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=min(timeout, fed.open_timeout + fed.collect_timeout),
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+        coordinator = self.coordinator
+        outcomes = list(coordinator.outcomes) if coordinator is not None else []
+        aborted: dict[int, list[str]] = {}
+        for outcome in outcomes:
+            if outcome.state is RoundState.ABORTED:
+                aborted.setdefault(outcome.round, []).append(outcome.reason or "")
+        committed = coordinator.global_state().round if coordinator is not None else 0
+        if committed < num_rounds:
+            log.warning(
+                "%d of %d rounds committed: in Flower's own loop a retried attempt takes a "
+                "Flower round (%d attempt(s) aborted; result.aborted says why)",
+                committed,
+                num_rounds,
+                sum(len(reasons) for reasons in aborted.values()),
+            )
+        arrays = flower.arrays
+        if not len(arrays):  # no round returned a model: the run's, as start's loop gives
+            arrays = (
+                self._user_arrays(coordinator.global_state().params)
+                if coordinator is not None and committed > 0
+                else initial_arrays
+            )
+        elif coordinator is not None and committed > 0:
+            self._say_if_changed_after_the_last_commit(arrays, committed)
+        return LensembleResult(
+            arrays=arrays,
+            train_metrics_clientapp=flower.train_metrics_clientapp,
+            evaluate_metrics_clientapp=flower.evaluate_metrics_clientapp,
+            evaluate_metrics_serverapp=flower.evaluate_metrics_serverapp,
+            aborted=aborted,
+            outcomes=outcomes,
+            run_dir=self.run_dir,
+        )
+
+    def _say_if_changed_after_the_last_commit(self, arrays: ArrayRecord, committed: int) -> None:
+        """Warn when ``arrays`` (what the last round's ``aggregate_train`` returned) is not
+        the model round ``committed`` committed: no later round adopted the change, so
+        the ledger does not record it."""
+        assert self.coordinator is not None
+        ledger = self._user_arrays(self.coordinator.global_state().params)
+        differs = list(arrays) != list(ledger) or any(
+            not np.array_equal(arrays[n].numpy(), ledger[n].numpy()) for n in arrays
+        )
+        if differs:
+            log.warning(
+                "result.arrays is the model the last round's aggregate_train returned, which "
+                "differs from round %d's committed checkpoint: no round trained from it, so "
+                "the ledger records the committed model, not this one",
+                committed,
+            )
 
     def _start(
         self,
@@ -840,7 +926,8 @@ class LensembleStrategy(Strategy):
         say(
             INFO,
             "\t├── the global model was changed after lensemble committed it (a wrapping "
-            "strategy's step, such as Flower's central DP noise; change norm %.4g): "
+            "strategy's step such as Flower's central DP noise, or an aggregate_train "
+            "override; change norm %.4g): "
             "round %d trains from the changed model, and its ledger record says so",
             step.change_norm,
             server_round,
@@ -849,9 +936,10 @@ class LensembleStrategy(Strategy):
         if not self._said_influence and abs(scale - 1.0) > 1e-9:
             self._said_influence = True
             log.warning(
-                "the outer step (lr %.3g, momentum %.3g) scales each round's mean update "
-                "by %.3g before a wrapper's noise is added; noise calibrated for FedAvg's "
-                "step then has %.3g times its noise multiplier. For the wrapper's stated "
+                "if that change is a DP wrapper's noise: the outer step (lr %.3g, momentum "
+                "%.3g) scales each round's mean update by %.3g before it is added, so "
+                "noise calibrated for FedAvg's step then has %.3g times its noise "
+                "multiplier. For the wrapper's stated "
                 "guarantee use FedAvg's step: lensemble.outer-lr = 1, "
                 "lensemble.outer-momentum = 0",
                 self.config.outer.lr,
