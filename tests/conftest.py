@@ -26,6 +26,7 @@ multiprocessing.util.get_temp_dir()  # its folder stays there: it removes it at 
 _SESSION_TMP = tempfile.mkdtemp(prefix="lensemble-tests-")
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _SYSTEM_TMP)
 os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
+_TMPDIR = os.environ.get("TMPDIR")
 os.environ["TMPDIR"] = _SESSION_TMP  # subprocesses (a ServerApp, a SuperLink) too
 tempfile.tempdir = _SESSION_TMP
 
@@ -34,8 +35,12 @@ if "LENSEMBLE_PRIVACY_DIR" not in os.environ:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the session's temp folder (see above)."""
+    """Remove the session's temp folder (see above), and point at the system's again."""
     tempfile.tempdir = None
+    if _TMPDIR is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = _TMPDIR
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 

@@ -217,7 +217,21 @@ def test_flowers_loop_checks_what_starts_own_loop_checks_before_anything(
     with pytest.raises(ConfigError, match="every round needs K = 6"):
         too_few.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
     assert evaluated == [] and grid.pushed() == []
-    assert not (tmp_path / "masked").exists() and not (tmp_path / "few").exists()
+    assert not (tmp_path / "masked").exists()  # refused before its run was made
+
+
+def test_flowers_loop_refuses_a_second_start_of_the_same_strategy(tmp_path: Path) -> None:
+    """As start's own loop does: the second run would otherwise continue the first one's
+    ledger from the initial arrays, recorded as a change made outside lensemble."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _DecayingLearningRate(small_config(min_participants=3), run_dir=tmp_path / "run")
+    initial = arrays_to_record(initial_params())
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
+    pushed = len(grid.pushed())
+    with pytest.raises(StoreError, match="already holds a run"):
+        strategy.start(grid=grid, initial_arrays=initial, num_rounds=1)
+    assert len(grid.pushed()) == pushed
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]
 
 
 def test_a_round_hook_set_on_the_object_counts_as_overridden() -> None:
@@ -227,6 +241,20 @@ def test_a_round_hook_set_on_the_object_counts_as_overridden() -> None:
         server_round, replies
     )
     assert strategy.overridden_round_hooks() == ["aggregate_train"]
+
+
+def test_start_calls_a_round_hook_set_on_the_object(tmp_path: Path) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = LensembleStrategy(small_config(min_participants=3), run_dir=tmp_path / "run")
+    original, rounds = strategy.aggregate_train, []
+
+    def aggregate_train(server_round: int, replies: Any) -> Any:
+        rounds.append(server_round)
+        return original(server_round, replies)
+
+    strategy.aggregate_train = aggregate_train  # type: ignore[method-assign]
+    strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
+    assert rounds == [1, 2]
 
 
 def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_path: Path) -> None:

@@ -536,17 +536,22 @@ class LensembleStrategy(Strategy):
 
         What Flower's loop does differently: a retried attempt takes a Flower round (the
         run may end with fewer rounds committed than ``num_rounds``: the log says how
-        many); each exchange waits at most ``timeout`` or the config's open plus collect
-        timeouts, whichever is shorter; ``on_round`` is not called and
-        ``round-metrics.jsonl`` is not written. A model that ``aggregate_train`` changed
-        is adopted as that round's external step when the next round trains from it; a
-        change in the last round is in ``result.arrays`` only (the log says so).
+        many), and it follows at once (no ``retry-wait``; a sampled round starts with
+        the nodes connected then); each exchange, evaluation included, waits at most
+        ``timeout`` or the config's open plus collect timeouts (plus what is left of the
+        warm-up budget), whichever is shorter; the result's metrics are keyed by Flower
+        round; ``on_round`` is not called and ``round-metrics.jsonl`` is not written. A
+        model that ``aggregate_train`` changed is adopted as that round's external step
+        when the next round trains from it; a change in the last round is in
+        ``result.arrays`` only (the log says so).
 
         Raises:
             ConfigError: ``resume`` (Flower's loop restarts at round 1), masked rounds
                 (they need an unmask exchange within the attempt), a DP plan that does
                 not fit ``num_rounds``, or too few nodes for a round (as ``start``);
                 nothing is sent.
+            StoreError: the run directory already holds a run (a second ``start`` of
+                the same object, as in ``start``'s own loop); nothing is sent.
         """
         name, listed = type(self).__name__, ", ".join(hooks)
         if self.resume:
@@ -573,14 +578,21 @@ class LensembleStrategy(Strategy):
             listed,
             "it is" if len(hooks) == 1 else "they are",
         )
+        # a run of its own, as start's loop makes (a second start of this object is
+        # refused: its run directory holds the first run), before the warm-up
+        self.coordinator, self._returned = None, None
+        self._ensure_coordinator(grid, initial_arrays)
         warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
-        self._warm_up(warm_up, 0, num_rounds)
+        waited = self._warm_up(warm_up, 0, num_rounds)
+        # each exchange waits at most a round's deadlines, and the first round also the
+        # rest of the warm-up budget (cold ClientApps), as in start's own loop
+        grace = max(0.0, self.warmup_timeout - waited)
         flower = Strategy.start(
             self,
             grid=grid,
             initial_arrays=initial_arrays,
             num_rounds=num_rounds,
-            timeout=min(timeout, fed.open_timeout + fed.collect_timeout),
+            timeout=min(timeout, fed.open_timeout + fed.collect_timeout + grace),
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
