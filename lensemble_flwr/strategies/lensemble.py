@@ -584,8 +584,9 @@ class LensembleStrategy(Strategy):
         self._ensure_coordinator(grid, initial_arrays)
         warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
         waited = self._warm_up(warm_up, 0, num_rounds)
-        # each exchange waits at most a round's deadlines, and the first round also the
-        # rest of the warm-up budget (cold ClientApps), as in start's own loop
+        # each exchange waits at most a round's deadlines plus what is left of the warm-up
+        # budget: Flower's loop has one timeout for every exchange, and the first round's
+        # cold ClientApps need that grace (start's own loop gives it to the first only)
         grace = max(0.0, self.warmup_timeout - waited)
         flower = Strategy.start(
             self,
