@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from federation_helpers import small_config
+from federation_helpers import dp_config, small_config
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -218,6 +218,47 @@ def test_flowers_loop_checks_what_starts_own_loop_checks_before_anything(
         too_few.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
     assert evaluated == [] and grid.pushed() == []
     assert not (tmp_path / "masked").exists()  # refused before its run was made
+
+
+def test_flowers_loop_refuses_a_dp_plan_that_does_not_fit_before_anything(
+    tmp_path: Path,
+) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    config = dp_config(tmp_path, noise_multiplier=0.0, dp_epsilon=40.0, dp_rounds=1)
+    strategy = _DecayingLearningRate(config, run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match="plans 2 rounds but the noise is planned for dp-rou"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
+    assert grid.pushed() == [] and strategy.coordinator is None
+
+
+class _TimedGrid(FakeGrid):
+    """Records the timeout of every send_and_receive (Flower's loop passes its own)."""
+
+    timeouts: list[float | None]
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_flowers_loop_waits_at_most_a_rounds_deadlines_and_the_warm_up_left(
+    tmp_path: Path,
+) -> None:
+    config = small_config(min_participants=3)  # open 10 s + collect 10 s
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = _TimedGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    grid.timeouts = []
+    strategy = _DecayingLearningRate(
+        config, run_dir=tmp_path / "run", fraction_evaluate=0.0, warmup_timeout=5.0
+    )
+    strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
+    # a train and an (empty) evaluate exchange a round, each capped: not Flower's 3600 s
+    assert grid.timeouts == [pytest.approx(25.0, abs=1.0)] * 4
 
 
 def test_flowers_loop_refuses_a_second_start_of_the_same_strategy(tmp_path: Path) -> None:

@@ -581,7 +581,7 @@ class LensembleStrategy(Strategy):
         # a run of its own, as start's loop makes (a second start of this object is
         # refused: its run directory holds the first run), before the warm-up
         self.coordinator, self._returned = None, None
-        self._ensure_coordinator(grid, initial_arrays)
+        coordinator = self._ensure_coordinator(grid, initial_arrays)  # configure_train's too
         warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
         waited = self._warm_up(warm_up, 0, num_rounds)
         # each exchange waits at most a round's deadlines plus what is left of the warm-up
@@ -598,13 +598,12 @@ class LensembleStrategy(Strategy):
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
         )
-        coordinator = self.coordinator
-        outcomes = list(coordinator.outcomes) if coordinator is not None else []
+        outcomes = list(coordinator.outcomes)
         aborted: dict[int, list[str]] = {}
         for outcome in outcomes:
             if outcome.state is RoundState.ABORTED:
                 aborted.setdefault(outcome.round, []).append(outcome.reason or "")
-        committed = coordinator.global_state().round if coordinator is not None else 0
+        committed = coordinator.global_state().round
         if committed < num_rounds:
             log.warning(
                 "%d of %d rounds committed: in Flower's own loop a retried attempt takes a "
@@ -613,15 +612,20 @@ class LensembleStrategy(Strategy):
                 num_rounds,
                 sum(len(reasons) for reasons in aborted.values()),
             )
-        arrays = flower.arrays
+        # Flower's result holds what the last aggregate_train returned, or nothing
+        arrays, model = flower.arrays, self._user_arrays(coordinator.global_state().params)
         if not len(arrays):  # no round returned a model: the run's, as start's loop gives
-            arrays = (
-                self._user_arrays(coordinator.global_state().params)
-                if coordinator is not None and committed > 0
-                else initial_arrays
+            arrays = model if committed > 0 else initial_arrays
+        elif committed > 0 and (
+            list(arrays) != list(model)
+            or any(not np.array_equal(arrays[n].numpy(), model[n].numpy()) for n in arrays)
+        ):
+            log.warning(
+                "result.arrays is the model the last round's aggregate_train returned, which "
+                "differs from round %d's committed checkpoint: no round trained from it, so "
+                "the ledger records the committed model, not this one",
+                committed,
             )
-        elif coordinator is not None and committed > 0:
-            self._say_if_changed_after_the_last_commit(arrays, committed)
         return LensembleResult(
             arrays=arrays,
             train_metrics_clientapp=flower.train_metrics_clientapp,
@@ -631,23 +635,6 @@ class LensembleStrategy(Strategy):
             outcomes=outcomes,
             run_dir=self.run_dir,
         )
-
-    def _say_if_changed_after_the_last_commit(self, arrays: ArrayRecord, committed: int) -> None:
-        """Warn when ``arrays`` (what the last round's ``aggregate_train`` returned) is not
-        the model round ``committed`` committed: no later round adopted the change, so
-        the ledger does not record it."""
-        assert self.coordinator is not None
-        ledger = self._user_arrays(self.coordinator.global_state().params)
-        differs = list(arrays) != list(ledger) or any(
-            not np.array_equal(arrays[n].numpy(), ledger[n].numpy()) for n in arrays
-        )
-        if differs:
-            log.warning(
-                "result.arrays is the model the last round's aggregate_train returned, which "
-                "differs from round %d's committed checkpoint: no round trained from it, so "
-                "the ledger records the committed model, not this one",
-                committed,
-            )
 
     def _start(
         self,
