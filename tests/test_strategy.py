@@ -133,6 +133,54 @@ def test_a_subclass_overriding_flowers_round_hooks_has_them_called_every_round(
     assert LensembleStrategy(small_config()).overridden_round_hooks() == []
 
 
+def _evaluating_node(index: int, context: Context, train: Any) -> Any:
+    """A node that trains as ``train`` does and answers an evaluation with an accuracy."""
+
+    def answer(message: Message) -> Message:
+        if message.metadata.message_type == MessageType.EVALUATE:
+            metrics = MetricRecord({"accuracy": 0.5 + 0.1 * index, "num-examples": 1})
+            return Message(RecordDict({"metrics": metrics}), reply_to=message)
+        return train(message)
+
+    return answer
+
+
+def test_flowers_loop_reports_every_attempt_and_writes_the_rounds_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In Flower's loop each attempt gets start's report line and on_round (from
+    aggregate_train), and each committed round its line in round-metrics.jsonl, with the
+    evaluation's metrics (from aggregate_evaluate), for lensemble-flwr report's curves."""
+    config = small_config(min_participants=3)
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(
+        FakeClock(),
+        {
+            n: _evaluating_node(i, contexts[n], clientapp_node(i, contexts[n], config))
+            for i, n in enumerate(NODES)
+        },
+    )
+    lines: list[str] = []
+    strategy = _DecayingLearningRate(config, run_dir=tmp_path / "run", on_round=lines.append)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
+    assert all("C_t=4" in line for line in lines) and lines[0] in caplog.text
+    jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
+    written = [json.loads(line) for line in jsonl.splitlines()]
+    assert [w["round"] for w in written] == [1, 1, 2, 2]  # train first, then with evaluation
+    mean = (0.5 + 0.6 + 0.7 + 0.8) / 4
+    for line in written[1::2]:
+        assert line["evaluate"]["accuracy"] == pytest.approx(mean)
+        assert line["train"]["lensemble.C_t"] == 4.0
+    assert result.evaluate_metrics_clientapp[2]["accuracy"] == pytest.approx(mean)
+
+
 def test_a_subclass_overriding_flowers_round_hooks_cannot_resume(tmp_path: Path) -> None:
     _, grid = stock_loop_federation(tmp_path)
     strategy = _DecayingLearningRate(small_config(min_participants=3), run_dir=tmp_path / "run")

@@ -230,6 +230,9 @@ class LensembleStrategy(Strategy):
         self.names = NodeNames()  # which Flower node is which participant
         self._connected: set[int] = set()  # the nodes configure_train last saw
         self._returned: ArrayRecord | None = None  # what aggregate_train last handed out
+        # Flower round -> (the round it committed, its train metrics), from aggregate_train
+        # until aggregate_evaluate writes the round's line with the evaluation's metrics
+        self._train_reported: dict[int, tuple[int, MetricRecord]] = {}
         self._said_no_evaluation = False
         self._said_influence = False
 
@@ -411,7 +414,14 @@ class LensembleStrategy(Strategy):
         metrics = self._metrics(
             outcome, client_metrics=[client[p] for p in outcome.contributors if p in client]
         )
-        if outcome.state is RoundState.CLOSED:
+        # the attempt's line (and on_round), as start's own loop reports a round; a
+        # closed round's metrics go to round-metrics.jsonl now, and again with the
+        # evaluation's when aggregate_evaluate has them (a round's last line counts)
+        closed = outcome.state is RoundState.CLOSED
+        self._report(outcome, metrics, None, [] if closed else [outcome.reason or ""])
+        if closed:
+            self._keep_metrics(outcome.round, metrics, None)
+            self._train_reported[server_round] = (outcome.round, metrics)
             self._returned = self._user_arrays(coordinator.global_state().params)
             return self._returned, metrics
         assert outcome.error is not None
@@ -466,9 +476,17 @@ class LensembleStrategy(Strategy):
                 "; ".join(left_out[:3]),
                 more,
             )
-        if not valid:
-            return None
-        return _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
+        evaluation = (
+            _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
+            if valid
+            else None
+        )
+        # in Flower's loop, the round aggregate_train reported gets its full line (start's
+        # own loop writes its lines itself: it calls no aggregate_train)
+        reported = self._train_reported.pop(server_round, None)
+        if reported is not None and evaluation is not None:
+            self._keep_metrics(reported[0], reported[1], evaluation)
+        return evaluation
 
     # -- the round loop ----------------------------------------------------------------
     def start(
@@ -540,7 +558,9 @@ class LensembleStrategy(Strategy):
         the nodes connected then); each exchange, evaluation included, waits at most
         ``timeout`` or the config's open plus collect timeouts (plus what is left of the
         warm-up budget), whichever is shorter; the result's metrics are keyed by Flower
-        round; ``on_round`` is not called and ``round-metrics.jsonl`` is not written. A
+        round; each attempt's report line (and ``on_round``) comes from ``aggregate_train``,
+        before the round's evaluation, so it holds no evaluation metrics (the round's line in
+        ``round-metrics.jsonl`` gets them from ``aggregate_evaluate``). A
         model that ``aggregate_train`` changed is adopted as that round's external step
         when the next round trains from it; a change in the last round is in
         ``result.arrays`` only (the log says so).
@@ -581,6 +601,7 @@ class LensembleStrategy(Strategy):
         # a run of its own, as start's loop makes (a second start of this object is
         # refused: its run directory holds the first run), before the warm-up
         self.coordinator, self._returned = None, None
+        self._train_reported.clear()
         coordinator = self._ensure_coordinator(grid, initial_arrays)  # configure_train's too
         warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
         waited = self._warm_up(warm_up, 0, num_rounds)
