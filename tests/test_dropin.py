@@ -10,6 +10,7 @@ the strategy is driven by its own ``start`` and by Flower's ``Strategy.start`` l
 from __future__ import annotations
 
 import itertools
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -467,6 +468,46 @@ def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to
     with pytest.raises(ConfigError, match=r'4 node\(s\) connected.*"num-supernodes=6"'):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(False).state_dict()))
     assert grid.pushes == []  # no round was tried
+    # the run it had written is gone, so the same start runs once the cause is fixed
+    assert not (tmp_path / "run").exists()
+    fixed = LensembleStrategy(
+        fedavg_config(min_participants=4),
+        run_dir=tmp_path / "run",
+        warmup_timeout=0.2,
+        fraction_evaluate=0.0,
+    )
+    fixed.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(Net(False).state_dict()),
+        num_rounds=1,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]
+
+
+def test_a_start_that_fails_before_its_first_round_leaves_its_run_directory_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """An empty run_dir is emptied again, one that holds anything is not touched, and
+    the temporary folder of a strategy given none is removed."""
+    grid = grid_of(quickstart_app(False))
+    initial = ArrayRecord(Net(False).state_dict())
+    empty, kept = tmp_path / "empty", tmp_path / "kept"
+    empty.mkdir()
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for run_dir in (empty, kept, None):
+        before = set(Path(tempfile.gettempdir()).iterdir())
+        strategy = LensembleStrategy(
+            fedavg_config(min_participants=6), run_dir=run_dir, warmup_timeout=0.2
+        )
+        with pytest.raises(ConfigError):
+            strategy.start(grid=grid, initial_arrays=initial)
+        assert set(Path(tempfile.gettempdir()).iterdir()) == before
+        assert strategy.run_dir == run_dir
+        assert (strategy.coordinator is None) == (run_dir is not kept)
+    assert list(empty.iterdir()) == []
+    assert (kept / "notes.txt").read_text() == "mine" and (kept / "names").is_dir()
 
 
 def test_on_the_simulation_engine_the_warm_up_error_says_how_many_nodes_it_runs(

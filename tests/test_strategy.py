@@ -380,6 +380,30 @@ def test_configure_evaluate_sends_the_global_arrays_and_aggregate_averages() -> 
     assert averaged is not None and averaged["loss"] == pytest.approx(3.25)  # by examples
 
 
+def test_evaluation_metrics_do_not_depend_on_the_order_replies_arrive_in() -> None:
+    """Floating-point sums depend on their order: the replies are summed in the nodes'
+    order, so two runs report the same metrics to the last bit."""
+    strategy = LensembleStrategy(small_config(), fraction_evaluate=1.0)
+    grid = FakeGrid(FakeClock(), {n: (lambda m: None) for n in NODES})
+    messages = list(
+        strategy.configure_evaluate(1, arrays_to_record(initial_params()), ConfigRecord(), grid)
+    )
+    grid.push_messages(messages)
+    losses = [0.1, 1e16, -1e16, 0.7]  # a sum whose value depends on the order
+    replies = [
+        Message(
+            RecordDict({"metrics": MetricRecord({"loss": loss, "num-examples": 1})}),
+            reply_to=message,
+        )
+        for message, loss in zip(messages, losses)
+    ]
+    seen = {
+        strategy.aggregate_evaluate(1, order)["loss"]  # type: ignore[index]
+        for order in (replies, replies[::-1], replies[1:] + replies[:1])
+    }
+    assert len(seen) == 1
+
+
 def test_evaluation_replies_left_out_of_the_average_are_named(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

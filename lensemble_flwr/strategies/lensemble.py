@@ -15,13 +15,14 @@ rounds only: masked rounds need :meth:`LensembleStrategy.start`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import numbers
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ from lensemble_flwr.strategies.grid_transport import (
 )
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.unstarted_run import RunDirBefore
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +262,7 @@ class LensembleStrategy(Strategy):
             fed.weighting,
             fed.require_binding,
         )
+        reachable = max(fed.quorum, fed.min_available, fed.sample_min)  # the warm-up's floor
         if fed.sampled and fed.sample_mode == "poisson":
             say(
                 INFO,
@@ -267,7 +270,7 @@ class LensembleStrategy(Strategy):
                 "(Poisson; a draw below K = %d is redrawn), once %d are reachable",
                 fed.sample_fraction,
                 fed.quorum,
-                fed.min_available,
+                reachable,
             )
         elif fed.sampled:
             say(
@@ -276,14 +279,14 @@ class LensembleStrategy(Strategy):
                 "%d are reachable",
                 fed.sample_fraction,
                 max(fed.sample_min, fed.quorum),
-                fed.min_available,
+                reachable,
             )
         else:
             say(
                 INFO,
                 "\t└── sampling: none (every reachable node is asked every round, once %d "
                 "are reachable)",
-                max(fed.min_available, fed.quorum),
+                reachable,
             )
 
     def configure_train(
@@ -453,7 +456,7 @@ class LensembleStrategy(Strategy):
     ) -> MetricRecord | None:
         """Aggregate the replies' metrics with ``evaluate_metrics_aggr_fn`` (default: the
         mean weighted by ``weighted_by_key``, as FedAvg does)."""
-        valid: list[RecordDict] = []
+        valid: list[tuple[str, RecordDict]] = []
         left_out: list[str] = []
         for reply in replies:
             source = reply.metadata.src_node_id
@@ -465,7 +468,10 @@ class LensembleStrategy(Strategy):
             elif (why := _not_weighted(reply.content, self.weighted_by_key)) is not None:
                 left_out.append(f"{node} ({why})")
             else:
-                valid.append(reply.content)
+                valid.append((node, reply.content))
+        # summed in the nodes' order, not the replies' arrival order: two runs of the same
+        # federation then report the same metrics to the last bit
+        valid.sort(key=lambda named: named[0])
         if left_out:  # FedAvg would stop the run; the round is committed, so say it loudly
             more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
             log.warning(
@@ -476,9 +482,10 @@ class LensembleStrategy(Strategy):
                 "; ".join(left_out[:3]),
                 more,
             )
+        contents = [content for _, content in valid]
         evaluation = (
-            _aggregated(self.evaluate_metrics_aggr_fn, valid, self.weighted_by_key, "evaluation")
-            if valid
+            _aggregated(self.evaluate_metrics_aggr_fn, contents, self.weighted_by_key, "evaluation")
+            if contents
             else None
         )
         # in Flower's loop, the round aggregate_train reported gets its full line (start's
@@ -602,9 +609,10 @@ class LensembleStrategy(Strategy):
         # refused: its run directory holds the first run), before the warm-up
         self.coordinator, self._returned = None, None
         self._train_reported.clear()
-        coordinator = self._ensure_coordinator(grid, initial_arrays)  # configure_train's too
-        warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
-        waited = self._warm_up(warm_up, 0, num_rounds)
+        with self._undone_if_it_fails():  # before round 1: a failure leaves no run
+            coordinator = self._ensure_coordinator(grid, initial_arrays)  # configure_train's too
+            warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
+            waited = self._warm_up(warm_up, 0, num_rounds)
         # each exchange waits at most a round's deadlines plus what is left of the warm-up
         # budget: Flower's loop has one timeout for every exchange, and the first round's
         # cold ClientApps need that grace (start's own loop gives it to the first only)
@@ -685,28 +693,29 @@ class LensembleStrategy(Strategy):
             poll_interval=self.poll_interval,
         )
         self.transport = transport
-        coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
-        transport.on_rename = coordinator.rename
-        transport.allowed = set(self.identities) if self.identities is not None else None
-        transport.weight_key = self.weighted_by_key
-        result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
-        done = coordinator.global_state().round
-        waited = self._warm_up(transport, done, num_rounds)
-        # Connected is not started: Ray actors and SuperNode ClientApp processes start on
-        # their first message. The first round's deadlines get the rest of the warm-up
-        # budget as grace; a round in which every invited node answered ends at once, so
-        # the grace only delays a first round that a node leaves unanswered.
-        grace = max(0.0, self.warmup_timeout - waited)
-        coordinator.grant_grace(grace)
-        # the first instructions may wait in the SuperLink as long as their round's
-        # deadlines with the grace: an instruction that expired before a cold ClientApp
-        # picked it up would lose the node the round (it did, on a loaded machine)
-        transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
-        if evaluate_fn is not None and coordinator.global_state().round == 0:  # not resumed
-            res = evaluate_fn(0, initial_arrays)
-            say(INFO, "Initial global evaluation results: %s", res)
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
+        with self._undone_if_it_fails():  # before round 1: a failure leaves no run
+            coordinator = self._ensure_coordinator(grid, initial_arrays, transport=transport)
+            transport.on_rename = coordinator.rename
+            transport.allowed = set(self.identities) if self.identities is not None else None
+            transport.weight_key = self.weighted_by_key
+            result = LensembleResult(arrays=initial_arrays, run_dir=self.run_dir)
+            done = coordinator.global_state().round
+            waited = self._warm_up(transport, done, num_rounds)
+            # Connected is not started: Ray actors and SuperNode ClientApp processes start on
+            # their first message. The first round's deadlines get the rest of the warm-up
+            # budget as grace; a round in which every invited node answered ends at once, so
+            # the grace only delays a first round that a node leaves unanswered.
+            grace = max(0.0, self.warmup_timeout - waited)
+            coordinator.grant_grace(grace)
+            # the first instructions may wait in the SuperLink as long as their round's
+            # deadlines with the grace: an instruction that expired before a cold ClientApp
+            # picked it up would lose the node the round (it did, on a loaded machine)
+            transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
+            if evaluate_fn is not None and coordinator.global_state().round == 0:  # not resumed
+                res = evaluate_fn(0, initial_arrays)
+                say(INFO, "Initial global evaluation results: %s", res)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[0] = res
         # a resumed run continues to the same total (num_rounds counts from round 1); the
         # round number is the coordinator's, Flower's: round r takes θ_{r-1} to θ_r
         seen = len(coordinator.outcomes)  # the outcomes reported so far
@@ -770,6 +779,30 @@ class LensembleStrategy(Strategy):
         return result
 
     # -- helpers -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _undone_if_it_fails(self) -> Iterator[None]:
+        """``start``'s steps before its first round: if one raises, the run directory is
+        left as the start found it, so that the same start can run once the cause is
+        fixed (:mod:`.unstarted_run`); a folder that held anything is not touched."""
+        before = RunDirBefore.of(self.run_dir)
+        try:
+            yield
+        except BaseException:
+            coordinator, run_dir = self.coordinator, self.run_dir
+            if run_dir is not None and before.unused:
+                if coordinator is not None:
+                    coordinator.store.close()
+                if before.restore(run_dir):
+                    log.info(
+                        "%s %s: the run did not reach its first round",
+                        run_dir,
+                        "emptied" if before.existed else "removed",
+                    )
+                    self.coordinator = None
+                    if before.path is None:
+                        self.run_dir = None
+            raise
+
     def _warm_up(self, transport: GridTransport, done: int, num_rounds: int) -> float:
         """Before the run's first round here: wait (at most ``warmup_timeout``) for the
         nodes every round needs, sending them nothing; nothing to wait for when the run
