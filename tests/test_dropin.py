@@ -485,17 +485,18 @@ def test_a_federation_smaller_than_the_quorum_fails_at_the_warm_up_saying_how_to
     assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]
 
 
-def test_a_start_that_fails_before_its_first_round_leaves_its_run_directory_as_it_was(
+def test_a_start_that_fails_before_its_first_round_takes_back_the_run_it_began(
     tmp_path: Path,
 ) -> None:
-    """An empty run_dir is emptied again, one that holds anything is not touched, and
-    the temporary folder of a strategy given none is removed."""
+    """Only what the start made goes: in a folder that was there (empty, or holding a
+    file of the user's), the store's folders; the temporary folder of a strategy given
+    none. The same folder then takes a run."""
     grid = grid_of(quickstart_app(False))
     initial = ArrayRecord(Net(False).state_dict())
     empty, kept = tmp_path / "empty", tmp_path / "kept"
     empty.mkdir()
     kept.mkdir()
-    (kept / "notes.txt").write_text("mine")
+    (kept / ".gitkeep").write_text("mine")
     for run_dir in (empty, kept, None):
         before = set(Path(tempfile.gettempdir()).iterdir())
         strategy = LensembleStrategy(
@@ -504,10 +505,15 @@ def test_a_start_that_fails_before_its_first_round_leaves_its_run_directory_as_i
         with pytest.raises(ConfigError):
             strategy.start(grid=grid, initial_arrays=initial)
         assert set(Path(tempfile.gettempdir()).iterdir()) == before
-        assert strategy.run_dir == run_dir
-        assert (strategy.coordinator is None) == (run_dir is not kept)
+        assert strategy.run_dir == run_dir and strategy.coordinator is None
     assert list(empty.iterdir()) == []
-    assert (kept / "notes.txt").read_text() == "mine" and (kept / "names").is_dir()
+    assert [p.name for p in kept.iterdir()] == [".gitkeep"]
+    LensembleStrategy(
+        fedavg_config(min_participants=4), run_dir=kept, fraction_evaluate=0.0
+    ).start(
+        grid=grid, initial_arrays=initial, num_rounds=1, train_config=ConfigRecord({"lr": 0.1})
+    )
+    assert [r.round for r in verify(Store(kept))] == [1]
 
 
 def test_on_the_simulation_engine_the_warm_up_error_says_how_many_nodes_it_runs(

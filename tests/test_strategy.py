@@ -200,6 +200,75 @@ class _SendsNothing(LensembleStrategy):
         return []
 
 
+class _FirstAttemptSendsNothing(LensembleStrategy):
+    """Round 1's first attempt sends none of its instructions (so it aborts); every
+    later attempt goes out as usual."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        return [] if server_round == 1 else messages
+
+
+def test_flowers_loop_counts_a_retried_rounds_attempts_as_starts_loop_does(
+    tmp_path: Path,
+) -> None:
+    """Each attempt's line names the round's aborted attempts so far; the committed
+    round's metrics count both attempts; no exchange count is made up (Flower's loop
+    counts none)."""
+    _, grid = stock_loop_federation(tmp_path)
+    lines: list[str] = []
+    strategy = _FirstAttemptSendsNothing(
+        small_config(min_participants=3),
+        run_dir=tmp_path / "run",
+        fraction_evaluate=0.0,
+        on_round=lines.append,
+    )
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
+    )
+    assert [line.split(":")[0] for line in lines] == ["round 1", "round 1", "round 2"]
+    assert "aborted=1" in lines[0] and "aborted=1" in lines[1] and "aborted" not in lines[2]
+    assert not any("exchanges=" in line or "sent=" in line for line in lines)
+    jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
+    (first, second) = [json.loads(line)["train"] for line in jsonl.splitlines()]
+    assert first["lensemble.attempts"] == 2.0 and first["lensemble.aborted-attempts"] == 1.0
+    assert second["lensemble.attempts"] == 1.0
+    assert result.train_metrics_clientapp[2]["lensemble.attempts"] == 2.0  # Flower round 2
+
+
+def test_flowers_loop_takes_back_its_run_when_the_initial_evaluation_raises(
+    tmp_path: Path,
+) -> None:
+    """Flower's loop evaluates the initial model before round 1; an evaluate_fn that
+    raises there leaves no run behind, so the same start runs once it is fixed."""
+    _, grid = stock_loop_federation(tmp_path)
+
+    def broken(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        raise RuntimeError("the test set is missing")
+
+    calls: list[int] = []
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        calls.append(server_round)
+        return MetricRecord({"loss": 1.0})
+
+    initial = arrays_to_record(initial_params())
+    failing = _DecayingLearningRate(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with pytest.raises(RuntimeError, match="the test set is missing"):
+        failing.start(grid=grid, initial_arrays=initial, num_rounds=1, evaluate_fn=broken)
+    assert grid.pushed() == [] and not (tmp_path / "run").exists()
+    fixed = _DecayingLearningRate(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    result = fixed.start(grid=grid, initial_arrays=initial, num_rounds=1, evaluate_fn=evaluate)
+    assert calls == [0, 1]  # the initial evaluation once, then round 1's
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1]
+
+
 def test_flowers_loop_that_commits_no_round_returns_the_initial_model_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -395,7 +464,7 @@ def test_evaluation_metrics_do_not_depend_on_the_order_replies_arrive_in() -> No
             RecordDict({"metrics": MetricRecord({"loss": loss, "num-examples": 1})}),
             reply_to=message,
         )
-        for message, loss in zip(messages, losses)
+        for message, loss in zip(messages, losses, strict=True)
     ]
     seen = {
         strategy.aggregate_evaluate(1, order)["loss"]  # type: ignore[index]

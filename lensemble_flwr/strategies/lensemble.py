@@ -262,7 +262,7 @@ class LensembleStrategy(Strategy):
             fed.weighting,
             fed.require_binding,
         )
-        reachable = max(fed.quorum, fed.min_available, fed.sample_min)  # the warm-up's floor
+        reachable = max(fed.quorum, fed.min_available)  # before an attempt draws its sample
         if fed.sampled and fed.sample_mode == "poisson":
             say(
                 INFO,
@@ -414,14 +414,19 @@ class LensembleStrategy(Strategy):
             for r in replies
             if not r.has_error()
         }
+        # counted over the round's attempts so far, as start's own loop counts them
+        this_round = [o for o in coordinator.outcomes if o.round == outcome.round]
+        aborted = [o.reason or "" for o in this_round if o.state is RoundState.ABORTED]
         metrics = self._metrics(
-            outcome, client_metrics=[client[p] for p in outcome.contributors if p in client]
+            outcome,
+            attempts=len(this_round),
+            client_metrics=[client[p] for p in outcome.contributors if p in client],
         )
         # the attempt's line (and on_round), as start's own loop reports a round; a
         # closed round's metrics go to round-metrics.jsonl now, and again with the
         # evaluation's when aggregate_evaluate has them (a round's last line counts)
         closed = outcome.state is RoundState.CLOSED
-        self._report(outcome, metrics, None, [] if closed else [outcome.reason or ""])
+        self._report(outcome, metrics, None, aborted)
         if closed:
             self._keep_metrics(outcome.round, metrics, None)
             self._train_reported[server_round] = (outcome.round, metrics)
@@ -613,6 +618,16 @@ class LensembleStrategy(Strategy):
             coordinator = self._ensure_coordinator(grid, initial_arrays)  # configure_train's too
             warm_up = GridTransport(grid, message_ttl=0.0, names=self.names)
             waited = self._warm_up(warm_up, 0, num_rounds)
+            # Flower's loop evaluates the initial model first: here, so that an
+            # evaluate_fn that raises takes the run back too; the loop gets the result
+            initial = evaluate_fn(0, initial_arrays) if evaluate_fn is not None else None
+
+        def evaluate_once_at_round_0(
+            server_round: int, arrays: ArrayRecord
+        ) -> MetricRecord | None:
+            assert evaluate_fn is not None  # only handed to Flower's loop with one
+            return initial if server_round == 0 else evaluate_fn(server_round, arrays)
+
         # each exchange waits at most a round's deadlines plus what is left of the warm-up
         # budget: Flower's loop has one timeout for every exchange, and the first round's
         # cold ClientApps need that grace (start's own loop gives it to the first only)
@@ -625,7 +640,7 @@ class LensembleStrategy(Strategy):
             timeout=min(timeout, fed.open_timeout + fed.collect_timeout + grace),
             train_config=train_config,
             evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
+            evaluate_fn=evaluate_once_at_round_0 if evaluate_fn is not None else None,
         )
         outcomes = list(coordinator.outcomes)
         aborted: dict[int, list[str]] = {}
@@ -781,25 +796,26 @@ class LensembleStrategy(Strategy):
     # -- helpers -----------------------------------------------------------------------
     @contextlib.contextmanager
     def _undone_if_it_fails(self) -> Iterator[None]:
-        """``start``'s steps before its first round: if one raises, the run directory is
-        left as the start found it, so that the same start can run once the cause is
-        fixed (:mod:`.unstarted_run`); a folder that held anything is not touched."""
+        """``start``'s steps before its first round: if one raises, the run it began is
+        taken back (the store's folders it made, and the run directory if it made it),
+        so that the same start can run once the cause is fixed (:mod:`.unstarted_run`).
+        A run directory that held a run before is left as it is."""
         before = RunDirBefore.of(self.run_dir)
         try:
             yield
         except BaseException:
             coordinator, run_dir = self.coordinator, self.run_dir
-            if run_dir is not None and before.unused:
+            if run_dir is not None and "names" not in before.present:
                 if coordinator is not None:
                     coordinator.store.close()
-                if before.restore(run_dir):
+                removed = before.restore(run_dir)
+                if not (run_dir / "names").exists():  # the run is gone
                     log.info(
-                        "%s %s: the run did not reach its first round",
-                        run_dir,
-                        "emptied" if before.existed else "removed",
+                        "the run did not reach its first round: removed %s",
+                        ", ".join(str(path) for path in removed) or "nothing",
                     )
                     self.coordinator = None
-                    if before.path is None:
+                    if before.path is None and not run_dir.exists():
                         self.run_dir = None
             raise
 
@@ -1154,8 +1170,9 @@ class LensembleStrategy(Strategy):
                 parts.append(f"{key}={float(metrics[key]):.4f}")
         if BOOKKEEPING + "frame-drift" in metrics:
             parts.append(f"drift={float(metrics[BOOKKEEPING + 'frame-drift']):.4f}")
-        parts.append(f"exchanges={float(metrics.get(BOOKKEEPING + 'exchanges', 0)):.0f}")
-        parts.append(f"sent={float(metrics.get(BOOKKEEPING + 'bytes-sent', 0)) / 1e6:.2f}MB")
+        if BOOKKEEPING + "exchanges" in metrics:  # not counted in Flower's own loop
+            parts.append(f"exchanges={float(metrics[BOOKKEEPING + 'exchanges']):.0f}")
+            parts.append(f"sent={float(metrics[BOOKKEEPING + 'bytes-sent']) / 1e6:.2f}MB")
         if aborted:
             parts.append(f"aborted={len(aborted)} ({aborted[-1]})")
         line = " ".join(parts)
