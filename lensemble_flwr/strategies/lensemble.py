@@ -474,8 +474,8 @@ class LensembleStrategy(Strategy):
                 left_out.append(f"{node} ({why})")
             else:
                 valid.append((node, reply.content))
-        # summed in the nodes' order, not the replies' arrival order: two runs of the same
-        # federation then report the same metrics to the last bit
+        # summed in the nodes' order, not the replies' arrival order: with stable participant
+        # names, two runs of the same federation report the same metrics to the last bit
         valid.sort(key=lambda named: named[0])
         if left_out:  # FedAvg would stop the run; the round is committed, so say it loudly
             more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
