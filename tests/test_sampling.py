@@ -145,6 +145,8 @@ def test_fraction_train_over_fifty_stock_nodes_asks_fifteen_each_round(tmp_path:
         ({"config": {"federation": {}}}, "config: must be a LensembleConfig"),
         ({"identities": {"partition-id-0": "not a key"}},
          "identities['partition-id-0']: not an OpenSSH public key"),
+        ({"identities": {"partition-id-0": "ssh-foo AAAAB3NzaC1mb28="}},  # unknown key type
+         "identities['partition-id-0']: not an OpenSSH public key"),
         ({"weighted_by_key": None}, "weighted_by_key: must be a non-empty string"),
         ({"arrayrecord_key": ""}, "arrayrecord_key: must be a non-empty string"),
         ({"configrecord_key": 3}, "configrecord_key: must be a non-empty string"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import numbers
@@ -414,8 +415,11 @@ class LensembleStrategy(Strategy):
             for r in replies
             if not r.has_error()
         }
-        # counted over the round's attempts so far, as start's own loop counts them
-        this_round = [o for o in coordinator.outcomes if o.round == outcome.round]
+        # counted over the round's attempts so far, as start's own loop counts them: the
+        # last outcomes (a round's attempts follow each other), not a scan of the whole run
+        this_round = list(
+            itertools.takewhile(lambda o: o.round == outcome.round, reversed(coordinator.outcomes))
+        )
         aborted = [o.reason or "" for o in this_round if o.state is RoundState.ABORTED]
         metrics = self._metrics(
             outcome,
