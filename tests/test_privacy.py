@@ -159,6 +159,29 @@ def test_the_budget_survives_a_restart_and_a_new_run(tmp_path: Path) -> None:
         PrivacyBudget(tmp_path, "root", epsilon=100.0, delta=1e-5, accountant="prv")
 
 
+def test_every_charge_is_on_disk_file_and_folder_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import stat
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    budget = PrivacyBudget(tmp_path, "k", epsilon=1e9, delta=1e-5)
+    monkeypatch.setattr(os, "fsync", recording)
+    budget.charge(1.0)
+    assert synced == ["file", "folder"]  # the budget always writes durably
+    monkeypatch.undo()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [budget.path.name, budget.path.name + ".lock"]  # no temp file left
+    assert stat.S_IMODE(budget.path.stat().st_mode) == 0o600  # the owner's only
+
+
 # -- in a federation ---------------------------------------------------------------------
 def test_identical_seeds_release_different_noise_but_the_rest_reproduces(tmp_path: Path) -> None:
     runs = []
