@@ -28,7 +28,8 @@ from lensemble_flwr.provenance.audit import (
     audit_run,
     open_run,
 )
-from lensemble_flwr.provenance.ledger import REGISTRY, Ledger, verify
+from lensemble_flwr.provenance.ledger import REGISTRY, Ledger
+from lensemble_flwr.provenance.verify import verify
 
 
 def test_an_untouched_run_passes_with_its_counts(run: Path) -> None:

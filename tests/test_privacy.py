@@ -25,7 +25,8 @@ from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal, secure_uniform
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release import Release, ReleaseContext, chain, clip, gaussian_noise
 from lensemble_flwr.release.privacy import check_clip_bound
 from lensemble_flwr.simulations.toy import initial_params

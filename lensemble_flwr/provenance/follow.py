@@ -28,14 +28,16 @@ from lensemble_flwr.provenance.ledger import (
     GENESIS,
     MANIFEST_HEADER,
     ContributionRecord,
-    LinkBreak,
     RoundEntry,
     RunManifest,
-    agreement_breaks,
-    evidence_breaks,
     header_digest,
     ledger_name,
     parse_document,
+)
+from lensemble_flwr.provenance.verify import (
+    LinkBreak,
+    agreement_breaks,
+    evidence_breaks,
     record_breaks,
     registry_breaks,
 )
