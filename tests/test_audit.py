@@ -232,7 +232,7 @@ TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     garble_a_name,
 ]
 
-# links ledger.verify() does not look at (the audit's cross-checks of the manifest alone);
+# links verify() does not look at (the audit's cross-checks of the manifest alone);
 # the aborted attempts' entries are in it since the records commit to their round's entries
 BEYOND_VERIFY = {skip_a_round}
 

@@ -72,6 +72,7 @@ class ExternalStep(_Frozen):
         ge=0, description="L2 norm of the change, over every floating-point array."
     )
 
+
 EXTERNAL_STEP = "coordinator/external-step"
 """The store name of the external step the next round trains from (kept before any node
 is sent the adopted model)."""
