@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
         ("canonical", "the canonical byte encoding and domain-separated SHA-256 digests"),
         ("layering", "this table of layers and the import check (standard library only)"),
         ("norms", "float64 L2 norms that depend on the values only: the same bits on any CPU"),
+        ("atomic_write", "files written whole or not at all: temp file, fsync, rename, folder"),
     ),
     (("config", "LensembleConfig: one frozen configuration, from Python or a run_config"),),
     (("params", "named arrays, parameter groups, shared groups in and out of torch"),),

@@ -29,7 +29,8 @@ from lensemble_flwr.privacy.calibration import (
 from lensemble_flwr.privacy.discrete_gaussian import grid_l2_sensitivity
 from lensemble_flwr.privacy.distributed import distributed_noise_for
 from lensemble_flwr.privacy.guarantee import guarantee_of
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 
 CLIP = 0.5
 

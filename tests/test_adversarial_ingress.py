@@ -34,7 +34,7 @@ from lensemble_flwr.errors import (
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.protocol.messages import Commitment, MessageKind, Refusal, Update, to_wire
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.records import arrays_to_record

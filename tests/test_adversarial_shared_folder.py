@@ -16,7 +16,8 @@ from test_shared_folder import node, store_of, together, when
 from lensemble_flwr.errors import ConfigError, ForgedMessage, LedgerError
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.shared_folder.barrier import SittingKey
 from lensemble_flwr.shared_folder.records import (
     FolderRecord,

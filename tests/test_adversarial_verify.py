@@ -24,12 +24,8 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.provenance.audit import audit_run
-from lensemble_flwr.provenance.ledger import (
-    MANIFEST_HEADER,
-    REGISTRY,
-    manifest_entry_name,
-    verify,
-)
+from lensemble_flwr.provenance.ledger import MANIFEST_HEADER, REGISTRY, manifest_entry_name
+from lensemble_flwr.provenance.verify import verify
 
 
 def header(**changes):

@@ -28,7 +28,8 @@ from lensemble_flwr.provenance.audit import (
     audit_run,
     open_run,
 )
-from lensemble_flwr.provenance.ledger import REGISTRY, Ledger, verify
+from lensemble_flwr.provenance.ledger import REGISTRY, Ledger
+from lensemble_flwr.provenance.verify import verify
 
 
 def test_an_untouched_run_passes_with_its_counts(run: Path) -> None:
@@ -231,7 +232,7 @@ TAMPERS: list[Callable[[Path], tuple[str, str, str | None]]] = [
     garble_a_name,
 ]
 
-# links ledger.verify() does not look at (the audit's cross-checks of the manifest alone);
+# links verify() does not look at (the audit's cross-checks of the manifest alone);
 # the aborted attempts' entries are in it since the records commit to their round's entries
 BEYOND_VERIFY = {skip_a_round}
 

@@ -21,7 +21,7 @@ from run_dir_helpers import (
 )
 
 from lensemble_flwr.cli import main
-from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_atomically
+from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_output
 from lensemble_flwr.simulations.toy import ToyTrainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -210,11 +210,24 @@ def test_report_of_a_broken_run_says_so(
 def test_atomic_writes_leave_nothing_behind_on_failure(tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()  # os.replace cannot put a file over a folder
     with pytest.raises(OSError):
-        write_atomically(tmp_path / "taken", b"data")
+        write_output(tmp_path / "taken", b"data")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
-    write_atomically(tmp_path / "file", b"one")
-    write_atomically(tmp_path / "file", b"two")
+    write_output(tmp_path / "file", b"one")
+    write_output(tmp_path / "file", b"two")
     assert (tmp_path / "file").read_bytes() == b"two" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_an_output_file_gets_the_users_mode_and_its_folder(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        write_output(tmp_path / "new" / "folder" / "report.md", b"text")
+    finally:
+        os.umask(umask)
+    path = tmp_path / "new" / "folder" / "report.md"
+    assert path.read_bytes() == b"text" and stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 # -- prove / check-proof --------------------------------------------------------------------

@@ -27,7 +27,8 @@ from lensemble_flwr.errors import (
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.transports.faults import FaultPlan
 
 PROGRESS = [

@@ -23,7 +23,8 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.secagg.membership import Membership
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies.records import arrays_to_record

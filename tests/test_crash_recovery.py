@@ -32,7 +32,8 @@ from lensemble_flwr.coordinator.coordinator import INTERRUPTED, WRITES_PREPARED
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
 from lensemble_flwr.identity import registry_store
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.simulations import crash_drill
 from lensemble_flwr.simulations.kill_points import KILL_POINTS, KILL_POINTS_BY_NAME

@@ -42,7 +42,7 @@ from deployment_helpers import (
 )
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 
 pytestmark = pytest.mark.deployment
 

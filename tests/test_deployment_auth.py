@@ -57,7 +57,8 @@ from deployment_helpers import (
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.provenance.audit import audit_run
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 
 pytestmark = pytest.mark.deployment
 

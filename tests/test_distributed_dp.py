@@ -23,7 +23,8 @@ from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.privacy.discrete_gaussian import ddg_sum_rho, secure_discrete_gaussian
 from lensemble_flwr.privacy.distributed import distributed_noise_for
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.secagg import participant_role
 from lensemble_flwr.simulations.digits_data import DigitsLinear, DigitsTrainer, load_partition
 from lensemble_flwr.simulations.digits_data import initial_params as digits_params

@@ -266,7 +266,7 @@ def test_the_user_guide_private_config_clips_noises_and_quantizes(
     from lensemble_flwr.artifacts.store import Store
     from lensemble_flwr.errors import PrivacyBudgetExceeded
     from lensemble_flwr.privacy.budget import PrivacyBudget
-    from lensemble_flwr.provenance.ledger import verify
+    from lensemble_flwr.provenance.verify import verify
     from lensemble_flwr.simulations.inprocess import build
     from lensemble_flwr.testing import DeliveryLog
     from lensemble_flwr.transports.base import COORDINATOR
@@ -422,7 +422,7 @@ def test_the_recovery_md_snippet_resumes_a_run_to_its_total(
     the resumed coordinator closes exactly the rounds still to close."""
     from lensemble_flwr.artifacts.store import Store
     from lensemble_flwr.config import LensembleConfig
-    from lensemble_flwr.provenance.ledger import verify
+    from lensemble_flwr.provenance.verify import verify
     from lensemble_flwr.simulations.inprocess import build
 
     block, _flower = python_blocks(REPO / "docs" / "recovery.md")
@@ -449,7 +449,7 @@ def test_the_recovery_md_flower_app_resumes_a_run_to_its_total(
 
     from lensemble_flwr.artifacts.store import Store
     from lensemble_flwr.errors import StoreError
-    from lensemble_flwr.provenance.ledger import verify
+    from lensemble_flwr.provenance.verify import verify
 
     flower, (trainer_app, _numpy_app) = flower_md_apps()
     _first, block = python_blocks(REPO / "docs" / "recovery.md")

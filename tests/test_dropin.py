@@ -47,7 +47,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, ParameterMismatch
 from lensemble_flwr.provenance.audit import audit_run
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.grid_transport import GridTransport
 

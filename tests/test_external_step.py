@@ -30,7 +30,8 @@ from lensemble_flwr.coordinator.outer_optimizer import (
 )
 from lensemble_flwr.errors import IllegalTransition, LedgerError, ParameterMismatch
 from lensemble_flwr.provenance.audit import audit_run
-from lensemble_flwr.provenance.ledger import Ledger, record_breaks, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import record_breaks, verify
 
 
 def noised(coordinator: Coordinator, scale: float = 0.01, seed: int = 0) -> dict:
@@ -283,7 +284,7 @@ def test_a_lying_change_norm_or_a_round_of_two_models_is_a_finding(tmp_path: Pat
     assert verify(coordinator.store)[1].external_step.change_norm == step.change_norm > 0
     # a coordinator that claims its swap moved the model by almost nothing
     from lensemble_flwr.norms import change_norm
-    from lensemble_flwr.provenance.ledger import record_checkpoint_breaks
+    from lensemble_flwr.provenance.verify import record_checkpoint_breaks
 
     records = Ledger(coordinator.store).records()
     lying = records[1].model_copy(

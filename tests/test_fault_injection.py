@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.transports.base import COORDINATOR
 
 

@@ -32,7 +32,8 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.protocol.messages import MessageKind, Update
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.world_federation import build_world, world_gauge
 from lensemble_flwr.simulations.world_model import (
     WorldModelAdapter,

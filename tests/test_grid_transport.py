@@ -51,7 +51,7 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (

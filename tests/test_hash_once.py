@@ -34,7 +34,8 @@ from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import StoreError
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 
 _DTYPES = ["<f4", "<f8", "<f2", ">f4", ">f8", "<i8", "|i1", "|b1"]
 _NAMES = st.text("abcé/._-", min_size=1, max_size=6)

@@ -18,13 +18,8 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.follow import LedgerFollower
-from lensemble_flwr.provenance.ledger import (
-    Ledger,
-    RunManifest,
-    ledger_name,
-    manifest_entry_name,
-    verify,
-)
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, ledger_name, manifest_entry_name
+from lensemble_flwr.provenance.verify import verify
 
 
 def run_rounds(tmp_path: Path, rounds: int) -> tuple[Coordinator, Store]:

@@ -15,7 +15,8 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.testing import DeliveryLog, FaultPlan
 from lensemble_flwr.transports.base import COORDINATOR

@@ -17,7 +17,8 @@ from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import Ledger, verify
+from lensemble_flwr.provenance.ledger import Ledger
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release import bind, chain, difference
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.transports.inprocess import InProcessNetwork

@@ -25,7 +25,8 @@ from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.gaussian import secure_normal, secure_uniform
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release import Release, ReleaseContext, chain, clip, gaussian_noise
 from lensemble_flwr.release.privacy import check_clip_bound
 from lensemble_flwr.simulations.toy import initial_params
@@ -157,6 +158,29 @@ def test_the_budget_survives_a_restart_and_a_new_run(tmp_path: Path) -> None:
     assert again.spent() == first.spent() > 0
     with pytest.raises(ConfigError, match="accounted with"):
         PrivacyBudget(tmp_path, "root", epsilon=100.0, delta=1e-5, accountant="prv")
+
+
+def test_every_charge_is_on_disk_file_and_folder_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import stat
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    budget = PrivacyBudget(tmp_path, "k", epsilon=1e9, delta=1e-5)
+    monkeypatch.setattr(os, "fsync", recording)
+    budget.charge(1.0)
+    assert synced == ["file", "folder"]  # the budget always writes durably
+    monkeypatch.undo()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [budget.path.name, budget.path.name + ".lock"]  # no temp file left
+    assert stat.S_IMODE(budget.path.stat().st_mode) == 0o600  # the owner's only
 
 
 # -- in a federation ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.protocol.messages import Update, from_wire, to_wire
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release import Release, ReleaseContext
 from lensemble_flwr.release.quantize import LEVELS, dequantize, int8_quantize, quantize_int8
 from lensemble_flwr.strategies.records import arrays_to_record

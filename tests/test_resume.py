@@ -27,7 +27,8 @@ from lensemble_flwr.errors import (
 from lensemble_flwr.identity import registry_store
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.testing import DeliveryLog
 from lensemble_flwr.transports.base import COORDINATOR
 from lensemble_flwr.transports.faults import FaultPlan

@@ -21,8 +21,9 @@ from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import ConfigError, LedgerError, StoreError
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.audit import audit_run
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, is_pruned, pruned_name, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest, is_pruned, pruned_name
 from lensemble_flwr.provenance.retention import checkpoints_of, prune, prune_checkpoints
+from lensemble_flwr.provenance.verify import verify
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,8 @@ from lensemble_flwr.errors import FaultToleranceExceeded
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.provenance.commitment_secret import secret_path
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.transports.base import COORDINATOR
 from lensemble_flwr.transports.faults import FaultPlan

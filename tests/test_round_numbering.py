@@ -27,7 +27,7 @@ from lensemble_flwr.protocol.messages import RoundOpen
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.audit import audit_run
 from lensemble_flwr.provenance.ledger import LEDGER, MANIFEST_ROUNDS, RoundEntry, RunManifest
-from lensemble_flwr.provenance.ledger import verify as verify_run
+from lensemble_flwr.provenance.verify import verify as verify_run
 from lensemble_flwr.shared_folder.barrier import SittingKey
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies.records import arrays_to_record

@@ -20,7 +20,8 @@ from test_grid_transport import (  # noqa: F401  (the autouse fixture sets the S
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import FederationConfig
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import LensembleStrategy
 from lensemble_flwr.strategies.records import arrays_to_record

@@ -20,7 +20,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import AggregationConfig
 from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.secagg import keys as keys_module
 from lensemble_flwr.secagg import shamir
 from lensemble_flwr.secagg.aggregator import SecureAggregator

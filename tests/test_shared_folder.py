@@ -53,7 +53,8 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import Ledger, RunManifest, verify
+from lensemble_flwr.provenance.ledger import Ledger, RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey, Snapshot
 from lensemble_flwr.shared_folder.records import (
     Announcement,

@@ -26,7 +26,7 @@ from lensemble_flwr.protocol.messages import (
     from_wire,
     to_wire,
 )
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.testing import FaultPlan
 from lensemble_flwr.transports.base import COORDINATOR
 

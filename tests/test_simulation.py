@@ -27,7 +27,8 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import RunManifest, verify
+from lensemble_flwr.provenance.ledger import RunManifest
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import ToyTrainer
 from lensemble_flwr.simulations.toy import initial_params as toy_params
 from lensemble_flwr.strategies import LensembleStrategy

@@ -35,7 +35,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, StoreError
 from lensemble_flwr.protocol.messages import RoundOpen
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
 from lensemble_flwr.strategies import LensembleStrategy

@@ -19,8 +19,8 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
-from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.provenance.round_metrics import read_round_metrics
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations import flower_app, world
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal

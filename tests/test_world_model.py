@@ -14,7 +14,7 @@ from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import RoundOutcome
 from lensemble_flwr.errors import ConfigError, ParameterMismatch
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.world_data import (
     ACTION_DIMS,
     LATENT_DIM,

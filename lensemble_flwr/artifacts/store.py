@@ -8,9 +8,11 @@ Layout under ``root``:
   relative slash-separated paths such as ``round/3/averaging``.
 * ``tmp/``: scratch space. Every write goes to a temp file here, is flushed and
   fsynced, then published with ``os.replace`` (or ``os.link`` for :meth:`Store.claim`),
-  after which the destination directory is fsynced. Nothing half-written is ever
-  visible under ``blobs/`` or ``names/``, and a write removes its temp file on every
-  path (empty temp files made ahead of writes are another matter: see below).
+  after which the destination directory is fsynced: the steps of
+  :mod:`lensemble_flwr.atomic_write`, with the store's own temp files. Nothing
+  half-written is ever visible under ``blobs/`` or ``names/``, and a write removes its
+  temp file on every path (empty temp files made ahead of writes are another matter: see
+  below).
 
 A large blob (a checkpoint) is written by :meth:`Store.put_parts` from its parts (views of
 the arrays it holds) and hashed as it is written, on a second thread: the blob is never
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Literal
 
 from lensemble_flwr.artifacts.direct_write import DIRECT_WRITE_MIN_BYTES, write_direct
+from lensemble_flwr.atomic_write import discard, fill, fsync_folder, publish
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES
 from lensemble_flwr.errors import CheckpointIntegrityError, StoreError
 
@@ -80,7 +83,7 @@ temp file is written and hashed, with the blob's bytes read back from it (only w
 hook is set)."""
 
 _SLICE = 1 << 24
-"""Bytes per write and per hash update of :meth:`Store.put_parts` (16 MiB)."""
+"""Bytes per hash update of :meth:`Store.put_parts` (16 MiB)."""
 
 _BLOB_FOLDERS = tuple(f"{i:02x}" for i in range(256))
 """The folders of ``blobs/``, one per first byte of a digest."""
@@ -115,14 +118,6 @@ def _discard_spares(spares: list[tuple[int, str]], owner: int) -> None:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Store:
@@ -200,7 +195,7 @@ class Store:
                 (self._blobs / folder).mkdir(exist_ok=True)
                 made_any = True
             if made_any and self.sync:
-                _fsync_dir(self._blobs)
+                fsync_folder(self._blobs)
         except OSError as exc:
             raise StoreError(f"{self._tmp}: cannot prepare writes: {_cause(exc)}") from None
 
@@ -297,16 +292,7 @@ class Store:
                 hashing = threading.Thread(target=hash_all, name="lensemble-store-hash")
                 hashing.start()
             try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    large = size >= DIRECT_WRITE_MIN_BYTES
-                    if not (self.sync and large and write_direct(tmp, views)):
-                        for view in views:
-                            for lo in range(0, len(view), _SLICE):
-                                chunk = view[lo : lo + _SLICE]
-                                while chunk:
-                                    chunk = chunk[f.write(chunk) :]
-                        if self.sync:
-                            os.fsync(f.fileno())
+                self._fill(fd, tmp, views, size)
             finally:
                 if hashing is not None:
                     hashing.join()
@@ -320,13 +306,26 @@ class Store:
             if self.on_write is not None:
                 self.on_write("blob", digest, Path(tmp).read_bytes())
             self._ensure_dir(path.parent)
-            os.replace(tmp, path)
-            if self.sync:
-                _fsync_dir(path.parent)
+            publish(tmp, path, sync=self.sync)
             return digest
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            discard(tmp)
+
+    def _fill(self, fd: int, tmp: str, views: list[memoryview], size: int) -> None:
+        """Write ``views`` into the temp file ``fd`` (at ``tmp``) and close it: around the
+        page cache (``O_DIRECT``, fsynced) when the store syncs, the blob is large and
+        direct I/O is available there; through it otherwise (fsynced when the store syncs).
+        """
+        if self.sync and size >= DIRECT_WRITE_MIN_BYTES:
+            try:
+                direct = write_direct(tmp, views)
+            except BaseException:
+                os.close(fd)
+                raise
+            if direct:
+                os.close(fd)
+                return
+        fill(fd, views, sync=self.sync)
 
     def get(self, digest: str) -> bytes:
         """Return the bytes stored under ``digest``, re-hashed on read.
@@ -371,7 +370,7 @@ class Store:
         try:
             os.unlink(path)
             if self.sync:
-                _fsync_dir(path.parent)
+                fsync_folder(path.parent)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -507,7 +506,7 @@ class Store:
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
             if self.sync:
-                _fsync_dir(new.parent)
+                fsync_folder(new.parent)
 
     def _publish(self, data: bytes, dest: Path, *, exclusive: bool) -> bool:
         """Write ``data`` to a fsynced temp file, then publish it at ``dest``.
@@ -528,23 +527,7 @@ class Store:
         self._ensure_dir(dest.parent)
         fd, tmp = self._temp_file()
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.sync:
-                    os.fsync(f.fileno())
-            if not exclusive:
-                os.replace(tmp, dest)
-            else:
-                try:
-                    os.link(tmp, dest)
-                except FileExistsError:
-                    if dest.is_dir():
-                        raise
-                    return False
-            if self.sync:
-                _fsync_dir(dest.parent)
-            return True
+            fill(fd, data, sync=self.sync)
+            return publish(tmp, dest, sync=self.sync, once=exclusive)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            discard(tmp)

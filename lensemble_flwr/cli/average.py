@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.numpy import save
 
-from lensemble_flwr.cli.output import EXIT_OK, UsageError, stdout, write_atomically
+from lensemble_flwr.cli.output import EXIT_OK, UsageError, stdout, write_output
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.averaging import averaged_model
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": ",".join(map(str, averaged.rounds)),
         "weights": ",".join(f"{w:.17g}" for w in averaged.weights),
     }
-    write_atomically(out, save(dict(averaged.params), metadata=metadata))
+    write_output(out, save(dict(averaged.params), metadata=metadata))
     first, last = averaged.rounds[0], averaged.rounds[-1]
     stdout().print(
         f"wrote {out}: the models of rounds {first}-{last}, weighted by {args.decay:g}^(age) "

@@ -1,16 +1,17 @@
-"""What every ``lensemble-flwr`` command shares: exit codes, the usage error, consoles, atomic
-writes."""
+"""What every ``lensemble-flwr`` command shares: exit codes, the usage error, consoles, output
+files."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+
+from lensemble_flwr.atomic_write import user_file_mode, write_atomically
 
 PIPE_WIDTH = 160
 
@@ -51,27 +52,10 @@ def status(message: str) -> Iterator[None]:
         yield
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``:
-    ``path`` holds the old bytes or the new ones, never part of either. The file gets the
-    mode any new file of the user gets (the umask's, not the temp file's 0600), and it and
-    its folder are fsynced."""
+def write_output(path: Path, data: bytes) -> None:
+    """Write a command's output file ``path`` whole or not at all
+    (:func:`lensemble_flwr.atomic_write.write_atomically`, fsynced), making its folder if
+    needed. The file gets the mode any new file of the user gets (the umask's, not a temp
+    file's 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~umask)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    write_atomically(path, data, sync=True, mode=user_file_mode())

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from lensemble_flwr.cli.output import EXIT_OK, UsageError, status, stdout, write_atomically
+from lensemble_flwr.cli.output import EXIT_OK, UsageError, status, stdout, write_output
 from lensemble_flwr.config import default_state_dir
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.audit import open_run
@@ -150,7 +150,7 @@ def run_prove(args: argparse.Namespace) -> int:
     if args.out is None:
         print(bundle.to_json(), end="")
     else:
-        write_atomically(args.out, bundle.to_json().encode("utf-8"))
+        write_output(args.out, bundle.to_json().encode("utf-8"))
         stdout().print(
             f"wrote {args.out}: record {bundle.index} of {bundle.size}, root {bundle.root}"
         )

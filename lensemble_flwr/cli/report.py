@@ -8,7 +8,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from lensemble_flwr.cli.output import EXIT_OK, status, stderr, stdout, write_atomically
+from lensemble_flwr.cli.output import EXIT_OK, status, stderr, stdout, write_output
 from lensemble_flwr.provenance.audit import AuditReport, audit_run
 from lensemble_flwr.provenance.ledger import FRAME_DRIFT
 from lensemble_flwr.provenance.round_metrics import RoundMetrics, read_round_metrics
@@ -68,8 +68,8 @@ def write_report(run_dir: str | Path, out_dir: Path) -> tuple[ReportFiles, Audit
     png = render_png(summary, read_round_metrics(run_dir))
     markdown = render_markdown(summary, audit, PNG_NAME)
     files = ReportFiles(out_dir / PNG_NAME, out_dir / MARKDOWN_NAME)
-    write_atomically(files.png, png)
-    write_atomically(files.markdown, markdown.encode("utf-8"))
+    write_output(files.png, png)
+    write_output(files.markdown, markdown.encode("utf-8"))
     return files, audit
 
 

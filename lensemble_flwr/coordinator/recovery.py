@@ -34,10 +34,8 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RoundEntry,
     RunManifest,
-    verify,
-    verify_chain,
-    verify_registry,
 )
+from lensemble_flwr.provenance.verify import verify, verify_chain, verify_registry
 
 log = logging.getLogger(__name__)
 

@@ -61,10 +61,9 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RunManifest,
     load_external_step,
-    record_breaks,
-    verify_chain,
 )
 from lensemble_flwr.provenance.merkle import merkle_root
+from lensemble_flwr.provenance.verify import record_breaks, verify_chain
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
 from lensemble_flwr.release.state_codec import export_release_state, import_release_state

@@ -33,13 +33,13 @@ import importlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
+from lensemble_flwr.atomic_write import write_atomically
 from lensemble_flwr.config import Adjacency
 from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
 
@@ -235,17 +235,8 @@ class PrivacyBudget:
         record: dict[str, object] = {"accountant": self.mechanism, "history": history}
         if self.adjacency != "substitution":  # files of the default stay as they were
             record["adjacency"] = self.adjacency
-        data = json.dumps(record).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budget-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        # always durable: what is spent must be on disk before the noised update leaves
+        write_atomically(self.path, json.dumps(record).encode(), sync=True)
 
 
 def _merged(

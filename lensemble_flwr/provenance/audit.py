@@ -1,14 +1,16 @@
 """Audit a run directory: which link of the run's evidence is broken, and how.
 
-:func:`lensemble_flwr.provenance.ledger.verify` is the runtime's fail-closed check: it
-walks the ledger's links (see ``ledger.link_breaks``) and raises on the first broken one.
-:func:`audit_run` applies the same link rules, reading every blob once, and adds what an
+:func:`lensemble_flwr.provenance.verify.verify` is the runtime's fail-closed check: it
+walks the rules of :mod:`lensemble_flwr.provenance.verify` and raises on the first broken
+link. :func:`audit_run` walks the same rules, reading every blob once, and adds what an
 auditor needs on top:
 
-* the cross-checks ``verify`` does not make: every attempt (aborted ones too) starts from
-  the global state the round before left, and an aborted one produced none; attempts
-  are numbered 1, 2, … with at most one closed and none after it; rounds follow each
-  other without gaps from round 1; a name (``ledger/00000003``) holds the round it names;
+* the cross-checks ``verify`` does not make: the attempt rules
+  (:func:`~lensemble_flwr.provenance.verify.attempt_breaks`: every attempt, aborted ones
+  too, starts from the global state the round before left, and an aborted one produced
+  none; attempts are numbered 1, 2, … with at most one closed and none after it); rounds
+  follow each other without gaps from round 1; a name (``ledger/00000003``) holds the
+  round it names;
 * a :class:`Finding` per broken link that names the round, the field, and the expected
   and found values, in the order a reader walks the run (round by round), so the first
   finding is the first broken link; a missing record does not hide the rounds after it;
@@ -38,19 +40,24 @@ from lensemble_flwr.provenance.ledger import (
     MANIFEST_HEADER,
     MANIFEST_ROUNDS,
     ContributionRecord,
-    LinkBreak,
     RoundEntry,
     RunManifest,
     UnreadableDocument,
-    agreement_breaks,
-    checkpoint_breaks,
-    evidence_breaks,
-    fetch_blob,
     header_digest,
     is_pruned,
     ledger_name,
     manifest_entry_name,
     parse_document,
+)
+from lensemble_flwr.provenance.verify import (
+    LinkBreak,
+    agreement_breaks,
+    attempt_breaks,
+    checkpoint_breaks,
+    closed_attempt,
+    evidence_breaks,
+    fetch_blob,
+    newest_checkpoint_breaks,
     record_breaks,
     record_checkpoint_breaks,
     registry_breaks,
@@ -87,7 +94,7 @@ class Finding:
 
     @classmethod
     def of(cls, where: str, broken: LinkBreak) -> Finding:
-        """The finding for a link that ``ledger``'s rules found broken."""
+        """The finding for a link that a rule of :mod:`.verify` found broken."""
         return cls(where, broken.field, _show(broken.expected), _show(broken.found), broken.round)
 
 
@@ -296,9 +303,9 @@ class _Walk:
             self._check_record(record, prev_record, closed)
             prev_record = record.record_hash
             self.global_hash = record.new_global_hash
-        if self.records and is_pruned(self.store, self.records[-1].checkpoint):
-            t = self.records[-1].round
-            self.findings.append(Finding(f"round {t}", "checkpoint", "kept (newest)", "pruned", t))
+        if self.records:
+            newest = f"round {self.records[-1].round}"
+            self._breaks(newest, newest_checkpoint_breaks(self.store, self.records))
         self._breaks("participant registry", registry_breaks(self.store, self.records))
         if expected_head is not None:
             head = self.records[-1].record_hash if self.records else None
@@ -337,81 +344,17 @@ class _Walk:
         self, t: int, attempts: list[RoundEntry], *, last_round: bool
     ) -> RoundEntry | None:
         """Check one round's attempts; return its closed attempt (None if it has none)."""
-        where = f"round {t}"
-        closed: RoundEntry | None = None
-        for number, entry in enumerate(attempts, start=1):
-            if entry.attempt != number:
-                self.findings.append(
-                    Finding(where, "manifest.attempt", str(number), str(entry.attempt), t)
-                )
-            if closed is not None:
-                self.findings.append(
-                    Finding(
-                        where,
-                        "manifest.state",
-                        f"no attempt after closed attempt {closed.attempt}",
-                        f"attempt {entry.attempt} ({entry.state})",
-                        t,
-                    )
-                )
-            step = entry.external_step
-            if step != attempts[0].external_step:  # one model per round: one release
-                self.findings.append(
-                    Finding(
-                        f"{where} attempt {entry.attempt}",
-                        "manifest.external_step",
-                        "the round's one external step (that of its first attempt)",
-                        step.adopted_hash if step is not None else "none",
-                        t,
-                    )
-                )
-            if step is not None and step.committed_hash != self.global_hash:
-                self.findings.append(
-                    Finding(
-                        f"{where} attempt {entry.attempt}",
-                        "manifest.external_step.committed_hash",
-                        self.global_hash,
-                        step.committed_hash,
-                        t,
-                    )
-                )
-            trained_from = step.adopted_hash if step is not None else self.global_hash
-            if entry.prior_global_hash != trained_from:
-                self.findings.append(
-                    Finding(
-                        f"{where} attempt {entry.attempt}",
-                        "manifest.prior_global_hash",
-                        trained_from,
-                        entry.prior_global_hash,
-                        t,
-                    )
-                )
-            if entry.state is RoundState.CLOSED:
-                self.rounds_closed += 1
-                closed = closed or entry
-            else:
-                self.attempts_aborted += 1
-                if entry.new_global_hash is not None:
-                    self.findings.append(
-                        Finding(
-                            f"{where} attempt {entry.attempt}",
-                            "manifest.new_global_hash",
-                            "none (the attempt was aborted)",
-                            entry.new_global_hash,
-                            t,
-                        )
-                    )
-        if closed is None and attempts and not last_round:
-            self.findings.append(
-                Finding(
-                    where,
-                    "manifest.state",
-                    "a closed attempt before the next round",
-                    "only aborted attempts",
-                    t,
-                )
-            )
-        return closed
+        for broken in attempt_breaks(
+            t, attempts, committed_hash=self.global_hash, last_round=last_round
+        ):
+            attempt = "" if broken.attempt is None else f" attempt {broken.attempt}"
+            where = f"round {t}{attempt}"
+            # the rule's values are already what a finding shows (a missing hash: None)
+            self.findings.append(Finding(where, broken.field, broken.expected, broken.found, t))
+        closed = sum(entry.state is RoundState.CLOSED for entry in attempts)
+        self.rounds_closed += closed
+        self.attempts_aborted += len(attempts) - closed
+        return closed_attempt(attempts)
 
     def _check_record(
         self, rec: ContributionRecord, prev_record: str | None, closed: RoundEntry | None

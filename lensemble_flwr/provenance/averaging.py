@@ -31,8 +31,9 @@ from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, LedgerError
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.provenance.ledger import is_pruned, verify
+from lensemble_flwr.provenance.ledger import is_pruned
 from lensemble_flwr.provenance.retention import step_after
+from lensemble_flwr.provenance.verify import verify
 
 
 @dataclass(frozen=True)

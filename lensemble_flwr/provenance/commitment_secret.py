@@ -17,6 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
+from lensemble_flwr.atomic_write import write_once
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.provenance.merkle import SECRET_BYTES
 
@@ -67,19 +68,8 @@ def commitment_secret(state_dir: str | os.PathLike[str], identity: str) -> bytes
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                os.write(fd, secrets.token_bytes(SECRET_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)  # atomic, and refuses to replace: a racing writer wins
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+            # owner-only (a temp file's 0o600); never replaces: a racing writer wins
+            write_once(path, secrets.token_bytes(SECRET_BYTES), sync=True)
         except OSError as exc:
             raise ConfigError(
                 "dp-state-dir", f"cannot keep the commitment secret in {path.parent}: {exc}"

@@ -5,7 +5,7 @@ a sitting whenever it arrives last, and rebuilds the coordinator from the store 
 time) would read and check the whole ledger and manifest on every resume, so a run of R
 rounds would cost O(R²). A :class:`LedgerFollower` remembers, in the process, how far it
 has checked: each resume reads only the records and manifest entries written since,
-checks them with the same link rules as :func:`~lensemble_flwr.provenance.ledger.verify`
+checks them with the same link rules as :func:`~lensemble_flwr.provenance.verify.verify`
 (record hash, chain from the previous head, agreement with the round's closing entry,
 the manifest header and entries it committed to, its registry), and hands back the head.
 
@@ -28,14 +28,16 @@ from lensemble_flwr.provenance.ledger import (
     GENESIS,
     MANIFEST_HEADER,
     ContributionRecord,
-    LinkBreak,
     RoundEntry,
     RunManifest,
-    agreement_breaks,
-    evidence_breaks,
     header_digest,
     ledger_name,
     parse_document,
+)
+from lensemble_flwr.provenance.verify import (
+    LinkBreak,
+    agreement_breaks,
+    evidence_breaks,
     record_breaks,
     registry_breaks,
 )

@@ -29,13 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CommitmentMismatch, LedgerError
-from lensemble_flwr.provenance.ledger import first_error, verify
+from lensemble_flwr.provenance.ledger import first_error
 from lensemble_flwr.provenance.merkle import (
     inclusion_proof_and_root,
     leaf_hash,
     leaf_salt,
     verify_inclusion,
 )
+from lensemble_flwr.provenance.verify import verify
 
 FORMAT = "lensemble-inclusion-proof/1"
 _HEX64 = r"^[0-9a-f]{64}$"

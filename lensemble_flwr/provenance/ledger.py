@@ -1,4 +1,4 @@
-"""The contribution ledger, the run manifest, and the check that a run directory is intact.
+"""The contribution ledger and the run manifest: their records, their store names, the chain.
 
 Every CLOSED round appends one :class:`ContributionRecord` whose hash covers the hash of
 the record before it, so rewriting any past round breaks every later link. Records are
@@ -10,25 +10,24 @@ contributing set and C_t, update digests). It is stored as a header (written onc
 one claimed entry per attempt, so recording an attempt costs the same in round 1000 as
 in round 1. Neither holds a timestamp or a path: two runs with the same seeds and inputs
 have the same manifest digest.
+
+What the records must satisfy, and :func:`~lensemble_flwr.provenance.verify.verify`, the
+check that a run directory is intact, are in :mod:`lensemble_flwr.provenance.verify`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json, digest_record
-from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreError
-from lensemble_flwr.norms import change_norm
+from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
-from lensemble_flwr.protocol.round import RoundState, TerminalState
+from lensemble_flwr.protocol.round import TerminalState
 
 GENESIS = "0" * 64
 LEDGER = "ledger"
@@ -73,13 +72,6 @@ class ExternalStep(_Frozen):
         ge=0, description="L2 norm of the change, over every floating-point array."
     )
 
-
-CHANGE_NORM_REL_TOL = 1e-9
-"""How far a recorded ``change_norm`` may be from the one ``verify`` recomputes: the
-rounding of a sum taken in another order. Norms are now the same bits on every machine
-(:mod:`lensemble_flwr.norms`), but a run recorded by an earlier version summed with BLAS,
-whose last bits depended on the CPU and its thread count; a false claim is off by far
-more than this."""
 
 EXTERNAL_STEP = "coordinator/external-step"
 """The store name of the external step the next round trains from (kept before any node
@@ -345,7 +337,7 @@ class Ledger:
         self._head: ContributionRecord | None = head
 
     def records(self) -> list[ContributionRecord]:
-        """All records in round order (as stored; :func:`verify` checks them)."""
+        """All records in round order (as stored; :func:`.verify.verify` checks them)."""
         return [
             parse_document(ContributionRecord, self.store.get(self.store.resolve(name)), name)
             for name in self.store.bound(LEDGER)
@@ -383,422 +375,3 @@ class Ledger:
             raise LedgerError(f"round {sealed.round} is already recorded")
         self._head = sealed
         return sealed
-
-
-def verify(store: Store) -> list[ContributionRecord]:
-    """Check a run's ledger chain, checkpoints and manifest against each other.
-
-    A checkpoint the retention policy pruned (:func:`is_pruned`) is not read; every kept
-    one is. The newest record's checkpoint must be kept.
-
-    Returns:
-        The verified records, in round order.
-
-    Raises:
-        LedgerError: naming the first broken link (a record hash, a chain link, a
-            checkpoint that does not match its record or is missing without having been
-            pruned, a pruned newest checkpoint, a manifest that disagrees).
-    """
-    manifest = RunManifest.load(store)
-    _raise_first(
-        checkpoint_breaks(
-            store, manifest.initial_checkpoint, params_hash=manifest.initial_params_hash
-        )
-    )
-    records = Ledger(store).records()
-    committed = {0: manifest.initial_checkpoint, **{r.round: r.checkpoint for r in records}}
-    _raise_first(
-        link_breaks(
-            records,
-            manifest,
-            lambda rec: record_checkpoint_breaks(store, rec, committed.get(rec.round - 1)),
-        )
-    )
-    if records and is_pruned(store, records[-1].checkpoint):
-        raise LedgerError(
-            f"round {records[-1].round}: the newest checkpoint was pruned (resuming needs it)"
-        )
-    verify_registry(store, records)
-    return records
-
-
-def verify_chain(records: list[ContributionRecord], manifest: RunManifest) -> None:
-    """The checks of :func:`verify` that read no checkpoint: every record's hash, the
-    chain of record and global hashes from the manifest's θ_0, and the agreement of the
-    ledger with the manifest's closed rounds.
-
-    Raises:
-        LedgerError: naming the first broken link.
-    """
-    _raise_first(link_breaks(records, manifest))
-
-
-def verify_registry(store: Store, records: list[ContributionRecord]) -> None:
-    """The registry checks of :func:`verify` (see :func:`registry_breaks`): a restarted
-    coordinator runs them before it trusts its stored registry, so a swapped identity key
-    is refused instead of admitting an impostor.
-
-    Raises:
-        LedgerError: naming the first broken link.
-    """
-    _raise_first(registry_breaks(store, records))
-
-
-# -- the link rules: one definition, walked by verify() and by the run audit --------------------
-@dataclasses.dataclass(frozen=True)
-class LinkBreak:
-    """One broken link of a run's evidence.
-
-    Attributes:
-        round: the ledger round concerned (None for θ_0 and for run-wide links).
-        field: what disagrees, prefixed by its source (``"ledger.count"``,
-            ``"manifest.aggregate_digest"``, ``"checkpoint.params_hash"``).
-        expected: what the rest of the evidence says ``field`` must hold.
-        found: what it holds.
-        message: the sentence :func:`verify` raises for it.
-    """
-
-    round: int | None
-    field: str
-    expected: Any
-    found: Any
-    message: str
-
-
-def _raise_first(breaks: Iterator[LinkBreak]) -> None:
-    for broken in breaks:
-        raise LedgerError(broken.message)
-
-
-def fetch_blob(
-    store: Store, digest: str, *, field: str, round: int | None, message: str
-) -> bytes | LinkBreak:
-    """The blob's bytes (re-hashed by the store), or the break saying it is missing or
-    does not hash to its address; ``message`` prefixes the store's own error."""
-    try:
-        return store.get(digest)
-    except CheckpointIntegrityError as exc:
-        return LinkBreak(
-            round, f"{field} sha256", digest, f"other bytes ({exc})", f"{message}{exc}"
-        )
-    except StoreError as exc:
-        return LinkBreak(round, field, digest, f"missing ({exc})", f"{message}{exc}")
-
-
-def checkpoint_breaks(
-    store: Store, digest: str, *, params_hash: str, round: int | None = None
-) -> Iterator[LinkBreak]:
-    """The checkpoint blob ``digest`` must decode and hold ``params_hash``.
-
-    Args:
-        round: the ledger round whose new global state the checkpoint holds (θ_round:
-            the checkpoint's own round is then ``round`` too); None for θ_0's.
-    """
-    label = "initial checkpoint" if round is None else f"round {round}: checkpoint"
-    if is_pruned(store, digest):
-        return  # pruned by the retention policy: the ledger still holds its hashes
-    data = fetch_blob(store, digest, field="checkpoint", round=round, message=f"{label}: ")
-    if isinstance(data, LinkBreak):
-        yield data
-        return
-    try:
-        ckpt = decode_checkpoint(data)
-    except CheckpointIntegrityError as exc:
-        yield LinkBreak(round, "checkpoint", "a lensemble checkpoint", str(exc), f"{label}: {exc}")
-        return
-    if round is None:
-        wrong = "initial checkpoint does not match the manifest's initial params hash"
-    else:
-        wrong = f"round {round}: checkpoint does not hold the recorded new global state"
-    if ckpt.params_hash != params_hash:
-        yield LinkBreak(round, "checkpoint.params_hash", params_hash, ckpt.params_hash, wrong)
-    if round is not None and ckpt.round != round:
-        yield LinkBreak(round, "checkpoint.round", round, ckpt.round, wrong)
-
-
-def record_checkpoint_breaks(
-    store: Store, rec: ContributionRecord, committed_checkpoint: str | None = None
-) -> Iterator[LinkBreak]:
-    """The checkpoints a ledger record names: the one of the state it produced, and the
-    adopted model's when the round trained from a model changed by an external step —
-    whose recorded change norm is recomputed against ``committed_checkpoint`` (the
-    previous round's, or θ_0's; None: not recomputed)."""
-    yield from checkpoint_breaks(
-        store, rec.checkpoint, params_hash=rec.new_global_hash, round=rec.round
-    )
-    step = rec.external_step
-    if step is None:
-        return
-    breaks = list(
-        checkpoint_breaks(
-            store, step.checkpoint, params_hash=step.adopted_hash, round=rec.round - 1
-        )
-    )
-    yield from breaks
-    if breaks or committed_checkpoint is None:
-        return
-    if is_pruned(store, step.checkpoint) or is_pruned(store, committed_checkpoint):
-        return  # one of the two models was pruned: the change norm cannot be recomputed
-    try:
-        adopted = decode_checkpoint(store.get(step.checkpoint)).params
-        committed = decode_checkpoint(store.get(committed_checkpoint)).params
-    except (CheckpointIntegrityError, StoreError) as exc:  # named by the chain's own checks
-        yield LinkBreak(rec.round, "external_step.checkpoint", "readable", str(exc), str(exc))
-        return
-    try:
-        norm = change_norm(committed, adopted) if set(committed) == set(adopted) else None
-    except ValueError:  # an array of another size under the same name: not the model
-        norm = None
-    if norm is None or not math.isclose(norm, step.change_norm, rel_tol=CHANGE_NORM_REL_TOL):
-        yield LinkBreak(
-            rec.round,
-            "ledger.external_step.change_norm",
-            norm,
-            step.change_norm,
-            f"round {rec.round}: its external step's change norm is not the distance "
-            "between the committed and the adopted model",
-        )
-
-
-def record_breaks(
-    rec: ContributionRecord,
-    *,
-    previous_record_hash: str | None,
-    previous_global_hash: str | None,
-    checkpoint: Callable[[ContributionRecord], Iterator[LinkBreak]] | None = None,
-) -> Iterator[LinkBreak]:
-    """One ledger record: its own hash, its links to the record and the global state before
-    it (``previous_record_hash`` None: not checked), its checkpoint (when ``checkpoint``
-    is given), and a contributing set that agrees with C_t, the update digests and the
-    dataset roots (``contributors`` is the sorted list of who sent an update)."""
-    t, where = rec.round, f"round {rec.round}"
-    if rec.record_hash != rec.expected_hash():
-        yield LinkBreak(
-            t,
-            "ledger.record_hash",
-            rec.expected_hash(),
-            rec.record_hash,
-            f"{where}: record hash does not match its contents",
-        )
-    if previous_record_hash is not None and rec.previous_record_hash != previous_record_hash:
-        yield LinkBreak(
-            t,
-            "ledger.previous_record_hash",
-            previous_record_hash,
-            rec.previous_record_hash,
-            f"{where}: chain broken (previous record hash differs)",
-        )
-    step = rec.external_step
-    if step is not None and step.committed_hash != previous_global_hash:
-        yield LinkBreak(
-            t,
-            "ledger.external_step.committed_hash",
-            previous_global_hash,
-            step.committed_hash,
-            f"{where}: its external step does not start from the prior round's new hash",
-        )
-    trained_from = step.adopted_hash if step is not None else previous_global_hash
-    if rec.previous_global_hash != trained_from:
-        yield LinkBreak(
-            t,
-            "ledger.previous_global_hash",
-            trained_from,
-            rec.previous_global_hash,
-            f"{where}: previous global hash is not the prior round's new hash"
-            + (" changed by its external step" if step is not None else ""),
-        )
-    if checkpoint is not None:
-        yield from checkpoint(rec)
-    disagree = f"{where}: contributing set and C_t disagree"
-    for field, expected, found in [
-        ("ledger.count", len(rec.contributors), rec.count),
-        ("ledger.update_digests senders", rec.contributors, tuple(sorted(rec.update_digests))),
-        ("ledger.dataset_roots senders", rec.contributors, tuple(sorted(rec.dataset_roots))),
-    ]:
-        if expected != found:
-            yield LinkBreak(t, field, expected, found, disagree)
-
-
-def agreement_breaks(rec: ContributionRecord, entry: RoundEntry) -> Iterator[LinkBreak]:
-    """A closed attempt's manifest entry must say what its ledger record says."""
-    pairs: list[tuple[str, Any, Any]] = []
-    if rec.frame_drift is not None and FRAME_DRIFT in entry.diagnostics:
-        pairs.append(
-            ("manifest.diagnostics.frame_drift", rec.frame_drift, entry.diagnostics[FRAME_DRIFT])
-        )
-    pairs += [
-        ("manifest.attempt", rec.attempt, entry.attempt),
-        ("manifest.prior_global_hash", rec.previous_global_hash, entry.prior_global_hash),
-        ("manifest.round_seed", rec.round_seed, entry.round_seed),
-        ("manifest.contributors", rec.contributors, entry.contributors),
-        ("manifest.count", rec.count, entry.count),
-        ("manifest.total_weight", rec.total_weight, entry.total_weight),
-        ("manifest.update_digests", rec.update_digests, entry.update_digests),
-        ("manifest.aggregate_digest", rec.aggregate_digest, entry.aggregate_digest),
-        ("manifest.new_global_hash", rec.new_global_hash, entry.new_global_hash),
-        ("manifest.external_step", rec.external_step, entry.external_step),
-    ]
-    message = f"round {rec.round}: manifest and ledger disagree"
-    for field, expected, found in pairs:
-        if expected != found:
-            yield LinkBreak(rec.round, field, expected, found, message)
-
-
-def link_breaks(
-    records: list[ContributionRecord],
-    manifest: RunManifest,
-    checkpoint: Callable[[ContributionRecord], Iterator[LinkBreak]] | None = None,
-) -> Iterator[LinkBreak]:
-    """Every record's links in round order from the manifest's θ_0, then the manifest's
-    closed rounds against the ledger's, lazily (so :func:`verify` stops at the first)."""
-    prev_record, prev_global = GENESIS, manifest.initial_params_hash
-    for rec in records:
-        yield from record_breaks(
-            rec,
-            previous_record_hash=prev_record,
-            previous_global_hash=prev_global,
-            checkpoint=checkpoint,
-        )
-        prev_record, prev_global = rec.record_hash, rec.new_global_hash
-    closed = {e.round: e for e in manifest.rounds if e.state is RoundState.CLOSED}
-    rounds = [r.round for r in records]
-    if sorted(closed) != rounds:
-        yield LinkBreak(
-            None,
-            "manifest closed rounds",
-            sorted(closed),
-            rounds,
-            f"manifest closed rounds {sorted(closed)} differ from ledger rounds {rounds}",
-        )
-        return
-    header = header_digest(manifest)
-    for rec in records:
-        yield from agreement_breaks(rec, closed[rec.round])
-        yield from evidence_breaks(rec, manifest, header)
-
-
-def evidence_breaks(
-    rec: ContributionRecord, manifest: RunManifest, header: str | None = None
-) -> Iterator[LinkBreak]:
-    """What a record commits to of the manifest: the header, and every entry of its round
-    up to the closing attempt (so a changed config, run id or seed, a reason, a late,
-    rejected or refused list, ``secure_sum`` or a diagnostic is a broken link)."""
-    header = header_digest(manifest) if header is None else header
-    if rec.header_digest != header:
-        yield LinkBreak(
-            rec.round,
-            "ledger.header_digest",
-            header,
-            rec.header_digest,
-            f"round {rec.round}: the manifest header is not the one the ledger committed to "
-            "(run id, config, root seed or θ_0 changed)",
-        )
-    entries = [e for e in manifest.rounds if e.round == rec.round and e.attempt <= rec.attempt]
-    found = entries_digest(entries)
-    if rec.entries_digest != found:
-        yield LinkBreak(
-            rec.round,
-            "ledger.entries_digest",
-            rec.entries_digest,
-            found,
-            f"round {rec.round}: its manifest entries are not the ones the ledger committed "
-            "to (an attempt's reason, late/rejected/refused, secure_sum or diagnostics "
-            "changed, or an attempt was added or removed)",
-        )
-
-
-def _registry_commitments(store: Store, digest: str, what: str) -> Mapping[str, Any] | LinkBreak:
-    data = fetch_blob(store, digest, field="registry", round=None, message=f"{what}: ")
-    if isinstance(data, LinkBreak):
-        return data
-    try:
-        commitments = json.loads(data)["commitments"]
-        if not isinstance(commitments, dict) or not all(
-            isinstance(c, dict) for c in commitments.values()
-        ):
-            raise TypeError("commitments is not a mapping of commitments")
-        return commitments
-    except (ValueError, KeyError, TypeError) as exc:
-        return LinkBreak(None, "registry", "a participant registry", str(exc), f"{what}: {exc}")
-
-
-def registry_breaks(
-    store: Store,
-    records: list[ContributionRecord],
-    known: dict[str, tuple[Any, Any]] | None = None,
-    read: dict[str, Mapping[str, Any] | LinkBreak] | None = None,
-    *,
-    current: bool = True,
-) -> Iterator[LinkBreak]:
-    """The registries the records committed to, and the current one.
-
-    Each record's registry must be stored intact and bind every bound contributor to the
-    dataset root the record names. A participant's identity key and dataset root never
-    change once registered: not from one record's registry to the next, and not in the
-    current registry (which may have gained participants since the newest record: a
-    later round that has not closed yet).
-
-    ``known`` (participant -> identity key, dataset root) and ``read`` (registry digest ->
-    its commitments) carry what earlier records established, for a caller that checks a
-    growing ledger a few records at a time (:mod:`.follow`); both are updated.
-    ``current=False`` leaves the current registry out.
-    """
-    known = {} if known is None else known  # pid -> (identity key, dataset root)
-    read = {} if read is None else read  # each registry blob read once
-    for rec in records:
-        if rec.registry_digest is None:
-            continue
-        if rec.registry_digest not in read:
-            read[rec.registry_digest] = _registry_commitments(
-                store, rec.registry_digest, f"round {rec.round}: participant registry"
-            )
-        commitments = read[rec.registry_digest]
-        if isinstance(commitments, LinkBreak):
-            yield dataclasses.replace(commitments, round=rec.round)
-            continue
-        for pid, root in rec.dataset_roots.items():
-            bound = commitments.get(pid, {}).get("dataset_root")
-            if root is not None and bound != root:
-                yield LinkBreak(
-                    rec.round,
-                    "registry.dataset_root",
-                    root,
-                    bound,
-                    f"round {rec.round}: the registry it used binds {pid} to another root",
-                )
-        yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
-    if not current or not known or not store.bound(REGISTRY):
-        return
-    try:
-        digest = store.resolve(REGISTRY)
-    except StoreError as exc:
-        yield LinkBreak(None, "registry", "a bound name", str(exc), f"participant registry: {exc}")
-        return
-    current = read.get(digest) or _registry_commitments(store, digest, "participant registry")
-    if isinstance(current, LinkBreak):
-        yield current
-        return
-    yield from _unchanged(known, current, "participant registry")
-
-
-def _unchanged(
-    known: dict[str, tuple[Any, Any]], commitments: Mapping[str, Any], what: str
-) -> Iterator[LinkBreak]:
-    for pid, commitment in sorted(commitments.items()):
-        now = (commitment.get("identity_key"), commitment.get("dataset_root"))
-        before = known.setdefault(pid, now)
-        if before != now:  # an identity key appearing later counts too: fail closed
-            yield LinkBreak(
-                None,
-                f"registry.{pid}",
-                before,
-                now,
-                f"{what}: {pid}'s identity key or dataset root changed after the ledger "
-                "recorded it",
-            )
-    missing = sorted(set(known) - set(commitments))
-    if missing:
-        yield LinkBreak(
-            None, "registry", sorted(known), sorted(commitments),
-            f"{what}: registered participants {missing} are gone",
-        )  # fmt: skip

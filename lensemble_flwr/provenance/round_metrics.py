@@ -17,15 +17,14 @@ resumed after its last report) keeps its last line.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lensemble_flwr.atomic_write import fsync_folder, write_atomically
 from lensemble_flwr.errors import ConfigError
 
 METRICS_NAME = "round-metrics.jsonl"
@@ -47,14 +46,6 @@ def _line(server_round: int, kinds: Mapping[str, Mapping[str, Any]]) -> bytes:
         }
     # compact, one line: json's C encoder (an indented dump takes the pure-Python one)
     return json.dumps(clean, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-
-
-def _fsync_folder(folder: Path) -> None:
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def append_round_metrics(
@@ -90,7 +81,7 @@ def append_round_metrics(
     finally:
         os.close(fd)
     if durable and created:
-        _fsync_folder(folder)
+        fsync_folder(folder)
     return path
 
 
@@ -111,25 +102,13 @@ def write_round_metrics(
     run_dir: str | os.PathLike[str], by_round: RoundMetrics, *, durable: bool = True
 ) -> Path:
     """Replace the file with ``by_round``, one line per round in round order, atomically
-    (temp file, ``os.replace``); ``durable``: fsync the file and its folder (off, a power
-    loss may lose it; a killed process never leaves a half-written file under the name)."""
+    (:func:`lensemble_flwr.atomic_write.write_atomically`); ``durable``: fsync the file and
+    its folder (off, a power loss may lose it; a killed process never leaves a
+    half-written file under the name)."""
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / METRICS_NAME
-    data = b"".join(_line(r, kinds) for r, kinds in sorted(by_round.items()))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{METRICS_NAME}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    if durable:
-        _fsync_folder(folder)
+    write_atomically(path, [_line(r, kinds) for r, kinds in sorted(by_round.items())], sync=durable)
     return path
 
 

@@ -26,7 +26,7 @@ from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.round import RoundState
-from lensemble_flwr.provenance.ledger import verify
+from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, global_loss, initial_params
 from lensemble_flwr.transports.faults import FaultPlan
 from lensemble_flwr.transports.inprocess import InProcessNetwork

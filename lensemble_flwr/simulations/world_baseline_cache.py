@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lensemble_flwr.canonical import derive_seed
-from lensemble_flwr.cli.output import write_atomically
+from lensemble_flwr.cli.output import write_output
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.simulations.world_baselines import local_only
@@ -89,5 +89,5 @@ def local_only_curve(
     own = participant_data(index, seed=data_seed, **data)
     curves = local_only([own], config, rounds=rounds, init_seed=init_seed)
     result = {"validation": curves.validation[0], "train": curves.train[0]}
-    write_atomically(path, json.dumps(result).encode("utf-8"))
+    write_output(path, json.dumps(result).encode("utf-8"))
     return result
