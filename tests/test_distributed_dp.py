@@ -68,7 +68,7 @@ def shares(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         drawn.append({"shape": shape, "sigma": sigma, "values": values})
         return values
 
-    monkeypatch.setattr(participant_role, "secure_discrete_gaussian", recording)
+    monkeypatch.setattr(noise_stage, "secure_discrete_gaussian", recording)
     return drawn
 
 

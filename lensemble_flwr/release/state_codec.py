@@ -1,10 +1,11 @@
 """A release pipeline's state as named arrays plus JSON: exported with the participant.
 
 A participant on Flower is rebuilt for every message, so the state of its release stages
-(an error-feedback residual, a round counter, ...) must travel with the rest of its state
-or it silently restarts every round. :func:`export_release_state` turns a pipeline's state
-into ``(arrays, meta)`` — numpy arrays by key and a JSON-able description — and
-:func:`import_release_state` rebuilds exactly the same value from them.
+(the noise stage's privacy charge, a custom stage's error-feedback residual or round
+counter, ...) must travel with the rest of its state or it silently restarts every
+round. :func:`export_release_state` turns a pipeline's state into ``(arrays, meta)`` —
+numpy arrays by key and a JSON-able description — and :func:`import_release_state`
+rebuilds exactly the same value from them.
 
 What a stage's state may hold (anything else is refused at export, with a
 :class:`~lensemble_flwr.errors.ConfigError` naming the stage; nothing is dropped):
@@ -34,7 +35,9 @@ every entry of a :class:`~lensemble_flwr.release.pipeline.ChainState` (from the 
 ``parts``); a state of another pipeline (other stages, another order), a description that
 is malformed, or arrays that are missing, extra or of another dtype or shape are refused
 with :class:`~lensemble_flwr.errors.RoundError`, before anything is rebuilt. ``None`` (a
-pipeline whose state was never initialised) fits every pipeline.
+pipeline whose state was never initialised) fits every pipeline. A stage with a
+``load_state`` check (the noise stage's :class:`~lensemble_flwr.release.accounting.PrivacyState`)
+gets its rebuilt state checked by it before anything is returned.
 """
 
 from __future__ import annotations
@@ -252,7 +255,10 @@ class _Decoder:
         if not isinstance(node, Mapping):
             raise self._malformed(where, "not a description")
         if not transform.parts or node.get("t") == "none":
-            return self.value(node, where)
+            value = self.value(node, where)
+            if value is not None and transform.load_state is not None:
+                value = transform.load_state(value)  # the stage's own check (RoundError)
+            return value
         parts = node.get("parts")
         if node.get("t") != "chain" or not isinstance(parts, list):
             raise self._malformed(where, f"{transform.name!r} keeps a ChainState")
