@@ -37,9 +37,16 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform, Stage, chain
+from lensemble_flwr.release import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    bind,
+    chain,
+    difference,
+)
 from lensemble_flwr.release.pipeline import ChainState, no_state
-from lensemble_flwr.release import bind, difference
 from lensemble_flwr.release.state_codec import export_release_state, import_release_state
 from lensemble_flwr.simulations.crash_drill import decode_state, encode_state
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params

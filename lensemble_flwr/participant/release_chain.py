@@ -15,10 +15,10 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.gauge.stage import align
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
-from lensemble_flwr.release.bind import bind
-from lensemble_flwr.release.clip import clip
-from lensemble_flwr.release.difference import difference
-from lensemble_flwr.release.mask import mask
+from lensemble_flwr.release.binding import bind
+from lensemble_flwr.release.clipping import clip
+from lensemble_flwr.release.differencing import difference
+from lensemble_flwr.release.masking import mask
 from lensemble_flwr.release.noise import distributed_noise, gaussian_noise
 from lensemble_flwr.release.pipeline import ReleaseTransform, Stage, chain
 from lensemble_flwr.release.quantize import int8_quantize

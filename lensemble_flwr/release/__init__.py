@@ -5,10 +5,10 @@ stage, composed by :func:`chain` (``pipeline``).
 """
 
 from lensemble_flwr.release.accounting import PrivacyState
-from lensemble_flwr.release.bind import bind
-from lensemble_flwr.release.clip import clip
-from lensemble_flwr.release.difference import difference
-from lensemble_flwr.release.mask import mask
+from lensemble_flwr.release.binding import bind
+from lensemble_flwr.release.clipping import clip
+from lensemble_flwr.release.differencing import difference
+from lensemble_flwr.release.masking import mask
 from lensemble_flwr.release.noise import distributed_noise, gaussian_noise
 from lensemble_flwr.release.pipeline import (
     ChainState,

@@ -1,13 +1,13 @@
 """A participant's part in masked rounds: its keys, the round it masks for, disclosing.
 
 The role checks a round's member list against what the participant agreed to and hands
-the release chain's mask stage (:mod:`lensemble_flwr.release.mask`) a :class:`MaskRound`:
-the members, the round's context and the key agreements of the mask key that serves this
-one round attempt. The stage masks; the role keeps what the round's unmask request will
-need. With the masked update the participant announces the public half of the key its
-next round will use; the private halves of announced keys stay with the participant; a
-key is deleted once its round's unmask request is answered (one answer per attempt). Its
-sealing key is long-lived: it only ever encrypts shares for one peer.
+the release chain's mask stage (:mod:`lensemble_flwr.release.masking`) a
+:class:`MaskRound`: the members, the round's context and the key agreements of the mask
+key that serves this one round attempt. The stage masks; the role keeps what the
+round's unmask request will need. With the masked update the participant announces the
+public half of the key its next round will use; the private halves of announced keys
+stay with the participant; a key is deleted once its round's unmask request is answered
+(one answer per attempt). Its sealing key is long-lived: it only ever encrypts shares for one peer.
 """
 
 from __future__ import annotations
