@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig, default_state_dir
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
-    LedgerError,
     LensembleError,
     ResidencyViolation,
     RoundError,
@@ -39,6 +37,7 @@ from lensemble_flwr.participant.local_training import (
     deterministic_algorithms,
     run_inner_loop,
 )
+from lensemble_flwr.participant.recovery import recover_checkpoint
 from lensemble_flwr.participant.release_chain import release_pipeline, with_mask
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -53,18 +52,8 @@ from lensemble_flwr.protocol.messages import (
     from_wire,
     to_wire,
 )
-from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState, PseudoGradient
 from lensemble_flwr.provenance.commitment_secret import commitment_secret
-from lensemble_flwr.provenance.ledger import (
-    GENESIS,
-    ContributionRecord,
-    Ledger,
-    RunManifest,
-    load_external_step,
-    record_breaks,
-    verify_chain,
-)
 from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
@@ -93,24 +82,6 @@ def training_state(state: PortableState) -> PortableState:
     cut = len(_TRAINING)
     arrays = {k[cut:]: v for k, v in state.arrays.items() if k.startswith(_TRAINING)}
     return PortableState(arrays=arrays, meta=state.meta.get("training") or {})
-
-
-def _check_last_link(records: list[ContributionRecord], manifest: RunManifest) -> None:
-    """The newest record's own hash and its links to the record and state before it (the
-    ledger's own link rules, :func:`~lensemble_flwr.provenance.ledger.record_breaks`).
-
-    Raises:
-        LedgerError: the first broken link.
-    """
-    before = records[-2] if len(records) > 1 else None
-    breaks = record_breaks(
-        records[-1],
-        previous_record_hash=before.record_hash if before else GENESIS,
-        previous_global_hash=before.new_global_hash if before else manifest.initial_params_hash,
-    )
-    first = next(iter(breaks), None)
-    if first is not None:
-        raise LedgerError(first.message)
 
 
 class Participant:
@@ -452,44 +423,9 @@ class Participant:
                 the round this participant saw closed.
             LedgerError: the ledger's chain is broken.
         """
-        store = Store(coordinator_endpoint)
-        records = Ledger(store).records()
-        manifest = RunManifest.load(store)
-        trusted = self.last_close
-        if trusted is not None:
-            seen = next((r for r in records if r.round == trusted.round), None)
-            if seen is None or (seen.record_hash, seen.new_global_hash) != (
-                trusted.record_hash,
-                trusted.global_hash,
-            ):
-                raise CheckpointIntegrityError(
-                    f"the run's ledger does not hold round {trusted.round} as it was "
-                    f"announced to {self.participant_id} (record {trusted.record_hash[:12]}…)"
-                )
-        closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
-        if records and records[-1].round not in closed:
-            # committed, its manifest entry not yet written (a coordinator that crashed
-            # right after its commit point, before resume completes it): the chain is
-            # checked up to the record before, and the last record's own links
-            verify_chain(records[:-1], manifest)
-            _check_last_link(records, manifest)
-        else:
-            verify_chain(records, manifest)
-        head = records[-1] if records else None
-        if head is None:
-            digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
-        else:
-            digest, expected = head.checkpoint, head.new_global_hash
-        step = load_external_step(store)
-        if step is not None and step.committed_hash == expected:
-            # the next round trains from the model an external step adopted (a wrapper's
-            # central noise): a joiner gets that one, never the model it replaced
-            digest, expected = step.checkpoint, step.adopted_hash
-        checkpoint = decode_checkpoint(store.get(digest))
-        if checkpoint.params_hash != expected:
-            raise CheckpointIntegrityError(
-                f"recovered checkpoint {digest[:12]}… does not hold the recorded global state"
-            )
+        checkpoint = recover_checkpoint(
+            Store(coordinator_endpoint), self.last_close, self.participant_id
+        )
         if checkpoint.round == 0:  # a (re)joiner at θ_0 revalidates the warm start
             check_warm_start_of(self.gauge, self.config, checkpoint.params)
         state = GlobalState.create(
