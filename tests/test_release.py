@@ -320,3 +320,18 @@ def test_a_distributed_federation_masks_only_a_release_that_carries_its_charged_
     noised, _ = release_of(chain(difference(), clip(0.5), noise), local_weights(5))
     out, _ = mask(config).update(noised, None, ctx("p0", rounds["p0"]))
     assert out.masked and out.noise_share is None  # added into the masked integers
+
+
+# -- difference and bind: their guards -------------------------------------------------------
+def test_difference_needs_local_weights_and_bind_a_differenced_unbound_delta() -> None:
+    with pytest.raises(RoundError, match="no local weights"):
+        difference().update(Release(), None, ctx())
+    with pytest.raises(RoundError, match="only a differenced delta"):
+        bind().update(Release(local=dict(GLOBAL)), None, ctx())
+    delta = Release(delta=dict(GLOBAL))
+    bound, _ = bind().update(delta, None, ctx())
+    assert bound.bound_root == "ab" * 32
+    with pytest.raises(RoundError, match="already bound"):
+        bind().update(bound, None, ctx())
+    with pytest.raises(RoundError, match="no dataset commitment"):
+        bind().update(delta, None, ctx(dataset_root=None))

@@ -93,9 +93,12 @@ class Participant:
         transport: its end of the transport; replies go to whoever opened the round.
         trainer: a :class:`Trainer` (trained with AdamW for H steps) or any
             :class:`~lensemble_flwr.participant.local_training.LocalTraining`.
-        pipeline: the release pipeline; defaults to what the config asks for (see
-            :func:`~lensemble_flwr.release.release_pipeline`): difference → bind, or
-            difference alone for a participant that cannot commit to its data.
+        pipeline: the release chain; defaults to what the config asks for (see
+            :func:`~lensemble_flwr.participant.release_chain.release_pipeline`):
+            difference → bind, or difference alone for a participant that cannot commit
+            to its data, with clip, noise, quantize and mask as configured. A masked
+            federation's custom chain without a mask stage gets one before bind
+            (:func:`~lensemble_flwr.participant.release_chain.with_mask`).
         gauge: the model's gauge adapter and the pinned probe; required when the config
             aligns latent frames (``gauge-align``).
         identity: the participant's signing key; every message it sends is signed, and
@@ -155,8 +158,9 @@ class Participant:
 
     @property
     def pipeline_state(self) -> Any:
-        """The release pipeline's state (None until its first release); a value, which
-        :meth:`export_state` carries to the participant's next message."""
+        """The release chain's state (None until its first release): a value, which
+        :meth:`export_state` carries to the participant's next message. A noise stage's
+        entry is the privacy charge (:class:`~lensemble_flwr.release.PrivacyState`)."""
         return self._pipeline_state
 
     @property

@@ -19,14 +19,16 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.secagg.participant_role import MaskRound
+
+if TYPE_CHECKING:  # the mask stage's input; only a masked release imports secagg
+    from lensemble_flwr.secagg.participant_role import MaskRound
 
 
 class Stage(enum.IntEnum):
