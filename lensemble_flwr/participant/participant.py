@@ -234,9 +234,11 @@ class Participant:
             return  # not (yet) a member of this masked round: committing was the answer
         try:
             release = self._release(state, msg.sketch_seed, mask_round)
-        except LensembleError as exc:
+        except BaseException as exc:
             if mask_round is not None:  # nothing released: the round's key is unused
                 self.masking.restore(mask_round.before)
+            if not isinstance(exc, LensembleError):
+                raise  # a trainer's own error propagates, as it always did
             log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
             self._refuse(msg, common, exc)
             return
