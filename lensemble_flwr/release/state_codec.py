@@ -35,7 +35,9 @@ every entry of a :class:`~lensemble_flwr.release.pipeline.ChainState` (from the 
 ``parts``); a state of another pipeline (other stages, another order), a description that
 is malformed, or arrays that are missing, extra or of another dtype or shape are refused
 with :class:`~lensemble_flwr.errors.RoundError`, before anything is rebuilt. ``None`` (a
-pipeline whose state was never initialised) fits every pipeline. A stage with a
+pipeline whose state was never initialised) fits every pipeline, and so does the state
+of a chain of stateless stages (it restores as None: e.g. a state saved before the mask
+stage joined a masked federation's chain). A stage with a
 ``load_state`` check (the noise stage's :class:`~lensemble_flwr.release.accounting.PrivacyState`)
 gets its rebuilt state checked by it before anything is returned.
 """
@@ -94,7 +96,9 @@ def import_release_state(
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
         raise RoundError(f"release state: not a format-{FORMAT} description")
     node = meta.get("state")
-    if meta.get("stage") != pipeline.name and node != {"t": "none"}:
+    if meta.get("stage") != pipeline.name and _holds_nothing(node) and not arrays:
+        return None  # stateless stages of another chain: nothing to restore, nothing lost
+    if meta.get("stage") != pipeline.name:
         raise RoundError(
             f"release state: saved by pipeline {meta.get('stage')!r}, "
             f"which is not this participant's {pipeline.name!r}"
@@ -105,6 +109,17 @@ def import_release_state(
     if unused:
         raise RoundError(f"release state: arrays {unused[:5]} are not part of the state")
     return state
+
+
+def _holds_nothing(node: Any) -> bool:
+    """Whether ``node`` describes a state with nothing in it: None, or a chain of those
+    (what a chain of stateless stages exports)."""
+    if node == {"t": "none"}:
+        return True
+    parts = node.get("parts") if isinstance(node, Mapping) else None
+    if node is None or not isinstance(parts, list) or node.get("t") != "chain":
+        return False
+    return all(isinstance(p, Mapping) and _holds_nothing(p.get("state")) for p in parts)
 
 
 def _class_path(cls: type) -> str:
