@@ -20,7 +20,7 @@ from the budget when the chain starts, the budget's state after the charge after
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -51,8 +51,12 @@ def _clipped(release: Release, stage: str) -> NamedArrays:
     return release.delta
 
 
-def _transform(name: str, budget: PrivacyBudget, update) -> ReleaseTransform:  # type: ignore[no-untyped-def]
-    """A noise stage whose state is the budget's charge."""
+def _transform(
+    name: str,
+    budget: PrivacyBudget,
+    update: Callable[[Release, PrivacyState, ReleaseContext], tuple[Release, PrivacyState]],
+) -> ReleaseTransform:
+    """A noise stage whose state is the budget's charge (checked when restored)."""
 
     def init(_params: Mapping[str, np.ndarray]) -> PrivacyState:
         return PrivacyState.of(budget)
