@@ -229,9 +229,9 @@ REPO = str(Path(__file__).resolve().parents[1]) + os.sep
 # (label, module path suffix, function name); indentation in the label shows nesting
 BREAKDOWN = [
     ("participants: handle RoundOpen (all C)", "participant/participant.py", "_on_round_open"),
-    ("  local_round (fit + release pipeline + l2)", "participant/participant.py", "local_round"),
+    ("  _release (fit + the release chain)", "participant/participant.py", "_release"),
     ("    trainer fit (numpy normal draw)", "bench_secagg.py", "fit"),
-    ("  mask_release", "secagg/participant_role.py", "mask_release"),
+    ("  mask stage (release chain)", "release/masking.py", "update"),
     ("    to_fixed_point", "aggregation/fixed_point.py", "to_fixed_point"),
     ("    protocol.mask", "secagg/protocol.py", "mask"),
     ("      prg.add_streams (self + pairwise masks)", "secagg/prg.py", "add_streams@mask"),

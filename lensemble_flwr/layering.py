@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("provenance", "Merkle commitments, inclusion proofs, ledger, manifest, verify, audit"),),
     (("aggregation", "exact order-independent fixed-point sums of updates, chunked kernels"),),
     (("secagg", "masked rounds: keys, AES-CTR PRG, Shamir, both roles, membership"),),
-    (("release", "the release pipeline and its stages: difference, clip, noise, quantize, bind"),),
+    (("release", "the release chain's stages: difference, clip, noise, quantize, mask, bind"),),
     (("gauge", "latent-frame alignment: probe, sketch, Procrustes, drift, align stage, checks"),),
     (("identity", "identity keys and message signatures; the participant registry and store"),),
     (("transports", "the Transport protocol, in-process network on a simulated clock, faults"),),
@@ -76,7 +76,7 @@ class Edge:
     """One import statement: ``importer`` (a module of the package) imports ``imported``.
 
     ``file`` is the importing file relative to the package's parent folder
-    (``lensemble_flwr/release/stages.py``); ``lazy`` is set for an import inside a
+    (``lensemble_flwr/release/binding.py``); ``lazy`` is set for an import inside a
     function, ``type_checking`` for one under ``if TYPE_CHECKING:``.
     """
 

@@ -226,16 +226,20 @@ def test_a_member_adds_no_share_for_a_stage_charged_under_another_adjacency() ->
     """A custom pipeline whose budget has another adjacency than the config: the share
     the masking role would add is sized from the config, so it refuses to add one."""
     from lensemble_flwr.errors import RoundError
-    from lensemble_flwr.secagg import participant_role
+    from lensemble_flwr.release import Release
+    from lensemble_flwr.release.masking import with_noise_share
 
-    role = participant_role.MaskingRole("p00")
     zero = dp_config(Path("unused"), masked=True, dp_adjacency="zero-out")
+    values = {"w": np.zeros(4, np.int64)}
+
+    def charged_by(*transforms: str) -> Release:
+        share = {"w": np.zeros(4, np.int64)}
+        return Release(delta={"w": np.zeros(4, np.float32)}, noise_share=share, applied=transforms)
+
     with pytest.raises(RoundError, match="without its charged release stage"):
-        role._with_noise_share(
-            {"w": np.zeros(4, np.int64)}, ("difference", "clip", "distributed_noise"), zero
-        )
-    shared = role._with_noise_share(
-        {"w": np.zeros(4, np.int64)}, ("difference", "clip", "distributed_noise@zero-out"), zero
+        with_noise_share(values, charged_by("difference", "clip", "distributed_noise"), zero, "p00")
+    shared = with_noise_share(
+        values, charged_by("difference", "clip", "distributed_noise@zero-out"), zero, "p00"
     )
     assert shared["w"].dtype == np.int64
 

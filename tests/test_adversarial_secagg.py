@@ -27,6 +27,7 @@ import pytest
 from federation_helpers import federation, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from secagg_helpers import mask_release
 from test_grid_transport import _serverapp_identity  # noqa: F401  (autouse)
 
 from lensemble_flwr.aggregation.fixed_point import to_fixed_point
@@ -206,14 +207,15 @@ def test_a_survivors_release_stays_hidden_when_it_later_drops_or_is_late(
     seen = DeliveryLog(network)  # the coordinator's whole transcript, both directions
     p02 = next(n for n in nodes if n.participant_id == "p02")
     used: list[bytes | None] = []  # ground truth, for the positive control only
-    mask_release = p02.masking.mask_release
+    open_round = p02.masking.open_round
 
     def spy(*args, **kwargs):
-        fields = mask_release(*args, **kwargs)
-        used.append(p02.masking.round_key)  # deleted once it answers the unmask request
-        return fields
+        opened = open_round(*args, **kwargs)
+        if opened is not None:  # a round that lists p02: it masks with this key
+            used.append(p02.masking.round_key)  # deleted once it answers the unmask request
+        return opened
 
-    p02.masking.mask_release = spy  # type: ignore[method-assign]
+    p02.masking.open_round = spy  # type: ignore[method-assign]
     coordinator.run(1)  # round 1: p02 survives, its self mask is disclosed
     (round_key,) = used
     assert round_key is not None and p02.masking.round_key is None
@@ -395,7 +397,7 @@ def _role_with_a_round(threshold: int = 2, n: int = 3):
         dataset_root=None,
         num_examples=1,
     )
-    fields = role.mask_release(release, opened, config)
+    fields = mask_release(role, release, opened, config)
     return role, members, fields, config, opened
 
 

@@ -25,7 +25,9 @@ from lensemble_flwr.privacy.distributed import distributed_noise_for
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.provenance.verify import verify
-from lensemble_flwr.secagg import participant_role
+from lensemble_flwr.release import Release
+from lensemble_flwr.release import masking as mask_stage
+from lensemble_flwr.release import noise as noise_stage
 from lensemble_flwr.simulations.digits_data import DigitsLinear, DigitsTrainer, load_partition
 from lensemble_flwr.simulations.digits_data import initial_params as digits_params
 from lensemble_flwr.testing import FaultPlan
@@ -69,7 +71,7 @@ def shares(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
         drawn.append({"shape": shape, "sigma": sigma, "values": values})
         return values
 
-    monkeypatch.setattr(participant_role, "secure_discrete_gaussian", recording)
+    monkeypatch.setattr(noise_stage, "secure_discrete_gaussian", recording)
     return drawn
 
 
@@ -177,10 +179,17 @@ def test_a_calibrated_distributed_run_spends_its_budget_over_its_plan(tmp_path: 
 
 
 def test_a_member_whose_release_was_not_charged_adds_no_share_and_masks_nothing() -> None:
-    role = participant_role.MaskingRole("p00")
     config = dp_config(Path("unused"))
+    values = {"w": np.zeros(4, np.int64)}
+    uncharged = Release(delta={"w": np.zeros(4, np.float32)}, applied=("difference", "clip"))
     with pytest.raises(RoundError, match="without its charged release stage"):
-        role._with_noise_share({"w": np.zeros(4, np.int64)}, ("difference", "clip"), config)
+        mask_stage.with_noise_share(values, uncharged, config, "p00")
+    # a share, but no charging stage named: refused too
+    unnamed = uncharged.replace(noise_share={"w": np.ones(4, np.int64)})
+    with pytest.raises(RoundError, match="without its charged release stage"):
+        mask_stage.with_noise_share(values, unnamed, config, "p00")
+    charged = unnamed.replace(applied=("difference", "clip", "distributed_noise"))
+    assert mask_stage.with_noise_share(values, charged, config, "p00")["w"].tolist() == [1] * 4
 
 
 def test_a_local_dp_member_in_a_distributed_federation_is_refused(tmp_path: Path) -> None:
@@ -234,10 +243,15 @@ def test_the_sum_of_threshold_shares_of_a_zero_update_has_the_calibrated_spread(
     config = dp_config(tmp_path)
     dim = 40_000
     zero = {"w": np.zeros(dim, np.int64)}
-    roles = [participant_role.MaskingRole(f"p{i:02d}") for i in range(3)]
-    charged = ("difference", "clip", "distributed_noise")
-    total = sum(role._with_noise_share(zero, charged, config)["w"] for role in roles)
     share = distributed_noise_for(2.0, CLIP, 32, 3, dim)
+    charged = ("difference", "clip", "distributed_noise")
+    total = zero["w"]
+    for _ in range(3):  # three members, each drawing its share and adding it to its values
+        drawn = noise_stage.draw_noise_share({"w": np.zeros(dim, np.float32)}, share)
+        release = Release(
+            delta={"w": np.zeros(dim, np.float32)}, noise_share=drawn, applied=charged
+        )
+        total = total + mask_stage.with_noise_share(zero, release, config, "p")["w"]
     variance = float(np.var(total.astype(np.float64)))
     expected = 3 * share.share_sigma**2
     standard_error = expected * np.sqrt(2.0 / dim)
@@ -257,13 +271,13 @@ def test_over_many_rounds_the_noise_in_the_revealed_sum_is_fresh_and_calibrated_
     sized for four survivors would leave 3/4 of it, which the bound tells apart)."""
     rounds, dropped_from = 10, 6
     releases: list[tuple[str, dict[str, np.ndarray]]] = []
-    add_share = participant_role.MaskingRole._with_noise_share
+    add_share = mask_stage.with_noise_share
 
-    def recording(self, values, transforms, config):  # type: ignore[no-untyped-def]
-        releases.append((self.participant_id, {n: a.copy() for n, a in values.items()}))
-        return add_share(self, values, transforms, config)
+    def recording(values, release, config, me):  # type: ignore[no-untyped-def]
+        releases.append((me, {n: a.copy() for n, a in values.items()}))
+        return add_share(values, release, config, me)
 
-    monkeypatch.setattr(participant_role.MaskingRole, "_with_noise_share", recording)
+    monkeypatch.setattr(mask_stage, "with_noise_share", recording)
     faults = FaultPlan().drop("p02", round=dropped_from, at=RoundState.COLLECTING)
     # DigitsLinear's 650 parameters: enough coordinates per round to tell a missing share
     masked, network, _ = federation(

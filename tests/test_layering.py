@@ -69,7 +69,7 @@ SYNTHETIC = {
     ),
     "release-imports-gauge-lazily": (
         edge("lensemble_flwr.gauge.stage", "lensemble_flwr.release.pipeline"),
-        edge("lensemble_flwr.release.stages", "lensemble_flwr.gauge.stage", 40, lazy=True),
+        edge("lensemble_flwr.release.binding", "lensemble_flwr.gauge.stage", 25, lazy=True),
         "(inside a function): release (layer 9) imports gauge (layer 10), a higher layer",
     ),
     "secagg-imports-identity": (

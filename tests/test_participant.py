@@ -159,3 +159,60 @@ def test_a_participant_appearing_while_the_round_is_open_is_invited(tmp_path: Pa
     coordinator.run(1)
     outcome = coordinator.outcomes[0]
     assert outcome.state is RoundState.CLOSED and "p09" in outcome.contributors
+
+
+# -- a masked round whose release fails leaves the masking role as it was --------------------
+class _Broken(ToyTrainer):
+    def __init__(self, error: Exception) -> None:
+        super().__init__(1)
+        self.error = error
+
+    def sample_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise self.error
+
+
+def _masked_open(participant: Participant, others: int = 2):  # type: ignore[no-untyped-def]
+    """A RoundOpen of a masked round of 1 + ``others`` members that lists ``participant``
+    with the key it announced."""
+    from lensemble_flwr.protocol.messages import RoundOpen
+    from lensemble_flwr.secagg import prg
+    from lensemble_flwr.secagg.keys import SecAggKeys
+    from lensemble_flwr.secagg.participant_role import encode_member
+    from lensemble_flwr.secagg.protocol import Member
+
+    keys = participant.masking.keys_for_commitment()
+    mine = Member(participant.participant_id, bytes.fromhex(keys["mask_key"]),
+                  bytes.fromhex(keys["enc_key"]))  # fmt: skip
+    peers = {f"q{i}": SecAggKeys.generate() for i in range(others)}
+    members = [mine] + [Member(p, k.mask_public, k.enc_public) for p, k in peers.items()]
+    state = GlobalState.create(0, initial_params(), sketch_seed=3, h_steps=1)
+    return RoundOpen(
+        run_id="run", round=1, attempt=1, sender="coordinator", global_hash=state.params_hash,
+        params=state.params, sketch_seed=3, h_steps=1, secagg_prg=prg.PRG_ID,
+        secagg_threshold=2, secagg_members=tuple(sorted(encode_member(m) for m in members)),
+        needs_commitment=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("error", [RoundError("refused"), RuntimeError("the trainer broke")])
+def test_a_masked_release_that_fails_keeps_the_listed_key_unused(error: Exception) -> None:
+    network = InProcessNetwork()
+    node = Participant(
+        small_config(secagg_threshold=2, min_participants=2),
+        participant_id="p",
+        transport=network.transport_for("p"),
+        trainer=_Broken(error),
+    )
+    opened = _masked_open(node)
+    before = node.masking.export()
+    rounds: list = []
+    open_round = node.masking.open_round
+    node.masking.open_round = lambda *a: rounds.append(open_round(*a)) or rounds[-1]  # type: ignore[method-assign]
+    if isinstance(error, RoundError):
+        node._on_round_open(opened)  # refused: a Refusal is sent, nothing is masked
+    else:
+        with pytest.raises(RuntimeError, match="the trainer broke"):
+            node._on_round_open(opened)
+    assert len(rounds) == 1 and rounds[0] is not None  # the round was opened, then put back
+    assert node.masking.export() == before  # the listed key is still announced, unused
+    assert node.masking.round_key is None

@@ -37,9 +37,16 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform, Stage, chain
+from lensemble_flwr.release import (
+    Release,
+    ReleaseContext,
+    ReleaseTransform,
+    Stage,
+    bind,
+    chain,
+    difference,
+)
 from lensemble_flwr.release.pipeline import ChainState, no_state
-from lensemble_flwr.release.stages import bind, difference
 from lensemble_flwr.release.state_codec import export_release_state, import_release_state
 from lensemble_flwr.simulations.crash_drill import decode_state, encode_state
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
@@ -389,6 +396,21 @@ def test_a_none_state_fits_any_pipeline() -> None:
     other = participant(chain(difference(), bind()))
     other.import_state(exported)
     assert other.pipeline_state is None
+
+
+def test_a_chain_of_stateless_stages_fits_another_chain_but_a_stateful_one_does_not() -> None:
+    """A masked federation's chain gained a mask stage: a state its stateless stages saved
+    before restores as None; one that holds something is still refused."""
+    stateless = participant(chain(difference(), bind()))
+    stateless.local_round(global_state(0), 11)
+    assert stateless.pipeline_state == ChainState((None, None))
+    other = participant(chain(difference(), stage_with_state(None), bind()))
+    other.import_state(stateless.export_state())
+    assert other.pipeline_state is None
+    kept = participant(ef_pipeline())
+    kept.local_round(global_state(0), 11)
+    with pytest.raises(RoundError, match="saved by pipeline"):
+        other.import_state(kept.export_state())
 
 
 # -- (d) a stateful stage carried across Flower message boundaries -------------------------

@@ -28,7 +28,7 @@ from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release import Release, ReleaseContext, chain, clip, gaussian_noise
-from lensemble_flwr.release.privacy import check_clip_bound
+from lensemble_flwr.release.clipping import check_clip_bound
 from lensemble_flwr.simulations.toy import initial_params
 
 STATE = GlobalState.create(0, {"w": np.zeros(4, np.float32)}, sketch_seed=1, h_steps=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from secagg_helpers import update_of
+from secagg_helpers import mask_release, update_of
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.modes import masked_aggregation
@@ -193,7 +193,7 @@ def test_a_participant_without_keys_or_a_masked_round_neither_masks_nor_disclose
         num_examples=1,
     )
     with pytest.raises(SecureAggregationError, match="no keys"):
-        role.mask_release(release, opened, LensembleConfig())
+        mask_release(role, release, opened, LensembleConfig())
     request = UnmaskRequest(
         run_id="run",
         round=1,
@@ -290,20 +290,20 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
         num_examples=1,
     )
     with pytest.raises(RoundError, match="max-abs-update"):
-        role.mask_release(huge, opened, config)
+        mask_release(role, huge, opened, config)
     # a NaN or an infinity is never masked (the plaintext ingress check, participant-side)
     for bad in (np.nan, np.inf):
         spoiled = dataclasses.replace(huge, delta={"w": np.array([0.5, bad], np.float32)})
         with pytest.raises(RoundError, match="NaN or infinity"):
-            role.mask_release(spoiled, opened, config)
+            mask_release(role, spoiled, opened, config)
     int8 = dataclasses.replace(huge, delta={"w": np.ones(6, np.int8)}, scales={"w": np.nan})
     with pytest.raises(RoundError, match="not finite and positive"):
-        role.mask_release(int8, opened, config)
+        mask_release(role, int8, opened, config)
     fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
-    fields = role.mask_release(fine, opened, config)
+    fields = mask_release(role, fine, opened, config)
     assert fields["next_mask_key"] in role.announced  # the next round's, announced
     with pytest.raises(SecureAggregationError, match="already used"):  # a key masks once
-        role.mask_release(fine, opened, config)
+        mask_release(role, fine, opened, config)
     other = UnmaskRequest(
         run_id="run",
         round=8,
@@ -368,10 +368,10 @@ def test_a_participant_masks_only_with_a_key_it_announced_and_its_own_sealing_ke
         num_examples=1,
     )
     with pytest.raises(SecureAggregationError, match="never announced"):
-        role.mask_release(release, opened, MASKED)
+        mask_release(role, release, opened, MASKED)
     role.announced[keys["a"].mask_public.hex()] = keys["a"].mask_private  # the listed key
     with pytest.raises(SecureAggregationError, match="another sealing key"):
-        role.mask_release(release, opened, MASKED)
+        mask_release(role, release, opened, MASKED)
 
 
 def test_a_masked_update_carries_no_norm_and_a_plaintext_one_no_mask_key(trio) -> None:

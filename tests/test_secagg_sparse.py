@@ -10,7 +10,7 @@ import pytest
 from federation_helpers import federation, small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from secagg_helpers import update_of
+from secagg_helpers import mask_release, update_of
 
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.errors import RoundError, SecureAggregationError
@@ -258,7 +258,7 @@ def test_a_member_masks_with_only_its_neighbours_keys_and_refuses_a_neighbour_wi
                 update={"federation": config.federation.model_copy(update={"secagg_neighbours": 0})}
             ),
         )
-    fields = role.mask_release(_release(), opened, config)
+    fields = mask_release(role, _release(), opened, config)
     assert sorted(fields["sealed_shares"]) == near
 
 
@@ -281,7 +281,7 @@ def test_a_member_refuses_a_round_that_announces_another_degree_or_threshold(cha
 
 def test_a_member_refuses_a_request_that_carries_a_share_of_a_non_neighbour() -> None:
     role, keys, members, config, opened = _role()
-    role.mask_release(_release(), opened, config)
+    mask_release(role, _release(), opened, config)
     near = set(neighbours("p0", members, DEGREE, CONTEXT))
     stranger = next(m.pid for m in members if m.pid not in near | {"p0"})
     # the stranger's share "for p0" (a real sealed box: it is refused for where it comes from)
@@ -453,7 +453,7 @@ def test_a_member_restored_without_a_threshold_refuses_to_unmask() -> None:
     tampered) cannot say how many neighbours must survive: the member refuses to
     disclose rather than guess, and keeps its key."""
     role, _keys, members, config, opened = _role()
-    role.mask_release(_release(), opened, config)
+    mask_release(role, _release(), opened, config)
     role.threshold = 0
     request = UnmaskRequest(
         run_id="run", round=1, attempt=1, sender="coordinator",

@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig, default_state_dir
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
-    LedgerError,
     LensembleError,
     ResidencyViolation,
     RoundError,
@@ -30,6 +28,7 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
+from lensemble_flwr.params import NamedArrays, is_shared
 from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
@@ -38,7 +37,8 @@ from lensemble_flwr.participant.local_training import (
     deterministic_algorithms,
     run_inner_loop,
 )
-from lensemble_flwr.participant.release_chain import release_pipeline
+from lensemble_flwr.participant.recovery import recover_checkpoint
+from lensemble_flwr.participant.release_chain import release_pipeline, with_mask
 from lensemble_flwr.protocol.messages import (
     Commitment,
     ParticipantMessage,
@@ -52,22 +52,13 @@ from lensemble_flwr.protocol.messages import (
     from_wire,
     to_wire,
 )
-from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState, PseudoGradient
 from lensemble_flwr.provenance.commitment_secret import commitment_secret
-from lensemble_flwr.provenance.ledger import (
-    GENESIS,
-    ContributionRecord,
-    Ledger,
-    RunManifest,
-    load_external_step,
-)
 from lensemble_flwr.provenance.merkle import merkle_root
-from lensemble_flwr.provenance.verify import record_breaks, verify_chain
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
 from lensemble_flwr.release.state_codec import export_release_state, import_release_state
-from lensemble_flwr.secagg.participant_role import MaskingRole
+from lensemble_flwr.secagg.participant_role import MaskingRole, MaskRound
 from lensemble_flwr.transports.base import Transport
 
 __all__ = [
@@ -93,24 +84,6 @@ def training_state(state: PortableState) -> PortableState:
     return PortableState(arrays=arrays, meta=state.meta.get("training") or {})
 
 
-def _check_last_link(records: list[ContributionRecord], manifest: RunManifest) -> None:
-    """The newest record's own hash and its links to the record and state before it (the
-    ledger's own link rules, :func:`~lensemble_flwr.provenance.ledger.record_breaks`).
-
-    Raises:
-        LedgerError: the first broken link.
-    """
-    before = records[-2] if len(records) > 1 else None
-    breaks = record_breaks(
-        records[-1],
-        previous_record_hash=before.record_hash if before else GENESIS,
-        previous_global_hash=before.new_global_hash if before else manifest.initial_params_hash,
-    )
-    first = next(iter(breaks), None)
-    if first is not None:
-        raise LedgerError(first.message)
-
-
 class Participant:
     """One sovereign node of the federation.
 
@@ -120,9 +93,12 @@ class Participant:
         transport: its end of the transport; replies go to whoever opened the round.
         trainer: a :class:`Trainer` (trained with AdamW for H steps) or any
             :class:`~lensemble_flwr.participant.local_training.LocalTraining`.
-        pipeline: the release pipeline; defaults to what the config asks for (see
-            :func:`~lensemble_flwr.release.release_pipeline`): difference → bind, or
-            difference alone for a participant that cannot commit to its data.
+        pipeline: the release chain; defaults to what the config asks for (see
+            :func:`~lensemble_flwr.participant.release_chain.release_pipeline`):
+            difference → bind, or difference alone for a participant that cannot commit
+            to its data, with clip, noise, quantize and mask as configured. A masked
+            federation's custom chain without a mask stage gets one before bind
+            (:func:`~lensemble_flwr.participant.release_chain.with_mask`).
         gauge: the model's gauge adapter and the pinned probe; required when the config
             aligns latent frames (``gauge-align``).
         identity: the participant's signing key; every message it sends is signed, and
@@ -169,7 +145,7 @@ class Participant:
                 gauge=gauge,
                 budget_key=self.stable_id,
             )
-        self.pipeline = pipeline
+        self.pipeline = with_mask(pipeline, config)  # masked federations mask in the chain
         self._pipeline_state: Any = None
         self._last_open: tuple[int, int, int] | None = None
         self.masking = MaskingRole(participant_id)
@@ -182,8 +158,9 @@ class Participant:
 
     @property
     def pipeline_state(self) -> Any:
-        """The release pipeline's state (None until its first release); a value, which
-        :meth:`export_state` carries to the participant's next message."""
+        """The release chain's state (None until its first release): a value, which
+        :meth:`export_state` carries to the participant's next message. A noise stage's
+        entry is the privacy charge (:class:`~lensemble_flwr.release.PrivacyState`)."""
         return self._pipeline_state
 
     @property
@@ -211,9 +188,65 @@ class Participant:
             log.warning("%s: ignoring unexpected %s", self.participant_id, message.kind)
 
     def _on_round_open(self, msg: RoundOpen) -> None:
+        """Answer a RoundOpen: commit when asked, then release into the round (or refuse).
+
+        The walk of one update: the masking role opens the round (checks, keys), the
+        LocalTraining trains, the release chain releases (masked, in a masked round), and
+        the Update leaves; nothing goes back to an earlier module.
+        """
         opened = (msg.round, msg.attempt, len(msg.secagg_members))
         if self._last_open == opened:
             return  # a duplicate RoundOpen; this attempt was already answered
+        state = self._global_state_of(msg)
+        if state is None:
+            return
+        self._last_open = opened
+        common = {
+            "run_id": msg.run_id,
+            "round": msg.round,
+            "attempt": msg.attempt,
+            "sender": self.participant_id,
+            "participant_id": self.participant_id,
+        }
+        masked_round = self.config.federation.secagg_threshold > 0
+        try:
+            check_round_open(
+                self.gauge,
+                self.config,
+                round=msg.round,
+                probe_hash=msg.probe_hash,
+                landmark_hashes=msg.landmark_hashes,
+                params=msg.params,
+            )
+        except LensembleError as exc:  # ProbeError, GaugeError: this round is rejected
+            log.warning("%s: rejects round %d: %r", self.participant_id, msg.round, exc)
+            self._refuse(msg, common, exc)
+            return
+        if msg.needs_commitment and self.dataset_root is not None:
+            self._send(msg.sender, self._commitment(common, masked_round))
+        try:  # before training: a round it will refuse spends no budget
+            mask_round = self.masking.open_round(msg, self.config) if masked_round else None
+        except LensembleError as exc:
+            log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
+            self._refuse(msg, common, exc)
+            return
+        if masked_round and mask_round is None:
+            return  # not (yet) a member of this masked round: committing was the answer
+        try:
+            release = self._release(state, msg.sketch_seed, mask_round)
+        except BaseException as exc:
+            if mask_round is not None:  # nothing released: the round's key is unused
+                self.masking.restore(mask_round.before)
+            if not isinstance(exc, LensembleError):
+                raise  # a trainer's own error propagates, as it always did
+            log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
+            self._refuse(msg, common, exc)
+            return
+        self._send(msg.sender, self._update_of(common, release))
+
+    def _global_state_of(self, msg: RoundOpen) -> GlobalState | None:
+        """The global state ``msg`` broadcasts, verified (None, logged, if it does not
+        hold the params its hash names)."""
         state = GlobalState(
             round=msg.round - 1,  # round r starts from θ_{r-1}
             params=dict(msg.params),
@@ -227,73 +260,46 @@ class Participant:
             state.verify()
         except CheckpointIntegrityError as exc:
             log.warning("%s: refusing round %d: %s", self.participant_id, msg.round, exc)
-            return
-        self._last_open = opened
-        common = {
-            "run_id": msg.run_id,
-            "round": msg.round,
-            "attempt": msg.attempt,
-            "sender": self.participant_id,
-            "participant_id": self.participant_id,
-        }
-        try:
-            check_round_open(
-                self.gauge,
-                self.config,
-                round=msg.round,
-                probe_hash=msg.probe_hash,
-                landmark_hashes=msg.landmark_hashes,
-                params=msg.params,
-            )
-        except LensembleError as exc:  # ProbeError, GaugeError: this round is rejected
-            log.warning("%s: rejects round %d: %r", self.participant_id, msg.round, exc)
-            self._send(
-                msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
-            )
-            return
-        masked_round = self.config.federation.secagg_threshold > 0
-        if msg.needs_commitment and self.dataset_root is not None:
-            keys = self.masking.keys_for_commitment() if masked_round else {}
-            self._send(
-                msg.sender,
-                Commitment(
-                    **common,
-                    dataset_root=self.dataset_root,
-                    num_examples=self.training.num_examples(),
-                    identity_key=self.identity.public_openssh if self.identity else None,
-                    **keys,
-                ),
-            )
-        if masked_round and not self.masking.is_member(msg):
-            return  # not (yet) a member of this masked round: committing was the answer
-        try:
-            if masked_round:  # before training: a round it will refuse spends no budget
-                self.masking.check_round(msg, self.config)
-            released = self.local_round(state, msg.sketch_seed)
-            masked = self.masking.mask_release(released, msg, self.config) if masked_round else {}
-        except LensembleError as exc:
-            log.warning("%s: releases nothing in round %d: %r", self.participant_id, msg.round, exc)
-            self._send(
-                msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000])
-            )
-            return
-        self._send(
-            msg.sender,
-            Update(
-                **{
-                    **common,
-                    "dataset_root": released.dataset_root,
-                    "delta": released.delta,
-                    "l2_norm": None if masked_round else released.l2_norm,
-                    "num_examples": released.num_examples,
-                    "transforms": released.transforms,
-                    "epsilon": released.epsilon,
-                    "scales": released.scales,
-                    "sketch_fingerprint": released.sketch_fingerprint,
-                    **masked,
-                }
-            ),
+            return None
+        return state
+
+    def _commitment(self, common: dict[str, Any], masked_round: bool) -> Commitment:
+        """This participant's Commitment (with its masking keys for a masked federation)."""
+        assert self.dataset_root is not None  # the caller checks
+        keys = self.masking.keys_for_commitment() if masked_round else {}
+        return Commitment(
+            **common,
+            dataset_root=self.dataset_root,
+            num_examples=self.training.num_examples(),
+            identity_key=self.identity.public_openssh if self.identity else None,
+            **keys,
         )
+
+    def _refuse(self, msg: RoundOpen, common: dict[str, Any], exc: LensembleError) -> None:
+        self._send(msg.sender, Refusal(**common, error=type(exc).__name__, reason=str(exc)[:2000]))
+
+    def _update_of(self, common: dict[str, Any], release: Release) -> Update:
+        """The Update carrying ``release`` (the chain's output) into the round."""
+        meta = release.metadata
+        fields: dict[str, Any] = {
+            "dataset_root": release.bound_root,
+            "delta": release.delta,
+            "num_examples": meta["num_examples"],
+            "transforms": release.applied,
+            "epsilon": meta.get("epsilon"),
+            "sketch_fingerprint": meta.get("sketch_fingerprint"),
+        }
+        if release.masked:
+            fields |= {
+                "l2_norm": None,
+                "scales": None,
+                "masked": True,
+                "sealed_shares": meta["sealed_shares"],
+                "next_mask_key": meta["next_mask_key"],
+            }
+        else:
+            fields |= {"l2_norm": meta["released_norm"], "scales": meta.get("scales")}
+        return Update(**common, **fields)
 
     def _send(self, dest: str, message: ParticipantMessage) -> None:
         """Sign (when this participant has an identity) and send."""
@@ -324,7 +330,8 @@ class Participant:
 
     # -- the spec's surface ------------------------------------------------------------
     def local_round(self, global_state: GlobalState, round_seed: int) -> PseudoGradient:
-        """Train H inner steps from ``global_state`` and release the (bound) delta.
+        """Train H inner steps from ``global_state`` and release the (bound) delta, in the
+        clear (a masked federation's chain refuses: it releases only into a masked round).
 
         Raises:
             ParameterMismatch: the global params do not fit the model.
@@ -333,46 +340,75 @@ class Participant:
             DegenerateProcrustes: alignment is on and the probe cannot fix the frame.
             RoundError: the pipeline did not produce a delta bound as it should be.
         """
+        release = self._release(global_state, round_seed, None)
+        assert release.delta is not None  # _release checks
+        return PseudoGradient(
+            participant_id=self.participant_id,
+            round=global_state.next_round,
+            delta=release.delta,
+            l2_norm=release.metadata["released_norm"],
+            scales=release.metadata.get("scales"),
+            dataset_root=release.bound_root,
+            num_examples=release.metadata["num_examples"],
+            transforms=release.applied,
+            epsilon=release.metadata.get("epsilon"),
+            sketch_fingerprint=release.metadata.get("sketch_fingerprint"),
+        )
+
+    def _release(
+        self, global_state: GlobalState, round_seed: int, mask_round: MaskRound | None
+    ) -> Release:
+        """Train, then run the release chain once: what it returns is what leaves.
+
+        ``metadata`` gains ``num_examples`` (after fit: a NumPyClient reports it there)
+        and, for a release in the clear, ``released_norm`` (the norm of exactly what is
+        released). Raises what :meth:`local_round` lists.
+        """
         local = self.training.fit(
             global_state.params,
             steps=global_state.h_steps,
             seed=derive_seed(round_seed, "inner", self.participant_id),
         )
-        if self._pipeline_state is None:
-            self._pipeline_state = self.pipeline.init(global_state.params)
+        chain_state = self._pipeline_state
+        if chain_state is None:
+            chain_state = self.pipeline.init(global_state.params)
         ctx = ReleaseContext(
             participant_id=self.participant_id,
             global_state=global_state,
             round_seed=round_seed,
             dataset_root=self.dataset_root,
             num_examples=self.training.num_examples(),
+            mask_round=mask_round,
         )
-        release, self._pipeline_state = self.pipeline.update(
-            Release(local=local), self._pipeline_state, ctx
-        )
+        release, self._pipeline_state = self.pipeline.update(Release(local=local), chain_state, ctx)
         if release.delta is None or release.bound_root != self.dataset_root:
             raise RoundError(f"{self.participant_id}: the pipeline did not bind its delta")
-        beyond = sorted(set(release.delta) - set(global_state.params))
+        self._check_residency(release.delta, global_state)
+        meta = {**release.metadata, "num_examples": ctx.num_examples}
+        if not release.masked:
+            scales = meta.get("scales")
+            released = dequantize(release.delta, scales) if scales else release.delta
+            meta["released_norm"] = l2_norm(released)
+        return release.replace(metadata=meta)
+
+    def _check_residency(self, delta: NamedArrays, global_state: GlobalState) -> None:
+        """Only shared, broadcast arrays may leave.
+
+        Raises:
+            ResidencyViolation: a name outside the shared groups, or one the coordinator
+                did not broadcast.
+        """
+        beyond = sorted(set(delta) - set(global_state.params))
         if beyond:  # whatever the groups say, only what was broadcast may go back
             raise ResidencyViolation(
                 f"{self.participant_id}: a release may carry only the broadcast arrays, "
                 f"not {beyond}"
             )
-        scales = release.metadata.get("scales")
-        released = dequantize(release.delta, scales) if scales else release.delta
-        return PseudoGradient(
-            participant_id=self.participant_id,
-            round=global_state.next_round,
-            delta=release.delta,
-            l2_norm=l2_norm(released),
-            scales=scales,
-            dataset_root=release.bound_root,
-            num_examples=ctx.num_examples,  # after fit: a NumPyClient reports it there
-            transforms=release.applied,
-            epsilon=release.metadata.get("epsilon"),
-            sketch_fingerprint=release.metadata.get("sketch_fingerprint"),
-            groups=self.config.groups,  # refuses anything but shared parameters
-        )
+        leaked = sorted(n for n in delta if not is_shared(n, self.config.groups))
+        if leaked:  # action heads and other local groups never leave the participant
+            raise ResidencyViolation(
+                f"{self.participant_id}: a release may carry only shared parameters, not {leaked}"
+            )
 
     def join(self, coordinator_endpoint: str) -> GlobalState:
         """Recover the latest committed global state from the run directory and verify it.
@@ -393,44 +429,9 @@ class Participant:
                 the round this participant saw closed.
             LedgerError: the ledger's chain is broken.
         """
-        store = Store(coordinator_endpoint)
-        records = Ledger(store).records()
-        manifest = RunManifest.load(store)
-        trusted = self.last_close
-        if trusted is not None:
-            seen = next((r for r in records if r.round == trusted.round), None)
-            if seen is None or (seen.record_hash, seen.new_global_hash) != (
-                trusted.record_hash,
-                trusted.global_hash,
-            ):
-                raise CheckpointIntegrityError(
-                    f"the run's ledger does not hold round {trusted.round} as it was "
-                    f"announced to {self.participant_id} (record {trusted.record_hash[:12]}…)"
-                )
-        closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
-        if records and records[-1].round not in closed:
-            # committed, its manifest entry not yet written (a coordinator that crashed
-            # right after its commit point, before resume completes it): the chain is
-            # checked up to the record before, and the last record's own links
-            verify_chain(records[:-1], manifest)
-            _check_last_link(records, manifest)
-        else:
-            verify_chain(records, manifest)
-        head = records[-1] if records else None
-        if head is None:
-            digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
-        else:
-            digest, expected = head.checkpoint, head.new_global_hash
-        step = load_external_step(store)
-        if step is not None and step.committed_hash == expected:
-            # the next round trains from the model an external step adopted (a wrapper's
-            # central noise): a joiner gets that one, never the model it replaced
-            digest, expected = step.checkpoint, step.adopted_hash
-        checkpoint = decode_checkpoint(store.get(digest))
-        if checkpoint.params_hash != expected:
-            raise CheckpointIntegrityError(
-                f"recovered checkpoint {digest[:12]}… does not hold the recorded global state"
-            )
+        checkpoint = recover_checkpoint(
+            Store(coordinator_endpoint), self.last_close, self.participant_id
+        )
         if checkpoint.round == 0:  # a (re)joiner at θ_0 revalidates the warm start
             check_warm_start_of(self.gauge, self.config, checkpoint.params)
         state = GlobalState.create(

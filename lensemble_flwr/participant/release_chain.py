@@ -15,10 +15,13 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.gauge.stage import align
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
-from lensemble_flwr.release.pipeline import ReleaseTransform, chain
-from lensemble_flwr.release.privacy import clip, distributed_noise, gaussian_noise
+from lensemble_flwr.release.binding import bind
+from lensemble_flwr.release.clipping import clip
+from lensemble_flwr.release.differencing import difference
+from lensemble_flwr.release.masking import mask
+from lensemble_flwr.release.noise import distributed_noise, gaussian_noise
+from lensemble_flwr.release.pipeline import ReleaseTransform, Stage, chain
 from lensemble_flwr.release.quantize import int8_quantize
-from lensemble_flwr.release.stages import bind, difference
 
 
 def budget_name(identity: str) -> str:
@@ -38,7 +41,7 @@ def release_pipeline(
     budget_key: str | None = None,
 ) -> ReleaseTransform:
     """The participant's pipeline as its config asks:
-    [align →] difference → [clip → [noise]] → [quantize] → bind.
+    [align →] difference → [clip → [noise]] → [quantize] → [mask] → [bind].
 
     Alignment (``gauge-align``) rotates the trained weights into the global latent frame
     before they are differenced, so every later stage sees the aligned delta.
@@ -80,6 +83,28 @@ def release_pipeline(
             stages.append(gaussian_noise(noise, privacy.clip_norm, budget))
     if config.release.quantize == "int8":
         stages.append(int8_quantize())
+    if config.federation.secagg_threshold > 0:
+        stages.append(mask(config))
     if dataset_root is not None:
         stages.append(bind())
     return chain(*stages)
+
+
+def with_mask(pipeline: ReleaseTransform, config: LensembleConfig) -> ReleaseTransform:
+    """``pipeline`` with the mask stage where the order puts it (before bind), when the
+    federation masks and the pipeline (a custom one) has none; else ``pipeline`` itself.
+
+    Raises:
+        ConfigError: the stage cannot be placed in the pipeline's order.
+    """
+    parts = pipeline.parts or (pipeline,)
+    if config.federation.secagg_threshold <= 0 or _has_stage(pipeline, Stage.MASK):
+        return pipeline
+    at = next((i for i, part in enumerate(parts) if part.stage > Stage.MASK), len(parts))
+    return chain(*parts[:at], mask(config), *parts[at:])
+
+
+def _has_stage(transform: ReleaseTransform, stage: Stage) -> bool:
+    if transform.parts:
+        return any(_has_stage(part, stage) for part in transform.parts)
+    return transform.stage is stage

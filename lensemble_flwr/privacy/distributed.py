@@ -8,10 +8,11 @@ participant at least as well as one continuous Gaussian of std ``noise-multiplie
 the sum would: the revealed sum of t survivors has noise std ≈ σ·C (in value units), and
 more survivors only add noise.
 
-The release stage (``release.privacy.distributed_noise``) charges each participant's
-budget with this mechanism before anything leaves; the masking role
-(``secagg.participant_role``) adds the share after the fixed-point encoding. Both read
-:func:`distributed_noise_for`, so the share that is added is the share that was charged.
+The release chain's noise stage (``release.noise.distributed_noise``) charges each
+participant's budget with this mechanism before anything leaves and draws the share, sized
+by :func:`distributed_noise_for`; the chain's mask stage (``release.masking``) adds that
+share after the fixed-point encoding, so the share that is added is the share that was
+charged.
 
 Whom it protects, and under what assumption: against the coordinator (which sees masked
 inputs and the noised sum only), against the other participants and against whoever

@@ -1,10 +1,11 @@
 """A release pipeline's state as named arrays plus JSON: exported with the participant.
 
 A participant on Flower is rebuilt for every message, so the state of its release stages
-(an error-feedback residual, a round counter, ...) must travel with the rest of its state
-or it silently restarts every round. :func:`export_release_state` turns a pipeline's state
-into ``(arrays, meta)`` — numpy arrays by key and a JSON-able description — and
-:func:`import_release_state` rebuilds exactly the same value from them.
+(the noise stage's privacy charge, a custom stage's error-feedback residual or round
+counter, ...) must travel with the rest of its state or it silently restarts every
+round. :func:`export_release_state` turns a pipeline's state into ``(arrays, meta)`` —
+numpy arrays by key and a JSON-able description — and :func:`import_release_state`
+rebuilds exactly the same value from them.
 
 What a stage's state may hold (anything else is refused at export, with a
 :class:`~lensemble_flwr.errors.ConfigError` naming the stage; nothing is dropped):
@@ -34,7 +35,11 @@ every entry of a :class:`~lensemble_flwr.release.pipeline.ChainState` (from the 
 ``parts``); a state of another pipeline (other stages, another order), a description that
 is malformed, or arrays that are missing, extra or of another dtype or shape are refused
 with :class:`~lensemble_flwr.errors.RoundError`, before anything is rebuilt. ``None`` (a
-pipeline whose state was never initialised) fits every pipeline.
+pipeline whose state was never initialised) fits every pipeline, and so does the state
+of a chain of stateless stages (it restores as None: e.g. a state saved before the mask
+stage joined a masked federation's chain). A stage with a
+``load_state`` check (the noise stage's :class:`~lensemble_flwr.release.accounting.PrivacyState`)
+gets its rebuilt state checked by it before anything is returned.
 """
 
 from __future__ import annotations
@@ -91,7 +96,9 @@ def import_release_state(
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
         raise RoundError(f"release state: not a format-{FORMAT} description")
     node = meta.get("state")
-    if meta.get("stage") != pipeline.name and node != {"t": "none"}:
+    if meta.get("stage") != pipeline.name and _holds_nothing(node) and not arrays:
+        return None  # stateless stages of another chain: nothing to restore, nothing lost
+    if meta.get("stage") != pipeline.name:
         raise RoundError(
             f"release state: saved by pipeline {meta.get('stage')!r}, "
             f"which is not this participant's {pipeline.name!r}"
@@ -102,6 +109,17 @@ def import_release_state(
     if unused:
         raise RoundError(f"release state: arrays {unused[:5]} are not part of the state")
     return state
+
+
+def _holds_nothing(node: Any) -> bool:
+    """Whether ``node`` describes a state with nothing in it: None, or a chain of those
+    (what a chain of stateless stages exports)."""
+    if node == {"t": "none"}:
+        return True
+    parts = node.get("parts") if isinstance(node, Mapping) else None
+    if node is None or not isinstance(parts, list) or node.get("t") != "chain":
+        return False
+    return all(isinstance(p, Mapping) and _holds_nothing(p.get("state")) for p in parts)
 
 
 def _class_path(cls: type) -> str:
@@ -252,7 +270,10 @@ class _Decoder:
         if not isinstance(node, Mapping):
             raise self._malformed(where, "not a description")
         if not transform.parts or node.get("t") == "none":
-            return self.value(node, where)
+            value = self.value(node, where)
+            if value is not None and transform.load_state is not None:
+                value = transform.load_state(value)  # the stage's own check (RoundError)
+            return value
         parts = node.get("parts")
         if node.get("t") != "chain" or not isinstance(parts, list):
             raise self._malformed(where, f"{transform.name!r} keeps a ChainState")

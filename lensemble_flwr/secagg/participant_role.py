@@ -1,32 +1,26 @@
-"""A participant's part in masked rounds: keys, masking its release, disclosing.
+"""A participant's part in masked rounds: its keys, the round it masks for, disclosing.
 
-The participant turns its release into the fixed-point integers the plaintext aggregator
-would add (``to_fixed_point``), masks them with a mask key that serves this one round
-attempt, and seals a share of its fresh self mask for every member (in a sparse graph,
-for each of its neighbours: ``protocol``). With the masked
-update it announces the public half of the key its next round will use; the private
-halves of announced keys stay with the participant; a key is deleted once its round's
-unmask request is answered (one answer per attempt). Its
-sealing key is long-lived: it only ever encrypts shares for one peer.
+The role checks a round's member list against what the participant agreed to and hands
+the release chain's mask stage (:mod:`lensemble_flwr.release.masking`) a
+:class:`MaskRound`: the members, the round's context and the key agreements of the mask
+key that serves this one round attempt. The stage masks; the role keeps what the
+round's unmask request will need. With the masked update the participant announces the
+public half of the key its next round will use; the private halves of announced keys
+stay with the participant; a key is deleted once its round's unmask request is answered
+(one answer per attempt). Its sealing key is long-lived: it only ever encrypts shares for one peer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from lensemble_flwr.aggregation.fixed_point import to_fixed_point
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import RoundError, SecureAggregationError
-from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.privacy.budget import noise_stage_name
-from lensemble_flwr.privacy.calibration import ingress_bound, noise_multiplier_of
-from lensemble_flwr.privacy.discrete_gaussian import secure_discrete_gaussian
-from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE, distributed_noise_for
-from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, released_max_abs
-from lensemble_flwr.protocol.state import PseudoGradient
+from lensemble_flwr.errors import SecureAggregationError
+from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest
 from lensemble_flwr.secagg import prg
 from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
-from lensemble_flwr.secagg.protocol import Member, context_of, disclose, graph_of, mask
+from lensemble_flwr.secagg.protocol import Member, context_of, disclose, graph_of
 
 ANNOUNCED_KEYS_KEPT = 4
 """How many announced, unused mask keys a participant keeps (the coordinator lists only
@@ -55,6 +49,33 @@ def encode_member(member: Member) -> str:
 def encode_named(member: Member) -> str:
     """A Member as RoundOpen names it without its keys: ``pid::`` (:func:`parse_members`)."""
     return f"{member.pid}::"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskRound:
+    """What the mask stage needs to mask one release into one round attempt.
+
+    Attributes:
+        participant_id: the masking participant.
+        members: the round's members (named without keys where a sparse graph leaves
+            them out of this participant's neighbourhood).
+        context: the round attempt's context (run, round, attempt).
+        threshold: the round's threshold t.
+        degree: the round's neighbour graph (0: every other member).
+        keys: the key agreements of the mask key the round lists for this participant.
+        next_mask_key: the public half of the key announced with the masked update.
+        before: the role's exported state before it opened the round (what
+            :meth:`MaskingRole.restore` puts back when nothing is released).
+    """
+
+    participant_id: str
+    members: tuple[Member, ...]
+    context: bytes
+    threshold: int
+    degree: int
+    keys: SecAggKeys
+    next_mask_key: str
+    before: dict[str, Any]
 
 
 def _keyed(member: Member) -> bool:
@@ -105,9 +126,8 @@ class MaskingRole:
         return any(m.split(":", 1)[0] == self.participant_id for m in msg.secagg_members)
 
     def check_round(self, msg: RoundOpen, config: LensembleConfig) -> list[Member]:
-        """Everything that must hold before this participant masks for ``msg`` (checked
-        before it trains, so that a round it will refuse spends no privacy budget);
-        returns the members.
+        """Everything that must hold before this participant masks for ``msg``; returns
+        the members.
 
         Raises:
             SecureAggregationError: no sealing key; another PRG than this version's, or
@@ -167,61 +187,43 @@ class MaskingRole:
         bare = [m.pid for m in dealt if not _keyed(m)]
         if bare:
             raise SecureAggregationError(
-                f"{me}: the round lists members it deals a share to without their keys: "
-                f"{bare[:3]}"
+                f"{me}: the round lists members it deals a share to without their keys: {bare[:3]}"
             )
         return members
 
-    def mask_release(
-        self, released: PseudoGradient, msg: RoundOpen, config: LensembleConfig
-    ) -> dict[str, Any]:
-        """The masked Update's fields for ``released``: it is masked with the key the
-        round lists for this participant, which is then deleted (a key masks once).
+    def open_round(self, msg: RoundOpen, config: LensembleConfig) -> MaskRound | None:
+        """The mask stage's inputs for ``msg`` (None when the round does not list this
+        participant): everything is checked first (:meth:`check_round`), then the role
+        moves to the round as if the release were masked — the key the round lists is
+        taken (a key masks once), the round's members and context are kept for its unmask
+        request, and the next key is announced. Called before training, so a round it
+        refuses spends no privacy budget; a release that then fails puts the role back
+        with :meth:`restore` of the returned ``before``.
 
         Raises:
-            SecureAggregationError: see :meth:`check_round`.
-            RoundError: the release is not finite or exceeds ``max-abs-update``.
+            SecureAggregationError: see :meth:`check_round` (nothing changes).
         """
+        if not self.is_member(msg):
+            return None
         members = self.check_round(msg, config)
-        assert self.enc_private is not None  # check_round
+        before = self.export()
         listed = next(m for m in members if m.pid == self.participant_id).mask_public.hex()
-        agg = config.aggregation
-        weight = config.federation.weight_of(released.num_examples)
-        scales = released.scales or {}
-        try:  # the same ingress check a plaintext update gets: finite, within bounds
-            largest = released_max_abs(released.delta, released.scales)
-        except ValueError as exc:
-            raise RoundError(f"{self.participant_id}: {exc}; nothing is masked") from None
-        if largest > ingress_bound(config):
-            raise RoundError(f"{self.participant_id}: release exceeds max-abs-update")
-        unit = float(weight) * 2.0**agg.fraction_bits
-        values = to_fixed_point(
-            released.delta, {n: unit * scales.get(n, 1.0) for n in released.delta}
-        )
-        if config.privacy.dp_mode == "distributed":
-            values = self._with_noise_share(values, released.transforms, config)
         self.round_key = self.announced.pop(listed)
         self.members = members
         self.answered = None
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
         self.threshold = msg.secagg_threshold
-        masked = mask(
-            values,
-            me=self.participant_id,
-            keys=self._keys(),
-            members=members,
-            threshold=msg.secagg_threshold,
+        return MaskRound(
+            participant_id=self.participant_id,
+            members=tuple(members),
             context=self.context,
+            threshold=self.threshold,
             degree=self.degree,
+            keys=self._keys(),
+            next_mask_key=self._announce(),
+            before=before,
         )
-        return {
-            "delta": masked.masked,
-            "masked": True,
-            "scales": None,
-            "sealed_shares": {h: c.hex() for h, c in masked.sealed.items()},
-            "next_mask_key": self._announce(),
-        }
 
     def _keys(self) -> SecAggKeys:
         """The round's keys, the same object from masking to disclosing, so that every
@@ -236,34 +238,6 @@ class MaskingRole:
             keys = SecAggKeys(self.round_key, self.enc_private, boxes=self._boxes)
             self._round_keys = keys
         return keys
-
-    def _with_noise_share(
-        self, values: NamedArrays, transforms: tuple[str, ...], config: LensembleConfig
-    ) -> NamedArrays:
-        """``values`` plus this member's discrete Gaussian share of the round's noise, the
-        share its release stage charged (``privacy.distributed``).
-
-        Raises:
-            RoundError: the release was not charged for a share (nothing is masked).
-        """
-        privacy = config.privacy
-        if noise_stage_name(DISTRIBUTED_NOISE, privacy.dp_adjacency) not in transforms:
-            raise RoundError(
-                f"{self.participant_id}: distributed noise without its charged release "
-                "stage (under this federation's dp-adjacency); nothing is masked"
-            )
-        share = distributed_noise_for(
-            noise_multiplier_of(config),
-            privacy.clip_norm,
-            config.aggregation.fraction_bits,
-            config.federation.secagg_threshold,
-            sum(int(a.size) for a in values.values()),
-            privacy.dp_adjacency,
-        )
-        return {
-            name: values[name] + secure_discrete_gaussian(values[name].shape, share.share_sigma)
-            for name in sorted(values)
-        }
 
     def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
         """The UnmaskResponse's fields for ``request``. A participant answers one

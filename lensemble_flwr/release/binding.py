@@ -1,8 +1,7 @@
-"""The release stages this package supplies: difference and bind.
+"""The bind stage: the release carries the participant's dataset commitment.
 
-``difference`` turns trained local weights into Δ = local − global over the shared
-groups. ``bind`` attaches the participant's dataset Merkle root; the coordinator refuses
-an update whose root differs from its sender's commitment.
+``bind`` attaches the participant's dataset Merkle root; the coordinator refuses an
+update whose root differs from its sender's commitment.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from lensemble_flwr.errors import RoundError
-from lensemble_flwr.params import subtract
 from lensemble_flwr.release.pipeline import (
     Release,
     ReleaseContext,
@@ -18,18 +16,6 @@ from lensemble_flwr.release.pipeline import (
     Stage,
     no_state,
 )
-
-
-def difference() -> ReleaseTransform:
-    """Δ = local − global, name by name (float32); ``local`` is dropped afterwards."""
-
-    def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
-        if release.local is None:
-            raise RoundError("difference: no local weights to difference")
-        delta = subtract(release.local, ctx.global_state.params)
-        return release.replace(local=None, delta=delta), state
-
-    return ReleaseTransform("difference", Stage.DIFFERENCE, no_state, update)
 
 
 def bind() -> ReleaseTransform:
