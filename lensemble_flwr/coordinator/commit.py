@@ -1,21 +1,27 @@
-"""What an attempt writes when it ends: the commit of a closed round, the entry of any.
+"""The commit sequence of a closed round, and the manifest entry of any attempt.
 
-A round commits in this order, and the ledger record is the commit point:
+:func:`commit_round` runs a revealed round to its end, in this order; the ledger record
+is the commit point:
 
-1. the checkpoint of θ_r (round r's outcome) and its momentum, streamed to the store and
-   hashed as it is written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it
-   is not read back: whoever reads it later — recovery, a joining participant, ``verify``
-   — re-hashes it);
-2. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
+1. the outer step: θ_r and m_r from θ_{r-1}, m_{r-1} and the mean update;
+2. the checkpoint of θ_r and its momentum, streamed to the store and hashed as it is
+   written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it is not read back:
+   whoever reads it later — recovery, a joining participant, ``verify`` — re-hashes it);
+3. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
-3. the ledger record, chained to the previous one — from here on the round is committed;
-4. the manifest entry (by the caller, once the in-memory state moved).
+4. the ledger record, chained to the previous one — from here on the round is committed;
+5. the swap: the caller's in-memory state becomes θ_r, m_r and the new ledger head;
+6. the manifest entry of the closed round;
+7. retention: the checkpoints the policy keeps no more are pruned
+   (:mod:`~lensemble_flwr.provenance.retention`).
 
-Only after all of that does the coordinator announce the round (RoundClose). Nothing
-before the record changes anything a reader of the run directory trusts. Then
-:func:`retain` prunes the checkpoints the retention policy no longer keeps
-(:mod:`~lensemble_flwr.provenance.retention`); a failure there is logged, never undoes
-the commit, and the next commit tries again.
+Nothing before the record changes anything a reader of the run directory trusts: a
+failure there raises, and the attempt aborts with the global state untouched. The one
+rule after the commit point: nothing undoes the round. A step that fails is logged
+("round r committed; … failed"); a failed manifest entry is handed back to be raised
+once the round is announced (the store is failing: the run stops, and resume completes
+the entry from the kept closing one), and retention is then skipped; failed pruning is
+left to the next commit.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays
-from lensemble_flwr.config import RetentionConfig
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
+from lensemble_flwr.coordinator.external_step import SteppedFrom
+from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
@@ -124,7 +133,7 @@ def write_commit(
     manifest: RunManifest,
     privacy: PrivacyGuarantee | None = None,
 ) -> Committed:
-    """Steps 1–3 of the module's order; returns once the ledger holds the round.
+    """Steps 2–4 of the module's order; returns once the ledger holds the round.
 
     ``new_state`` may be given as the call that pins (and hashes) it: it then runs while
     the momentum is hashed on another thread (two model-sized hashes at once). The
@@ -134,23 +143,14 @@ def write_commit(
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
-    if callable(new_state):
-        if sum(a.nbytes for a in momentum.values()) < HASH_ON_A_THREAD_MIN_BYTES:
-            hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
-            new_state = new_state()
-        else:
-            with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
-                momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
-                new_state = new_state()
-                hashed = momentum_hash.result()
-    else:
-        hashed = None
+    new_state, momentum_hash = _pinned(new_state, momentum)
     result.hash_in_background()  # the sums' digest, for the entry: while the blob is written
     digest = store.put_parts(
         checkpoint_parts(
-            t, new_state.params, momentum, params_hash=new_state.params_hash, momentum_hash=hashed
+            t, new_state.params, momentum, params_hash=new_state.params_hash,
+            momentum_hash=momentum_hash,
         )
-    )
+    )  # fmt: skip
     entry = entry_of(
         attempt,
         result,
@@ -180,15 +180,153 @@ def write_commit(
     return Committed(state=new_state, momentum=momentum, entry=entry, record=record)
 
 
-def retain(
-    store: Store, policy: RetentionConfig, head: ContributionRecord, since: int
-) -> int:
-    """After the commit of ``head``'s round: prune what ``policy`` no longer keeps of the
-    rounds from ``since`` on, and return where the next call starts. A refused write is
-    logged and the same ``since`` returned: the round stays committed, and the next
-    commit prunes what this one could not."""
+def _pinned(
+    new_state: GlobalState | Callable[[], GlobalState], momentum: NamedArrays
+) -> tuple[GlobalState, str | None]:
+    """θ_r pinned, and m_r's digest if it was hashed here (else None: the checkpoint
+    hashes it as it is written). Given as the call that pins θ_r, it runs while the
+    momentum is hashed on another thread (two model-sized hashes at once)."""
+    if not callable(new_state):
+        return new_state, None
+    if sum(a.nbytes for a in momentum.values()) < HASH_ON_A_THREAD_MIN_BYTES:
+        hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
+        return new_state(), hashed
+    with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
+        momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
+        state = new_state()
+        return state, momentum_hash.result()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHead:
+    """What a coordinator holds in memory of its run's last commit (or of θ_0)."""
+
+    state: GlobalState  # the global state the next round starts from
+    momentum: NamedArrays  # the outer optimizer's momentum with it
+    record_hash: str  # the ledger's head record (GENESIS before the first commit)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitContext:
+    """What every commit of a run writes with, fixed when the coordinator is built."""
+
+    store: Store
+    ledger: Ledger
+    config: LensembleConfig
+    secure_sum: bool  # the round mode's: the outer step consumes a masked sum
+    privacy: PrivacyGuarantee | None
+    pin: Callable[..., GlobalState]  # (round, params, *, copy) -> θ_round, hashed
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """What replaces the coordinator's in-memory state at the commit point."""
+
+    head: RunHead  # θ_r, m_r and the new ledger head
+    stepped_from: SteppedFrom  # θ_{r-1}, m_{r-1}: what an external step may change
+
+
+@dataclasses.dataclass(frozen=True)
+class Closing:
+    """A committed round, after every step of the sequence ran (or failed, logged)."""
+
+    committed: Committed
+    manifest: RunManifest  # with the round's entry (unchanged if that write failed)
+    prune_from: int  # where the next commit's retention starts looking
+    failure: BaseException | None  # the manifest entry's failure: raise once announced
+
+
+def commit_round(
+    ctx: CommitContext,
+    attempt: Attempt,
+    result: AggregateSum,
+    mean: NamedArrays,
+    diagnostics: Mapping[str, float],
+    *,
+    head: RunHead,
+    manifest: RunManifest,
+    prune_from: int,
+    swap: Callable[[Swap], None],
+) -> Closing:
+    """Run the module's sequence for an AGGREGATING attempt whose sum was revealed;
+    ``swap`` is called at the commit point (step 5). ``mean`` is overwritten (the
+    momentum is written over it).
+
+    Raises:
+        StoreError, LedgerError: a write before the commit point was refused (nothing is
+            committed, nothing changed in memory).
+    """
+    groups = ctx.config.groups
+    averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))
+    params, momentum = outer_step(  # m' is written over the mean (not used again)
+        attempt.state.params, head.momentum, mean, ctx.config.outer, averaged,
+        consume_mean=True,
+    )  # fmt: skip
+    committed = write_commit(
+        ctx.store,
+        ctx.ledger,
+        attempt,
+        result,
+        diagnostics,
+        lambda: ctx.pin(attempt.round, params, copy=False),  # θ_r: fresh arrays
+        momentum,
+        head_hash=head.record_hash,
+        secure_sum=ctx.secure_sum,
+        manifest=manifest,
+        privacy=ctx.privacy,
+    )
+    # -- the commit point: the ledger holds the round; nothing below may abort it ------
+    new_head = RunHead(committed.state, committed.momentum, committed.record.record_hash)
+    swap(Swap(new_head, SteppedFrom(attempt.state.params, head.momentum, averaged)))
+    _warn_unbound(committed.record)
+    # the closed round's entries stay in the store only: memory does not grow
+    entry, failure = after_commit_point(
+        attempt.round,
+        "its manifest entry",
+        lambda: manifest.with_round(ctx.store, committed.entry).since(committed.state.next_round),
+        Exception,
+    )
+    if entry is None:  # the evidence is incomplete: keep every checkpoint for now
+        return Closing(committed, manifest, prune_from, failure)
+    retention = ctx.config.retention
+    pruned, _ = after_commit_point(
+        attempt.round,
+        "pruning old checkpoints",
+        lambda: prune_checkpoints(ctx.store, retention, committed.record, since=prune_from),
+        (LensembleError, OSError),
+    )
+    return Closing(committed, entry, prune_from if pruned is None else pruned, None)
+
+
+_T = TypeVar("_T")
+
+
+def after_commit_point(
+    round: int,
+    what: str,
+    step: Callable[[], _T],
+    caught: type[BaseException] | tuple[type[BaseException], ...],
+) -> tuple[_T | None, BaseException | None]:
+    """Run one step after round ``round``'s commit point under the module's rule: what
+    it raises of ``caught`` is logged, never undoes the round, and is handed back.
+
+    Returns:
+        ``(its result, None)``, or ``(None, the error)`` once it failed.
+    """
     try:
-        return prune_checkpoints(store, policy, head, since=since)
-    except (LensembleError, OSError) as exc:
-        log.error("round %d committed; pruning old checkpoints failed: %r", head.round, exc)
-        return since
+        return step(), None
+    except caught as exc:
+        log.error("round %d committed; %s failed: %r", round, what, exc)
+        return None, exc
+
+
+def _warn_unbound(record: ContributionRecord) -> None:
+    """Warn of contributions the round summed without a dataset commitment."""
+    if unbound := record.unbound:
+        more = f" and {len(unbound) - 5} more (lensemble-flwr show lists them)"
+        log.warning(
+            "round %d closed with UNBOUND contributions (no dataset commitment) from %s%s",
+            record.round,
+            ", ".join(unbound[:5]),
+            more if len(unbound) > 5 else "",
+        )
