@@ -28,7 +28,8 @@ def core_of(tmp: Path) -> RoundCore:
 
 
 def update(core: RoundCore) -> Update:
-    delta = {n: np.full_like(a, 0.5, dtype=np.float32) for n, a in core.head.state.params.items()}
+    params = core.run.head.state.params
+    delta = {n: np.full_like(a, 0.5, dtype=np.float32) for n, a in params.items()}
     return Update(
         run_id="run", round=1, attempt=1, sender="p00", participant_id="p00",
         dataset_root=ROOT, delta=delta, l2_norm=0.0, num_examples=8,
@@ -41,7 +42,7 @@ def test_the_core_holds_no_transport_and_reads_no_clock() -> None:
 
 def test_a_round_closes_on_values_alone(tmp_path: Path) -> None:
     core = core_of(tmp_path)
-    before = core.head.state.params_hash
+    before = core.run.head.state.params_hash
     attempt = core.begin(now=100.0)
     assert attempt.started == 100.0 and attempt.phase is RoundState.OPEN
     assert [peer for peer, _ in core.invite(("p00",))] == ["p00"]
@@ -55,8 +56,8 @@ def test_a_round_closes_on_values_alone(tmp_path: Path) -> None:
     outcome = core.outcome(attempt, concluded.result, concluded.diagnostics, None, now=102.5)
     assert outcome.elapsed == 2.5 and outcome.contributors == ("p00",)
     (record,) = Ledger(Store(tmp_path / "run")).records()
-    assert core.head.state.params_hash == record.new_global_hash != before
-    assert core.head.record_hash == record.record_hash == concluded.close.record_hash
+    assert core.run.head.state.params_hash == record.new_global_hash != before
+    assert core.run.head.record_hash == record.record_hash == concluded.close.record_hash
 
 
 def test_a_deadline_handed_in_short_of_the_quorum_raises_and_abort_is_recorded(
@@ -71,7 +72,7 @@ def test_a_deadline_handed_in_short_of_the_quorum_raises_and_abort_is_recorded(
     outcome = core.abort(FaultToleranceExceeded("nobody came"), now=35.0)
     assert outcome.state is RoundState.ABORTED and outcome.elapsed == 30.0
     assert attempt.phase is RoundState.ABORTED
-    assert [(e.round, e.attempt, e.state) for e in core.manifest.rounds] == [
+    assert [(e.round, e.attempt, e.state) for e in core.run.manifest.rounds] == [
         (1, 1, RoundState.ABORTED)
     ]
     assert core.next_attempt() == 2
@@ -84,5 +85,5 @@ def test_resume_core_continues_the_stored_run(tmp_path: Path) -> None:
     core.begin(now=0.0)
     core.abort(FaultToleranceExceeded("nobody came"), now=1.0)
     again = resume_core(Wiring(small_config(min_participants=1), Store(tmp_path / "run")))
-    assert again.head.state.params_hash == core.head.state.params_hash
+    assert again.run.head.state.params_hash == core.run.head.state.params_hash
     assert again.next_attempt() == 2 and again.inputs.run_id == "run"

@@ -10,7 +10,8 @@ is the commit point:
 3. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
 4. the ledger record, chained to the previous one — from here on the round is committed;
-5. the swap: the caller's in-memory state becomes θ_r, m_r and the new ledger head;
+5. the swap: the run held in memory (:class:`HeldRun`) moves to θ_r, m_r and the new
+   ledger head, and the attempt is CLOSED;
 6. the manifest entry of the closed round;
 7. retention: the checkpoints the policy keeps no more are pruned
    (:mod:`~lensemble_flwr.provenance.retention`).
@@ -44,11 +45,12 @@ from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
-from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.round import RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
     REGISTRY,
     ContributionRecord,
+    ExternalStep,
     Ledger,
     RoundEntry,
     RunManifest,
@@ -199,11 +201,31 @@ def _pinned(
 
 @dataclasses.dataclass(frozen=True)
 class RunHead:
-    """What a coordinator holds in memory of its run's last commit (or of θ_0)."""
+    """The committed state a round starts from: θ, its momentum and the ledger head."""
 
     state: GlobalState  # the global state the next round starts from
     momentum: NamedArrays  # the outer optimizer's momentum with it
     record_hash: str  # the ledger's head record (GENESIS before the first commit)
+
+
+@dataclasses.dataclass
+class HeldRun:
+    """The run as a coordinator holds it in memory: what a commit swaps and updates.
+
+    Attributes:
+        head: the committed state the next round starts from.
+        manifest: the run's manifest header and the current round's entries.
+        external_step: how ``head`` replaced the last commit's model, if it did.
+        stepped_from: θ_{r-1} and m_{r-1} of the last commit, while an external step
+            may still change its model (until the next attempt begins).
+        prune_from: the first round whose checkpoints retention still looks at.
+    """
+
+    head: RunHead
+    manifest: RunManifest
+    external_step: ExternalStep | None = None
+    stepped_from: SteppedFrom | None = None
+    prune_from: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,84 +240,67 @@ class CommitContext:
     pin: Callable[..., GlobalState]  # (round, params, *, copy) -> θ_round, hashed
 
 
-@dataclasses.dataclass(frozen=True)
-class Swap:
-    """What replaces the coordinator's in-memory state at the commit point."""
-
-    head: RunHead  # θ_r, m_r and the new ledger head
-    stepped_from: SteppedFrom  # θ_{r-1}, m_{r-1}: what an external step may change
-
-
-@dataclasses.dataclass(frozen=True)
-class Closing:
-    """A committed round, after every step of the sequence ran (or failed, logged)."""
-
-    committed: Committed
-    manifest: RunManifest  # with the round's entry (unchanged if that write failed)
-    prune_from: int  # where the next commit's retention starts looking
-    failure: BaseException | None  # the manifest entry's failure: raise once announced
-
-
 def commit_round(
     ctx: CommitContext,
+    run: HeldRun,
     attempt: Attempt,
     result: AggregateSum,
     mean: NamedArrays,
     diagnostics: Mapping[str, float],
-    *,
-    head: RunHead,
-    manifest: RunManifest,
-    prune_from: int,
-    swap: Callable[[Swap], None],
-) -> Closing:
-    """Run the module's sequence for an AGGREGATING attempt whose sum was revealed;
-    ``swap`` is called at the commit point (step 5). ``mean`` is overwritten (the
-    momentum is written over it).
+    on_transition: Callable[[RoundMachine], None] | None = None,
+) -> tuple[Committed, BaseException | None]:
+    """Run the module's sequence for a COMMITTING attempt whose sum was revealed.
+    ``mean`` is overwritten (the momentum is written over it). At the commit point
+    ``run`` is swapped to the new state and the attempt fires COMMITTED (told to
+    ``on_transition``); after it, ``run``'s manifest and retention point follow.
+
+    Returns:
+        The commit, and the manifest entry's failure (to raise once the round is
+        announced), if it failed.
 
     Raises:
         StoreError, LedgerError: a write before the commit point was refused (nothing is
-            committed, nothing changed in memory).
+            committed, ``run`` is unchanged).
     """
-    groups = ctx.config.groups
+    head, groups = run.head, ctx.config.groups
     averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))
     params, momentum = outer_step(  # m' is written over the mean (not used again)
         attempt.state.params, head.momentum, mean, ctx.config.outer, averaged,
         consume_mean=True,
     )  # fmt: skip
     committed = write_commit(
-        ctx.store,
-        ctx.ledger,
-        attempt,
-        result,
-        diagnostics,
+        ctx.store, ctx.ledger, attempt, result, diagnostics,
         lambda: ctx.pin(attempt.round, params, copy=False),  # θ_r: fresh arrays
-        momentum,
-        head_hash=head.record_hash,
-        secure_sum=ctx.secure_sum,
-        manifest=manifest,
-        privacy=ctx.privacy,
-    )
+        momentum, head_hash=head.record_hash, secure_sum=ctx.secure_sum,
+        manifest=run.manifest, privacy=ctx.privacy,
+    )  # fmt: skip
     # -- the commit point: the ledger holds the round; nothing below may abort it ------
-    new_head = RunHead(committed.state, committed.momentum, committed.record.record_hash)
-    swap(Swap(new_head, SteppedFrom(attempt.state.params, head.momentum, averaged)))
+    run.head = RunHead(committed.state, committed.momentum, committed.record.record_hash)
+    run.stepped_from = SteppedFrom(attempt.state.params, head.momentum, averaged)
+    run.external_step = None
+    attempt.machine.fire(RoundEvent.COMMITTED)
+    if on_transition is not None:
+        on_transition(attempt.machine)
     _warn_unbound(committed.record)
     # the closed round's entries stay in the store only: memory does not grow
+    manifest, next_round = run.manifest, committed.state.next_round
     entry, failure = after_commit_point(
         attempt.round,
         "its manifest entry",
-        lambda: manifest.with_round(ctx.store, committed.entry).since(committed.state.next_round),
+        lambda: manifest.with_round(ctx.store, committed.entry).since(next_round),
         Exception,
     )
     if entry is None:  # the evidence is incomplete: keep every checkpoint for now
-        return Closing(committed, manifest, prune_from, failure)
-    retention = ctx.config.retention
+        return committed, failure
+    run.manifest, retention = entry, ctx.config.retention
     pruned, _ = after_commit_point(
         attempt.round,
         "pruning old checkpoints",
-        lambda: prune_checkpoints(ctx.store, retention, committed.record, since=prune_from),
+        lambda: prune_checkpoints(ctx.store, retention, committed.record, since=run.prune_from),
         (LensembleError, OSError),
     )
-    return Closing(committed, entry, prune_from if pruned is None else pruned, None)
+    run.prune_from = run.prune_from if pruned is None else pruned
+    return committed, None
 
 
 _T = TypeVar("_T")

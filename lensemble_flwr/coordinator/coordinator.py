@@ -233,11 +233,11 @@ class Coordinator(Driver):
 
     def global_state(self) -> GlobalState:
         """The canonical committed global state (the state the next round starts from)."""
-        return self.core.head.state
+        return self.core.run.head.state
 
     def momentum(self) -> NamedArrays:
         """Copies of the outer optimizer's momentum."""
-        return {n: a.copy() for n, a in self.core.head.momentum.items()}
+        return {n: a.copy() for n, a in self.core.run.head.momentum.items()}
 
     @property
     def manifest(self) -> RunManifest:

@@ -35,19 +35,14 @@ from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.batch import Prepared
 from lensemble_flwr.coordinator.commit import (
     CommitContext,
-    RunHead,
-    Swap,
+    HeldRun,
     commit_round,
     entry_of,
 )
 from lensemble_flwr.coordinator.durable import mark_started
 from lensemble_flwr.coordinator.envelope import Ingress
 from lensemble_flwr.coordinator.exits import Look
-from lensemble_flwr.coordinator.external_step import (
-    SteppedFrom,
-    check_adoptable,
-    take_external_step,
-)
+from lensemble_flwr.coordinator.external_step import check_adoptable, take_external_step
 from lensemble_flwr.coordinator.inputs import RoundInputs
 from lensemble_flwr.coordinator.modes import Exchange, PlaintextMode, RoundMode
 from lensemble_flwr.coordinator.outcomes import RecentOutcomes
@@ -109,11 +104,10 @@ class RoundCore:
     """A run's round steps, on values (see the module).
 
     Attributes:
-        head: the committed state the next round starts from.
-        manifest: the run's manifest header and the current round's entries.
+        run: the run held in memory: its committed head, the current round's manifest
+            entries, an external step (see :class:`~.commit.HeldRun`).
         attempt: the current (or last) attempt; None before the first.
         outcomes: every outcome reported, the latest few held.
-        external_step: how ``head`` replaced the last commit's model, if it did.
     """
 
     def __init__(
@@ -124,16 +118,13 @@ class RoundCore:
         registry: ParticipantRegistry,
         mode: RoundMode,
         commit: CommitContext,
-        head: RunHead,
-        manifest: RunManifest,
+        run: HeldRun,
         outcomes: RecentOutcomes,
         observers: Observers,
-        external_step: ExternalStep | None = None,
     ) -> None:
         self.inputs, self.config = inputs, inputs.config
         self.store, self.registry, self.mode = store, registry, mode
-        self._commit = commit
-        self.head, self.manifest, self.external_step = head, manifest, external_step
+        self._commit, self.run = commit, run
         self.outcomes, self.observers = outcomes, observers
         self.attempt: Attempt | None = None
         self.ingress = Ingress(
@@ -147,8 +138,6 @@ class RoundCore:
         self._signed_from: dict[str, int] = {}  # participant -> the node it last signed from
         self._older_digests: dict[tuple[int, int], Mapping[str, str] | None] = {}
         self._oversampling_warned = False
-        self._stepped_from: SteppedFrom | None = None  # the last commit's θ_t, m_t
-        self._prune_from = 0  # the first round whose checkpoints retention still looks at
 
     # -- values ------------------------------------------------------------------------
     def current(self) -> Attempt:
@@ -163,12 +152,12 @@ class RoundCore:
 
     def next_attempt(self) -> int:
         """The attempt number the current round's next attempt will carry."""
-        r = self.head.state.next_round
-        return 1 + sum(1 for e in self.manifest.rounds if e.round == r)
+        r = self.run.head.state.next_round
+        return 1 + sum(1 for e in self.run.manifest.rounds if e.round == r)
 
     def round_open(self, attempt: int) -> RoundOpen:
         """The plaintext RoundOpen of attempt ``attempt`` of the next round."""
-        return self.inputs.round_open(self.head.state, attempt)
+        return self.inputs.round_open(self.run.head.state, attempt)
 
     # -- the steps ---------------------------------------------------------------------
     def begin(self, *, now: float, declared: int | None = None) -> Attempt:
@@ -186,12 +175,12 @@ class RoundCore:
                 f"round {self.attempt.round} attempt {self.attempt.number} has not ended"
             )
         _check_quorum_reachable(self.config, declared)
-        state, number = self.head.state, self.next_attempt()
+        state, number = self.run.head.state, self.next_attempt()
         mark_started(self.store, state.next_round, number)
         attempt = Attempt(
             machine=RoundMachine(state.next_round, number),
             state=state,
-            external_step=self.external_step,
+            external_step=self.run.external_step,
             round_open=self.round_open(number),
             started=now,
             grace=self.grace,
@@ -201,7 +190,7 @@ class RoundCore:
         self.grace = 0.0
         self._reach.forget()  # its keys name the previous attempt, which can go now
         self.attempt = attempt
-        self._stepped_from = None  # adopt() is refused from now on: θ_{t-1}, m_{t-1} can go
+        self.run.stepped_from = None  # adopt() is refused from now on: θ_{t-1}, m_{t-1} go
         self.mode.begin(attempt)
         return attempt
 
@@ -383,33 +372,24 @@ class RoundCore:
             mean = result.mean()
             diagnostics = self.inputs.diagnose(attempt.state, mean)
             self.fire(attempt, RoundEvent.DIAGNOSED)
-            closing = commit_round(
-                self._commit, attempt, result, mean, diagnostics, head=self.head,
-                manifest=self.manifest, prune_from=self._prune_from, swap=self._swap,
+            committed, failure = commit_round(
+                self._commit, self.run, attempt, result, mean, diagnostics,
+                self.observers.on_transition,
             )  # fmt: skip
         except LensembleError as exc:
             if attempt.phase in TERMINAL_STATES:
                 raise  # an observer of the commit raised it: the round stays committed
             return exc
-        self.manifest, self._prune_from = closing.manifest, closing.prune_from
         close = RoundClose(
             run_id=self.inputs.run_id,
             round=attempt.round,
             sender=COORDINATOR,
             previous_hash=attempt.state.params_hash,
-            global_hash=closing.committed.state.params_hash,
+            global_hash=committed.state.params_hash,
             count=len(result.contributors),
-            record_hash=closing.committed.record.record_hash,
+            record_hash=committed.record.record_hash,
         )
-        return Concluded(attempt, result, diagnostics, close, closing.failure)
-
-    def _swap(self, swap: Swap) -> None:
-        """The commit point's swap: the committed state replaces the one in memory."""
-        attempt = self.current()
-        self._stepped_from = swap.stepped_from
-        self.external_step = None
-        self.head = swap.head
-        self.fire(attempt, RoundEvent.COMMITTED)
+        return Concluded(attempt, result, diagnostics, close, failure)
 
     def abort(self, error: LensembleError, *, now: float) -> RoundOutcome:
         """End the current attempt ABORTED with ``error``; the global state is untouched."""
@@ -421,7 +401,7 @@ class RoundCore:
         # and the model (kept outcomes would pin them, and the sum's buffers, for good)
         outcome = self.outcome(attempt, None, {}, error.with_traceback(None), now=now)
         entry = entry_of(attempt, None, {}, reason, secure_sum=self.mode.secure_sum)
-        self.manifest = self.manifest.with_round(self.store, entry)
+        self.run.manifest = self.run.manifest.with_round(self.store, entry)
         self.report(outcome)
         return outcome
 
@@ -432,10 +412,10 @@ class RoundCore:
             IllegalTransition, ParameterMismatch, CheckpointIntegrityError, StoreError:
                 as ``Coordinator.adopt`` (nothing changes).
         """
-        committed = self.head.state
+        committed = self.run.head.state
         check_adoptable(committed.params, params)
         state = self.inputs.pin(committed.round, params)  # a copy, hashed once
-        step = self.external_step
+        step = self.run.external_step
         if step is not None:
             if state.params_hash == step.adopted_hash:
                 return step
@@ -449,7 +429,8 @@ class RoundCore:
                 f"adopt: round {attempt.round} attempt {attempt.number} already started "
                 "from the committed model"
             )
-        if self._stepped_from is None or attempt is None:
+        stepped_from = self.run.stepped_from
+        if stepped_from is None or attempt is None:
             raise IllegalTransition(
                 "adopt: this coordinator committed no round since it started; only the "
                 "model a round just committed can be changed"
@@ -457,10 +438,10 @@ class RoundCore:
         if state.params_hash == committed.params_hash:
             return None
         momentum, step = take_external_step(
-            self.store, committed, self._stepped_from, state, self.config.outer
+            self.store, committed, stepped_from, state, self.config.outer
         )
-        self.head = dataclasses.replace(self.head, state=state, momentum=momentum)
-        self.external_step = step
+        self.run.head = dataclasses.replace(self.run.head, state=state, momentum=momentum)
+        self.run.external_step = step
         log.info(
             "round %d trains from a model changed after the previous commit (change norm "
             "%.4g; recorded as its external step)",
@@ -496,7 +477,7 @@ class RoundCore:
             contributors=contributors,
             late=tuple(sorted(attempt.late)),
             rejected=attempt.rejected,
-            global_hash=self.head.state.params_hash,
+            global_hash=self.run.head.state.params_hash,
             diagnostics=dict(diagnostics),
             elapsed=now - attempt.started,
             path=attempt.path(),
@@ -511,10 +492,10 @@ class RoundCore:
 
     def admitted_digests(self, round: int, attempt: int) -> Mapping[str, str] | None:
         """The update digests the manifest records as admitted in ``(round, attempt)``."""
-        for entry in self.manifest.rounds:  # the current round's entries
+        for entry in self.run.manifest.rounds:  # the current round's entries
             if (entry.round, entry.attempt) == (round, attempt):
                 return entry.update_digests
-        if round >= self.head.state.next_round:
+        if round >= self.run.head.state.next_round:
             return None  # not recorded yet, so not in the store either
         key = (round, attempt)
         if key not in self._older_digests:  # read once; the last few are kept

@@ -22,7 +22,7 @@ from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.attempt import RoundOutcome
-from lensemble_flwr.coordinator.commit import CommitContext, RunHead
+from lensemble_flwr.coordinator.commit import CommitContext, HeldRun, RunHead
 from lensemble_flwr.coordinator.core import Observers, RoundCore
 from lensemble_flwr.coordinator.inputs import RoundInputs
 from lensemble_flwr.coordinator.modes import AggregatorFactory, mode_for
@@ -107,7 +107,7 @@ def create_core(wiring: Wiring, run_id: str, initial_params: Mapping[str, np.nda
         initial_params_hash=state.params_hash,
         initial_checkpoint=initial,
     )
-    core = _core(wiring, inputs, registry, RunHead(state, momentum, GENESIS), manifest)
+    core = _core(wiring, inputs, registry, HeldRun(RunHead(state, momentum, GENESIS), manifest))
     manifest.start(store)
     return core
 
@@ -140,10 +140,8 @@ def resume_core(
     head = RunHead(state, recovered.momentum, recovered.head_hash)
     registry.restore()
     entries = record_interrupted(store, recovered.manifest, state, recovered.external_step)
-    core = _core(
-        wiring, inputs, registry, head, entries.since(state.next_round), ledger,
-        external_step=recovered.external_step,
-    )  # fmt: skip
+    run = HeldRun(head, entries.since(state.next_round), recovered.external_step)
+    core = _core(wiring, inputs, registry, run, ledger)
     log.info(
         "resumed run %s at round %d (%d participants registered)",
         manifest.run_id,
@@ -192,10 +190,8 @@ def _core(
     wiring: Wiring,
     inputs: RoundInputs,
     registry: ParticipantRegistry,
-    head: RunHead,
-    manifest: RunManifest,
+    run: HeldRun,
     ledger: Ledger | None = None,
-    **more: object,
 ) -> RoundCore:
     """The core over the checked parts."""
     config, store = wiring.config, wiring.store
@@ -222,10 +218,8 @@ def _core(
         registry=registry,
         mode=mode,
         commit=CommitContext(store, ledger, config, mode.secure_sum, privacy, inputs.pin),
-        head=head,
-        manifest=manifest,
+        run=run,
         # every attempt's outcome by position, the latest few held (the manifest has all)
         outcomes=RecentOutcomes(max(KEEP_OUTCOMES, config.federation.max_round_attempts)),
         observers=Observers(wiring.on_round, wiring.on_transition),
-        **more,  # type: ignore[arg-type]
     )

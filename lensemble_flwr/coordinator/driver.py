@@ -153,9 +153,9 @@ class Driver:
         """
         if num_rounds < 0:
             raise ValueError("num_rounds must be >= 0")
-        target = self.core.head.state.round + num_rounds
+        target = self.core.run.head.state.round + num_rounds
         noise_multiplier_of(self.core.config, rounds=target)
-        while self.core.head.state.round < target:
+        while self.core.run.head.state.round < target:
             outcome = self.run_attempt()
             if outcome.state is RoundState.CLOSED:
                 continue
@@ -233,7 +233,7 @@ class Driver:
                 its budget (as :meth:`run` checks; nothing is started).
         """
         self._require_transport()
-        noise_multiplier_of(self.core.config, rounds=self.core.head.state.next_round)
+        noise_multiplier_of(self.core.config, rounds=self.core.run.head.state.next_round)
         attempt = self.begin_attempt()
         failed = self._deliver_invitations(attempt)
         self._opened = EndedOnDelivery(failed) if failed is not None else Delivered(attempt)
