@@ -249,10 +249,9 @@ def commit_round(
     diagnostics: Mapping[str, float],
     on_transition: Callable[[RoundMachine], None] | None = None,
 ) -> tuple[Committed, BaseException | None]:
-    """Run the module's sequence for a COMMITTING attempt whose sum was revealed.
-    ``mean`` is overwritten (the momentum is written over it). At the commit point
-    ``run`` is swapped to the new state and the attempt fires COMMITTED (told to
-    ``on_transition``); after it, ``run``'s manifest and retention point follow.
+    """Run the module's sequence for a COMMITTING attempt whose sum was revealed
+    (``mean`` is overwritten); at the commit point ``run`` is swapped and the attempt
+    fires COMMITTED (told to ``on_transition``).
 
     Returns:
         The commit, and the manifest entry's failure (to raise once the round is
