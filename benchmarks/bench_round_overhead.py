@@ -16,8 +16,8 @@ not a test: the exit code is 0 whatever the outcome.
 Three passes over the same federation, after the warm-up rounds:
   1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number);
   2. phases: the same with a timer around a few disjoint phases (inner loop, rest of the
-     participant, coordinator ingress (``Coordinator.receive``), reveal + verify (the
-     round mode's ``reveal``), commit (``outer_step`` + ``write_commit``), manifest
+     participant, coordinator ingress (the core's ``receive``), reveal + verify (the
+     round mode's ``reveal``), commit (``commit.outer_step`` + ``commit.write_commit``), manifest
      record (``RunManifest.with_round``));
   3. profile: the same under cProfile, top functions by own time.
 Finally a synthetic probe of how the per-round manifest save grows with the round index.
