@@ -16,8 +16,8 @@ not a test: the exit code is 0 whatever the outcome.
 Three passes over the same federation, after the warm-up rounds:
   1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number);
   2. phases: the same with a timer around a few disjoint phases (inner loop, rest of the
-     participant, coordinator ingress (``Coordinator.receive``), reveal + verify (the
-     round mode's ``reveal``), commit (``outer_step`` + ``write_commit``), manifest
+     participant, coordinator ingress (the core's ``receive``), reveal + verify (the
+     round mode's ``reveal``), commit (``commit.outer_step`` + ``commit.write_commit``), manifest
      record (``RunManifest.with_round``));
   3. profile: the same under cProfile, top functions by own time.
 Finally a synthetic probe of how the per-round manifest save grows with the round index.
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import lensemble_flwr.coordinator.coordinator as coordinator_module
+import lensemble_flwr.coordinator.commit as commit_module
 import lensemble_flwr.participant.local_training as local_training_module
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
@@ -144,10 +144,10 @@ def phase_breakdown(
 
     The timers are swapped in for the pass and removed afterwards; no package code is
     changed. They wrap instance attributes (each participant's ``handle``, the
-    coordinator's ``receive`` and its round mode's ``reveal``), the inner loop
+    coordinator core's ``receive`` and its round mode's ``reveal``), the inner loop
     (``local_training.run_inner_loop``, which ``TorchTraining.fit`` calls) and
-    ``torch.manual_seed``, the two module globals ``Coordinator.conclude`` commits with
-    (``outer_step``, ``write_commit``), and ``RunManifest.with_round``, the manifest
+    ``torch.manual_seed``, the two module globals the commit sequence commits with
+    (``commit.outer_step``, ``commit.write_commit``), and ``RunManifest.with_round``, the manifest
     entry every attempt ends with."""
     timers = PhaseTimers()
     original_inner, original_seed = local_training_module.run_inner_loop, torch.manual_seed
@@ -162,10 +162,10 @@ def phase_breakdown(
     # (owner, attribute, phase); an instance attribute is deleted afterwards, a module or
     # class attribute is set back
     patched: list[tuple[Any, str, str]] = [
-        (coordinator, "receive", ingress),
+        (coordinator.core, "receive", ingress),
         (coordinator.mode, "reveal", reveal),
-        (coordinator_module, "outer_step", commit),
-        (coordinator_module, "write_commit", commit),
+        (commit_module, "outer_step", commit),
+        (commit_module, "write_commit", commit),
         (RunManifest, "with_round", record),
     ]
     originals = [vars(owner).get(attr) for owner, attr, _ in patched]

@@ -205,3 +205,41 @@ def test_a_message_of_another_attempt_is_filed_late_in_any_listening_state(
         assert coordinator.receive(to_wire(stale)) is Verdict.LATE
         assert coordinator.attempt is not None and coordinator.attempt.late == {"p00"}
         assert coordinator.attempt.admitted == set()
+
+
+def test_each_mode_has_one_round_table_whose_exits_are_legal_transitions() -> None:
+    """The flat views are the round tables' admission; every exit fires an event the
+    round's transition table allows from that state; only OPEN and COLLECTING are left
+    by ``advance``."""
+    from lensemble_flwr.coordinator.admission import PLAINTEXT_ROUND, flat
+    from lensemble_flwr.coordinator.modes import MASKED_ROUND, PlaintextMode
+    from lensemble_flwr.protocol.round import TRANSITIONS
+
+    for mode, table in ((PlaintextMode, PLAINTEXT_ROUND), (MaskedMode, MASKED_ROUND)):
+        assert mode.table is table and dict(mode.admission) == dict(flat(table))
+        exits = {state: phase.exit for state, phase in table.items() if phase.exit}
+        assert set(exits) == {RoundState.OPEN, RoundState.COLLECTING}
+        for state, rule in exits.items():
+            assert (state, rule.event) in TRANSITIONS
+    assert PLAINTEXT_ROUND[RoundState.OPEN].exit is MASKED_ROUND[RoundState.OPEN].exit
+
+
+def test_a_round_table_that_contradicts_the_state_machine_is_refused() -> None:
+    from lensemble_flwr.coordinator.admission import Phase, flat
+    from lensemble_flwr.coordinator.exits import LEAVE_OPEN
+
+    with pytest.raises(AssertionError):
+        flat({RoundState.COLLECTING: Phase({}, LEAVE_OPEN)})  # QUORUM_REACHED from COLLECTING
+
+
+def test_a_masked_round_without_an_unmask_exchange_is_refused_in_one_place() -> None:
+    """``conclude_collected`` and a masked round's ``reveal`` refuse a missing unmask
+    exchange through the same check (modes.require_exchange)."""
+    from lensemble_flwr.coordinator.modes import require_exchange
+    from lensemble_flwr.errors import ConfigError
+
+    config = small_config(min_participants=2, secagg_threshold=2)
+    mode = MaskedMode(config, None, "run")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unmask exchange"):
+        require_exchange(mode, None)
+    require_exchange(mode, lambda requests, done: None)  # an exchange: accepted

@@ -149,7 +149,7 @@ def test_a_sampled_federation_with_a_retry_writes_the_bytes_it_wrote_before(
 
 def test_the_coordinator_keeps_only_the_current_rounds_entries(tmp_path: Path) -> None:
     coordinator, _ = _churn(tmp_path / "run")
-    assert coordinator._manifest.rounds == ()  # round 5 closed: round 6 has no entry yet
+    assert coordinator.core.run.manifest.rounds == ()  # round 5 closed: round 6 has none yet
     stored = RunManifest.load(Store(tmp_path / "run"))
     assert coordinator.manifest == stored and len(stored.rounds) == 5
     assert RunManifest.entry(Store(tmp_path / "run"), 2, 1) == stored.rounds[1]
@@ -163,7 +163,7 @@ def test_resume_keeps_only_the_current_rounds_entries(tmp_path: Path) -> None:
     coordinator.begin_attempt()  # round 3 attempt 1 starts, then the coordinator "dies"
     store = Store(tmp_path / "run")
     resumed = Coordinator.resume(_config(), transport=network.coordinator, store=store)
-    assert [(e.round, e.attempt, e.state) for e in resumed._manifest.rounds] == [
+    assert [(e.round, e.attempt, e.state) for e in resumed.core.run.manifest.rounds] == [
         (3, 1, RoundState.ABORTED)
     ]
     assert resumed.next_attempt() == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.coordinator import coordinator as coordinator_module
+from lensemble_flwr.coordinator import create as create_module
 from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.outcomes import KEEP_OUTCOMES, RecentOutcomes
 from lensemble_flwr.errors import OutcomeForgotten, RoundError
@@ -84,7 +84,7 @@ def _config(**federation: object) -> LensembleConfig:
 def test_the_coordinator_keeps_a_bounded_number_of_outcomes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(coordinator_module, "KEEP_OUTCOMES", 2)
+    monkeypatch.setattr(create_module, "KEEP_OUTCOMES", 2)
     config = _config(max_round_attempts=2)
     coordinator, network, _ = build(config, tmp_path / "run", participants=2)
     coordinator.run(4)
@@ -171,7 +171,7 @@ def test_an_earlier_rounds_round_open_applies_no_scripted_fault_again(tmp_path: 
     coordinator, network, _ = build(_config(), tmp_path / "run", participants=3)
     coordinator.run(2)
     network.faults.drop("p02", round=1, at=RoundState.OPEN)  # scripted for a past round
-    stale = to_wire(coordinator._round_open(1).model_copy(update={"round": 1, "attempt": 2}))
+    stale = to_wire(coordinator.core.round_open(1).model_copy(update={"round": 1, "attempt": 2}))
     network.inject(COORDINATOR, "p00", stale)
     network.flush()
     assert "p02" in network.online() and network._opened == {(2, 1)}

@@ -84,7 +84,7 @@ def test_an_unsampled_participant_is_not_invited_and_its_update_is_refused(
     )  # fmt: skip
     assert coordinator.advance(attempt.invited, deadline_passed=False)  # OPEN → COLLECTING
     with pytest.raises(RoundError, match="not invited"):
-        admit(attempt, update, coordinator._ingress, coordinator.mode.admission)
+        admit(attempt, update, coordinator.core.ingress, coordinator.mode.admission)
     assert attempt.admitted == set()
 
 
@@ -267,3 +267,35 @@ def test_a_poisson_draw_below_the_quorum_is_redrawn_before_anyone_trains(
         hopeless.run(1)
     assert hopeless.outcomes[-1].elapsed < hopeless.config.federation.open_timeout
     assert all(node._last_open is None for node in nodes)  # no RoundOpen went out
+
+
+def test_the_sample_is_a_pure_function_of_the_reachable_the_round_and_the_attempt() -> None:
+    """``draw_sample`` reads nothing but its arguments: the same values draw the same
+    sample, another attempt another one, and fewer than min-available reachable draws
+    none (the attempt waits)."""
+    from lensemble_flwr.coordinator.sampling import draw_sample
+
+    fed = FederationConfig(sample_fraction=0.3, min_participants=2, min_available=5)
+    everyone = frozenset(f"p{i:02d}" for i in range(20))
+    first = draw_sample(everyone, 3, 1, fed)
+    assert first is not None and len(first) == fed.sample_size(20) and first <= everyone
+    assert draw_sample(everyone, 3, 1, fed) == first
+    assert draw_sample(frozenset(sorted(everyone, reverse=True)), 3, 1, fed) == first
+    assert {draw_sample(everyone, 3, n, fed) for n in range(1, 6)} != {first}
+    assert draw_sample(frozenset(sorted(everyone)[:4]), 3, 1, fed) is None  # 4 < 5
+    poisson = fed.model_copy(update={"sample_mode": "poisson"})
+    drawn = draw_sample(everyone, 3, 1, poisson)
+    assert drawn is not None and len(drawn) >= poisson.quorum
+
+
+def test_oversampling_is_flagged_only_for_a_noised_fixed_sample() -> None:
+    from lensemble_flwr.config import PrivacyConfig
+    from lensemble_flwr.coordinator.sampling import oversampled
+
+    fixed = FederationConfig(sample_fraction=0.1, min_participants=2)
+    noised = PrivacyConfig(clip_norm=1.0, noise_multiplier=1.0, dp_epsilon=8.0)
+    assert oversampled(5, 20, fixed, noised)  # 5 > 0.1 * 20 + 1
+    assert not oversampled(3, 20, fixed, noised)
+    assert not oversampled(5, 20, fixed, PrivacyConfig())  # no noise: no plan to break
+    poisson = fixed.model_copy(update={"sample_mode": "poisson"})
+    assert not oversampled(5, 20, poisson, noised)

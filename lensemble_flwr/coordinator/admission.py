@@ -1,19 +1,24 @@
-"""Message admission as data: one table from (round state, message type) to a handler.
+"""Message admission as data: one round table per mode, and the attempt's only writers.
 
 Every message a participant sends reaches the round through :func:`admit`, whoever
 collected it (the blocking loop over a transport, Flower's stock ``aggregate_train``, the
-shared-folder decider). :func:`admit` checks the envelope first — a round that still
-listens, a kind a participant may send, this run, this round attempt (an older attempt's
-message is filed as late, or refused as a replay), a valid signature — and then looks the
-pair (``attempt.phase``, ``type(message)``) up in the table. A pair without an entry
-raises :class:`~lensemble_flwr.errors.IllegalMessage`. A handler checks everything before
-it changes anything, so the typed error it raises leaves the attempt as it was — with one
-deliberate exception: a Refusal is recorded before the error it reports is raised (it is
-the participant's word, not a fault of the message).
+shared-folder decider). :func:`admit` first runs the one envelope step
+(:func:`~.envelope.check_envelope`: a round that still listens, a kind a participant may
+send, this run, an invited or registered sender, its signature, late or replay), then
+looks the pair (``attempt.phase``, ``type(message)``) up in the mode's round table. A
+pair without an entry raises :class:`~lensemble_flwr.errors.IllegalMessage`. A handler
+checks everything before it changes anything, so the typed error it raises leaves the
+attempt as it was — with one deliberate exception: a Refusal is recorded before the
+error it reports is raised (it is the participant's word, not a fault of the message).
 
-The base table (:data:`ADMISSION`) is the plaintext round's; a round mode adds or replaces
-entries (a masked round admits unmask responses while AGGREGATING, and keeps the next
-mask key each member announces with its update).
+A round table (:data:`PLAINTEXT_ROUND` here, ``MASKED_ROUND`` in :mod:`.modes`) maps
+each state to its :class:`Phase`: the handler of each message kind it admits, and the
+exit rule (:mod:`.exits`) by which ``advance`` leaves it. The flat views
+(:data:`ADMISSION`, ``MASKED_ADMISSION``: (state, kind) → handler) are derived from them.
+
+The handlers, and the named writers below them for what is not a message (an
+invitation, the attempt's sample, a rename, a rejected message, the aggregator and the
+member set), are the only code that writes an :class:`~.attempt.Attempt`.
 """
 
 from __future__ import annotations
@@ -25,15 +30,21 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from lensemble_flwr.canonical import derive_seed
+from lensemble_flwr.aggregation.fixed_point import Aggregator
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.coordinator.envelope import (
+    PARTICIPANT_MESSAGES,
+    Ingress,
+    Route,
+    check_envelope,
+)
+from lensemble_flwr.coordinator.exits import LEAVE_COLLECTING, LEAVE_OPEN, ExitRule
 from lensemble_flwr.errors import (
     DuplicateMessage,
     ForgedMessage,
     IllegalMessage,
     PrivacyBudgetExceeded,
-    ReplayedMessage,
     Response,
     RoundError,
     SecureAggregationError,
@@ -42,33 +53,26 @@ from lensemble_flwr.errors import (
     response_to,
 )
 from lensemble_flwr.gauge.runtime import check_sketch
-from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.privacy.budget import SENSITIVITY_FACTORS, noise_stage_name
 from lensemble_flwr.privacy.distributed import DISTRIBUTED_NOISE
 from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
+    MessageKind,
     ParticipantMessage,
     Refusal,
     UnmaskResponse,
     Update,
-    canonical_fields,
+    WirePayload,
+    kind_of,
     message_digest,
 )
-from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.round import TRANSITIONS, RoundState
 from lensemble_flwr.secagg.keys import check_public_key
-from lensemble_flwr.transports.base import CLIENT_APP_ERROR, TRANSPORT_ERRORS
+from lensemble_flwr.secagg.protocol import Member
+from lensemble_flwr.transports.base import CLIENT_APP_ERROR, STOCK_CLIENTAPP, DeliveredFrom
 
 log = logging.getLogger(__name__)
-
-PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
-    Commitment,
-    Update,
-    Refusal,
-    UnmaskResponse,
-)
-"""The message types a participant may send at all."""
-
 
 class Verdict(str, enum.Enum):
     """What admitting one message did."""
@@ -78,25 +82,6 @@ class Verdict(str, enum.Enum):
     REFUSED = "refused"  # the sender releases nothing this attempt
     DISCLOSED = "disclosed"  # a masked round's unmask response was recorded
     LATE = "late"  # of another attempt, or an update after collection closed: filed
-
-
-@dataclasses.dataclass(frozen=True)
-class Ingress:
-    """What admission checks a message against, besides the attempt itself.
-
-    Attributes:
-        config: the federation's config.
-        run_id: the run every message must name.
-        registry: bindings and identity keys.
-        admitted_digests: ``(round, attempt)`` → the update digests the manifest records
-            as admitted in that attempt (None for an attempt it does not hold): how a
-            late exact copy of an admitted update is recognised as a replay.
-    """
-
-    config: LensembleConfig
-    run_id: str
-    registry: ParticipantRegistry
-    admitted_digests: Callable[[int, int], Mapping[str, str] | None]
 
 
 Handler = Callable[[Attempt, Any, Ingress, Mapping[str, Any]], Verdict]
@@ -260,43 +245,163 @@ def file_late_update(
     return Verdict.LATE
 
 
+
+
+# -- the attempt's other writers: what is not a message ---------------------------------
+def record_invitation(attempt: Attempt, peer: str, *, with_members: bool = False) -> None:
+    """``peer`` is sent the attempt's RoundOpen (``with_members``: the one that lists a
+    masked round's fixed members)."""
+    attempt.invited.add(peer)
+    if with_members:
+        attempt.members_sent.add(peer)
+
+
+def record_sample(attempt: Attempt, sample: frozenset[str]) -> None:
+    """The attempt's sample is drawn (once: :mod:`.sampling`)."""
+    assert attempt.sample is None, "an attempt draws its sample once"
+    attempt.sample = sample
+
+
+def install_aggregator(
+    attempt: Attempt, aggregator: Aggregator, members: list[Member] | None = None
+) -> None:
+    """The attempt's aggregator is built (a masked round's, with its fixed ``members``)."""
+    attempt.aggregator = aggregator
+    if members is not None:
+        attempt.members = members
+
+
+def rename_invitee(attempt: Attempt, address: str, participant: str) -> None:
+    """The peer invited (or sampled) as ``address`` is ``participant``: its invitation
+    and its place in the sample follow the participant's own name. Both sets are
+    replaced, not changed: what was derived from the old ones is stale."""
+    if address in attempt.invited:
+        attempt.invited = (attempt.invited - {address}) | {participant}
+    if attempt.sample is not None and address in attempt.sample:
+        attempt.sample = (attempt.sample - {address}) | {participant}
+
+
+def record_rejection(
+    attempt: Attempt, payload: WirePayload, error: Exception, *, keyless: bool = False
+) -> None:
+    """A message was rejected: counted. A rejected update that the transport took from
+    the invited node's own reply to this attempt
+    (:class:`~lensemble_flwr.transports.base.DeliveredFrom`) is that node's answer all
+    the same: it will not send another, so the round stops waiting for it, and the
+    attempt records why it contributed nothing. Nothing else is changed (a rejection of
+    anything else, or of a message whose sender no transport vouches for, still waits:
+    in process anyone may write any sender into a payload).
+
+    A signature failure answers for nobody (another node may have taken the name), with
+    one exception: an update the transport made of a stock ClientApp's reply, from a
+    participant with no key (``keyless``). Nothing such a node sends can ever be signed,
+    so waiting for it (under ``require-signatures``) could only wait out the deadline."""
+    attempt.rejected += 1
+    if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
+        return
+    stock = tuple(payload.get("transforms") or ()) == (STOCK_CLIENTAPP,)
+    if isinstance(error, ForgedMessage) and not (stock and keyless):
+        return
+    if (payload.round, payload.attempt) != (attempt.round, attempt.number):
+        return
+    if attempt.phase not in (RoundState.OPEN, RoundState.COLLECTING):
+        return
+    peer = payload.peer
+    if peer not in attempt.invited or peer in attempt.admitted or peer in attempt.refused:
+        return
+    attempt.refused[peer] = f"RejectedUpdate: {type(error).__name__}: {str(error)[:500]}"
+
+
+def file_late_message(
+    attempt: Attempt, msg: ParticipantMessage, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """A message of another attempt, authenticated by the envelope step: filed as late."""
+    attempt.late.add(msg.sender)
+    log.info(
+        "round %d: late %s from %s (round %d attempt %d) dropped",
+        attempt.round,
+        msg.kind,
+        msg.sender,
+        msg.round,
+        msg.attempt,
+    )
+    return Verdict.LATE
+
+
+# -- the round table ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One state's row of a round table: what it admits, and how it is left."""
+
+    admits: Mapping[type[ParticipantMessage], Handler]
+    exit: ExitRule | None = None  # None: ``advance`` does not leave it
+
+
+RoundTable = Mapping[RoundState, Phase]
+"""A mode's round table: state -> :class:`Phase`. A state it does not list admits
+nothing and is not left by ``advance``."""
+
+
+def flat(table: RoundTable) -> Table:
+    """The (state, message kind) -> handler view of a round table.
+
+    Raises:
+        AssertionError: an exit rule fires an event the transition table has no entry
+            for from its state (a table that contradicts the round's state machine).
+    """
+    for state, phase in table.items():
+        if phase.exit is not None:
+            assert (state, phase.exit.event) in TRANSITIONS, (state, phase.exit.event)
+    return MappingProxyType(
+        {(state, kind): handler for state, p in table.items() for kind, handler in p.admits.items()}
+    )
+
+
 _S = RoundState
-ADMISSION: Table = MappingProxyType(
+PLAINTEXT_ROUND: RoundTable = MappingProxyType(
     {
-        (_S.OPEN, Commitment): bind_commitment,
-        (_S.OPEN, Update): admit_update,
-        (_S.OPEN, Refusal): record_refusal,
-        (_S.COLLECTING, Commitment): bind_commitment,
-        (_S.COLLECTING, Update): admit_update,
-        (_S.COLLECTING, Refusal): record_refusal,
-        (_S.AGGREGATING, Commitment): bind_commitment,
-        (_S.AGGREGATING, Update): file_late_update,
-        (_S.AGGREGATING, Refusal): record_refusal,
+        _S.OPEN: Phase(
+            {Commitment: bind_commitment, Update: admit_update, Refusal: record_refusal},
+            LEAVE_OPEN,
+        ),
+        _S.COLLECTING: Phase(
+            {Commitment: bind_commitment, Update: admit_update, Refusal: record_refusal},
+            LEAVE_COLLECTING,
+        ),
+        _S.AGGREGATING: Phase(
+            {Commitment: bind_commitment, Update: file_late_update, Refusal: record_refusal}
+        ),
     }
 )
-"""The plaintext round's admission table. ALIGNING, COMMITTING and the terminal states
-admit nothing: the round no longer listens."""
+"""The plaintext round's table. ALIGNING, COMMITTING and the terminal states admit
+nothing: the round no longer listens."""
+
+ADMISSION: Table = flat(PLAINTEXT_ROUND)
+"""The plaintext round's admission, as (state, message kind) -> handler."""
 
 
-# -- the step ---------------------------------------------------------------------------
+# -- the step -----------------------------------------------------------------------------
 def admit(
     attempt: Attempt,
     msg: ControlMessage,
     ingress: Ingress,
     table: Table,
-    fields: dict[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
     *,
     filed_by_transport: bool = False,
     vouched: bool = False,
 ) -> Verdict:
     """Admit one validated message into ``attempt``, or raise and change nothing.
-    ``fields``: the message's :func:`canonical_fields`, if already computed (a batch
-    hashed on threads, :mod:`.batch`). ``filed_by_transport``: a Refusal the
-    coordinator's own transport filed for the node
-    (:class:`~lensemble_flwr.transports.base.FiledByTransport`): no signature of the
-    node is asked for, and it stops nothing, whatever error it names; for a participant
-    that signs, only when ``vouched`` (a signed message from the same node was admitted
-    before). One of another attempt, or for a participant already admitted, is dropped.
+
+    The envelope step (:func:`~.envelope.check_envelope`) first, then ``table``'s handler
+    for (``attempt.phase``, the message's kind). ``fields``: the message's
+    :func:`canonical_fields`, if already computed (a batch hashed on threads,
+    :mod:`.batch`). ``filed_by_transport``: a Refusal the coordinator's own transport
+    filed for the node (:class:`~lensemble_flwr.transports.base.FiledByTransport`): no
+    signature of the node is asked for, and it stops nothing, whatever error it names;
+    for a participant that signs, only when ``vouched`` (a signed message from the same
+    node was admitted before). One of another attempt, or for a participant already
+    admitted, is dropped.
 
     Raises:
         IllegalMessage: the round admits nothing in its state, a kind no participant may
@@ -308,55 +413,16 @@ def admit(
         LensembleError: an error whose response is not to reject the message (e.g. a
             CommitmentMismatch, or a Refusal that stops the federation).
     """
-    if not any(state is attempt.phase for state, _ in table):
-        raise IllegalMessage(f"the round is {attempt.phase.value}: it admits no message")
-    if not isinstance(msg, PARTICIPANT_MESSAGES):
-        raise IllegalMessage(f"a participant may not send {msg.kind} (from {msg.sender})")
-    if msg.run_id != ingress.run_id:
-        raise RoundError(f"{msg.sender}: message of run {msg.run_id!r}")
-    pid = msg.participant_id
-    current = (msg.round, msg.attempt) == (attempt.round, attempt.number)
-    if pid not in attempt.invited and not ingress.registry.is_bound(pid):
-        if not current:  # e.g. a stock client that was offline this attempt: dropped,
-            log.info("round %d: late %s from unknown %s dropped", attempt.round, msg.kind, pid)
-            return Verdict.LATE  # and not filed: nobody unknown writes to the manifest
-        raise ForgedMessage(f"{pid}: neither invited to this round nor a registered participant")
-    if fields is None:
-        fields = canonical_fields(msg)  # hashes an update's arrays: once, here
-    seed = (
-        attempt.state.sketch_seed
-        if msg.round == attempt.round
-        else derive_seed(ingress.config.federation.root_seed, "round", msg.round)
-    )
-    if filed_by_transport:
-        if not isinstance(msg, Refusal) or msg.error not in TRANSPORT_ERRORS:
-            raise IllegalMessage(
-                f"a transport files only refusals of its own ({sorted(TRANSPORT_ERRORS)}), "
-                f"not this {msg.kind}"
-            )
-        if ingress.registry.signs(pid) and not vouched:
-            # the name is the node's own, unsigned claim until a signed message from that
-            # node was admitted: a node squatting an absent participant's name files nothing
-            raise ForgedMessage(
-                f"{pid}: a refusal the transport filed for a node that has not signed as {pid} yet"
-            )
-        if not current or pid in attempt.admitted:  # nothing to stop waiting for: dropped
-            log.debug("round %d: %s's %s dropped", attempt.round, pid, msg.error)
-            return Verdict.LATE
-    else:
-        ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
-    if not current:
-        _check_replay(msg, ingress, fields)
-        attempt.late.add(msg.sender)
-        log.info(
-            "round %d: late %s from %s (round %d attempt %d) dropped",
-            attempt.round,
-            msg.kind,
-            msg.sender,
-            msg.round,
-            msg.attempt,
-        )
+    listening = any(state is attempt.phase for state, _ in table)
+    route, fields = check_envelope(
+        attempt, msg, ingress, listening, fields,
+        filed_by_transport=filed_by_transport, vouched=vouched,
+    )  # fmt: skip
+    if route is Route.DROPPED:
         return Verdict.LATE
+    assert isinstance(msg, PARTICIPANT_MESSAGES)  # check_envelope
+    if route is Route.LATE:
+        return file_late_message(attempt, msg, ingress, fields)
     handler = table.get((attempt.phase, type(msg)))
     if handler is None:
         raise IllegalMessage(
@@ -364,24 +430,6 @@ def admit(
             f"{attempt.phase.value}"
         )
     return handler(attempt, msg, ingress, fields)
-
-
-def _check_replay(msg: ParticipantMessage, ingress: Ingress, fields: Mapping[str, Any]) -> None:
-    """A message of another attempt is late, never admitted; if it is an exact copy of an
-    update the manifest records as admitted in its attempt, it is a replay.
-
-    Raises:
-        ReplayedMessage: the copy of an admitted update.
-    """
-    if not isinstance(msg, Update):
-        return
-    digests = ingress.admitted_digests(msg.round, msg.attempt)
-    if digests is not None and digests.get(msg.participant_id) == message_digest(msg, fields):
-        raise ReplayedMessage(
-            f"{msg.participant_id}: update of round {msg.round} attempt {msg.attempt} "
-            "was admitted then; the copy is refused"
-        )
-
 
 def admission_table(tables: Mapping[str, Table]) -> str:
     """A markdown table of which state admits which message type, and with what handler,

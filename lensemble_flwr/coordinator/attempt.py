@@ -52,8 +52,12 @@ class RoundOutcome:
 class Attempt:
     """Everything one round attempt accumulates.
 
-    The admission step (:mod:`.admission`) is the only writer of the participant sets
-    below; the round mode (:mod:`.modes`) owns ``aggregator`` and the masked fields.
+    Created by the core as the attempt begins; from then on only the functions of
+    :mod:`.admission` write it: the handlers of the round tables (:mod:`.admission`,
+    :mod:`.modes`) for each admitted message, and the named writers for what is not a
+    message — an invitation, the attempt's sample, a rename, a rejected message, the
+    aggregator and a masked round's members. The state machine (``machine``) moves only
+    by :meth:`~lensemble_flwr.protocol.round.RoundMachine.fire`.
     """
 
     machine: RoundMachine

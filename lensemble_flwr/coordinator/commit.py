@@ -1,21 +1,28 @@
-"""What an attempt writes when it ends: the commit of a closed round, the entry of any.
+"""The commit sequence of a closed round, and the manifest entry of any attempt.
 
-A round commits in this order, and the ledger record is the commit point:
+:func:`commit_round` runs a revealed round to its end, in this order; the ledger record
+is the commit point:
 
-1. the checkpoint of θ_r (round r's outcome) and its momentum, streamed to the store and
-   hashed as it is written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it
-   is not read back: whoever reads it later — recovery, a joining participant, ``verify``
-   — re-hashes it);
-2. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
+1. the outer step: θ_r and m_r from θ_{r-1}, m_{r-1} and the mean update;
+2. the checkpoint of θ_r and its momentum, streamed to the store and hashed as it is
+   written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it is not read back:
+   whoever reads it later — recovery, a joining participant, ``verify`` — re-hashes it);
+3. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
-3. the ledger record, chained to the previous one — from here on the round is committed;
-4. the manifest entry (by the caller, once the in-memory state moved).
+4. the ledger record, chained to the previous one — from here on the round is committed;
+5. the swap: the run held in memory (:class:`HeldRun`) moves to θ_r, m_r and the new
+   ledger head, and the attempt is CLOSED;
+6. the manifest entry of the closed round;
+7. retention: the checkpoints the policy keeps no more are pruned
+   (:mod:`~lensemble_flwr.provenance.retention`).
 
-Only after all of that does the coordinator announce the round (RoundClose). Nothing
-before the record changes anything a reader of the run directory trusts. Then
-:func:`retain` prunes the checkpoints the retention policy no longer keeps
-(:mod:`~lensemble_flwr.provenance.retention`); a failure there is logged, never undoes
-the commit, and the next commit tries again.
+Nothing before the record changes anything a reader of the run directory trusts: a
+failure there raises, and the attempt aborts with the global state untouched. The one
+rule after the commit point: nothing undoes the round. A step that fails is logged
+("round r committed; … failed"); a failed manifest entry is handed back to be raised
+once the round is announced (the store is failing: the run stops, and resume completes
+the entry from the kept closing one), and retention is then skipped; failed pruning is
+left to the next commit.
 """
 
 from __future__ import annotations
@@ -24,22 +31,26 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from lensemble_flwr.aggregation.fixed_point import AggregateSum
 from lensemble_flwr.artifacts.checkpoint import checkpoint_parts
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays
-from lensemble_flwr.config import RetentionConfig
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
+from lensemble_flwr.coordinator.external_step import SteppedFrom
+from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.privacy.guarantee import PrivacyGuarantee
-from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.round import RoundEvent, RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
     REGISTRY,
     ContributionRecord,
+    ExternalStep,
     Ledger,
     RoundEntry,
     RunManifest,
@@ -124,7 +135,7 @@ def write_commit(
     manifest: RunManifest,
     privacy: PrivacyGuarantee | None = None,
 ) -> Committed:
-    """Steps 1–3 of the module's order; returns once the ledger holds the round.
+    """Steps 2–4 of the module's order; returns once the ledger holds the round.
 
     ``new_state`` may be given as the call that pins (and hashes) it: it then runs while
     the momentum is hashed on another thread (two model-sized hashes at once). The
@@ -134,23 +145,14 @@ def write_commit(
         StoreError, LedgerError: the store refused a write (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
-    if callable(new_state):
-        if sum(a.nbytes for a in momentum.values()) < HASH_ON_A_THREAD_MIN_BYTES:
-            hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
-            new_state = new_state()
-        else:
-            with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
-                momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
-                new_state = new_state()
-                hashed = momentum_hash.result()
-    else:
-        hashed = None
+    new_state, momentum_hash = _pinned(new_state, momentum)
     result.hash_in_background()  # the sums' digest, for the entry: while the blob is written
     digest = store.put_parts(
         checkpoint_parts(
-            t, new_state.params, momentum, params_hash=new_state.params_hash, momentum_hash=hashed
+            t, new_state.params, momentum, params_hash=new_state.params_hash,
+            momentum_hash=momentum_hash,
         )
-    )
+    )  # fmt: skip
     entry = entry_of(
         attempt,
         result,
@@ -180,15 +182,155 @@ def write_commit(
     return Committed(state=new_state, momentum=momentum, entry=entry, record=record)
 
 
-def retain(
-    store: Store, policy: RetentionConfig, head: ContributionRecord, since: int
-) -> int:
-    """After the commit of ``head``'s round: prune what ``policy`` no longer keeps of the
-    rounds from ``since`` on, and return where the next call starts. A refused write is
-    logged and the same ``since`` returned: the round stays committed, and the next
-    commit prunes what this one could not."""
+def _pinned(
+    new_state: GlobalState | Callable[[], GlobalState], momentum: NamedArrays
+) -> tuple[GlobalState, str | None]:
+    """θ_r pinned, and m_r's digest if it was hashed here (else None: the checkpoint
+    hashes it as it is written). Given as the call that pins θ_r, it runs while the
+    momentum is hashed on another thread (two model-sized hashes at once)."""
+    if not callable(new_state):
+        return new_state, None
+    if sum(a.nbytes for a in momentum.values()) < HASH_ON_A_THREAD_MIN_BYTES:
+        hashed = digest_arrays(momentum, "momentum")  # small: a thread would cost more
+        return new_state(), hashed
+    with ThreadPoolExecutor(1, thread_name_prefix="lensemble-momentum-digest") as pool:
+        momentum_hash = pool.submit(digest_arrays, momentum, "momentum")
+        state = new_state()
+        return state, momentum_hash.result()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunHead:
+    """The committed state a round starts from: θ, its momentum and the ledger head."""
+
+    state: GlobalState  # the global state the next round starts from
+    momentum: NamedArrays  # the outer optimizer's momentum with it
+    record_hash: str  # the ledger's head record (GENESIS before the first commit)
+
+
+@dataclasses.dataclass
+class HeldRun:
+    """The run as a coordinator holds it in memory: what a commit swaps and updates.
+
+    Attributes:
+        head: the committed state the next round starts from.
+        manifest: the run's manifest header and the current round's entries.
+        external_step: how ``head`` replaced the last commit's model, if it did.
+        stepped_from: θ_{r-1} and m_{r-1} of the last commit, while an external step
+            may still change its model (until the next attempt begins).
+        prune_from: the first round whose checkpoints retention still looks at.
+    """
+
+    head: RunHead
+    manifest: RunManifest
+    external_step: ExternalStep | None = None
+    stepped_from: SteppedFrom | None = None
+    prune_from: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitContext:
+    """What every commit of a run writes with, fixed when the coordinator is built."""
+
+    store: Store
+    ledger: Ledger
+    config: LensembleConfig
+    secure_sum: bool  # the round mode's: the outer step consumes a masked sum
+    privacy: PrivacyGuarantee | None
+    pin: Callable[..., GlobalState]  # (round, params, *, copy) -> θ_round, hashed
+
+
+def commit_round(
+    ctx: CommitContext,
+    run: HeldRun,
+    attempt: Attempt,
+    result: AggregateSum,
+    mean: NamedArrays,
+    diagnostics: Mapping[str, float],
+    on_transition: Callable[[RoundMachine], None] | None = None,
+) -> tuple[Committed, BaseException | None]:
+    """Run the module's sequence for a COMMITTING attempt whose sum was revealed
+    (``mean`` is overwritten); at the commit point ``run`` is swapped and the attempt
+    fires COMMITTED (told to ``on_transition``).
+
+    Returns:
+        The commit, and the manifest entry's failure (to raise once the round is
+        announced), if it failed.
+
+    Raises:
+        StoreError, LedgerError: a write before the commit point was refused (nothing is
+            committed, ``run`` is unchanged).
+    """
+    head, groups = run.head, ctx.config.groups
+    averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))
+    params, momentum = outer_step(  # m' is written over the mean (not used again)
+        attempt.state.params, head.momentum, mean, ctx.config.outer, averaged,
+        consume_mean=True,
+    )  # fmt: skip
+    committed = write_commit(
+        ctx.store, ctx.ledger, attempt, result, diagnostics,
+        lambda: ctx.pin(attempt.round, params, copy=False),  # θ_r: fresh arrays
+        momentum, head_hash=head.record_hash, secure_sum=ctx.secure_sum,
+        manifest=run.manifest, privacy=ctx.privacy,
+    )  # fmt: skip
+    # -- the commit point: the ledger holds the round; nothing below may abort it ------
+    run.head = RunHead(committed.state, committed.momentum, committed.record.record_hash)
+    run.stepped_from = SteppedFrom(attempt.state.params, head.momentum, averaged)
+    run.external_step = None
+    attempt.machine.fire(RoundEvent.COMMITTED)
+    if on_transition is not None:
+        on_transition(attempt.machine)
+    _warn_unbound(committed.record)
+    # the closed round's entries stay in the store only: memory does not grow
+    manifest, next_round = run.manifest, committed.state.next_round
+    entry, failure = after_commit_point(
+        attempt.round,
+        "its manifest entry",
+        lambda: manifest.with_round(ctx.store, committed.entry).since(next_round),
+        Exception,
+    )
+    if entry is None:  # the evidence is incomplete: keep every checkpoint for now
+        return committed, failure
+    run.manifest, retention = entry, ctx.config.retention
+    pruned, _ = after_commit_point(
+        attempt.round,
+        "pruning old checkpoints",
+        lambda: prune_checkpoints(ctx.store, retention, committed.record, since=run.prune_from),
+        (LensembleError, OSError),
+    )
+    run.prune_from = run.prune_from if pruned is None else pruned
+    return committed, None
+
+
+_T = TypeVar("_T")
+
+
+def after_commit_point(
+    round: int,
+    what: str,
+    step: Callable[[], _T],
+    caught: type[BaseException] | tuple[type[BaseException], ...],
+) -> tuple[_T | None, BaseException | None]:
+    """Run one step after round ``round``'s commit point under the module's rule: what
+    it raises of ``caught`` is logged, never undoes the round, and is handed back.
+
+    Returns:
+        ``(its result, None)``, or ``(None, the error)`` once it failed.
+    """
     try:
-        return prune_checkpoints(store, policy, head, since=since)
-    except (LensembleError, OSError) as exc:
-        log.error("round %d committed; pruning old checkpoints failed: %r", head.round, exc)
-        return since
+        return step(), None
+    except caught as exc:
+        log.error("round %d committed; %s failed: %r", round, what, exc)
+        return None, exc
+
+
+def _warn_unbound(record: ContributionRecord) -> None:
+    """Warn of contributions the round summed without a dataset commitment."""
+    if unbound := record.unbound:
+        more = f" and {len(unbound) - 5} more (lensemble-flwr show lists them)"
+        log.warning(
+            "round %d closed with UNBOUND contributions (no dataset commitment) from %s%s",
+            record.round,
+            ", ".join(unbound[:5]),
+            more if len(unbound) > 5 else "",
+        )

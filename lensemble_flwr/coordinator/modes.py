@@ -15,10 +15,15 @@ question         plaintext                    masked (secure aggregation)
                  (and bound, if required)
 ``eligible``     every invited participant    the members
 ``invitation``   once per participant         again to members, once they are fixed
-``admission``    :data:`.admission.ADMISSION` + unmask responses while AGGREGATING;
-                                              an update announces its next mask key
+``table``        :data:`.admission.PLAINTEXT_  the same, + unmask responses while
+                 ROUND`                       AGGREGATING; an update announces its
+                                              next mask key
 ``reveal``       the sum, self-checked        one unmask exchange, then the same
 ===============  ===========================  ========================================
+
+``admission`` is each mode's table as the flat (state, kind) -> handler view. A masked
+round needs its unmask exchange within the attempt; :func:`require_exchange` is the one
+place the coordinator refuses a feeder that cannot give it one.
 """
 
 from __future__ import annotations
@@ -34,17 +39,22 @@ from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import (
-    ADMISSION,
+    PLAINTEXT_ROUND,
     Ingress,
+    Phase,
+    RoundTable,
     Table,
     Verdict,
     check_update,
     check_usable_key,
+    flat,
     fold_update,
+    install_aggregator,
+    record_invitation,
 )
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.reach import ReachMemo
-from lensemble_flwr.errors import NonDeterministicAggregation, RoundError, SecureAggregationError
+from lensemble_flwr.errors import ConfigError, NonDeterministicAggregation, RoundError
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
 from lensemble_flwr.protocol.round import RoundState
@@ -69,7 +79,8 @@ class RoundMode(Protocol):
 
     name: str
     secure_sum: bool
-    admission: Table
+    table: RoundTable  # state -> what it admits and how it is left
+    admission: Table  # the same table as (state, kind) -> handler
     readiness: str  # what "ready" means, for messages
 
     def begin(self, attempt: Attempt) -> None:
@@ -112,7 +123,8 @@ class PlaintextMode:
 
     name = "plaintext"
     secure_sum = False
-    admission: Table = ADMISSION
+    table: RoundTable = PLAINTEXT_ROUND
+    admission: Table = flat(PLAINTEXT_ROUND)
 
     def __init__(
         self,
@@ -135,8 +147,8 @@ class PlaintextMode:
         seed = derive_seed(
             self.config.federation.root_seed, "self-check", attempt.round, attempt.number
         )
-        attempt.aggregator = self.aggregator_factory(
-            attempt.state.params, self.config.aggregation, seed
+        install_aggregator(
+            attempt, self.aggregator_factory(attempt.state.params, self.config.aggregation, seed)
         )
 
     def settle(self, attempt: Attempt, reachable: set[str], *, final: bool) -> None:
@@ -158,7 +170,7 @@ class PlaintextMode:
         dataset commitment); None once ``peer`` was invited."""
         if peer in attempt.invited:
             return None
-        attempt.invited.add(peer)
+        record_invitation(attempt, peer)
         needs = not self.registry.is_bound(peer)
         # every bound (every unbound) recipient gets the same frozen RoundOpen: a transport
         # encodes it once for all of them, as FedAvg's nodes share one instruction
@@ -201,16 +213,28 @@ def take_disclosure(
     return Verdict.DISCLOSED
 
 
-MASKED_ADMISSION: Table = MappingProxyType(
+def _with(phase: Phase, **admits: Any) -> Phase:
+    """``phase`` with the handlers of the message kinds named (by class name) replaced."""
+    kinds = {kind.__name__: kind for kind in (Update, UnmaskResponse)}
+    return Phase({**phase.admits, **{kinds[k]: h for k, h in admits.items()}}, phase.exit)
+
+
+MASKED_ROUND: RoundTable = MappingProxyType(
     {
-        **ADMISSION,
-        (RoundState.OPEN, Update): admit_member_update,
-        (RoundState.COLLECTING, Update): admit_member_update,
-        (RoundState.AGGREGATING, UnmaskResponse): take_disclosure,
+        RoundState.OPEN: _with(PLAINTEXT_ROUND[RoundState.OPEN], Update=admit_member_update),
+        RoundState.COLLECTING: _with(
+            PLAINTEXT_ROUND[RoundState.COLLECTING], Update=admit_member_update
+        ),
+        RoundState.AGGREGATING: _with(
+            PLAINTEXT_ROUND[RoundState.AGGREGATING], UnmaskResponse=take_disclosure
+        ),
     }
 )
-"""A masked round's admission table: the plaintext one, with member updates that announce
-their next mask key and the unmask responses of AGGREGATING."""
+"""A masked round's table: the plaintext one, with member updates that announce their
+next mask key and the unmask responses of AGGREGATING."""
+
+MASKED_ADMISSION: Table = flat(MASKED_ROUND)
+"""The masked round's admission, as (state, message kind) -> handler."""
 
 
 def _member_ids(attempt: Attempt) -> frozenset[str]:
@@ -240,6 +264,7 @@ class MaskedMode:
 
     name = "masked"
     secure_sum = True
+    table: RoundTable = MASKED_ROUND
     admission: Table = MASKED_ADMISSION
     readiness = "members: bound with an unspent mask key when the member set was fixed"
 
@@ -293,9 +318,8 @@ class MaskedMode:
         check_capacity(len(keyed), aggregation)  # before any key is spent
         members = self.registry.members(keyed)  # spends their mask keys: durably, so
         self.registry.persist()  # that no restart lists a key a participant deleted
-        attempt.members = members
         fed = self.config.federation
-        attempt.aggregator = SecureAggregator(
+        aggregator = SecureAggregator(
             attempt.state.params,
             aggregation,
             members=members,
@@ -303,6 +327,7 @@ class MaskedMode:
             context=context_of(self.run_id, attempt.round, attempt.number),
             degree=fed.secagg_neighbours,
         )
+        install_aggregator(attempt, aggregator, members)
 
     def ready(self, attempt: Attempt, reachable: set[str]) -> set[str]:
         """The members that are invited and reachable (none before the members are fixed)."""
@@ -321,7 +346,7 @@ class MaskedMode:
         resend = peer in members and peer not in attempt.members_sent
         if peer in attempt.invited and not resend:
             return None
-        attempt.invited.add(peer)
+        record_invitation(attempt, peer, with_members=peer in members)
         fed = self.config.federation
         changes: dict[str, object] = {
             # a member masks with the key the members list; anyone else needs an unspent
@@ -333,7 +358,6 @@ class MaskedMode:
         }
         if peer in members:
             changes["secagg_members"] = self._encoded_members(attempt, peer)
-            attempt.members_sent.add(peer)
         return attempt.round_open.model_copy(update=changes)
 
     def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
@@ -341,8 +365,8 @@ class MaskedMode:
         all came or the exchange's deadline — then the checked sum."""
         aggregator = attempt.aggregator
         assert isinstance(aggregator, SecureAggregator)
-        if exchange is None:  # conclude_collected refuses masked rounds before this
-            raise SecureAggregationError("a masked round needs an unmask exchange")
+        require_exchange(self, exchange)
+        assert exchange is not None  # require_exchange
         requests = aggregator.disclosure_requests()
         messages = {
             holder: UnmaskRequest(
@@ -371,6 +395,21 @@ def _parse_shares(response: UnmaskResponse) -> Disclosure:
         raise RoundError(f"{response.participant_id}: malformed shares") from None
     pair_seeds = {d: bytes.fromhex(h) for d, h in response.pair_seeds.items()}  # hex: checked
     return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
+
+
+def require_exchange(mode: RoundMode, exchange: Exchange | None) -> None:
+    """Refuse a masked round (it needs its unmask exchange within the attempt) to a
+    feeder that has no ``exchange`` to give it (a batch of collected messages).
+
+    Raises:
+        ConfigError: ``mode`` is masked and ``exchange`` is None.
+    """
+    if mode.secure_sum and exchange is None:
+        raise ConfigError(
+            "secagg-threshold",
+            "a masked round needs an unmask exchange within the attempt, which a batch "
+            "of collected messages does not carry; run it with Coordinator.run",
+        )
 
 
 def mode_for(

@@ -62,63 +62,81 @@ def outer_step(
         p = params[name]
         if not np.issubdtype(p.dtype, np.floating):
             raise ParameterMismatch(f"{name}: integer tensors are never stepped ({p.dtype})")
-        dtype = p.dtype.type
-        lr, mu = dtype(config.lr), dtype(config.momentum)
         if name in averaged:
             delta = mean_delta[name].astype(p.dtype, copy=False)
             new_params[name] = np.add(p, delta)
             new_momentum[name] = np.zeros_like(p)
             continue
-        p_in, m_in = p.reshape(-1), momentum[name].astype(p.dtype, copy=False).reshape(-1)
-        g_in = mean_delta[name].astype(p.dtype, copy=False).reshape(-1)
-        g = mean_delta[name]
-        in_place = (
-            consume_mean
-            and isinstance(g, np.ndarray)
-            and g.dtype == p.dtype
-            and g.flags.c_contiguous
-            and g.flags.writeable
+        new_params[name], new_momentum[name] = _momentum_step(
+            name, p, momentum[name], mean_delta[name], config, consume_mean
         )
-        p_out = recycling.output(f"params:{name}", p_in.shape, p_in.dtype)
-        # m' over Δ̄, chunk by chunk, when the caller lets it
-        m_out = g_in if in_place else recycling.output(f"momentum:{name}", p_in.shape, p_in.dtype)
-        # m_in and g_in have p's dtype; the kernel takes any strides
-        fast = compiled.for_size(p_in.size) if p.dtype in _COMPILED_DTYPES else None
-
-        def kernel(
-            lo: int,
-            hi: int,
-            p_in=p_in,
-            m_in=m_in,
-            g_in=g_in,
-            p_out=p_out,
-            m_out=m_out,
-            lr=lr,
-            mu=mu,
-            fast=fast,
-        ) -> None:
-            if fast is not None:  # the same float32 operations, one pass
-                fast.outer(p_in, m_in, g_in, p_out, m_out, lr, mu, config.nesterov, lo, hi)
-                return
-            tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
-            for s in range(lo, hi, CHUNK):
-                e = min(s + CHUNK, hi)
-                g, m, t = g_in[s:e], tmp[: e - s], p_out[s:e]  # t: θ' is built in place
-                np.multiply(m_in[s:e], mu, out=m)
-                np.add(m, g, out=m)  # m' = mu*m + g
-                if config.nesterov:
-                    np.multiply(m, mu, out=t)
-                    np.add(g, t, out=t)  # g + mu*m'
-                else:
-                    t[...] = m
-                np.multiply(t, lr, out=t)
-                np.add(p_in[s:e], t, out=t)
-                m_out[s:e] = m  # last: m_out may be g's own buffer
-
-        run_ranges(p_in.size, kernel)
-        new_params[name] = p_out.reshape(p.shape)
-        new_momentum[name] = m_out.reshape(p.shape)
     return new_params, new_momentum
+
+
+def _momentum_step(
+    name: str,
+    p: np.ndarray,
+    momentum: np.ndarray,
+    g: np.ndarray,
+    config: OuterOptimizerConfig,
+    consume_mean: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One trained array's step: ``(θ', m')`` from θ = ``p``, m and the mean ``g``."""
+    dtype = p.dtype.type
+    lr, mu = dtype(config.lr), dtype(config.momentum)
+    p_in, m_in = p.reshape(-1), momentum.astype(p.dtype, copy=False).reshape(-1)
+    g_in = g.astype(p.dtype, copy=False).reshape(-1)
+    in_place = (
+        consume_mean
+        and isinstance(g, np.ndarray)
+        and g.dtype == p.dtype
+        and g.flags.c_contiguous
+        and g.flags.writeable
+    )
+    p_out = recycling.output(f"params:{name}", p_in.shape, p_in.dtype)
+    # m' over Δ̄, chunk by chunk, when the caller lets it
+    m_out = g_in if in_place else recycling.output(f"momentum:{name}", p_in.shape, p_in.dtype)
+    # m_in and g_in have p's dtype; the kernel takes any strides
+    fast = compiled.for_size(p_in.size) if p.dtype in _COMPILED_DTYPES else None
+    nesterov = config.nesterov
+
+    def kernel(lo: int, hi: int) -> None:
+        if fast is not None:  # the same float32 operations, one pass
+            fast.outer(p_in, m_in, g_in, p_out, m_out, lr, mu, nesterov, lo, hi)
+            return
+        _numpy_step(p_in, m_in, g_in, p_out, m_out, lr, mu, nesterov, lo, hi)
+
+    run_ranges(p_in.size, kernel)
+    return p_out.reshape(p.shape), m_out.reshape(p.shape)
+
+
+def _numpy_step(
+    p_in: np.ndarray,
+    m_in: np.ndarray,
+    g_in: np.ndarray,
+    p_out: np.ndarray,
+    m_out: np.ndarray,
+    lr: np.floating,
+    mu: np.floating,
+    nesterov: bool,
+    lo: int,
+    hi: int,
+) -> None:
+    """The step over ``[lo, hi)`` with numpy, chunk by chunk (``m_out`` may be ``g_in``)."""
+    tmp = np.empty(min(CHUNK, hi - lo), p_in.dtype)
+    for s in range(lo, hi, CHUNK):
+        e = min(s + CHUNK, hi)
+        g, m, t = g_in[s:e], tmp[: e - s], p_out[s:e]  # t: θ' is built in place
+        np.multiply(m_in[s:e], mu, out=m)
+        np.add(m, g, out=m)  # m' = mu*m + g
+        if nesterov:
+            np.multiply(m, mu, out=t)
+            np.add(g, t, out=t)  # g + mu*m'
+        else:
+            t[...] = m
+        np.multiply(t, lr, out=t)
+        np.add(p_in[s:e], t, out=t)
+        m_out[s:e] = m  # last: m_out may be g's own buffer
 
 
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
