@@ -161,6 +161,11 @@ class GridTransport:
         self.bytes_per_round: dict[int, list[int]] = {}
         self.client_metrics: dict[tuple[int, str], dict[str, float]] = {}
         self.dropped: list[tuple[str, int, str]] = []
+        # Flower's round hooks: the instructions handed out by take_queued until pushed,
+        # and (while keep_train_replies) each attempt's raw train replies until taken
+        self._handed_out: dict[int, tuple[Message, SentInstruction]] = {}
+        self.keep_train_replies = False
+        self._train_replies: list[tuple[int, int, Message]] = []
 
     # -- Transport ---------------------------------------------------------------------
     def now(self) -> float:
@@ -262,16 +267,130 @@ class GridTransport:
             self._sleep(min(self.poll_interval, remaining))
         return self._inbox.popleft()
 
+    # -- Flower's round hooks: instructions and replies as Messages ----------------------
+    @property
+    def round_close(self) -> WirePayload | None:
+        """The last RoundClose broadcast (it rides on the next instruction to each node)."""
+        return self._close
+
+    def connected(self) -> Sequence[str]:
+        """:meth:`peers`, asked of the Grid now rather than reused."""
+        self._peers_at = -float("inf")
+        return self.peers()
+
+    def take_queued(self) -> list[Message]:
+        """Take the instructions queued since the last push out of the queue, as Flower
+        Messages (what ``configure_train`` returns). The transport remembers each until
+        :meth:`push_instructions` pushes it or reports it left out."""
+        queue, infos = self._queue, self._queued_info
+        self._queue, self._queued_info = [], []
+        self._handed_out = {id(m): (m, i) for m, i in zip(queue, infos, strict=True)}
+        return queue
+
+    def push_instructions(
+        self, messages: Iterable[Message], template: RoundOpen
+    ) -> list[SentInstruction]:
+        """Push ``messages`` (what ``configure_train`` returned) as the instructions of
+        ``template``'s attempt, and pull their replies from then on. A Message the hook
+        made itself counts as that attempt's instruction to its node (it gets the
+        instructions' TTL and group).
+
+        Returns:
+            The instructions :meth:`take_queued` handed out that are not among
+            ``messages`` (a ``configure_train`` override left them out): never sent.
+        """
+        handed_out, self._handed_out = self._handed_out, {}
+        for message in messages:
+            held = handed_out.pop(id(message), None)
+            if held is not None and held[0] is message:
+                info = held[1]
+            else:
+                info = SentInstruction(
+                    peer=self.names.name_of(message.metadata.dst_node_id),
+                    kind=MessageKind.ROUND_OPEN,
+                    round=template.round,
+                    attempt=template.attempt,
+                    run_id=template.run_id,
+                    params=template.params,
+                    pushed_at=0.0,
+                )
+                message.metadata.ttl = self.message_ttl
+                message.metadata.group_id = str(template.round)
+                self._count_sent(info.peer, info.round, +1)
+            self._queue.append(message)
+            self._queued_info.append(info)
+        self._flush()
+        left_out = [info for _, info in handed_out.values()]
+        for info in left_out:  # counted when queued, never sent
+            self._count_sent(info.peer, info.round, -1)
+        return left_out
+
+    def take_train_replies(self, round: int, attempt: int) -> list[Message]:
+        """The raw replies (errors included) to the train instructions of ``round``'s
+        ``attempt`` pulled so far, in arrival order, kept while
+        :attr:`keep_train_replies` (those of earlier attempts are dropped)."""
+        kept, self._train_replies = self._train_replies, []
+        return [reply for r, a, reply in kept if (r, a) == (round, attempt)]
+
+    def payloads_of(
+        self, replies: Iterable[Message], template: RoundOpen
+    ) -> tuple[list[WirePayload], list[str]]:
+        """Decode a batch of replies to ``template``'s instructions (collected by Flower's
+        own loop) as :meth:`recv` decodes each: the payloads, and the participants that
+        answered (a node that names itself is named so from then on)."""
+        payloads: list[WirePayload] = []
+        peers: list[str] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error() and node == SUPERLINK_NODE_ID:
+                log.info("round %d: the SuperLink reports: %s", template.round, reply.error.reason)
+                continue
+            info = SentInstruction(
+                peer=self.names.name_of(node),
+                kind=MessageKind.ROUND_OPEN,
+                round=template.round,
+                attempt=template.attempt,
+                run_id=template.run_id,
+                params=template.params,
+                pushed_at=0.0,
+            )
+            payloads.extend(self._decoded(reply, info))
+            peers.append(self.names.name_of(node))
+        return payloads, peers
+
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
     def request(
         self, contents: Mapping[str, RecordDict], message_type: str, *, timeout_s: float
     ) -> list[Message]:
         """Send one message per participant and wait for their replies (at most
         ``timeout_s``); replies that come later are pulled and dropped by later calls."""
-        ids: list[str] = []
         for peer, content in contents.items():
             self._queue_message(peer, content, message_type, None)
-        ids = [m.metadata.message_id for m in self._flush()]
+        return self._await_replies(self._flush(), timeout_s)
+
+    def request_messages(self, messages: Iterable[Message], *, timeout_s: float) -> list[Message]:
+        """Send ``messages`` (made by a hook such as ``configure_evaluate``; each gets the
+        instructions' TTL) and wait for their replies, as :meth:`request`."""
+        for message in messages:
+            message.metadata.ttl = self.message_ttl
+            if not message.metadata.group_id:
+                message.metadata.group_id = "-1"  # what belongs to no round
+            self._queue.append(message)
+            self._queued_info.append(
+                SentInstruction(
+                    peer=self.names.name_of(message.metadata.dst_node_id),
+                    kind=message.metadata.message_type,
+                    round=-1,
+                    attempt=0,
+                    run_id="",
+                    params=None,
+                    pushed_at=0.0,
+                )
+            )
+        return self._await_replies(self._flush(), timeout_s)
+
+    def _await_replies(self, sent: list[Message], timeout_s: float) -> list[Message]:
+        ids = [m.metadata.message_id for m in sent]
         wanted = set(ids)
         deadline = self.now() + timeout_s
         replies: list[Message] = []
@@ -358,8 +477,11 @@ class GridTransport:
             )
         )
         if payload is not None:
-            per_peer = self.sent_per_round.setdefault(rnd, {})
-            per_peer[peer] = per_peer.get(peer, 0) + 1
+            self._count_sent(peer, rnd, +1)
+
+    def _count_sent(self, peer: str, round: int, count: int) -> None:
+        per_peer = self.sent_per_round.setdefault(round, {})
+        per_peer[peer] = per_peer.get(peer, 0) + count
 
     def _flush(self) -> list[Message]:
         if not self._queue:
@@ -417,12 +539,20 @@ class GridTransport:
         if info is None:
             log.info("dropped a reply to an unknown instruction from %s", source)
             return
+        if self.keep_train_replies and info.kind is MessageKind.ROUND_OPEN:
+            self._train_replies.append((info.round, info.attempt, reply))
+        self._inbox.extend(self._decoded(reply, info))
+
+    def _decoded(self, reply: Message, info: SentInstruction) -> list[WirePayload]:
+        """What a reply to the instruction ``info`` stands for: the payloads of a train
+        reply, or a node's refusal of its RoundOpen (an error reply, a malformed one);
+        nothing for any other reply (logged)."""
+        source = self.names.name_of(reply.metadata.src_node_id)
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
             refusal = error_refusal(reply, info, self._node_of(info.peer))
             if refusal is not None:  # the round stops waiting for this node
-                self._inbox.append(refusal)
-                return
+                return [refusal]
             log.info(
                 "round %d: %s from %s dropped: error %s (%s)",
                 info.round,
@@ -431,16 +561,18 @@ class GridTransport:
                 reply.error.code,
                 reply.error.reason,
             )
-            return
+            return []
         size = _content_bytes(reply.content)
         self.bytes_received += size
         self.bytes_per_round.setdefault(info.round, [0, 0])[1] += size
         if info.kind in records.INSTRUCTION_KINDS:
-            self._unpack_train_reply(reply.content, info, source)
-        else:
-            log.debug("dropped a late %s reply from %s", info.kind, info.peer)
+            return self._unpack_train_reply(reply.content, info, source)
+        log.debug("dropped a late %s reply from %s", info.kind, info.peer)
+        return []
 
-    def _unpack_train_reply(self, content: RecordDict, info: SentInstruction, source: str) -> None:
+    def _unpack_train_reply(
+        self, content: RecordDict, info: SentInstruction, source: str
+    ) -> list[WirePayload]:
         try:
             claimed = records.claimed_sender(content)
             if claimed is not None and claimed != source and info.peer == source:
@@ -465,7 +597,6 @@ class GridTransport:
                     DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt, node=node)
                     for p in payloads
                 ]
-            self._inbox.extend(payloads)
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
@@ -476,15 +607,15 @@ class GridTransport:
                 else None
             )
             if refusal is not None:
-                self._inbox.append(refusal)  # the coordinator logs it, with the reason
-            else:
-                log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
-            return
+                return [refusal]  # the coordinator logs it, with the reason
+            log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
+            return []
         metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
         if metrics is not None:
             self.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
             }
+        return list(payloads)
 
 
 _ENCODED_KEPT = 8
@@ -619,6 +750,14 @@ def error_refusal(
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
     log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
     return _refusal_of(info, CLIENT_APP_ERROR, reason, node)
+
+
+def unsent_refusal(info: SentInstruction) -> WirePayload:
+    """The refusal of a node whose instruction a ``configure_train`` override left out of
+    what it returned: the node was invited and was never sent anything, so the attempt
+    must not wait for its answer. Filed by the transport, as for an error reply."""
+    reason = "never sent: configure_train left this node's instruction out"
+    return _refusal_of(info, CLIENT_APP_ERROR, reason)
 
 
 def _refusal_of(
