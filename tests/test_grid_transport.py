@@ -55,13 +55,13 @@ from lensemble_flwr.provenance.ledger import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
-    WARM_UP_SETTLE_S,
     GridTransport,
     SentInstruction,
     malformed_refusal,
 )
 from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.records import participant_id
+from lensemble_flwr.strategies.warm_up import WARM_UP_SETTLE_S, wait_for_nodes
 from lensemble_flwr.transports.base import (
     COORDINATOR,
     DeliveredFrom,
@@ -510,7 +510,8 @@ def test_a_stock_reply_becomes_an_unbound_update_with_the_right_delta() -> None:
         assert array.dtype == np.float32
         np.testing.assert_allclose(array, np.full_like(PARAMS[name], 1.5))
     assert update.l2_norm == pytest.approx(l2_norm(update.delta))
-    assert transport.client_metrics[(4, "node-11")] == {"num-examples": 32.0, "train_loss": 0.75}
+    metrics = transport.traffic.client_metrics[(4, "node-11")]
+    assert metrics == {"num-examples": 32.0, "train_loss": 0.75}
 
 
 def _stock_reply(message: Message, arrays: dict[str, np.ndarray], metrics: dict) -> Message:
@@ -711,7 +712,7 @@ def test_warm_up_waits_for_min_nodes_and_sends_them_nothing() -> None:
                     appear_at={13: 2.5, 14: 2.5})  # fmt: skip
     # a node list is normally reused for peer_refresh seconds: warm-up must look again
     transport = make_transport(grid, clock, message_ttl=2.0, peer_refresh=60.0)
-    connected = transport.warm_up(min_nodes=3, timeout_s=10.0)
+    connected = wait_for_nodes(transport, min_nodes=3, timeout_s=10.0)
     assert connected == ["node-11", "node-12", "node-13", "node-14"]
     assert grid.pushes == []  # a stock ClientApp has no query handler: nothing is sent
     assert 2.5 <= clock.t <= 10.0
@@ -721,7 +722,7 @@ def test_warm_up_gives_up_at_its_timeout() -> None:
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent}, appear_at={11: 100.0})
     transport = make_transport(grid, clock)
-    assert transport.warm_up(min_nodes=1, timeout_s=3.0) == []
+    assert wait_for_nodes(transport, min_nodes=1, timeout_s=3.0) == []
     assert clock.t == pytest.approx(3.0)
 
 
@@ -735,14 +736,15 @@ def test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_co
     grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent}, appear_at={13: 2.5})
     transport = make_transport(grid, clock)
     monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
-    assert transport.warm_up(min_nodes=4, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
+    nodes = ["node-11", "node-12", "node-13"]
+    assert wait_for_nodes(transport, min_nodes=4, timeout_s=120.0) == nodes
     assert 2.5 + WARM_UP_SETTLE_S <= clock.t <= 2.5 + WARM_UP_SETTLE_S + 1.0  # then settled
-    assert transport.warm_up(min_nodes=3, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
+    assert wait_for_nodes(transport, min_nodes=3, timeout_s=120.0) == nodes
     clock = FakeClock()
     grid = FakeGrid(clock, {11: silent}, appear_at={11: 30.0})  # the engine not started yet
     transport = make_transport(grid, clock)
     monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
-    assert transport.warm_up(min_nodes=1, timeout_s=120.0) == ["node-11"]
+    assert wait_for_nodes(transport, min_nodes=1, timeout_s=120.0) == ["node-11"]
     assert 30.0 <= clock.t <= 31.0
 
 

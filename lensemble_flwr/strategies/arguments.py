@@ -50,6 +50,7 @@ def check_arguments(
     seconds: Mapping[str, object],
     keys: Mapping[str, object],
     callbacks: Mapping[str, object],
+    evaluation: tuple[float, int] = (1.0, 0),
 ) -> None:
     """Refuse, naming the argument, what would only fail once the run started (an
     untyped ``AttributeError``, a key library's error, ``time.sleep``'s ValueError, or a
@@ -60,7 +61,8 @@ def check_arguments(
             argument is ``fraction_train``), ``poll_interval`` is not a finite number
             > 0 or ``warmup_timeout`` not one >= 0, an ``identities`` value is not an
             OpenSSH ECDSA public key, a record key or ``weighted_by_key`` is not a
-            non-empty string, or a callback is not callable.
+            non-empty string, a callback is not callable, or ``evaluation``
+            (``fraction_evaluate``, ``min_evaluate_nodes``) is not in [0, 1] and >= 0.
     """
     if config is not None and not isinstance(config, LensembleConfig):
         raise ConfigError(
@@ -85,3 +87,9 @@ def check_arguments(
     for name, callback in callbacks.items():
         if callback is not None and not callable(callback):
             raise ConfigError(name, f"must be callable (or None), got {callback!r}")
+    fraction, fewest = evaluation
+    if not 0 <= fraction <= 1 or fewest < 0:
+        raise ConfigError(
+            "fraction_evaluate",
+            f"must be in [0, 1] with min_evaluate_nodes >= 0, got {fraction} and {fewest}",
+        )

@@ -23,38 +23,37 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from logging import INFO
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.app.constants import DEFAULT_TTL
-from flwr.common import log as say
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from lensemble_flwr.canonical import derive_seed, seeded_sample
 from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.coordinator import Coordinator
-from lensemble_flwr.coordinator.outer_optimizer import influence_scale
-from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, ParameterMismatch
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import records, reporting
 from lensemble_flwr.strategies.arguments import check_arguments, with_sampling
 from lensemble_flwr.strategies.attempt_driver import AttemptDriver
+from lensemble_flwr.strategies.evaluation import (
+    evaluate_content,
+    evaluation_sample,
+    usable_evaluations,
+)
 from lensemble_flwr.strategies.grid_transport import GridTransport, is_simulation_grid
 from lensemble_flwr.strategies.layout import ArrayLayout
+from lensemble_flwr.strategies.model_changes import ModelChanges
 from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.reporting import (
     LensembleResult,
     MetricsAggregation,
     aggregated,
-    not_weighted,
 )
 from lensemble_flwr.strategies.run_dir import RunPlace
 
@@ -105,7 +104,8 @@ class LensembleStrategy(Strategy):
         arrayrecord_key, configrecord_key: the names of an instruction's ArrayRecord
             and ConfigRecord (FedAvg's; what a stock ClientApp reads).
         poll_interval: seconds between pulls of the Grid.
-        on_round: called with a one-line report after every round attempt.
+        on_round: called with a one-line report after every round (in Flower's own
+            loop, after every attempt).
         gauge: the model's gauge adapter and pinned probe (probe announcement, frame
             drift, and ``gauge-align``).
         identities: allow-list of participant id → OpenSSH identity key (a node's id is
@@ -179,20 +179,15 @@ class LensembleStrategy(Strategy):
         evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
         durable_writes: bool | None = None,
     ) -> None:
+        keys = {"arrayrecord_key": arrayrecord_key, "configrecord_key": configrecord_key}
+        callbacks = {"train_metrics_aggr_fn": train_metrics_aggr_fn, "on_round": on_round}
         check_arguments(
             config,
             identities,
             seconds={"poll_interval": poll_interval, "warmup_timeout": warmup_timeout},
-            keys={
-                "weighted_by_key": weighted_by_key,
-                "arrayrecord_key": arrayrecord_key,
-                "configrecord_key": configrecord_key,
-            },
-            callbacks={
-                "on_round": on_round,
-                "train_metrics_aggr_fn": train_metrics_aggr_fn,
-                "evaluate_metrics_aggr_fn": evaluate_metrics_aggr_fn,
-            },
+            keys={"weighted_by_key": weighted_by_key, **keys},
+            callbacks={**callbacks, "evaluate_metrics_aggr_fn": evaluate_metrics_aggr_fn},
+            evaluation=(fraction_evaluate, min_evaluate_nodes),
         )
         self._config = with_sampling(
             config or LensembleConfig(),
@@ -200,21 +195,13 @@ class LensembleStrategy(Strategy):
             sample_min=min_train_nodes,
             min_available=min_available_nodes,
         )
-        if not 0 <= fraction_evaluate <= 1 or min_evaluate_nodes < 0:
-            raise ConfigError(
-                "fraction_evaluate",
-                f"must be in [0, 1] with min_evaluate_nodes >= 0, got {fraction_evaluate} "
-                f"and {min_evaluate_nodes}",
-            )
         self._fraction_evaluate, self._min_evaluate_nodes = fraction_evaluate, min_evaluate_nodes
         self._arrayrecord_key, self._configrecord_key = arrayrecord_key, configrecord_key
         self._gauge, self._identities = gauge, identities
         self._resume, self._durable_writes = resume, durable_writes
         self._place = RunPlace(Path(run_dir).absolute() if run_dir else None)
-        self._run_id = run_id
+        self._run_id, self._on_round, self._weighted_by_key = run_id, on_round, weighted_by_key
         self._warmup_timeout, self._poll_interval = warmup_timeout, poll_interval
-        self._on_round = on_round
-        self._weighted_by_key = weighted_by_key
         self._train_metrics_aggr_fn = train_metrics_aggr_fn or aggregate_metricrecords
         self._evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn or aggregate_metricrecords
         self._transport: GridTransport | None = None
@@ -226,8 +213,7 @@ class LensembleStrategy(Strategy):
         # Flower round -> (the round it committed, its train metrics), from aggregate_train
         # in Flower's own loop until aggregate_evaluate writes the line with the evaluation
         self._train_reported: dict[int, tuple[int, MetricRecord]] = {}
-        self._said_no_evaluation = False
-        self._said_influence = False
+        self._said_no_evaluation, self._changes = False, ModelChanges()
 
     # -- Strategy's abstract surface ---------------------------------------------------
     def summary(self) -> None:
@@ -250,7 +236,7 @@ class LensembleStrategy(Strategy):
                 make; or ``resume=True``: only :meth:`start` resumes a run.
         """
         if self._driver is None:
-            self._refuse_what_flowers_loop_cannot_do()
+            _refuse_in_flowers_loop(self._config, self._resume, self._place.coordinator)
         coordinator = self._coordinator_for(grid, arrays)
         self._adopt_changes(server_round, arrays)
         attempt = coordinator.attempt
@@ -267,7 +253,7 @@ class LensembleStrategy(Strategy):
         transport = self._transport
         assert transport is not None  # made with the coordinator
         transport.user_config = dict(config)
-        for peer, round_open in coordinator.invite(transport.connected()):
+        for peer, round_open in coordinator.invite(transport.peers(fresh=True)):
             transport.send(peer, round_open)
         return transport.take_queued()
 
@@ -315,10 +301,25 @@ class LensembleStrategy(Strategy):
         nodes = sorted(grid.get_node_ids())
         if not nodes or not self._evaluates():
             return []
-        chosen = self._evaluation_sample(server_round, [self._names.name_of(n) for n in nodes])
+        chosen = evaluation_sample(
+            server_round,
+            [self._names.name_of(n) for n in nodes],
+            self._fraction_evaluate,
+            self._min_evaluate_nodes,
+            self._config.federation.root_seed,
+        )
+        close = self._transport.round_close if self._transport is not None else None
+        content = evaluate_content(
+            server_round,
+            arrays,
+            config,
+            close,
+            arrays_key=self._arrayrecord_key,
+            config_key=self._configrecord_key,
+        )
         return [
             Message(
-                content=self._evaluate_content(server_round, arrays, config),
+                content=content,
                 dst_node_id=self._names.node_of(peer),
                 message_type=MessageType.EVALUATE,
             )
@@ -330,33 +331,9 @@ class LensembleStrategy(Strategy):
     ) -> MetricRecord | None:
         """Aggregate the replies' metrics with ``evaluate_metrics_aggr_fn`` (default: the
         mean weighted by ``weighted_by_key``, as FedAvg does)."""
-        valid: list[tuple[str, RecordDict]] = []
-        left_out: list[str] = []
-        for reply in replies:
-            source = reply.metadata.src_node_id
-            node = "the SuperLink" if source == SUPERLINK_NODE_ID else self._names.name_of(source)
-            if reply.has_error():
-                reason = " ".join((reply.error.reason or "no reason given").split())
-                cut = reason if len(reason) <= 200 else reason[:199] + "…"
-                left_out.append(f"{node} (error {reply.error.code}: {cut})")
-            elif (why := not_weighted(reply.content, self._weighted_by_key)) is not None:
-                left_out.append(f"{node} ({why})")
-            else:
-                valid.append((node, reply.content))
-        # summed in the nodes' order, not the replies' arrival order: with stable participant
-        # names, two runs of the same federation report the same metrics to the last bit
-        valid.sort(key=lambda named: named[0])
-        if left_out:  # FedAvg would stop the run; the round is committed, so say it loudly
-            more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
-            log.warning(
-                "round %d: %d evaluation repl%s left out of the aggregated metrics: %s%s",
-                server_round,
-                len(left_out),
-                "y" if len(left_out) == 1 else "ies",
-                "; ".join(left_out[:3]),
-                more,
-            )
-        contents = [content for _, content in valid]
+        contents = usable_evaluations(
+            server_round, replies, self._names.name_of, self._weighted_by_key
+        )
         evaluation = (
             aggregated(
                 self._evaluate_metrics_aggr_fn, contents, self._weighted_by_key, "evaluation"
@@ -451,25 +428,6 @@ class LensembleStrategy(Strategy):
             return self._open_run(grid, arrays, self._new_transport(grid, arrays, DEFAULT_TTL))
         return coordinator
 
-    def _refuse_what_flowers_loop_cannot_do(self) -> None:
-        """Flower's own loop (``Strategy.start``, a wrapper's) runs no masked round and
-        resumes no run: refused before anything is made or sent."""
-        if self._config.federation.secagg_threshold > 0:
-            raise ConfigError(
-                "secagg-threshold",
-                "masked rounds need a second exchange (unmask requests) within each "
-                "attempt, which Flower's configure_train/aggregate_train loop cannot make; "
-                "call LensembleStrategy.start() instead",
-            )
-        if self._place.coordinator is None and self._resume:
-            raise ConfigError(
-                "resume",
-                "a run is resumed only by LensembleStrategy.start: Flower's stock loop "
-                "(Strategy.start, and every wrapper such as the central-DP ones) restarts "
-                "at round 1 from the initial arrays, and a wrapper's noise on the last "
-                "committed model would be lost (the un-noised model would be sent)",
-            )
-
     def _after_attempt(
         self, server_round: int, coordinator: Coordinator, outcome: RoundOutcome, *, looping: bool
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -483,7 +441,7 @@ class LensembleStrategy(Strategy):
         assert transport is not None
         metrics = reporting.round_metrics(
             outcome,
-            transport,
+            transport.traffic,
             attempts=len(self._round_outcomes),
             exchanges=looping,  # Flower's own loop moves the messages: it counts none
             weighted_by_key=self._weighted_by_key,
@@ -498,7 +456,7 @@ class LensembleStrategy(Strategy):
             if closed:  # its line now, and again with the evaluation's metrics
                 self._keep_metrics(outcome.round, metrics, None)
                 self._train_reported[server_round] = (outcome.round, metrics)
-                transport.forget_through(outcome.round)
+                transport.traffic.forget_through(outcome.round)
         if closed:
             self._returned = self._user_arrays(coordinator.global_state().params)
             return self._returned, metrics
@@ -511,100 +469,14 @@ class LensembleStrategy(Strategy):
         raise outcome.error
 
     def _adopt_changes(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Train from ``arrays`` when something changed what ``aggregate_train`` returned.
-
-        Flower's central-DP wrappers add their noise to the aggregate after lensemble
-        committed it (and an ``aggregate_train`` override may step it); the coordinator
-        adopts the changed model as the round's external step, recorded in its manifest
-        entries and ledger record (see ``coordinator.external_step``). Carried (integer)
-        arrays are not federated: a change to them is logged and left out.
-
-        Raises:
-            ParameterMismatch: ``arrays`` does not fit the global model (names, shapes,
-                dtypes, non-finite values); nothing changes.
-            IllegalTransition: the round already trained from another model.
-        """
+        """Train from ``arrays`` when something changed what ``aggregate_train`` returned
+        (:mod:`.model_changes`)."""
         returned, coordinator = self._returned, self._place.coordinator
         if returned is None or arrays is returned or coordinator is None:
             return
         layout = self._layout_of(arrays)
-        if list(arrays) != list(returned):
-            raise ParameterMismatch(
-                f"round {server_round}: configure_train got arrays {list(arrays)[:5]}…, "
-                f"not the global model's {list(returned)[:5]}…"
-            )
-        changed_carried = [
-            name
-            for name in layout.carried_names
-            if not np.array_equal(arrays[name].numpy(), returned[name].numpy())
-        ]
-        if changed_carried:
-            log.warning(
-                "round %d: %s changed after aggregation; non-floating arrays are carried "
-                "as given, so the change is not used",
-                server_round,
-                changed_carried,
-            )
-        federated = {n: arrays[n].numpy() for n in arrays if n not in layout.carried}
-        step = coordinator.adopt(federated)
-        if step is None:
-            return
-        self._returned = arrays
-        say(
-            INFO,
-            "\t├── the global model was changed after lensemble committed it (a wrapping "
-            "strategy's step such as Flower's central DP noise, or an aggregate_train "
-            "override; change norm %.4g): "
-            "round %d trains from the changed model, and its ledger record says so",
-            step.change_norm,
-            server_round,
-        )
-        self._say_influence_once()
-
-    def _say_influence_once(self) -> None:
-        """Warn, once, that the outer step scales a DP wrapper's calibrated noise."""
-        scale = influence_scale(self._config.outer)
-        if self._said_influence or abs(scale - 1.0) <= 1e-9:
-            return
-        self._said_influence = True
-        log.warning(
-            "if that change is a DP wrapper's noise: the outer step (lr %.3g, momentum "
-            "%.3g) scales each round's mean update by %.3g before it is added, so "
-            "noise calibrated for FedAvg's step then has %.3g times its noise "
-            "multiplier. For the wrapper's stated "
-            "guarantee use FedAvg's step: lensemble.outer-lr = 1, "
-            "lensemble.outer-momentum = 0",
-            self._config.outer.lr,
-            self._config.outer.momentum,
-            scale,
-            1.0 / scale,
-        )
-
-    def _evaluation_sample(self, server_round: int, peers: list[str]) -> list[str]:
-        """FedAvg's evaluation sample: ``max(int(N * fraction_evaluate),
-        min_evaluate_nodes)`` of the N nodes (at most N; none at fraction 0), ranked by a
-        SHA-256 of a seed of the round and each node's id."""
-        if self._fraction_evaluate <= 0 or not peers:
-            return []
-        count = min(
-            len(peers),
-            max(1, int(len(peers) * self._fraction_evaluate), self._min_evaluate_nodes),
-        )
-        seed = derive_seed(self._config.federation.root_seed, "evaluate", server_round)
-        return seeded_sample(peers, count, seed, "evaluate-sample")
-
-    def _evaluate_content(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord | None
-    ) -> RecordDict:
-        cfg = dict(config or {})
-        cfg["server-round"] = server_round
-        close = self._transport.round_close if self._transport is not None else None
-        if close is not None:
-            # rides along, as on RoundOpen (in the one config record Flower's mods expect)
-            cfg.update(records.encode_close(close))
-        return RecordDict(
-            {self._arrayrecord_key: arrays, self._configrecord_key: ConfigRecord(cfg)}
-        )
+        if self._changes.adopt(coordinator, layout, returned, arrays, server_round):
+            self._returned = arrays
 
     def _evaluates(self) -> bool:
         """Whether nodes are asked to evaluate: ``fraction_evaluate`` > 0, and not under DP
@@ -642,6 +514,28 @@ class LensembleStrategy(Strategy):
         coordinator = self._place.coordinator
         durable = coordinator is None or coordinator.store.sync
         reporting.keep_metrics(self._place.path, server_round, metrics, evaluation, durable=durable)
+
+
+def _refuse_in_flowers_loop(
+    config: LensembleConfig, resume: bool, coordinator: Coordinator | None
+) -> None:
+    """Flower's own loop (``Strategy.start``, a wrapper's) runs no masked round and
+    resumes no run: refused before anything is made or sent."""
+    if config.federation.secagg_threshold > 0:
+        raise ConfigError(
+            "secagg-threshold",
+            "masked rounds need a second exchange (unmask requests) within each "
+            "attempt, which Flower's configure_train/aggregate_train loop cannot make; "
+            "call LensembleStrategy.start() instead",
+        )
+    if coordinator is None and resume:
+        raise ConfigError(
+            "resume",
+            "a run is resumed only by LensembleStrategy.start: Flower's stock loop "
+            "(Strategy.start, and every wrapper such as the central-DP ones) restarts "
+            "at round 1 from the initial arrays, and a wrapper's noise on the last "
+            "committed model would be lost (the un-noised model would be sent)",
+        )
 
 
 def _say_left_out(round: int, came: frozenset[str], replies: list[Message]) -> None:

@@ -29,7 +29,7 @@ from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.round_metrics import METRICS_NAME, append_round_metrics
 from lensemble_flwr.strategies import records
-from lensemble_flwr.strategies.grid_transport import GridTransport
+from lensemble_flwr.strategies.traffic import RoundTraffic
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ class LensembleResult(Result):
 
 def round_metrics(
     outcome: RoundOutcome,
-    transport: GridTransport,
+    traffic: RoundTraffic,
     *,
     attempts: int,
     exchanges: bool,
     weighted_by_key: str,
     aggregate: MetricsAggregation,
 ) -> MetricRecord:
-    """The round's metrics: the contributors' own metrics (as the transport decoded them)
+    """The round's metrics: the contributors' own metrics (as the transport counted them)
     aggregated by ``aggregate`` as FedAvg does, and lensemble's bookkeeping under
     ``lensemble.`` (with ``exchanges``: the round's exchanges and bytes, which only a loop
     that moved the messages itself counts)."""
@@ -85,13 +85,13 @@ def round_metrics(
     if "frame_drift" in outcome.diagnostics:
         book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
     if exchanges:
-        book["exchanges"] = float(transport.exchanges(outcome.round))
-        sent, received = transport.round_bytes(outcome.round)
+        book["exchanges"] = float(traffic.exchanges(outcome.round))
+        sent, received = traffic.round_bytes(outcome.round)
         book["bytes-sent"] = float(sent)  # this round's, not the run's so far
         book["bytes-received"] = float(received)
     client_metrics = [
         RecordDict({records.METRICS: MetricRecord(m)})
-        for (rnd, peer), m in sorted(transport.client_metrics.items())
+        for (rnd, peer), m in sorted(traffic.client_metrics.items())
         if rnd == outcome.round and peer in outcome.contributors
     ]
     weighted_ = [c for c in client_metrics if weighted(c, weighted_by_key)]

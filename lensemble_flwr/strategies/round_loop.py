@@ -187,7 +187,7 @@ class RoundLoop:
             evaluation = result.evaluate_metrics_clientapp.get(r)
             reporting.report(outcomes[-1], metrics, evaluation, aborted, strategy._on_round)
             strategy._keep_metrics(r, metrics, evaluation)
-            transport.forget_through(r)  # reported: its bookkeeping is no longer needed
+            transport.traffic.forget_through(r)  # reported: its bookkeeping is no longer needed
             if not_opened is not None:
                 raise not_opened
 

@@ -17,6 +17,10 @@ from lensemble_flwr.config import FederationConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.strategies.grid_transport import GridTransport
 
+WARM_UP_SETTLE_S = 3.0
+"""Seconds the simulation engine's node count must stay below what the warm-up waits for
+before it stops waiting (the engine registers its nodes as it starts, not all at once)."""
+
 
 def warm_up(
     transport: GridTransport,
@@ -52,11 +56,36 @@ def warm_up(
     started = transport.now()
     # FedAvg waits for max(min_available_nodes, its sample size >= min_train_nodes)
     floor = max(federation.min_available, federation.sample_min)
-    warm = transport.warm_up(min_nodes=max(federation.quorum, floor), timeout_s=timeout)
+    warm = wait_for_nodes(transport, min_nodes=max(federation.quorum, floor), timeout_s=timeout)
     waited = transport.now() - started
     say(INFO, "warm-up: %d node(s) connected after %.1fs", len(warm), waited)
     _refuse_too_few(transport, federation, len(warm), timeout)
     return waited
+
+
+def wait_for_nodes(transport: GridTransport, *, min_nodes: int, timeout_s: float) -> list[str]:
+    """Wait (at most ``timeout_s``) until ``min_nodes`` nodes are connected, without
+    sending them anything: a stock ClientApp has no handler for a query, and one would
+    answer it with an error traceback. On the simulation engine, whose nodes are all
+    registered as it starts, a count below ``min_nodes`` that has not changed for
+    :data:`WARM_UP_SETTLE_S` seconds returns then (no more will come).
+
+    Returns:
+        The participants connected when it returned.
+    """
+    deadline = transport.now() + timeout_s
+    settled: tuple[int, float] | None = None  # (the engine's node count, since when)
+    while len(transport.peers(fresh=True)) < min_nodes and transport.now() < deadline:
+        declared = transport.declared_size()
+        if declared is not None and 0 < declared < min_nodes:
+            if settled is None or settled[0] != declared:
+                settled = (declared, transport.now())
+            elif transport.now() - settled[1] >= WARM_UP_SETTLE_S:
+                break  # the engine registered its nodes: no more will come
+        else:
+            settled = None
+        transport.sleep(min(1.0, max(0.0, deadline - transport.now())))
+    return list(transport.peers(fresh=True))
 
 
 def _refuse_too_few(
