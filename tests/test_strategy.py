@@ -1038,3 +1038,102 @@ def test_an_evaluation_error_without_a_reason_or_from_the_superlink_is_named(
     (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert f"node-{messages[0].metadata.dst_node_id} (error 0: no reason given)" in line
     assert "the SuperLink (error 3:" in line and "node-1 " not in line
+
+
+class _KeepsItsOwnNames(LensembleStrategy):
+    """As Flower's advanced-pytorch example: attributes of its own named as lensemble's
+    settings (its W&B run name under ``run_dir``), set before and after the constructor."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.config = {"lr": 0.1}
+        super().__init__(*args, **kwargs)
+        self.run_dir = "wandb-run-name"
+        self.coordinator = "not lensemble's"
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        assert self.run_dir == "wandb-run-name" and self.config == {"lr": 0.1}
+        return super().aggregate_train(server_round, replies)
+
+
+def test_a_subclasss_own_run_dir_config_and_coordinator_do_not_redirect_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lensemble keeps its state privately: the run goes where the constructor said,
+    with the constructor's config, and the subclass keeps its own values."""
+    monkeypatch.chdir(tmp_path)
+    _, grid = stock_loop_federation(tmp_path)
+    config = small_config(min_participants=3)
+    strategy = _KeepsItsOwnNames(config, run_dir=tmp_path / "run", fraction_evaluate=0.0)
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert result.run_dir == tmp_path / "run"
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2]
+    assert not (tmp_path / "wandb-run-name").exists()
+    assert strategy.run_dir == "wandb-run-name" and strategy.config == {"lr": 0.1}
+    assert strategy.coordinator == "not lensemble's"
+    # the read-only views give lensemble's values where nothing shadows them
+    plain, grid = stock_loop_federation(tmp_path / "plain", config)
+    assert plain.run_dir == tmp_path / "plain" / "run" and plain.config == config
+    assert plain.coordinator is None and plain.transport is None
+    plain.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1)
+    assert plain.coordinator is not None and plain.coordinator.global_state().round == 1
+    assert isinstance(plain.transport, GridTransport)
+
+
+class _DropsAReply(LensembleStrategy):
+    """Hands the default aggregate_train all replies but the first."""
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        return super().aggregate_train(server_round, list(replies)[1:])
+
+
+def test_replies_an_override_leaves_out_are_in_the_round_all_the_same_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In start, each update is admitted as it arrives: what aggregate_train hands the
+    default does not choose the contributors. The round says so, and its ledger record
+    names every contributor."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _DropsAReply(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
+        )
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
+    assert [r.count for r in verify(Store(tmp_path / "run"))] == [4]
+    assert "aggregate_train was handed 3 of the attempt's 4 replies" in caplog.text
+
+
+class _AggregatesOnItsOwn(LensembleStrategy):
+    """An aggregate_train that never calls the default (and returns nothing)."""
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        self.seen = [*getattr(self, "seen", []), len(list(replies))]
+        return None, None
+
+
+def test_an_aggregate_train_that_skips_the_default_still_ends_each_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lensemble ends the attempt over what it admitted, says so, and the round's
+    metrics and model are lensemble's (the override returned none)."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _AggregatesOnItsOwn(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    assert strategy.seen == [4, 4]
+    assert "aggregate_train did not call LensembleStrategy.aggregate_train" in caplog.text
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2]
+    assert result.train_metrics_clientapp[2]["lensemble.C_t"] == 4.0
+    coordinator = strategy.coordinator
+    assert coordinator is not None
+    final = record_to_arrays(result.arrays)
+    for name, array in coordinator.global_state().params.items():
+        np.testing.assert_array_equal(final[name], array)

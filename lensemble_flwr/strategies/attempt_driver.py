@@ -43,7 +43,7 @@ class AttemptDriver:
         self._transport = transport
         self._attempt: Attempt | None = None  # the attempt this driver drives
         self._outcome: RoundOutcome | None = None  # and how it ended, once it did
-        self._reply_ids: frozenset[str] = frozenset()  # the replies take_replies took
+        self._reply_ids: frozenset[int] = frozenset()  # the replies take_replies took (ids)
 
     def drives(self, attempt: Attempt | None) -> bool:
         """Whether ``attempt`` is the one this driver pushed (its replies are admitted
@@ -77,8 +77,9 @@ class AttemptDriver:
             self.abort(exc)
 
     @property
-    def reply_ids(self) -> frozenset[str]:
-        """The message ids of the replies :meth:`take_replies` last took."""
+    def reply_ids(self) -> frozenset[int]:
+        """The ``id()`` of each reply :meth:`take_replies` last took (a reply pulled from
+        a SuperLink may carry no message id of its own)."""
         return self._reply_ids
 
     def take_replies(self) -> list[Message]:
@@ -88,7 +89,7 @@ class AttemptDriver:
         if attempt is None:
             return []
         replies = self._transport.take_train_replies(attempt.round, attempt.number)
-        self._reply_ids = frozenset(reply.metadata.message_id for reply in replies)
+        self._reply_ids = frozenset(id(reply) for reply in replies)
         return replies
 
     def abort(self, error: LensembleError) -> RoundOutcome:

@@ -538,10 +538,10 @@ def _refuse_in_flowers_loop(
         )
 
 
-def _say_left_out(round: int, came: frozenset[str], replies: list[Message]) -> None:
+def _say_left_out(round: int, came: frozenset[int], replies: list[Message]) -> None:
     """In :meth:`LensembleStrategy.start`, every reply was admitted as it arrived: say so
     when an ``aggregate_train`` override hands the default fewer replies than came."""
-    given = {reply.metadata.message_id for reply in replies}
+    given = {id(reply) for reply in replies}
     missing = sorted(came - given)
     if missing:
         log.warning(
