@@ -1137,3 +1137,38 @@ def test_an_aggregate_train_that_skips_the_default_still_ends_each_round(
     final = record_to_arrays(result.arrays)
     for name, array in coordinator.global_state().params.items():
         np.testing.assert_array_equal(final[name], array)
+
+
+class _SendsItsOwnMessages(LensembleStrategy):
+    """A configure_train that rebuilds every instruction as a Message of its own."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        return [
+            Message(
+                content=m.content,
+                dst_node_id=m.metadata.dst_node_id,
+                message_type=MessageType.TRAIN,
+            )
+            for m in super().configure_train(server_round, arrays, config, grid)
+        ]
+
+
+def test_messages_a_configure_train_makes_itself_are_the_attempts_instructions(
+    tmp_path: Path,
+) -> None:
+    """Each goes out as the attempt's instruction to its node, with the instructions' TTL
+    and group, and its reply counts as that node's answer."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _SendsItsOwnMessages(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0,
+        warmup_timeout=0.0,
+    )  # fmt: skip
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert [r.count for r in verify(Store(tmp_path / "run"))] == [4, 4]
+    assert result.train_metrics_clientapp[2]["lensemble.exchanges"] == 1.0
+    pushed = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
+    assert pushed == [(1, 20.0)] * len(NODES) + [(2, 20.0)] * len(NODES)

@@ -137,6 +137,12 @@ class AttemptDriver:
         while not done() and (remaining := deadline - transport.now()) > 0:
             coordinator.receive(transport.recv(timeout_s=remaining))
 
+    def release(self) -> None:
+        """The run is over: the transport keeps no more replies, nor this driver."""
+        self._transport.keep_train_replies = False
+        self._transport.take_train_replies(-1, -1)
+        self._attempt, self._reply_ids = None, frozenset()
+
     def wait_for_joins(self) -> None:
         """Give (re)joining nodes ``retry-wait`` seconds before the next attempt; what
         arrives meanwhile is dropped."""

@@ -278,20 +278,22 @@ class GridTransport:
     ) -> list[SentInstruction]:
         """Push ``messages`` (what ``configure_train`` returned) as the instructions of
         ``template``'s attempt, and pull their replies from then on. A Message the hook
-        made itself counts as that attempt's instruction to its node (it gets the
-        instructions' TTL and group).
+        made itself is that attempt's instruction to its node, in place of what the node
+        was handed (it gets the instructions' TTL and group).
 
         Returns:
             The instructions :meth:`take_queued` handed out that are not among
             ``messages`` (a ``configure_train`` override left them out): never sent.
         """
         handed_out, self._handed_out = self._handed_out, {}
+        by_node = {m.metadata.dst_node_id: key for key, (m, _) in handed_out.items()}
         for message in messages:
             held = handed_out.pop(id(message), None)
             if held is not None and held[0] is message:
                 info = held[1]
-            else:
-                info = SentInstruction(
+            else:  # made by the hook: it replaces what its node was handed, if anything
+                replaced = handed_out.pop(by_node.get(message.metadata.dst_node_id, -1), None)
+                info = replaced[1] if replaced is not None else SentInstruction(
                     peer=self.names.name_of(message.metadata.dst_node_id),
                     kind=MessageKind.ROUND_OPEN,
                     round=template.round,
@@ -302,7 +304,8 @@ class GridTransport:
                 )
                 message.metadata.ttl = self.message_ttl
                 message.metadata.group_id = str(template.round)
-                self.traffic.count_sent(info.peer, info.round)
+                if replaced is None:  # (a replaced one was counted when it was queued)
+                    self.traffic.count_sent(info.peer, info.round)
             self._queue.append(message)
             self._queued_info.append(info)
         self._flush()

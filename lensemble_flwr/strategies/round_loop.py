@@ -103,6 +103,7 @@ class RoundLoop:
                 self._rounds(coordinator, driver, result, num_rounds)
             finally:  # the temp files made ahead of writes can go, however the run ended
                 strategy._driver = None
+                driver.release()
                 coordinator.store.close()
             self._check_final_arrays(coordinator, result)
             recycling.clear()  # the run is over: the last sum's buffers need not stay resident
