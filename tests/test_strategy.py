@@ -1172,3 +1172,22 @@ def test_messages_a_configure_train_makes_itself_are_the_attempts_instructions(
     assert result.train_metrics_clientapp[2]["lensemble.exchanges"] == 1.0
     pushed = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
     assert pushed == [(1, 20.0)] * len(NODES) + [(2, 20.0)] * len(NODES)
+
+
+class _BeginsNothing(LensembleStrategy):
+    """A configure_train that never calls the default (so no attempt begins)."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        return []
+
+
+def test_a_configure_train_that_begins_no_attempt_is_refused_saying_why(tmp_path: Path) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _BeginsNothing(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with pytest.raises(RuntimeError, match=r"must call super\(\)\.configure_train"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1)
+    assert grid.pushed() == [] and verify(Store(tmp_path / "run")) == []
