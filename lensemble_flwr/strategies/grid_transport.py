@@ -293,14 +293,10 @@ class GridTransport:
                 info = held[1]
             else:  # made by the hook: it replaces what its node was handed, if anything
                 replaced = handed_out.pop(by_node.get(message.metadata.dst_node_id, -1), None)
-                info = replaced[1] if replaced is not None else SentInstruction(
-                    peer=self.names.name_of(message.metadata.dst_node_id),
-                    kind=MessageKind.ROUND_OPEN,
-                    round=template.round,
-                    attempt=template.attempt,
-                    run_id=template.run_id,
-                    params=template.params,
-                    pushed_at=0.0,
+                info = (
+                    replaced[1]
+                    if replaced is not None
+                    else _instruction_of(template, self.names.name_of(message.metadata.dst_node_id))
                 )
                 message.metadata.ttl = self.message_ttl
                 message.metadata.group_id = str(template.round)
@@ -334,15 +330,7 @@ class GridTransport:
             if reply.has_error() and node == SUPERLINK_NODE_ID:
                 log.info("round %d: the SuperLink reports: %s", template.round, reply.error.reason)
                 continue
-            info = SentInstruction(
-                peer=self.names.name_of(node),
-                kind=MessageKind.ROUND_OPEN,
-                round=template.round,
-                attempt=template.attempt,
-                run_id=template.run_id,
-                params=template.params,
-                pushed_at=0.0,
-            )
+            info = _instruction_of(template, self.names.name_of(node))
             payloads.extend(self._decoded(reply, info))
             peers.append(self.names.name_of(node))
         return payloads, peers
@@ -544,6 +532,19 @@ class GridTransport:
 _ENCODED_KEPT = 8
 """Encoded RoundOpen contents a GridTransport keeps (an attempt has two at most: for
 recipients that are bound and for those asked for a commitment)."""
+
+
+def _instruction_of(template: RoundOpen, peer: str) -> SentInstruction:
+    """What the transport knows of ``template``'s attempt's instruction to ``peer``."""
+    return SentInstruction(
+        peer=peer,
+        kind=MessageKind.ROUND_OPEN,
+        round=template.round,
+        attempt=template.attempt,
+        run_id=template.run_id,
+        params=template.params,
+        pushed_at=0.0,
+    )
 
 
 def train_reply_payloads(
