@@ -333,7 +333,7 @@ def test_the_bytes_a_round_reports_are_its_own_not_the_runs_so_far(tmp_path: Pat
         per_round = [result.train_metrics_clientapp[r][f"lensemble.bytes-{key}"] for r in (1, 2, 3)]
         # the same model to and from the same four nodes every round: about the same bytes
         assert min(per_round) > 0 and max(per_round) < 1.1 * min(per_round), (key, per_round)
-        assert sum(per_round) == getattr(strategy.transport, total)  # the run's, exactly
+        assert sum(per_round) == getattr(strategy.transport.traffic, total)  # the run's, exactly
 
 
 def test_a_run_that_fails_leaves_no_prepared_file_behind(
@@ -593,7 +593,7 @@ def test_the_transports_per_round_bookkeeping_does_not_grow_with_the_run(
     assert "train_loss" in result.train_metrics_clientapp[3]  # read before it was dropped
     transport = strategy.transport
     assert transport is not None
-    assert transport.client_metrics == {} and transport.sent_per_round == {}
+    assert transport.traffic.client_metrics == {} and transport.traffic.sent_per_round == {}
 
 
 _BAD_REPLIES = {

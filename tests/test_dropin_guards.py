@@ -21,8 +21,8 @@ from lensemble_flwr.participant.local_training import TorchTraining
 from lensemble_flwr.simulations.toy import ToyTrainer
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
-from lensemble_flwr.strategies.lensemble import _weighted
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.reporting import weighted as _weighted
 
 
 # -- ArrayLayout ---------------------------------------------------------------------------

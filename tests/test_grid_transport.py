@@ -55,7 +55,6 @@ from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.grid_transport import (
-    WARM_UP_SETTLE_S,
     GridTransport,
     SentInstruction,
     malformed_refusal,
@@ -510,7 +509,8 @@ def test_a_stock_reply_becomes_an_unbound_update_with_the_right_delta() -> None:
         assert array.dtype == np.float32
         np.testing.assert_allclose(array, np.full_like(PARAMS[name], 1.5))
     assert update.l2_norm == pytest.approx(l2_norm(update.delta))
-    assert transport.client_metrics[(4, "node-11")] == {"num-examples": 32.0, "train_loss": 0.75}
+    metrics = transport.traffic.client_metrics[(4, "node-11")]
+    assert metrics == {"num-examples": 32.0, "train_loss": 0.75}
 
 
 def _stock_reply(message: Message, arrays: dict[str, np.ndarray], metrics: dict) -> Message:
@@ -702,48 +702,6 @@ def test_exchanges_counts_instructions_per_busiest_node() -> None:
 
     transport.send("node-12", round_open(1, attempt=2))  # a retried attempt: a second one
     assert transport.exchanges(1) == 2
-
-
-# -- (j) warm-up ------------------------------------------------------------------------------
-def test_warm_up_waits_for_min_nodes_and_sends_them_nothing() -> None:
-    clock = FakeClock()
-    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent, 14: silent},
-                    appear_at={13: 2.5, 14: 2.5})  # fmt: skip
-    # a node list is normally reused for peer_refresh seconds: warm-up must look again
-    transport = make_transport(grid, clock, message_ttl=2.0, peer_refresh=60.0)
-    connected = transport.warm_up(min_nodes=3, timeout_s=10.0)
-    assert connected == ["node-11", "node-12", "node-13", "node-14"]
-    assert grid.pushes == []  # a stock ClientApp has no query handler: nothing is sent
-    assert 2.5 <= clock.t <= 10.0
-
-
-def test_warm_up_gives_up_at_its_timeout() -> None:
-    clock = FakeClock()
-    grid = FakeGrid(clock, {11: silent}, appear_at={11: 100.0})
-    transport = make_transport(grid, clock)
-    assert transport.warm_up(min_nodes=1, timeout_s=3.0) == []
-    assert clock.t == pytest.approx(3.0)
-
-
-def test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_come(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On the simulation engine the nodes are registered as it starts (``declared_size``):
-    a count too low that stays so for a few seconds is said then, not after the warm-up
-    timeout; a count still rising (or none yet) is waited for as before."""
-    clock = FakeClock()
-    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent}, appear_at={13: 2.5})
-    transport = make_transport(grid, clock)
-    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
-    assert transport.warm_up(min_nodes=4, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
-    assert 2.5 + WARM_UP_SETTLE_S <= clock.t <= 2.5 + WARM_UP_SETTLE_S + 1.0  # then settled
-    assert transport.warm_up(min_nodes=3, timeout_s=120.0) == ["node-11", "node-12", "node-13"]
-    clock = FakeClock()
-    grid = FakeGrid(clock, {11: silent}, appear_at={11: 30.0})  # the engine not started yet
-    transport = make_transport(grid, clock)
-    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
-    assert transport.warm_up(min_nodes=1, timeout_s=120.0) == ["node-11"]
-    assert 30.0 <= clock.t <= 31.0
 
 
 def test_a_reply_collector_keeps_what_is_sent_until_it_is_taken() -> None:

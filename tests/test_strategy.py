@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -44,8 +45,10 @@ from lensemble_flwr.strategies.lensemble import LensembleResult
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 
-def stock_loop_federation(tmp_path: Path) -> tuple[LensembleStrategy, FakeGrid]:
-    config = small_config(min_participants=3)
+def stock_loop_federation(
+    tmp_path: Path, config: Any = None, **arguments: Any
+) -> tuple[LensembleStrategy, FakeGrid]:
+    config = config or small_config(min_participants=3)
     contexts = {
         n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
         for n in NODES
@@ -53,9 +56,8 @@ def stock_loop_federation(tmp_path: Path) -> tuple[LensembleStrategy, FakeGrid]:
     grid = FakeGrid(
         FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
     )
-    strategy = LensembleStrategy(
-        config, run_dir=tmp_path / "run", run_id="stock-loop", fraction_evaluate=0.0
-    )
+    arguments = {"run_id": "stock-loop", "fraction_evaluate": 0.0, **arguments}
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", **arguments)
     return strategy, grid
 
 
@@ -107,13 +109,17 @@ class _DecayingLearningRate(LensembleStrategy):
 def test_a_subclass_overriding_flowers_round_hooks_has_them_called_every_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """start's own loop calls no configure_train/aggregate_train: for a subclass that
-    overrides them, start runs Flower's loop (Strategy.start), which does, and says so."""
+    """start's one loop calls the strategy's own configure_train and aggregate_train
+    every round, as Flower's loop does: a subclass's overrides run, and lensemble's
+    deadlines and exchange counts come with them."""
     _, grid = stock_loop_federation(tmp_path)
+    lines: list[str] = []
     strategy = _DecayingLearningRate(
-        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+        small_config(min_participants=3),
+        run_dir=tmp_path / "run",
+        fraction_evaluate=0.0,
+        on_round=lines.append,
     )
-    assert strategy.overridden_round_hooks() == ["configure_train", "aggregate_train"]
     with caplog.at_level(logging.INFO, logger="flwr"):
         result = strategy.start(
             grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
@@ -121,7 +127,10 @@ def test_a_subclass_overriding_flowers_round_hooks_has_them_called_every_round(
     assert strategy.aggregated == [1, 2, 3]
     rates = [m.content["config"]["lr"] for m in grid.pushed() if "config" in m.content]
     assert rates == [0.05] * len(NODES) + [0.025] * len(NODES) + [0.0125] * len(NODES)
-    assert "overrides configure_train, aggregate_train" in caplog.text
+    assert "overrides" not in caplog.text and "Strategy.start" not in caplog.text
+    assert [line.split(":")[0] for line in lines] == ["round 1", "round 2", "round 3"]
+    assert all("exchanges=1" in line for line in lines)  # start moves the messages
+    assert result.train_metrics_clientapp[3]["lensemble.exchanges"] == 1.0
     coordinator = strategy.coordinator
     assert coordinator is not None and coordinator.global_state().round == 3
     assert isinstance(result, LensembleResult) and result.run_dir == tmp_path / "run"
@@ -130,7 +139,6 @@ def test_a_subclass_overriding_flowers_round_hooks_has_them_called_every_round(
     for name, array in coordinator.global_state().params.items():
         np.testing.assert_array_equal(final[name], array)
     assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
-    assert LensembleStrategy(small_config()).overridden_round_hooks() == []
 
 
 def _evaluating_node(index: int, context: Context, train: Any) -> Any:
@@ -145,12 +153,53 @@ def _evaluating_node(index: int, context: Context, train: Any) -> Any:
     return answer
 
 
-def test_flowers_loop_reports_every_attempt_and_writes_the_rounds_metrics(
+def _evaluating_federation(config: Any) -> FakeGrid:
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    return FakeGrid(
+        FakeClock(),
+        {
+            n: _evaluating_node(i, contexts[n], clientapp_node(i, contexts[n], config))
+            for i, n in enumerate(NODES)
+        },
+    )
+
+
+def test_a_subclass_in_start_reports_each_round_once_with_its_evaluation(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """In Flower's loop each attempt gets start's report line and on_round (from
-    aggregate_train), and each committed round its line in round-metrics.jsonl, with the
-    evaluation's metrics (from aggregate_evaluate), for lensemble-flwr report's curves."""
+    """In start, a subclass's round gets one report line (and on_round) once it is
+    evaluated, with the evaluation's metrics, and one line in round-metrics.jsonl."""
+    config = small_config(min_participants=3)
+    grid = _evaluating_federation(config)
+    lines: list[str] = []
+    strategy = _DecayingLearningRate(config, run_dir=tmp_path / "run", on_round=lines.append)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    mean = (0.5 + 0.6 + 0.7 + 0.8) / 4
+    assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
+    assert all("C_t=4" in line and f"accuracy={mean:.4f}" in line for line in lines)
+    assert lines[0] in caplog.text
+    jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
+    written = [json.loads(line) for line in jsonl.splitlines()]
+    assert [w["round"] for w in written] == [1, 2]
+    for line in written:
+        assert line["evaluate"]["accuracy"] == pytest.approx(mean)
+        assert line["train"]["lensemble.C_t"] == 4.0
+    assert result.evaluate_metrics_clientapp[2]["accuracy"] == pytest.approx(mean)
+
+
+def test_flowers_own_loop_reports_every_attempt_and_writes_the_rounds_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In Flower's own loop (Strategy.start) each attempt gets start's report line and
+    on_round (from aggregate_train), and each committed round its line in
+    round-metrics.jsonl, again with the evaluation's metrics (from aggregate_evaluate),
+    for lensemble-flwr report's curves."""
     config = small_config(min_participants=3)
     contexts = {
         n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
@@ -166,11 +215,12 @@ def test_flowers_loop_reports_every_attempt_and_writes_the_rounds_metrics(
     lines: list[str] = []
     strategy = _DecayingLearningRate(config, run_dir=tmp_path / "run", on_round=lines.append)
     with caplog.at_level(logging.INFO, logger="flwr"):
-        result = strategy.start(
-            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        result = Strategy.start(
+            strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
         )
     assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
     assert all("C_t=4" in line for line in lines) and lines[0] in caplog.text
+    assert strategy.aggregated == [1, 2]
     jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
     written = [json.loads(line) for line in jsonl.splitlines()]
     assert [w["round"] for w in written] == [1, 1, 2, 2]  # train first, then with evaluation
@@ -181,13 +231,24 @@ def test_flowers_loop_reports_every_attempt_and_writes_the_rounds_metrics(
     assert result.evaluate_metrics_clientapp[2]["accuracy"] == pytest.approx(mean)
 
 
-def test_a_subclass_overriding_flowers_round_hooks_cannot_resume(tmp_path: Path) -> None:
+def test_a_subclass_overriding_flowers_round_hooks_resumes_its_run(tmp_path: Path) -> None:
+    """One loop for every strategy: a subclass resumes as LensembleStrategy does (its
+    hooks called for the rounds left), where Flower's own loop restarts at round 1."""
     _, grid = stock_loop_federation(tmp_path)
-    strategy = _DecayingLearningRate(small_config(min_participants=3), run_dir=tmp_path / "run")
-    strategy.resume = True
-    with pytest.raises(ConfigError, match="overrides configure_train, aggregate_train"):
-        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()))
-    assert grid.pushed() == [] and not (tmp_path / "run").exists()
+    initial = arrays_to_record(initial_params())
+    first = _DecayingLearningRate(
+        small_config(min_participants=3), run_dir=tmp_path / "run", run_id="sub"
+    )
+    first.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    before = [r.record_hash for r in verify(Store(tmp_path / "run"))]
+    again = _DecayingLearningRate(
+        small_config(min_participants=3), run_dir=tmp_path / "run", run_id="sub", resume=True
+    )
+    result = again.start(grid=grid, initial_arrays=initial, num_rounds=3)
+    assert again.aggregated == [3] and list(result.train_metrics_clientapp) == [3]
+    records = verify(Store(tmp_path / "run"))
+    assert [r.record_hash for r in records[:2]] == before
+    assert [r.round for r in records] == [1, 2, 3] and records[2].external_step is None
 
 
 class _SendsNothing(LensembleStrategy):
@@ -201,22 +262,25 @@ class _SendsNothing(LensembleStrategy):
 
 
 class _FirstAttemptSendsNothing(LensembleStrategy):
-    """Round 1's first attempt sends none of its instructions (so it aborts); every
+    """The run's first attempt sends none of its instructions (so it aborts); every
     later attempt goes out as usual."""
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
     ) -> Any:
         messages = super().configure_train(server_round, arrays, config, grid)
-        return [] if server_round == 1 else messages
+        first = not getattr(self, "sent_once", False)
+        self.sent_once = True
+        return [] if first else messages
 
 
-def test_flowers_loop_counts_a_retried_rounds_attempts_as_starts_loop_does(
-    tmp_path: Path,
+def test_a_retried_round_in_start_is_the_same_round_and_counts_its_attempts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Each attempt's line names the round's aborted attempts so far; the committed
-    round's metrics count both attempts; no exchange count is made up (Flower's loop
-    counts none)."""
+    """A retry is the same round (configure_train is asked for server_round 1 again),
+    and the round's one line and metrics count both attempts. The nodes whose
+    instructions configure_train left out refuse the attempt at once: it ends without
+    waiting for its deadlines."""
     _, grid = stock_loop_federation(tmp_path)
     lines: list[str] = []
     strategy = _FirstAttemptSendsNothing(
@@ -225,8 +289,41 @@ def test_flowers_loop_counts_a_retried_rounds_attempts_as_starts_loop_does(
         fraction_evaluate=0.0,
         on_round=lines.append,
     )
-    result = strategy.start(
-        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
+    with caplog.at_level(logging.INFO):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (1, 2), (2, 1)]
+    first = result.outcomes[0]
+    assert first.refused == tuple(sorted(f"node-{n}" for n in NODES))
+    assert first.elapsed < 5.0  # open timeout 10 s: not waited for
+    assert "never sent: configure_train left this node's instruction out" in caplog.text
+    assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
+    assert "aborted=1" in lines[0] and "aborted" not in lines[1]
+    jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
+    (one, two) = [json.loads(line)["train"] for line in jsonl.splitlines()]
+    assert one["lensemble.attempts"] == 2.0 and one["lensemble.aborted-attempts"] == 1.0
+    assert two["lensemble.attempts"] == 1.0
+    assert result.train_metrics_clientapp[1]["lensemble.attempts"] == 2.0
+    assert list(result.aborted) == [1]
+
+
+def test_flowers_own_loop_counts_a_retried_rounds_attempts_as_start_does(
+    tmp_path: Path,
+) -> None:
+    """In Flower's own loop a retried attempt takes a Flower round: each attempt's line
+    names the round's aborted attempts so far; the committed round's metrics count both
+    attempts; no exchange count is made up (Flower's loop counts none)."""
+    _, grid = stock_loop_federation(tmp_path)
+    lines: list[str] = []
+    strategy = _FirstAttemptSendsNothing(
+        small_config(min_participants=3),
+        run_dir=tmp_path / "run",
+        fraction_evaluate=0.0,
+        on_round=lines.append,
+    )
+    result = Strategy.start(
+        strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
     )
     assert [line.split(":")[0] for line in lines] == ["round 1", "round 1", "round 2"]
     assert "aborted=1" in lines[0] and "aborted=1" in lines[1] and "aborted" not in lines[2]
@@ -269,19 +366,18 @@ def test_flowers_loop_takes_back_its_run_when_the_initial_evaluation_raises(
     assert sorted(result.evaluate_metrics_serverapp) == [0, 1]
 
 
-def test_flowers_loop_that_commits_no_round_returns_the_initial_model_and_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_subclass_that_sends_nothing_stops_the_run_once_the_attempts_are_used_up(
+    tmp_path: Path,
 ) -> None:
+    """Every attempt of round 1 is refused by every node (never sent): the round uses up
+    max-round-attempts, and the federation stops with the round's error, as for any
+    strategy; nothing is committed."""
     _, grid = stock_loop_federation(tmp_path)
-    strategy = _SendsNothing(small_config(min_participants=3), run_dir=tmp_path / "run")
-    initial = arrays_to_record(initial_params())
-    with caplog.at_level(logging.WARNING):
-        result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
-    assert list(result.arrays) == list(initial)  # Flower's Result alone would be empty
-    for name in initial:
-        np.testing.assert_array_equal(result.arrays[name].numpy(), initial[name].numpy())
-    assert "0 of 2 rounds committed" in caplog.text
-    assert [len(reasons) for reasons in result.aborted.values()] == [2]
+    config = small_config(min_participants=3, max_round_attempts=2)
+    strategy = _SendsNothing(config, run_dir=tmp_path / "run", fraction_evaluate=0.0)
+    with pytest.raises(FaultToleranceExceeded, match="quorum 3"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
+    assert grid.pushed() == [] and verify(Store(tmp_path / "run")) == []
 
 
 class _HalvesTheModel(LensembleStrategy):
@@ -323,18 +419,36 @@ def test_flowers_loop_checks_what_starts_own_loop_checks_before_anything(
 
     _, grid = stock_loop_federation(tmp_path)
     initial = arrays_to_record(initial_params())
-    masked = _DecayingLearningRate(
-        small_config(min_participants=3, secagg_threshold=3), run_dir=tmp_path / "masked"
-    )
-    with pytest.raises(ConfigError, match="overrides configure_train, aggregate_train"):
-        masked.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
     too_few = _DecayingLearningRate(
         small_config(min_participants=6), run_dir=tmp_path / "few", warmup_timeout=0.0
     )
     with pytest.raises(ConfigError, match="every round needs K = 6"):
         too_few.start(grid=grid, initial_arrays=initial, evaluate_fn=evaluate_fn)
     assert evaluated == [] and grid.pushed() == []
-    assert not (tmp_path / "masked").exists()  # refused before its run was made
+    assert not (tmp_path / "few").exists()  # the run it began is taken back
+
+
+def test_a_subclass_runs_masked_rounds_with_its_hooks_called(tmp_path: Path) -> None:
+    """The unmask exchange happens within the attempt, in the default aggregate_train:
+    a subclass's hooks run every masked round, as in plaintext ones."""
+    config = small_config(min_participants=3, secagg_threshold=3)
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    strategy = _DecayingLearningRate(config, run_dir=tmp_path / "masked", run_id="masked")
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert strategy.aggregated == [1, 2]
+    records = verify(Store(tmp_path / "masked"))
+    assert [r.count for r in records] == [4, 4]
+    rates = {m.content["config"].get("lr") for m in grid.pushed() if "config" in m.content}
+    assert {0.05, 0.025} <= rates
+    assert result.train_metrics_clientapp[2]["lensemble.exchanges"] == 2.0  # train, unmask
 
 
 def test_flowers_loop_refuses_a_dp_plan_that_does_not_fit_before_anything(
@@ -358,7 +472,7 @@ class _TimedGrid(FakeGrid):
         return super().send_and_receive(messages, timeout=timeout)
 
 
-def test_flowers_loop_waits_at_most_a_rounds_deadlines_and_the_warm_up_left(
+def test_a_subclass_in_start_keeps_lensembles_deadlines_and_the_first_rounds_grace(
     tmp_path: Path,
 ) -> None:
     config = small_config(min_participants=3)  # open 10 s + collect 10 s
@@ -374,8 +488,11 @@ def test_flowers_loop_waits_at_most_a_rounds_deadlines_and_the_warm_up_left(
         config, run_dir=tmp_path / "run", fraction_evaluate=0.0, warmup_timeout=5.0
     )
     strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
-    # a train and an (empty) evaluate exchange a round, each capped: not Flower's 3600 s
-    assert grid.timeouts == [pytest.approx(25.0, abs=1.0)] * 4
+    # no Flower send_and_receive with its one timeout: each instruction lives as long as
+    # its round's deadlines, round 1's with what the warm-up left (5 s) as grace
+    assert grid.timeouts == []
+    ttls = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
+    assert ttls == [(1, pytest.approx(25.0, abs=1.0))] * 4 + [(2, 20.0)] * 4
 
 
 def test_flowers_loop_refuses_a_second_start_of_the_same_strategy(tmp_path: Path) -> None:
@@ -392,27 +509,24 @@ def test_flowers_loop_refuses_a_second_start_of_the_same_strategy(tmp_path: Path
     assert [r.round for r in verify(Store(tmp_path / "run"))] == [1]
 
 
-def test_a_round_hook_set_on_the_object_counts_as_overridden() -> None:
-    strategy = LensembleStrategy(small_config())
-    original = strategy.aggregate_train
-    strategy.aggregate_train = lambda server_round, replies: original(  # type: ignore[method-assign]
-        server_round, replies
-    )
-    assert strategy.overridden_round_hooks() == ["aggregate_train"]
-
-
 def test_start_calls_a_round_hook_set_on_the_object(tmp_path: Path) -> None:
     _, grid = stock_loop_federation(tmp_path)
     strategy = LensembleStrategy(small_config(min_participants=3), run_dir=tmp_path / "run")
     original, rounds = strategy.aggregate_train, []
+    configure, evaluated = strategy.configure_evaluate, []
 
     def aggregate_train(server_round: int, replies: Any) -> Any:
         rounds.append(server_round)
         return original(server_round, replies)
 
+    def configure_evaluate(server_round: int, *args: Any) -> Any:
+        evaluated.append(server_round)
+        return configure(server_round, *args)
+
     strategy.aggregate_train = aggregate_train  # type: ignore[method-assign]
+    strategy.configure_evaluate = configure_evaluate  # type: ignore[method-assign]
     strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
-    assert rounds == [1, 2]
+    assert rounds == [1, 2] and evaluated == [1, 2]
 
 
 def test_aggregate_train_of_too_few_replies_aborts_and_returns_no_arrays(tmp_path: Path) -> None:
@@ -602,8 +716,8 @@ def test_zero_rounds_run_nothing_and_say_so(
 def test_the_stock_loop_applies_the_attempt_limit(tmp_path: Path) -> None:
     """Too few replies twice with max-round-attempts 2: the second aggregate_train raises
     the round's error (as Coordinator.run would) instead of returning normally."""
-    strategy, grid = stock_loop_federation(tmp_path)
-    strategy.config = small_config(min_participants=3, max_round_attempts=2)
+    config = small_config(min_participants=3, max_round_attempts=2)
+    strategy, grid = stock_loop_federation(tmp_path, config)
     arrays = arrays_to_record(initial_params())
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert strategy.aggregate_train(1, grid.send_and_receive(messages[:2]))[0] is None
@@ -617,8 +731,8 @@ def test_the_stock_loop_applies_the_attempt_limit(tmp_path: Path) -> None:
 def test_the_stock_loop_refuses_masked_rounds_before_anything(tmp_path: Path) -> None:
     """Masked rounds need an unmask exchange that configure_train/aggregate_train cannot
     make: Flower's own Strategy.start fails at once, saying to call start()."""
-    strategy, grid = stock_loop_federation(tmp_path)
-    strategy.config = small_config(min_participants=3, secagg_threshold=3)
+    config = small_config(min_participants=3, secagg_threshold=3)
+    strategy, grid = stock_loop_federation(tmp_path, config)
     with pytest.raises(ConfigError, match=r"LensembleStrategy\.start\(\)"):
         Strategy.start(
             strategy, grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
@@ -666,7 +780,7 @@ def test_the_round_metrics_file_is_as_durable_as_the_run_directory(
 ) -> None:
     """``round-metrics.jsonl`` follows ``durable_writes`` (on the simulation engine, off):
     it used to be fsynced every round whatever the store did."""
-    from lensemble_flwr.strategies import lensemble as strategy_module
+    from lensemble_flwr.strategies import reporting as strategy_module
 
     seen: list[bool] = []
     append = strategy_module.append_round_metrics
@@ -676,8 +790,7 @@ def test_the_round_metrics_file_is_as_durable_as_the_run_directory(
         return append(run_dir, server_round, kinds, durable=durable)
 
     monkeypatch.setattr(strategy_module, "append_round_metrics", recording)
-    strategy, grid = stock_loop_federation(tmp_path)
-    strategy.durable_writes = durable
+    strategy, grid = stock_loop_federation(tmp_path, durable_writes=durable)
     strategy.start(grid, arrays_to_record(initial_params()), num_rounds=2)
     assert seen == [durable, durable]
     assert strategy.coordinator is not None and strategy.coordinator.store.sync is durable
@@ -697,7 +810,8 @@ def test_start_asks_no_node_to_evaluate_in_masked_rounds(tmp_path: Path) -> None
         FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
     )
     strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="masked")
-    assert strategy.fraction_evaluate == 1.0  # FedAvg's default: evaluation was asked for
+    default = inspect.signature(LensembleStrategy).parameters["fraction_evaluate"].default
+    assert default == 1.0  # FedAvg's default: evaluation was asked for
     result = strategy.start(
         grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
     )
@@ -761,10 +875,11 @@ def test_with_user_code_between_rounds_the_next_round_waits_for_it(
     before round r + 1's instructions go out, as with FedAvg: instructions pushed before
     them, and pulled only after them, could outlive their TTL on a SuperLink while slow
     user code runs (the SuperLink then drops the replies)."""
-    strategy, grid = stock_loop_federation(tmp_path)
     latest: list[int] = []
+    grid_of: dict[str, FakeGrid] = {}
 
     def slow() -> None:  # longer than any instruction's TTL
+        grid = grid_of["grid"]
         latest.append(max(_train_rounds_pushed(grid)))
         grid.clock.t += 1000.0
 
@@ -777,10 +892,13 @@ def test_with_user_code_between_rounds_the_next_round_waits_for_it(
         slow()
         return MetricRecord()
 
+    arguments: dict[str, Any] = {}
     if user_code == "on_round":
-        strategy.on_round = lambda line: slow()
+        arguments["on_round"] = lambda line: slow()
     if user_code == "train_metrics_aggr_fn":
-        strategy.train_metrics_aggr_fn = aggregate
+        arguments["train_metrics_aggr_fn"] = aggregate
+    strategy, grid = stock_loop_federation(tmp_path, **arguments)
+    grid_of["grid"] = grid
     result = strategy.start(
         grid=grid,
         initial_arrays=arrays_to_record(initial_params()),
@@ -846,8 +964,7 @@ def test_with_federated_evaluation_the_nodes_evaluate_before_they_train_again(
 ) -> None:
     """FedAvg's order: round r's evaluate instructions are pushed before round r + 1's
     train instructions (the next round is not opened ahead)."""
-    strategy, grid = stock_loop_federation(tmp_path)
-    strategy.fraction_evaluate = 1.0
+    strategy, grid = stock_loop_federation(tmp_path, fraction_evaluate=1.0)
     strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3)
     kinds = [
         (batch[0].metadata.message_type, int(batch[0].metadata.group_id or 0))
@@ -921,3 +1038,156 @@ def test_an_evaluation_error_without_a_reason_or_from_the_superlink_is_named(
     (line,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert f"node-{messages[0].metadata.dst_node_id} (error 0: no reason given)" in line
     assert "the SuperLink (error 3:" in line and "node-1 " not in line
+
+
+class _KeepsItsOwnNames(LensembleStrategy):
+    """As Flower's advanced-pytorch example: attributes of its own named as lensemble's
+    settings (its W&B run name under ``run_dir``), set before and after the constructor."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.config = {"lr": 0.1}
+        super().__init__(*args, **kwargs)
+        self.run_dir = "wandb-run-name"
+        self.coordinator = "not lensemble's"
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        assert self.run_dir == "wandb-run-name" and self.config == {"lr": 0.1}
+        return super().aggregate_train(server_round, replies)
+
+
+def test_a_subclasss_own_run_dir_config_and_coordinator_do_not_redirect_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lensemble keeps its state privately: the run goes where the constructor said,
+    with the constructor's config, and the subclass keeps its own values."""
+    monkeypatch.chdir(tmp_path)
+    _, grid = stock_loop_federation(tmp_path)
+    config = small_config(min_participants=3)
+    strategy = _KeepsItsOwnNames(config, run_dir=tmp_path / "run", fraction_evaluate=0.0)
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert result.run_dir == tmp_path / "run"
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2]
+    assert not (tmp_path / "wandb-run-name").exists()
+    assert strategy.run_dir == "wandb-run-name" and strategy.config == {"lr": 0.1}
+    assert strategy.coordinator == "not lensemble's"
+    # the read-only views give lensemble's values where nothing shadows them
+    plain, grid = stock_loop_federation(tmp_path / "plain", config)
+    assert plain.run_dir == tmp_path / "plain" / "run" and plain.config == config
+    assert plain.coordinator is None and plain.transport is None
+    plain.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1)
+    assert plain.coordinator is not None and plain.coordinator.global_state().round == 1
+    assert isinstance(plain.transport, GridTransport)
+
+
+class _DropsAReply(LensembleStrategy):
+    """Hands the default aggregate_train all replies but the first."""
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        return super().aggregate_train(server_round, list(replies)[1:])
+
+
+def test_replies_an_override_leaves_out_are_in_the_round_all_the_same_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In start, each update is admitted as it arrives: what aggregate_train hands the
+    default does not choose the contributors. The round says so, and its ledger record
+    names every contributor."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _DropsAReply(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1
+        )
+    assert result.train_metrics_clientapp[1]["lensemble.C_t"] == 4.0
+    assert [r.count for r in verify(Store(tmp_path / "run"))] == [4]
+    assert "aggregate_train was handed 3 of the attempt's 4 replies" in caplog.text
+
+
+class _AggregatesOnItsOwn(LensembleStrategy):
+    """An aggregate_train that never calls the default (and returns nothing)."""
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        self.seen = [*getattr(self, "seen", []), len(list(replies))]
+        return None, None
+
+
+def test_an_aggregate_train_that_skips_the_default_still_ends_each_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lensemble ends the attempt over what it admitted, says so, and the round's
+    metrics and model are lensemble's (the override returned none)."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _AggregatesOnItsOwn(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with caplog.at_level(logging.WARNING):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    assert strategy.seen == [4, 4]
+    assert "aggregate_train did not call LensembleStrategy.aggregate_train" in caplog.text
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2]
+    assert result.train_metrics_clientapp[2]["lensemble.C_t"] == 4.0
+    coordinator = strategy.coordinator
+    assert coordinator is not None
+    final = record_to_arrays(result.arrays)
+    for name, array in coordinator.global_state().params.items():
+        np.testing.assert_array_equal(final[name], array)
+
+
+class _SendsItsOwnMessages(LensembleStrategy):
+    """A configure_train that rebuilds every instruction as a Message of its own."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        return [
+            Message(
+                content=m.content,
+                dst_node_id=m.metadata.dst_node_id,
+                message_type=MessageType.TRAIN,
+            )
+            for m in super().configure_train(server_round, arrays, config, grid)
+        ]
+
+
+def test_messages_a_configure_train_makes_itself_are_the_attempts_instructions(
+    tmp_path: Path,
+) -> None:
+    """Each goes out as the attempt's instruction to its node, with the instructions' TTL
+    and group, and its reply counts as that node's answer."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _SendsItsOwnMessages(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0,
+        warmup_timeout=0.0,
+    )  # fmt: skip
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    assert [r.count for r in verify(Store(tmp_path / "run"))] == [4, 4]
+    assert result.train_metrics_clientapp[2]["lensemble.exchanges"] == 1.0
+    pushed = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
+    assert pushed == [(1, 20.0)] * len(NODES) + [(2, 20.0)] * len(NODES)
+
+
+class _BeginsNothing(LensembleStrategy):
+    """A configure_train that never calls the default (so no attempt begins)."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        return []
+
+
+def test_a_configure_train_that_begins_no_attempt_is_refused_saying_why(tmp_path: Path) -> None:
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _BeginsNothing(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    with pytest.raises(RuntimeError, match=r"must call super\(\)\.configure_train"):
+        strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1)
+    assert grid.pushed() == [] and verify(Store(tmp_path / "run")) == []

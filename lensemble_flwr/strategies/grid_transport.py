@@ -50,6 +50,7 @@ from lensemble_flwr.protocol.messages import (
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.traffic import RoundTraffic
 from lensemble_flwr.transports.base import (
     CLIENT_APP_ERROR,
     MALFORMED_REPLY,
@@ -62,11 +63,6 @@ log = logging.getLogger(__name__)
 
 
 _IN_MEMORY_GRID = "flwr.superlink.grid.inmemory_grid"
-
-
-WARM_UP_SETTLE_S = 3.0
-"""Seconds the simulation engine's node count must stay below what the warm-up waits for
-before it stops waiting (the engine registers its nodes as it starts, not all at once)."""
 
 
 def is_simulation_grid(grid: Grid) -> bool:
@@ -133,7 +129,7 @@ class GridTransport:
         self.poll_interval = poll_interval
         self.peer_refresh = peer_refresh
         self._clock = clock
-        self._sleep = sleep
+        self.sleep = sleep  # how it waits (injectable: tests wait on a fake clock)
         self._queue: list[Message] = []
         self._queued_info: list[SentInstruction] = []
         self._outstanding: dict[str, SentInstruction] = {}
@@ -153,27 +149,26 @@ class GridTransport:
         self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
         self._peers: tuple[str, ...] = ()
         self._peers_at = -float("inf")
-        self.sent_per_round: dict[int, dict[str, int]] = {}
-        self.bytes_sent = 0  # over the whole run
-        self.bytes_received = 0
-        # (sent, received) bytes of each round's instructions and their replies, every
-        # attempt of the round together; -1 holds what belongs to no round
-        self.bytes_per_round: dict[int, list[int]] = {}
-        self.client_metrics: dict[tuple[int, str], dict[str, float]] = {}
+        self.traffic = RoundTraffic()  # per-round counts the strategy reports
         self.dropped: list[tuple[str, int, str]] = []
+        # Flower's round hooks: the instructions handed out by take_queued until pushed,
+        # and (while keep_train_replies) each attempt's raw train replies until taken
+        self._handed_out: dict[int, tuple[Message, SentInstruction]] = {}
+        self.keep_train_replies = False
+        self._train_replies: list[tuple[int, int, Message]] = []
 
     # -- Transport ---------------------------------------------------------------------
     def now(self) -> float:
         """Seconds on the transport's clock."""
         return self._clock()
 
-    def peers(self) -> Sequence[str]:
+    def peers(self, *, fresh: bool = False) -> Sequence[str]:
         """The connected nodes as participant ids, sorted: asked of the Grid at most every
-        ``peer_refresh`` s, and returned as the same tuple object for as long as the
-        peers stay the same, so that the coordinator reuses what it derived from them
-        (:mod:`lensemble_flwr.coordinator.reach`) instead of deriving it again after every
-        reply (O(N) per reply, O(N^2) per round)."""
-        if self.now() - self._peers_at >= self.peer_refresh:
+        ``peer_refresh`` s (``fresh``: now), and returned as the same tuple object for as
+        long as the peers stay the same, so that the coordinator reuses what it derived
+        from them (:mod:`lensemble_flwr.coordinator.reach`) instead of deriving it again
+        after every reply (O(N) per reply, O(N^2) per round)."""
+        if fresh or self.now() - self._peers_at >= self.peer_refresh:
             peers = tuple(sorted(self.names.name_of(n) for n in self.grid.get_node_ids()))
             if peers != self._peers:
                 self._peers = peers
@@ -253,26 +248,115 @@ class GridTransport:
         self._flush()
         deadline = self.now() + max(0.0, timeout_s)
         while not self._inbox:
-            self._pull()
+            for reply in self._pull_raw():
+                self._absorb(reply)
             if self._inbox:
                 break
             remaining = deadline - self.now()
             if remaining <= 0:
                 return None
-            self._sleep(min(self.poll_interval, remaining))
+            self.sleep(min(self.poll_interval, remaining))
         return self._inbox.popleft()
 
+    # -- Flower's round hooks: instructions and replies as Messages ----------------------
+    @property
+    def round_close(self) -> WirePayload | None:
+        """The last RoundClose broadcast (it rides on the next instruction to each node)."""
+        return self._close
+
+    def take_queued(self) -> list[Message]:
+        """Take the instructions queued since the last push out of the queue, as Flower
+        Messages (what ``configure_train`` returns). The transport remembers each until
+        :meth:`push_instructions` pushes it or reports it left out."""
+        queue, infos = self._queue, self._queued_info
+        self._queue, self._queued_info = [], []
+        self._handed_out = {id(m): (m, i) for m, i in zip(queue, infos, strict=True)}
+        return queue
+
+    def push_instructions(
+        self, messages: Iterable[Message], template: RoundOpen
+    ) -> list[SentInstruction]:
+        """Push ``messages`` (what ``configure_train`` returned) as the instructions of
+        ``template``'s attempt, and pull their replies from then on. A Message the hook
+        made itself is that attempt's instruction to its node, in place of what the node
+        was handed (it gets the instructions' TTL and group).
+
+        Returns:
+            The instructions :meth:`take_queued` handed out that are not among
+            ``messages`` (a ``configure_train`` override left them out): never sent.
+        """
+        handed_out, self._handed_out = self._handed_out, {}
+        by_node = {m.metadata.dst_node_id: key for key, (m, _) in handed_out.items()}
+        for message in messages:
+            held = handed_out.pop(id(message), None)
+            if held is not None and held[0] is message:
+                info = held[1]
+            else:  # made by the hook: it replaces what its node was handed, if anything
+                replaced = handed_out.pop(by_node.get(message.metadata.dst_node_id, -1), None)
+                info = (
+                    replaced[1]
+                    if replaced is not None
+                    else _instruction_of(template, self.names.name_of(message.metadata.dst_node_id))
+                )
+                message.metadata.ttl = self.message_ttl
+                message.metadata.group_id = str(template.round)
+                if replaced is None:  # (a replaced one was counted when it was queued)
+                    self.traffic.count_sent(info.peer, info.round)
+            self._queue.append(message)
+            self._queued_info.append(info)
+        self._flush()
+        left_out = [info for _, info in handed_out.values()]
+        for info in left_out:  # counted when queued, never sent
+            self.traffic.count_sent(info.peer, info.round, -1)
+        return left_out
+
+    def take_train_replies(self, round: int, attempt: int) -> list[Message]:
+        """The raw replies (errors included) to the train instructions of ``round``'s
+        ``attempt`` pulled so far, in arrival order, kept while
+        :attr:`keep_train_replies` (those of earlier attempts are dropped)."""
+        kept, self._train_replies = self._train_replies, []
+        return [reply for r, a, reply in kept if (r, a) == (round, attempt)]
+
+    def payloads_of(
+        self, replies: Iterable[Message], template: RoundOpen
+    ) -> tuple[list[WirePayload], list[str]]:
+        """Decode a batch of replies to ``template``'s instructions (collected by Flower's
+        own loop) as :meth:`recv` decodes each: the payloads, and the participants that
+        answered (a node that names itself is named so from then on)."""
+        payloads: list[WirePayload] = []
+        peers: list[str] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error() and node == SUPERLINK_NODE_ID:
+                log.info("round %d: the SuperLink reports: %s", template.round, reply.error.reason)
+                continue
+            info = _instruction_of(template, self.names.name_of(node))
+            payloads.extend(self._decoded(reply, info))
+            peers.append(self.names.name_of(node))
+        return payloads, peers
+
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
-    def request(
-        self, contents: Mapping[str, RecordDict], message_type: str, *, timeout_s: float
-    ) -> list[Message]:
-        """Send one message per participant and wait for their replies (at most
-        ``timeout_s``); replies that come later are pulled and dropped by later calls."""
-        ids: list[str] = []
-        for peer, content in contents.items():
-            self._queue_message(peer, content, message_type, None)
-        ids = [m.metadata.message_id for m in self._flush()]
-        wanted = set(ids)
+    def request_messages(self, messages: Iterable[Message], *, timeout_s: float) -> list[Message]:
+        """Send ``messages`` (made by a hook such as ``configure_evaluate``; each gets the
+        instructions' TTL) and wait for their replies (at most ``timeout_s``); replies
+        that come later are pulled and dropped by later calls."""
+        for message in messages:
+            message.metadata.ttl = self.message_ttl
+            if not message.metadata.group_id:
+                message.metadata.group_id = "-1"  # what belongs to no round
+            self._queue.append(message)
+            self._queued_info.append(
+                SentInstruction(
+                    peer=self.names.name_of(message.metadata.dst_node_id),
+                    kind=message.metadata.message_type,
+                    round=-1,
+                    attempt=0,
+                    run_id="",
+                    params=None,
+                    pushed_at=0.0,
+                )
+            )
+        wanted = {m.metadata.message_id for m in self._flush()}
         deadline = self.now() + timeout_s
         replies: list[Message] = []
         while wanted and self.now() < deadline:
@@ -285,53 +369,13 @@ class GridTransport:
                 else:
                     self._absorb(reply)
             if wanted:
-                self._sleep(self.poll_interval)
+                self.sleep(self.poll_interval)
         return replies
-
-    def warm_up(self, *, min_nodes: int, timeout_s: float) -> list[str]:
-        """Wait (at most ``timeout_s``) until ``min_nodes`` nodes are connected, without
-        sending them anything: a stock ClientApp has no handler for a query, and one
-        would answer it with an error traceback. On the simulation engine, whose nodes
-        are all registered as it starts, a count below ``min_nodes`` that has not changed
-        for :data:`WARM_UP_SETTLE_S` seconds returns then (no more will come).
-
-        Returns:
-            The participants connected when it returned.
-        """
-        deadline = self.now() + timeout_s
-        settled: tuple[int, float] | None = None  # (the engine's node count, since when)
-        while len(self.peers()) < min_nodes and self.now() < deadline:
-            declared = self.declared_size()
-            if declared is not None and 0 < declared < min_nodes:
-                if settled is None or settled[0] != declared:
-                    settled = (declared, self.now())
-                elif self.now() - settled[1] >= WARM_UP_SETTLE_S:
-                    break  # the engine registered its nodes: no more will come
-            else:
-                settled = None
-            self._peers_at = -float("inf")
-            self._sleep(min(1.0, max(0.0, deadline - self.now())))
-        self._peers_at = -float("inf")
-        return list(self.peers())
 
     def exchanges(self, round: int) -> int:
         """Instructions the busiest participant had to answer in ``round`` (1 when a round
         is a single exchange)."""
-        return max(self.sent_per_round.get(round, {}).values(), default=0)
-
-    def round_bytes(self, round: int) -> tuple[int, int]:
-        """Bytes of ``round``'s instructions sent and of their replies received (every
-        attempt of the round; content bytes, as ``bytes_sent`` counts them)."""
-        sent, received = self.bytes_per_round.get(round, (0, 0))
-        return sent, received
-
-    def forget_through(self, round: int) -> None:
-        """Drop the per-round bookkeeping (client metrics, instruction counts) of ``round``
-        and every round before it, once the strategy reported it: kept, it grew with every
-        round of a long run."""
-        self.client_metrics = {k: m for k, m in self.client_metrics.items() if k[0] > round}
-        self.sent_per_round = {r: n for r, n in self.sent_per_round.items() if r > round}
-        self.bytes_per_round = {r: b for r, b in self.bytes_per_round.items() if r > round}
+        return self.traffic.exchanges(round)
 
     # -- internals ---------------------------------------------------------------------
     def _queue_message(
@@ -358,8 +402,7 @@ class GridTransport:
             )
         )
         if payload is not None:
-            per_peer = self.sent_per_round.setdefault(rnd, {})
-            per_peer[peer] = per_peer.get(peer, 0) + 1
+            self.traffic.count_sent(peer, rnd)
 
     def _flush(self) -> list[Message]:
         if not self._queue:
@@ -367,9 +410,7 @@ class GridTransport:
         queue, infos = self._queue, self._queued_info
         self._queue, self._queued_info = [], []
         for message, info in zip(queue, infos, strict=True):
-            size = _content_bytes(message.content)
-            self.bytes_sent += size
-            self.bytes_per_round.setdefault(info.round, [0, 0])[0] += size
+            self.traffic.add_bytes(info.round, sent=_content_bytes(message.content))
         # Grids name each message in place; InMemoryGrid leaves the ones it refuses out of
         # the returned ids, the HTTP grid returns None for them (or [] when the push is
         # too large), so match by id, not by position.
@@ -384,21 +425,15 @@ class GridTransport:
         return sent
 
     def _pull_raw(self) -> Iterable[Message]:
+        """The replies to outstanding instructions that are ready, after forgetting the
+        instructions whose TTL passed long ago (no reply will ever match them)."""
         if not self._outstanding:
             return []
-        self._expire()
-        return list(self.grid.pull_messages(list(self._outstanding)))
-
-    def _pull(self) -> None:
-        for reply in self._pull_raw():
-            self._absorb(reply)
-
-    def _expire(self) -> None:
-        """Forget instructions whose TTL passed long ago and that no reply will ever match."""
         horizon = self.now() - 2 * self.message_ttl
         for message_id, info in list(self._outstanding.items()):
             if info.pushed_at < horizon:
                 del self._outstanding[message_id]
+        return list(self.grid.pull_messages(list(self._outstanding)))
 
     def _node_of(self, peer: str) -> int | None:
         """The Flower node ``peer`` is now (None: neither a learnt name nor an address)."""
@@ -417,12 +452,20 @@ class GridTransport:
         if info is None:
             log.info("dropped a reply to an unknown instruction from %s", source)
             return
+        if self.keep_train_replies and info.kind is MessageKind.ROUND_OPEN:
+            self._train_replies.append((info.round, info.attempt, reply))
+        self._inbox.extend(self._decoded(reply, info))
+
+    def _decoded(self, reply: Message, info: SentInstruction) -> list[WirePayload]:
+        """What a reply to the instruction ``info`` stands for: the payloads of a train
+        reply, or a node's refusal of its RoundOpen (an error reply, a malformed one);
+        nothing for any other reply (logged)."""
+        source = self.names.name_of(reply.metadata.src_node_id)
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
             refusal = error_refusal(reply, info, self._node_of(info.peer))
             if refusal is not None:  # the round stops waiting for this node
-                self._inbox.append(refusal)
-                return
+                return [refusal]
             log.info(
                 "round %d: %s from %s dropped: error %s (%s)",
                 info.round,
@@ -431,16 +474,16 @@ class GridTransport:
                 reply.error.code,
                 reply.error.reason,
             )
-            return
-        size = _content_bytes(reply.content)
-        self.bytes_received += size
-        self.bytes_per_round.setdefault(info.round, [0, 0])[1] += size
+            return []
+        self.traffic.add_bytes(info.round, received=_content_bytes(reply.content))
         if info.kind in records.INSTRUCTION_KINDS:
-            self._unpack_train_reply(reply.content, info, source)
-        else:
-            log.debug("dropped a late %s reply from %s", info.kind, info.peer)
+            return self._unpack_train_reply(reply.content, info, source)
+        log.debug("dropped a late %s reply from %s", info.kind, info.peer)
+        return []
 
-    def _unpack_train_reply(self, content: RecordDict, info: SentInstruction, source: str) -> None:
+    def _unpack_train_reply(
+        self, content: RecordDict, info: SentInstruction, source: str
+    ) -> list[WirePayload]:
         try:
             claimed = records.claimed_sender(content)
             if claimed is not None and claimed != source and info.peer == source:
@@ -465,7 +508,6 @@ class GridTransport:
                     DeliveredFrom(p, peer=source, round=info.round, attempt=info.attempt, node=node)
                     for p in payloads
                 ]
-            self._inbox.extend(payloads)
         except ValueError as exc:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
@@ -476,20 +518,33 @@ class GridTransport:
                 else None
             )
             if refusal is not None:
-                self._inbox.append(refusal)  # the coordinator logs it, with the reason
-            else:
-                log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
-            return
+                return [refusal]  # the coordinator logs it, with the reason
+            log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
+            return []
         metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
         if metrics is not None:
-            self.client_metrics[(info.round, info.peer)] = {
+            self.traffic.client_metrics[(info.round, info.peer)] = {
                 k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
             }
+        return list(payloads)
 
 
 _ENCODED_KEPT = 8
 """Encoded RoundOpen contents a GridTransport keeps (an attempt has two at most: for
 recipients that are bound and for those asked for a commitment)."""
+
+
+def _instruction_of(template: RoundOpen, peer: str) -> SentInstruction:
+    """What the transport knows of ``template``'s attempt's instruction to ``peer``."""
+    return SentInstruction(
+        peer=peer,
+        kind=MessageKind.ROUND_OPEN,
+        round=template.round,
+        attempt=template.attempt,
+        run_id=template.run_id,
+        params=template.params,
+        pushed_at=0.0,
+    )
 
 
 def train_reply_payloads(
@@ -527,22 +582,7 @@ def train_reply_payloads(
         )
     arrays, count, _ = stock
     arrays = {name: array for name, array in arrays.items() if name not in carried}
-    if set(arrays) != set(info.params):
-        missing = _some(sorted(set(info.params) - set(arrays)))
-        unexpected = _some(sorted(set(arrays) - set(info.params)))
-        raise ValueError(
-            f"its arrays are not the model's: missing {missing}, unexpected {unexpected}"
-        )
-    for name in sorted(arrays):
-        sent, got = np.shape(info.params[name]), np.shape(arrays[name])
-        if got != sent:
-            raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
-        kind, model_kind = np.asarray(arrays[name]).dtype, np.asarray(info.params[name]).dtype
-        if kind.kind != "f":  # an integer or boolean array would be cast to a model
-            raise ValueError(
-                f"array {name!r} has dtype {kind}; the model's has {model_kind} (a float "
-                "array is expected: the reply's values would otherwise be truncated)"
-            )
+    _check_stock_arrays(arrays, info.params)
     delta = {
         n: np.asarray(arrays[n], dtype=np.float32) - np.asarray(info.params[n], np.float32)
         for n in sorted(arrays)
@@ -566,6 +606,31 @@ def train_reply_payloads(
             "transforms": (STOCK_CLIENTAPP,),
         }
     ]
+
+
+def _check_stock_arrays(arrays: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    """Refuse a stock reply's arrays that are not the model's: other names, shapes, or a
+    dtype that is not floating (its values would be truncated into the model's).
+
+    Raises:
+        ValueError: saying which array, and how it differs.
+    """
+    if set(arrays) != set(model):
+        missing = _some(sorted(set(model) - set(arrays)))
+        unexpected = _some(sorted(set(arrays) - set(model)))
+        raise ValueError(
+            f"its arrays are not the model's: missing {missing}, unexpected {unexpected}"
+        )
+    for name in sorted(arrays):
+        sent, got = np.shape(model[name]), np.shape(arrays[name])
+        if got != sent:
+            raise ValueError(f"array {name!r} has shape {got}; the model's has {sent}")
+        kind, model_kind = np.asarray(arrays[name]).dtype, np.asarray(model[name]).dtype
+        if kind.kind != "f":  # an integer or boolean array would be cast to a model
+            raise ValueError(
+                f"array {name!r} has dtype {kind}; the model's has {model_kind} (a float "
+                "array is expected: the reply's values would otherwise be truncated)"
+            )
 
 
 def _reply_shape(content: RecordDict, weight_key: str | None = None) -> str:
@@ -619,6 +684,14 @@ def error_refusal(
     reason = f"error {reply.error.code} from {where}: {reply.error.reason}"
     log.warning("round %d: %s replied with an error: %s", info.round, info.peer, reason)
     return _refusal_of(info, CLIENT_APP_ERROR, reason, node)
+
+
+def unsent_refusal(info: SentInstruction) -> WirePayload:
+    """The refusal of a node whose instruction a ``configure_train`` override left out of
+    what it returned: the node was invited and was never sent anything, so the attempt
+    must not wait for its answer. Filed by the transport, as for an error reply."""
+    reason = "never sent: configure_train left this node's instruction out"
+    return _refusal_of(info, CLIENT_APP_ERROR, reason)
 
 
 def _refusal_of(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.strategies.unstarted_run import STORE_FOLDERS, RunDirBefore
+from lensemble_flwr.strategies.run_dir import STORE_FOLDERS, RunDirBefore
 
 
 def _write_a_run(folder: Path) -> None:

@@ -1,0 +1,259 @@
+"""What a Flower run of lensemble reports: the result, each round's metrics and line.
+
+* :class:`LensembleResult`: Flower's ``Result``, plus why attempts aborted and where the
+  run directory is.
+* :func:`round_metrics`: a round's MetricRecord, the contributors' own metrics
+  aggregated as FedAvg does plus lensemble's bookkeeping under ``lensemble.``.
+* :func:`report`: the round's one line, through Flower's logger and to ``on_round``.
+* :func:`keep_metrics`: the round's line in ``RUN_DIR/round-metrics.jsonl`` (the curves
+  of ``lensemble-flwr report``).
+* :func:`log_summary` and :func:`log_final`: the lines FedAvg prints before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from logging import INFO
+from pathlib import Path
+
+from flwr.app import MetricRecord, RecordDict
+from flwr.common import log as say
+from flwr.serverapp.strategy import Result
+
+from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.coordinator.attempt import RoundOutcome
+from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.provenance.round_metrics import METRICS_NAME, append_round_metrics
+from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.traffic import RoundTraffic
+
+log = logging.getLogger(__name__)
+
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+"""FedAvg's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``: (replies' contents,
+the weighting key) -> the aggregated MetricRecord."""
+BOOKKEEPING = "lensemble."
+"""Prefix of lensemble's own per-round metrics (C_t, attempts, exchanges, bytes, ...)."""
+
+
+@dataclasses.dataclass(repr=False)  # Flower's summary, not a dump of every outcome
+class LensembleResult(Result):
+    """Flower's Result, plus what a MetricRecord cannot hold: why attempts aborted."""
+
+    aborted: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    outcomes: list[RoundOutcome] = dataclasses.field(default_factory=list)
+    run_dir: Path | None = None
+
+    def __repr__(self) -> str:
+        """Flower's summary of a Result, then the run directory and the aborted attempts."""
+        aborted = sum(len(reasons) for reasons in self.aborted.values())
+        return (
+            super().__repr__()
+            + f"\nRun directory (checkpoints, ledger, manifest): {self.run_dir}\n"
+            + f"Aborted attempts: {aborted}"
+            + "".join(f"\n\tround {r}: {'; '.join(why)}" for r, why in sorted(self.aborted.items()))
+            + "\n"
+        )
+
+
+def round_metrics(
+    outcome: RoundOutcome,
+    traffic: RoundTraffic,
+    *,
+    attempts: int,
+    exchanges: bool,
+    weighted_by_key: str,
+    aggregate: MetricsAggregation,
+) -> MetricRecord:
+    """The round's metrics: the contributors' own metrics (as the transport counted them)
+    aggregated by ``aggregate`` as FedAvg does, and lensemble's bookkeeping under
+    ``lensemble.`` (with ``exchanges``: the round's exchanges and bytes, which only a loop
+    that moved the messages itself counts)."""
+    book: dict[str, float] = {
+        "C_t": float(outcome.count),
+        "attempts": float(attempts),
+        "aborted-attempts": float(attempts - (outcome.state is RoundState.CLOSED)),
+        "seconds": float(outcome.elapsed),
+        "late": float(len(outcome.late)),
+        "rejected": float(outcome.rejected),
+        "refused": float(len(outcome.refused)),
+    }
+    if "frame_drift" in outcome.diagnostics:
+        book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
+    if exchanges:
+        book["exchanges"] = float(traffic.exchanges(outcome.round))
+        sent, received = traffic.round_bytes(outcome.round)
+        book["bytes-sent"] = float(sent)  # this round's, not the run's so far
+        book["bytes-received"] = float(received)
+    client_metrics = [
+        RecordDict({records.METRICS: MetricRecord(m)})
+        for (rnd, peer), m in sorted(traffic.client_metrics.items())
+        if rnd == outcome.round and peer in outcome.contributors
+    ]
+    weighted_ = [c for c in client_metrics if weighted(c, weighted_by_key)]
+    metrics = MetricRecord()
+    if weighted_:
+        aggregated_ = aggregated(aggregate, weighted_, weighted_by_key, "train")
+        metrics = aggregated_ if aggregated_ is not None else MetricRecord()
+    for key, value in book.items():
+        metrics[BOOKKEEPING + key] = value
+    return metrics
+
+
+def report(
+    outcome: RoundOutcome,
+    metrics: MetricRecord,
+    evaluation: MetricRecord | None,
+    aborted: list[str],
+    on_round: Callable[[str], None] | None,
+) -> None:
+    """Say the round's line through Flower's logger, and hand it to ``on_round``."""
+    path = "→".join(s.value for s in outcome.path)
+    parts = [f"round {outcome.round}: {path}", f"C_t={outcome.count}"]
+    if evaluation is not None:
+        parts += [
+            f"{k}={float(v):.4f}"
+            for k, v in evaluation.items()
+            if k != "num-examples" and isinstance(v, (int, float))
+        ]
+    # a stock client's own train loss; lensemble participants report their last inner
+    # mini-batch as last-batch-loss, which is not comparable with an evaluation, so
+    # it stays out of the line (it is in the round's MetricRecord)
+    for key in ("train_loss",):
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{key}={float(metrics[key]):.4f}")
+    if BOOKKEEPING + "frame-drift" in metrics:
+        parts.append(f"drift={float(metrics[BOOKKEEPING + 'frame-drift']):.4f}")
+    if BOOKKEEPING + "exchanges" in metrics:  # not counted in Flower's own loop
+        parts.append(f"exchanges={float(metrics[BOOKKEEPING + 'exchanges']):.0f}")
+        parts.append(f"sent={float(metrics[BOOKKEEPING + 'bytes-sent']) / 1e6:.2f}MB")
+    if aborted:
+        parts.append(f"aborted={len(aborted)} ({aborted[-1]})")
+    line = " ".join(parts)
+    say(INFO, "\t├──> %s", line)
+    if on_round is not None:
+        on_round(line)
+
+
+def keep_metrics(
+    run_dir: Path | None,
+    server_round: int,
+    metrics: MetricRecord,
+    evaluation: MetricRecord | None,
+    *,
+    durable: bool,
+) -> None:
+    """Append this round's metrics to ``RUN_DIR/round-metrics.jsonl`` (the curves of
+    ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
+    if run_dir is None:
+        return
+    try:
+        kinds = {"train": dict(metrics), "evaluate": dict(evaluation or {})}
+        append_round_metrics(run_dir, server_round, kinds, durable=durable)
+    except OSError as exc:
+        log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
+
+
+def weighted(content: RecordDict, key: str) -> bool:
+    """A reply content FedAvg would aggregate: one MetricRecord, holding ``key`` as a
+    finite, positive number (a zero or negative weight would divide by zero or flip the
+    mean; such a reply's metrics are left out, never a crash)."""
+    return not_weighted(content, key) is None
+
+
+def not_weighted(content: RecordDict, key: str) -> str | None:
+    """Why a reply content cannot be averaged by ``key`` (None: it can, see
+    :func:`weighted`)."""
+    records_ = list(records.records_of(content, MetricRecord).values())
+    if len(records_) != 1:
+        return f"{len(records_)} MetricRecords, where one is averaged"
+    if key not in records_[0]:
+        return f"no {key!r} in its MetricRecord"
+    weight = records_[0][key]
+    if (
+        isinstance(weight, (int, float))
+        and not isinstance(weight, bool)
+        and math.isfinite(weight)
+        and weight > 0
+    ):
+        return None
+    return f"{key!r} is {weight!r}, not a finite number > 0"
+
+
+def aggregated(
+    aggregate: MetricsAggregation, contents: list[RecordDict], key: str, what: str
+) -> MetricRecord | None:
+    """``aggregate(contents, key)``, or None (logged) when the metrics do not aggregate
+    (e.g. list metrics of different lengths): the round is committed already."""
+    try:
+        return aggregate(contents, key)
+    except Exception:  # the user's function, or Flower's on mismatched metrics
+        log.exception("%s metrics could not be aggregated; left out of the result", what)
+        return None
+
+
+def log_summary(config: LensembleConfig) -> None:
+    """The federation's settings, through Flower's logger (as FedAvg's summary)."""
+    fed, outer = config.federation, config.outer
+    say(
+        INFO,
+        "\t├──> LensembleStrategy: quorum K=%d (min-participants %d, secagg-threshold "
+        "%d), open %.0fs, collect %.0fs",
+        fed.quorum,
+        fed.min_participants,
+        fed.secagg_threshold,
+        fed.open_timeout,
+        fed.collect_timeout,
+    )
+    say(
+        INFO,
+        "\t├── outer step: lr %.3g, momentum %.3g, nesterov %s; update weighting %s "
+        "(FedAvg's: num-examples); require-binding %s",
+        outer.lr,
+        outer.momentum,
+        outer.nesterov,
+        fed.weighting,
+        fed.require_binding,
+    )
+    reachable = max(fed.quorum, fed.min_available)  # before an attempt draws its sample
+    if fed.sampled and fed.sample_mode == "poisson":
+        say(
+            INFO,
+            "\t└── sampling: each reachable node with probability %.3g per round "
+            "(Poisson; a draw below K = %d is redrawn), once %d are reachable",
+            fed.sample_fraction,
+            fed.quorum,
+            reachable,
+        )
+    elif fed.sampled:
+        say(
+            INFO,
+            "\t└── sampling: %.3g of the reachable nodes per round (at least %d), once "
+            "%d are reachable",
+            fed.sample_fraction,
+            max(fed.sample_min, fed.quorum),
+            reachable,
+        )
+    else:
+        say(
+            INFO,
+            "\t└── sampling: none (every reachable node is asked every round, once %d "
+            "are reachable)",
+            reachable,
+        )
+
+
+def log_final(result: LensembleResult, started: float) -> None:
+    """The closing lines of a run, as Flower's ``Strategy.start`` prints them."""
+    say(INFO, "")
+    say(INFO, "Strategy execution finished in %.2fs", time.time() - started)
+    say(INFO, "")
+    say(INFO, "Final results:")
+    say(INFO, "")
+    for line in str(result).splitlines():
+        say(INFO, "\t%s", line)
+    say(INFO, "")
