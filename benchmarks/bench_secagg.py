@@ -247,12 +247,13 @@ BREAKDOWN = [
     ("  admission.admit (envelope, signature, table)", "coordinator/admission.py", "admit"),
     ("  aggregator admit", "aggregat", "admit"),
     ("  message_digest (SHA-256 of the update)", "protocol/messages.py", "message_digest"),
+    ("coordinator: unmask exchange (requests out, answers in)", "coordinator/driver.py", "_unmask"),
     (
         "coordinator: conclude (reveal, outer step, commit, manifest)",
         "coordinator/core.py",
         "conclude",
     ),
-    ("  mode.reveal (unmask exchange, reveal, verify)", "coordinator/modes.py", "reveal"),
+    ("  mode.reveal (reveal, verify)", "coordinator/modes.py", "reveal"),
     (
         "    revealed_and_checked (reveal + self-check)",
         "coordinator/modes.py",

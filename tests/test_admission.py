@@ -211,8 +211,8 @@ def test_each_mode_has_one_round_table_whose_exits_are_legal_transitions() -> No
     """The flat views are the round tables' admission; every exit fires an event the
     round's transition table allows from that state; only OPEN and COLLECTING are left
     by ``advance``."""
-    from lensemble_flwr.coordinator.admission import PLAINTEXT_ROUND, flat
-    from lensemble_flwr.coordinator.modes import MASKED_ROUND, PlaintextMode
+    from lensemble_flwr.coordinator.admission import MASKED_ROUND, PLAINTEXT_ROUND, flat
+    from lensemble_flwr.coordinator.modes import PlaintextMode
     from lensemble_flwr.protocol.round import TRANSITIONS
 
     for mode, table in ((PlaintextMode, PLAINTEXT_ROUND), (MaskedMode, MASKED_ROUND)):

@@ -50,7 +50,8 @@ def test_a_round_closes_on_values_alone(tmp_path: Path) -> None:
     assert core.advance(("p00",), deadline_passed=False)  # K = 1 ready
     core.receive(to_wire(update(core)))
     assert core.advance(("p00",), deadline_passed=False)  # nobody left to deliver
-    concluded = core.conclude(None)
+    assert core.unmask() is None  # a plaintext round has no unmask exchange
+    concluded = core.conclude()
     assert isinstance(concluded, Concluded) and concluded.failure is None
     assert attempt.phase is RoundState.CLOSED
     outcome = core.outcome(attempt, concluded.result, concluded.diagnostics, None, now=102.5)

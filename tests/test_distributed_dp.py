@@ -52,8 +52,8 @@ def revealed_sums(coordinator: Coordinator) -> list[AggregateSum]:
     seen: list[AggregateSum] = []
     reveal = coordinator._mode.reveal
 
-    def recording(attempt, exchange):  # type: ignore[no-untyped-def]
-        result = reveal(attempt, exchange)
+    def recording(attempt):  # type: ignore[no-untyped-def]
+        result = reveal(attempt)
         seen.append(result)
         return result
 

@@ -386,7 +386,7 @@ def test_sealed_shares_go_out_as_bytes_hex_writes_them() -> None:
 
 
 def test_an_unmask_response_with_malformed_shares_is_refused() -> None:
-    from lensemble_flwr.coordinator.modes import _parse_shares
+    from lensemble_flwr.coordinator.admission import _parse_shares
     from lensemble_flwr.errors import RoundError
     from lensemble_flwr.protocol.messages import UnmaskResponse
 

@@ -11,10 +11,12 @@ checks everything before it changes anything, so the typed error it raises leave
 attempt as it was — with one deliberate exception: a Refusal is recorded before the
 error it reports is raised (it is the participant's word, not a fault of the message).
 
-A round table (:data:`PLAINTEXT_ROUND` here, ``MASKED_ROUND`` in :mod:`.modes`) maps
+A round table (:data:`PLAINTEXT_ROUND`, :data:`MASKED_ROUND`) maps
 each state to its :class:`Phase`: the handler of each message kind it admits, and the
 exit rule (:mod:`.exits`) by which ``advance`` leaves it. The flat views
-(:data:`ADMISSION`, ``MASKED_ADMISSION``: (state, kind) → handler) are derived from them.
+(:data:`ADMISSION`, :data:`MASKED_ADMISSION`: (state, kind) → handler) are derived from
+them. Both tables and all their handlers live here, so that admitting a message enters
+this module once and never comes back to it from a mode.
 
 The handlers, and the named writers below them for what is not a message (an
 invitation, the attempt's sample, a rename, a rejected message, the aggregator and the
@@ -68,8 +70,9 @@ from lensemble_flwr.protocol.messages import (
     message_digest,
 )
 from lensemble_flwr.protocol.round import TRANSITIONS, RoundState
+from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.keys import check_public_key
-from lensemble_flwr.secagg.protocol import Member
+from lensemble_flwr.secagg.protocol import Disclosure, Member
 from lensemble_flwr.transports.base import CLIENT_APP_ERROR, STOCK_CLIENTAPP, DeliveredFrom
 
 log = logging.getLogger(__name__)
@@ -378,6 +381,70 @@ nothing: the round no longer listens."""
 
 ADMISSION: Table = flat(PLAINTEXT_ROUND)
 """The plaintext round's admission, as (state, message kind) -> handler."""
+
+
+# -- the masked round: member updates announce a key; AGGREGATING takes disclosures --
+def admit_member_update(
+    attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Admit a member's update. Once it passed every check, the mask key it announces
+    for its next round becomes its unspent key (kept with the registry, which is stored
+    before the sum is revealed), then the update is folded."""
+    summed = check_update(attempt, msg, ingress)
+    aggregator = attempt.aggregator
+    assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
+    aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
+    check_usable_key(msg.participant_id, "next_mask_key", msg.next_mask_key)
+    if msg.next_mask_key is not None:
+        ingress.registry.announce(msg.participant_id, msg.next_mask_key)
+    return fold_update(attempt, msg, summed, ingress, fields)
+
+
+def take_disclosure(
+    attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Admit a survivor's unmask response: hand its disclosed shares and seeds to the
+    secure aggregator."""
+    assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
+    attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
+    return Verdict.DISCLOSED
+
+
+def _with(phase: Phase, **admits: Any) -> Phase:
+    """``phase`` with the handlers of the message kinds named (by class name) replaced."""
+    kinds = {kind.__name__: kind for kind in (Update, UnmaskResponse)}
+    return Phase({**phase.admits, **{kinds[k]: h for k, h in admits.items()}}, phase.exit)
+
+
+MASKED_ROUND: RoundTable = MappingProxyType(
+    {
+        RoundState.OPEN: _with(PLAINTEXT_ROUND[RoundState.OPEN], Update=admit_member_update),
+        RoundState.COLLECTING: _with(
+            PLAINTEXT_ROUND[RoundState.COLLECTING], Update=admit_member_update
+        ),
+        RoundState.AGGREGATING: _with(
+            PLAINTEXT_ROUND[RoundState.AGGREGATING], UnmaskResponse=take_disclosure
+        ),
+    }
+)
+"""A masked round's table: the plaintext one, with member updates that announce their
+next mask key and the unmask responses of AGGREGATING."""
+
+MASKED_ADMISSION: Table = flat(MASKED_ROUND)
+"""The masked round's admission, as (state, message kind) -> handler."""
+
+
+def _parse_shares(response: UnmaskResponse) -> Disclosure:
+    """An UnmaskResponse as a Disclosure ('x:y_hex' shares as (x, y); seeds as bytes)."""
+    self_mask = {}
+    try:
+        for s, v in response.b_shares.items():
+            parts = v.split(":")  # once (fields after the second are ignored, as always)
+            self_mask[s] = (int(parts[0]), int(parts[1], 16))
+    except (ValueError, IndexError):
+        raise RoundError(f"{response.participant_id}: malformed shares") from None
+    pair_seeds = {d: bytes.fromhex(h) for d, h in response.pair_seeds.items()}  # hex: checked
+    return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
 
 
 # -- the step -----------------------------------------------------------------------------

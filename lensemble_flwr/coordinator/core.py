@@ -3,8 +3,9 @@
 A :class:`RoundCore` holds a run's committed state (:class:`~.commit.RunHead`), the
 current attempt and the current round's manifest entries, and moves the attempt through
 the round's states. It never touches a transport or a clock: who is reachable, what
-arrived, whether a deadline passed and what time it is are handed in as values, and a
-masked round's unmask exchange as a function (:data:`~.modes.Exchange`). The blocking
+arrived, whether a deadline passed and what time it is are handed in as values; a
+masked round's unmask requests are handed out (:meth:`RoundCore.unmask`) and their
+answers come back through :meth:`RoundCore.receive` like any message. The blocking
 loop (:mod:`.driver`), Flower's ``configure_train``/``aggregate_train`` and the
 shared-folder decider all drive it through :class:`~.coordinator.Coordinator`.
 
@@ -44,7 +45,7 @@ from lensemble_flwr.coordinator.envelope import Ingress
 from lensemble_flwr.coordinator.exits import Look
 from lensemble_flwr.coordinator.external_step import check_adoptable, take_external_step
 from lensemble_flwr.coordinator.inputs import RoundInputs
-from lensemble_flwr.coordinator.modes import Exchange, PlaintextMode, RoundMode
+from lensemble_flwr.coordinator.modes import PlaintextMode, RoundMode, UnmaskRound
 from lensemble_flwr.coordinator.outcomes import RecentOutcomes
 from lensemble_flwr.coordinator.reach import ReachMemo
 from lensemble_flwr.coordinator.sampling import draw_sample, oversampled
@@ -356,18 +357,38 @@ class RoundCore:
         self.fire(attempt, phase.exit.event)
         return True
 
-    def conclude(self, exchange: Exchange | None) -> Concluded | LensembleError:
+    def aggregating(self) -> Attempt:
+        """The current attempt, which must be AGGREGATING.
+
+        Raises:
+            IllegalTransition: it is not (nothing changes).
+        """
+        attempt = self.current()
+        if attempt.phase is not RoundState.AGGREGATING:
+            raise IllegalTransition(f"cannot conclude a round that is {attempt.phase.value}")
+        return attempt
+
+    def unmask(self) -> UnmaskRound | None:
+        """The unmask requests an AGGREGATING attempt needs answered before its sum is
+        revealed (a masked round), or None (a plaintext one). The answers are
+        :meth:`receive`'d as they come; :meth:`conclude` follows.
+
+        Raises:
+            IllegalTransition: the attempt is not AGGREGATING (nothing changes).
+            LensembleError: the requests could not be formed (the caller aborts).
+        """
+        return self.mode.unmask(self.aggregating())
+
+    def conclude(self) -> Concluded | LensembleError:
         """AGGREGATING → ALIGNING → COMMITTING → CLOSED (:mod:`.commit`); the error that
         stopped it before the commit point otherwise (the caller aborts with it).
 
         Raises:
             IllegalTransition: the attempt is not AGGREGATING (nothing changes).
         """
-        attempt = self.current()
-        if attempt.phase is not RoundState.AGGREGATING:
-            raise IllegalTransition(f"cannot conclude a round that is {attempt.phase.value}")
+        attempt = self.aggregating()
         try:
-            result = self.mode.reveal(attempt, exchange)
+            result = self.mode.reveal(attempt)
             self.fire(attempt, RoundEvent.SUM_REPRODUCED)
             mean = result.mean()
             diagnostics = self.inputs.diagnose(attempt.state, mean)

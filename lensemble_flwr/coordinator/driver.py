@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.core import RoundCore
-from lensemble_flwr.coordinator.modes import Exchange
+from lensemble_flwr.coordinator.modes import Exchange, require_exchange
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
@@ -116,7 +116,12 @@ class Driver:
                 the CLOSED outcome is recorded and the round announced (the run's store
                 is failing: stop; resume completes the entry from the kept closing one).
         """
-        concluded = self.core.conclude(exchange)
+        self.core.aggregating()
+        try:
+            self._unmask(exchange)
+        except LensembleError as exc:
+            return self.abort(exc)
+        concluded = self.core.conclude()
         if isinstance(concluded, LensembleError):
             return self.abort(concluded)
         outcome = self.core.outcome(
@@ -128,6 +133,21 @@ class Driver:
         if concluded.failure is not None:
             raise concluded.failure  # the store is failing: stop; the round stays committed
         return outcome
+
+    def _unmask(self, exchange: Exchange | None) -> None:
+        """A masked round's unmask exchange, before its sum is revealed: the core's
+        requests go out through ``exchange``, which admits the answers (nothing in a
+        plaintext round).
+
+        Raises:
+            ConfigError: the round is masked and there is no ``exchange``.
+            LensembleError: a request could not be formed, or an answer stopped the round.
+        """
+        require_exchange(self.core.mode, exchange)
+        unmask = self.core.unmask()
+        if unmask is not None:
+            assert exchange is not None  # require_exchange: a masked round has one
+            exchange(unmask.requests, unmask.done)
 
     def abort(self, error: LensembleError) -> RoundOutcome:
         """End the current attempt ABORTED with ``error``; the global state is untouched."""

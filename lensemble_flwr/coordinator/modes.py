@@ -18,20 +18,24 @@ question         plaintext                    masked (secure aggregation)
 ``table``        :data:`.admission.PLAINTEXT_  the same, + unmask responses while
                  ROUND`                       AGGREGATING; an update announces its
                                               next mask key
-``reveal``       the sum, self-checked        one unmask exchange, then the same
+``unmask``       nothing (None)               the unmask requests to every survivor, and
+                                              when all of them answered
+``reveal``       the sum, self-checked        the same, from the disclosed shares
 ===============  ===========================  ========================================
 
 ``admission`` is each mode's table as the flat (state, kind) -> handler view. A masked
-round needs its unmask exchange within the attempt; :func:`require_exchange` is the one
-place the coordinator refuses a feeder that cannot give it one.
+round needs its unmask exchange within the attempt: the mode only says what to send
+(``unmask``); the feeder that has a transport (the driver) sends it and admits the answers,
+then the core reveals. :func:`require_exchange` is the one place the coordinator refuses a
+feeder that cannot give it one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -39,29 +43,24 @@ from lensemble_flwr.aggregation.fixed_point import AggregateSum, Aggregator
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import AggregationConfig, LensembleConfig
 from lensemble_flwr.coordinator.admission import (
+    ADMISSION,
+    MASKED_ADMISSION,
+    MASKED_ROUND,
     PLAINTEXT_ROUND,
-    Ingress,
-    Phase,
     RoundTable,
     Table,
-    Verdict,
-    check_update,
-    check_usable_key,
-    flat,
-    fold_update,
     install_aggregator,
     record_invitation,
 )
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.reach import ReachMemo
-from lensemble_flwr.errors import ConfigError, NonDeterministicAggregation, RoundError
+from lensemble_flwr.errors import ConfigError, NonDeterministicAggregation
 from lensemble_flwr.identity.registry import ParticipantRegistry
-from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest, UnmaskResponse, Update
-from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest
 from lensemble_flwr.secagg import prg
 from lensemble_flwr.secagg.aggregator import SecureAggregator, check_capacity
 from lensemble_flwr.secagg.participant_role import encode_member, encode_named
-from lensemble_flwr.secagg.protocol import Disclosure, Member, context_of
+from lensemble_flwr.secagg.protocol import Member, context_of
 from lensemble_flwr.transports.base import COORDINATOR
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,16 @@ Exchange = Callable[[Mapping[str, UnmaskRequest], Callable[[], bool]], None]
 """``exchange(requests, done)``: send each request to its recipient and admit what comes
 back until ``done()`` or the exchange's deadline. Only a feeder that can wait for a second
 exchange within one attempt has one (the blocking loop); the others pass None."""
+
+
+@dataclass(frozen=True)
+class UnmaskRound:
+    """What a masked round's unmask exchange sends and when it is complete."""
+
+    requests: Mapping[str, UnmaskRequest]
+    """One request per survivor that holds shares, by recipient."""
+    done: Callable[[], bool]
+    """True once every request was answered (nothing more to wait for)."""
 
 
 class RoundMode(Protocol):
@@ -98,7 +107,10 @@ class RoundMode(Protocol):
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
         """The RoundOpen to send ``peer`` now, or None when it needs none."""
 
-    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
+    def unmask(self, attempt: Attempt) -> UnmaskRound | None:
+        """The unmask exchange the attempt needs before its sum is revealed (None: none)."""
+
+    def reveal(self, attempt: Attempt) -> AggregateSum:
         """The attempt's sum, self-checked (:func:`revealed_and_checked`)."""
 
 
@@ -124,7 +136,7 @@ class PlaintextMode:
     name = "plaintext"
     secure_sum = False
     table: RoundTable = PLAINTEXT_ROUND
-    admission: Table = flat(PLAINTEXT_ROUND)
+    admission: Table = ADMISSION
 
     def __init__(
         self,
@@ -181,60 +193,14 @@ class PlaintextMode:
             self._invitations[key] = shared
         return shared
 
-    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
-        """The exact sum, self-checked; ``exchange`` is not used."""
+    def unmask(self, attempt: Attempt) -> None:
+        """A plaintext sum needs no unmask exchange."""
+        return None
+
+    def reveal(self, attempt: Attempt) -> AggregateSum:
+        """The exact sum, self-checked."""
         assert attempt.aggregator is not None  # built by begin
         return revealed_and_checked(attempt.aggregator)
-
-
-def admit_member_update(
-    attempt: Attempt, msg: Update, ingress: Ingress, fields: Mapping[str, Any]
-) -> Verdict:
-    """Admit a member's update. Once it passed every check, the mask key it announces
-    for its next round becomes its unspent key (kept with the registry, which is stored
-    before the sum is revealed), then the update is folded."""
-    summed = check_update(attempt, msg, ingress)
-    aggregator = attempt.aggregator
-    assert isinstance(aggregator, SecureAggregator)  # check_update: members are fixed
-    aggregator.check(summed, weight=ingress.config.federation.weight_of(msg.num_examples))
-    check_usable_key(msg.participant_id, "next_mask_key", msg.next_mask_key)
-    if msg.next_mask_key is not None:
-        ingress.registry.announce(msg.participant_id, msg.next_mask_key)
-    return fold_update(attempt, msg, summed, ingress, fields)
-
-
-def take_disclosure(
-    attempt: Attempt, msg: UnmaskResponse, ingress: Ingress, fields: Mapping[str, Any]
-) -> Verdict:
-    """Admit a survivor's unmask response: hand its disclosed shares and seeds to the
-    secure aggregator."""
-    assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
-    attempt.aggregator.disclose(msg.participant_id, _parse_shares(msg))
-    return Verdict.DISCLOSED
-
-
-def _with(phase: Phase, **admits: Any) -> Phase:
-    """``phase`` with the handlers of the message kinds named (by class name) replaced."""
-    kinds = {kind.__name__: kind for kind in (Update, UnmaskResponse)}
-    return Phase({**phase.admits, **{kinds[k]: h for k, h in admits.items()}}, phase.exit)
-
-
-MASKED_ROUND: RoundTable = MappingProxyType(
-    {
-        RoundState.OPEN: _with(PLAINTEXT_ROUND[RoundState.OPEN], Update=admit_member_update),
-        RoundState.COLLECTING: _with(
-            PLAINTEXT_ROUND[RoundState.COLLECTING], Update=admit_member_update
-        ),
-        RoundState.AGGREGATING: _with(
-            PLAINTEXT_ROUND[RoundState.AGGREGATING], UnmaskResponse=take_disclosure
-        ),
-    }
-)
-"""A masked round's table: the plaintext one, with member updates that announce their
-next mask key and the unmask responses of AGGREGATING."""
-
-MASKED_ADMISSION: Table = flat(MASKED_ROUND)
-"""The masked round's admission, as (state, message kind) -> handler."""
 
 
 def _member_ids(attempt: Attempt) -> frozenset[str]:
@@ -360,13 +326,11 @@ class MaskedMode:
             changes["secagg_members"] = self._encoded_members(attempt, peer)
         return attempt.round_open.model_copy(update=changes)
 
-    def reveal(self, attempt: Attempt, exchange: Exchange | None) -> AggregateSum:
-        """The disclosure exchange — one request to every survivor, their answers until
-        all came or the exchange's deadline — then the checked sum."""
+    def unmask(self, attempt: Attempt) -> UnmaskRound:
+        """The disclosure requests, one to every survivor that holds shares; the exchange
+        is complete once every survivor disclosed."""
         aggregator = attempt.aggregator
         assert isinstance(aggregator, SecureAggregator)
-        require_exchange(self, exchange)
-        assert exchange is not None  # require_exchange
         requests = aggregator.disclosure_requests()
         messages = {
             holder: UnmaskRequest(
@@ -380,21 +344,13 @@ class MaskedMode:
             )
             for holder, request in requests.items()
         }
-        exchange(messages, aggregator.all_disclosed)  # the requests go to every survivor
+        return UnmaskRound(messages, aggregator.all_disclosed)
+
+    def reveal(self, attempt: Attempt) -> AggregateSum:
+        """The checked sum, from what the unmask exchange disclosed."""
+        aggregator = attempt.aggregator
+        assert isinstance(aggregator, SecureAggregator)
         return revealed_and_checked(aggregator)
-
-
-def _parse_shares(response: UnmaskResponse) -> Disclosure:
-    """An UnmaskResponse as a Disclosure ('x:y_hex' shares as (x, y); seeds as bytes)."""
-    self_mask = {}
-    try:
-        for s, v in response.b_shares.items():
-            parts = v.split(":")  # once (fields after the second are ignored, as always)
-            self_mask[s] = (int(parts[0]), int(parts[1], 16))
-    except (ValueError, IndexError):
-        raise RoundError(f"{response.participant_id}: malformed shares") from None
-    pair_seeds = {d: bytes.fromhex(h) for d, h in response.pair_seeds.items()}  # hex: checked
-    return Disclosure(self_mask=self_mask, pair_seeds=pair_seeds)
 
 
 def require_exchange(mode: RoundMode, exchange: Exchange | None) -> None:
