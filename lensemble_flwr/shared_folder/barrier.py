@@ -44,7 +44,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ClaimantDied, RoundError, StoreError
-from lensemble_flwr.shared_folder.fanout import per_record
 
 log = logging.getLogger(__name__)
 
@@ -244,14 +243,10 @@ class FolderBarrier:
     def _decide(self, key: SittingKey, expected: Sequence[str], decide: Decide) -> bytes:
         # the snapshot is taken after the claim: a record that lands later is not in it,
         # exactly as an update after the collect deadline is not in a coordinator's sum
-        # (each read re-hashes a record against its digest: one record per thread)
-        deposited = self.deposited(key)
-        read = per_record(
-            lambda p: self.store.get(self.store.resolve(self.record_name(key, p))),
-            deposited,
-            nbytes=None,
-        )
-        records = dict(zip(deposited, read, strict=True))
+        records = {
+            participant: self.store.get(self.store.resolve(self.record_name(key, participant)))
+            for participant in self.deposited(key)
+        }
         missing = tuple(sorted(set(expected) - set(records)))
         log.info("%s decides %s (missing: %s)", self.identity, key, ", ".join(missing) or "none")
         return self._publish(f"{key.name}/outcome", decide(Snapshot(key, records, missing)))

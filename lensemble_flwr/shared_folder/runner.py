@@ -91,7 +91,6 @@ from lensemble_flwr.shared_folder.barrier import (
     SittingKey,
     Snapshot,
 )
-from lensemble_flwr.shared_folder.fanout import per_record
 from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
@@ -588,18 +587,14 @@ class SharedFolderParticipant:
         A record of another round passes, when its payloads say the same round: the
         coordinator files its sender as late, as it does a late message."""
         key, readable = snapshot.key, []
-        filed = sorted(snapshot.records.items())
-        decoded = per_record(
-            lambda item: self._decoded(key, *item),
-            filed,
-            nbytes=sum(len(data) for _, data in filed),
-        )
-        for (pid, _), record in zip(filed, decoded, strict=True):
-            if isinstance(record, ForgedMessage):
-                log.error("%s: REFUSED the record in the slot of %s: %s", key, pid, record)
+        for pid, data in sorted(snapshot.records.items()):
+            try:
+                record = decode_record(self._open(data, f"{key.name}/record/{pid}", author=pid))
+            except ForgedMessage as exc:
+                log.error("%s: REFUSED the record in the slot of %s: %s", key, pid, exc)
                 continue
-            if isinstance(record, RoundError):
-                log.error("%s: record of %s left out, unreadable: %s", key, pid, record)
+            except RoundError as exc:
+                log.error("%s: record of %s left out, unreadable: %s", key, pid, exc)
                 continue
             speakers = {p.get("participant_id") for p in record.payloads}
             if record.participant != pid or not speakers <= {pid}:
@@ -622,16 +617,6 @@ class SharedFolderParticipant:
                 continue
             readable.append(record)
         return readable
-
-    def _decoded(
-        self, key: SittingKey, pid: str, data: bytes
-    ) -> FolderRecord | ForgedMessage | RoundError:
-        """The record filed under ``pid``, its signature checked and its tensors decoded,
-        or why it is left out (a forged or unreadable record); any other error raises."""
-        try:
-            return decode_record(self._open(data, f"{key.name}/record/{pid}", author=pid))
-        except (ForgedMessage, RoundError) as exc:
-            return exc
 
     def _outcome(
         self,
