@@ -32,6 +32,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.artifacts.tensors import pack
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
+from lensemble_flwr.coordinator.modes import MaskedMode, require_exchange
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ClaimantDied,
@@ -587,6 +588,28 @@ def test_settings_that_cannot_work_are_refused(tmp_path: Path, kwargs: Any, fiel
     with pytest.raises(ConfigError) as caught:
         SharedFolderParticipant(tmp_path, **args)
     assert caught.value.field == field
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+def test_a_masked_config_is_refused_with_the_coordinators_own_refusal(tmp_path: Path) -> None:
+    config = folder_config(secagg_threshold=2)
+    with pytest.raises(ConfigError) as caught:
+        SharedFolderParticipant(
+            tmp_path,
+            config=config,
+            participant_id="p00",
+            trainer=ToyTrainer(0),
+            participants=["p00", "p01"],
+            initial_params=initial_params(),
+            unauthenticated=True,
+        )
+    # the same words as the coordinator's refusal of a batch (conclude_collected)
+    with pytest.raises(ConfigError) as coordinators:
+        require_exchange(MaskedMode(config, registry=None, run_id="r"), None)  # type: ignore[arg-type]
+    assert (caught.value.field, caught.value.reason) == (
+        coordinators.value.field,
+        coordinators.value.reason,
+    )
     assert not (tmp_path / "runs").exists()  # refused before anything was written
 
 

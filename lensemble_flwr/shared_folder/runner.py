@@ -57,6 +57,7 @@ from lensemble_flwr.coordinator.coordinator import (
     Coordinator,
     fixed_point_aggregator,
 )
+from lensemble_flwr.coordinator.modes import mode_for, require_exchange
 from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ConfigError,
@@ -69,6 +70,7 @@ from lensemble_flwr.errors import (
     RoundIncomplete,
     response_to,
 )
+from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.identity.signing import IdentityKey, parse_public_key
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
@@ -223,12 +225,19 @@ class SharedFolderParticipant:
                 raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
         if participant_id not in everyone:
             raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
-        if config.federation.secagg_threshold > 0:
-            raise ConfigError(
-                "secagg-threshold",
-                "masked rounds need an unmask exchange after the updates, which a shared-"
-                "folder round does not carry; use the in-process or Flower runtime",
-            )
+        # The decider feeds the coordinator a batch of deposits, which carries no unmask
+        # exchange: the coordinator refuses a masked round there (conclude_collected), but
+        # only once the records are deposited. Its own refusal is asked here, on the mode
+        # the config selects, so the same error comes before anything is written.
+        require_exchange(
+            mode_for(
+                config,
+                ParticipantRegistry(config, Store(Path(folder) / "runs" / run_id, create=False)),
+                run_id=run_id,
+                aggregator_factory=aggregator_factory,
+            ),
+            None,
+        )
         if quorum is not None and not 1 <= quorum <= len(everyone):
             raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
         self.identities = _check_identities(

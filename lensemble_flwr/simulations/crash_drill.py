@@ -45,6 +45,7 @@ from lensemble_flwr.aggregation.fixed_point import FixedPointAggregator
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store, WriteHook
 from lensemble_flwr.artifacts.tensors import pack, unpack
+from lensemble_flwr.atomic_write import user_file_mode, write_atomically
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import CheckpointIntegrityError, LensembleError
@@ -135,12 +136,22 @@ class KeptParticipant:
             self._saved = encoded
 
 
+def write_report(path: Path, text: str) -> None:
+    """Write a drill's JSON report whole or not at all, readable as a plain file would be.
+
+    A reader (the test that launched the drill) finds the old report or the new one, never
+    part of one, even when the process is killed while writing it. Not fsynced: the drill
+    kills processes, not the machine, and a killed process's writes are not lost.
+    """
+    write_atomically(path, text.encode("utf-8"), sync=False, mode=user_file_mode())
+
+
 # -- the kill hooks -----------------------------------------------------------------------
 def _die(report: Path | None, round: int, attempt: int, point: str, **detail: Any) -> None:
     """Record where the process dies, then SIGKILL it (no cleanup runs)."""
     note = {"outcome": "killed", "round": round, "attempt": attempt, "point": point, **detail}
     if report is not None:
-        report.write_text(json.dumps(note))
+        write_report(report, json.dumps(note))
     sys.stderr.write(f"crash-drill: SIGKILL in round {round} attempt {attempt} at {point}\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -429,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["outcome"] = "kill point not reached"
     text = json.dumps(report, indent=2)
     if args.report is not None:
-        args.report.write_text(text)
+        write_report(args.report, text)
     else:
         print(text)
     return NOT_REACHED if args.kill_at is not None else 0

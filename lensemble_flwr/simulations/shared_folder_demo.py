@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from lensemble_flwr.atomic_write import user_file_mode, write_atomically
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.identity.signing import IdentityKey
@@ -50,10 +51,10 @@ def make_keys(folder: Path, ids: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for pid in ids:
         key = IdentityKey.generate()
-        private = folder / f"{pid}.key"
-        private.write_bytes(key.private_openssh())
-        private.chmod(0o600)
-        (folder / f"{pid}.pub").write_text(key.public_openssh + "\n")
+        # owner-only from its first byte: the temp file is made 0o600 before it is filled
+        write_atomically(folder / f"{pid}.key", key.private_openssh(), sync=True, mode=0o600)
+        public = (key.public_openssh + "\n").encode()
+        write_atomically(folder / f"{pid}.pub", public, sync=True, mode=user_file_mode())
 
 
 def keys_of(folder: Path, me: str, ids: list[str]) -> dict[str, Any]:
