@@ -174,6 +174,12 @@ class FederationConfig(_Section):
         return max(self.min_participants, self.secagg_threshold)
 
     @property
+    def masked(self) -> bool:
+        """Rounds are masked (secure aggregation, ``secagg-threshold`` > 0): the one test
+        of it everywhere outside the coordinator's round mode."""
+        return self.secagg_threshold > 0
+
+    @property
     def sampled(self) -> bool:
         """Whether each attempt invites a sample rather than every reachable participant."""
         return self.sample_fraction < 1
@@ -328,7 +334,7 @@ class PrivacyConfig(_Section):
             raise ValueError("noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated to C)")
         if self.noise_multiplier > 0 and self.dp_epsilon <= 0:
             raise ValueError("noise-multiplier > 0 needs a dp-epsilon budget")
-        if self.dp_mode == "distributed" and self.dp_accountant == "prv":
+        if self.distributed and self.dp_accountant == "prv":
             raise ValueError(
                 "dp-mode 'distributed' needs dp-accountant 'rdp': the revealed sum of "
                 "discrete Gaussian shares is bounded in zCDP, which the RDP accountant "
@@ -347,6 +353,12 @@ class PrivacyConfig(_Section):
         """The noise multiplier is calibrated to the budget (noise-multiplier 0, a plan of
         dp-rounds): ``privacy.calibration.noise_multiplier_of`` computes it."""
         return self.noise_multiplier == 0 and self.dp_rounds > 0
+
+    @property
+    def distributed(self) -> bool:
+        """The noise is distributed: each member of a masked round adds a share of it
+        (``dp-mode = "distributed"``), rather than each release its own (local)."""
+        return self.dp_mode == "distributed"
 
     @property
     def noised(self) -> bool:
@@ -600,14 +612,14 @@ class LensembleConfig(_Section):
                 ("clip-norm", self.privacy.clip_norm > 0),
                 ("noise-multiplier", self.privacy.noised),
                 ("quantize", self.release.quantize != "none"),
-                ("secagg-threshold", self.federation.secagg_threshold > 0),
+                ("secagg-threshold", self.federation.masked),
             )
             if on
         ]
 
     @model_validator(mode="after")
     def _distributed_noise_needs_masked_sums(self) -> LensembleConfig:
-        if self.privacy.dp_mode != "distributed":
+        if not self.privacy.distributed:
             return self
         if not self.privacy.noised:
             raise ConfigError(
@@ -762,5 +774,5 @@ def metrics_released(config: LensembleConfig) -> bool:
     """Whether a participant sends per-node metrics (train loss, evaluation): always,
     except under DP (they are not noised) or secure aggregation (only the sum is to be
     learnt), where ``dp-release-metrics`` must opt in."""
-    private = config.privacy.noised or config.federation.secagg_threshold > 0
+    private = config.privacy.noised or config.federation.masked
     return not private or config.privacy.dp_release_metrics

@@ -166,7 +166,7 @@ def check_privacy(config: LensembleConfig, update: Update) -> None:
         UnprivatizedContribution: a required stage is missing.
     """
     privacy = config.privacy
-    base = DISTRIBUTED_NOISE if privacy.dp_mode == "distributed" else "gaussian_noise"
+    base = DISTRIBUTED_NOISE if privacy.distributed else "gaussian_noise"
     noise = noise_stage_name(base, privacy.dp_adjacency)
     needed = [
         stage for stage, on in (("clip", privacy.clip_norm > 0), (noise, privacy.noised)) if on

@@ -376,6 +376,6 @@ def mode_for(
     aggregator_factory: AggregatorFactory,
 ) -> RoundMode:
     """The mode the config asks for: masked when ``secagg-threshold`` > 0."""
-    if config.federation.secagg_threshold > 0:
+    if config.federation.masked:
         return MaskedMode(config, registry, run_id)
     return PlaintextMode(config, registry, aggregator_factory)

@@ -208,7 +208,7 @@ class Participant:
             "sender": self.participant_id,
             "participant_id": self.participant_id,
         }
-        masked_round = self.config.federation.secagg_threshold > 0
+        masked_round = self.config.federation.masked
         try:
             check_round_open(
                 self.gauge,

@@ -69,7 +69,7 @@ def release_pipeline(
             adjacency=privacy.dp_adjacency,
         )
         noise = noise_multiplier_of(config)  # explicit, or calibrated to the plan
-        if privacy.dp_mode == "distributed":  # a share, added in the masks' integer domain
+        if privacy.distributed:  # a share, added in the masks' integer domain
             stages.append(
                 distributed_noise(
                     noise,
@@ -83,7 +83,7 @@ def release_pipeline(
             stages.append(gaussian_noise(noise, privacy.clip_norm, budget))
     if config.release.quantize == "int8":
         stages.append(int8_quantize())
-    if config.federation.secagg_threshold > 0:
+    if config.federation.masked:
         stages.append(mask(config))
     if dataset_root is not None:
         stages.append(bind())

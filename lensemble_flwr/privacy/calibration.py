@@ -270,14 +270,14 @@ def ingress_bound(config: LensembleConfig) -> float:
     agg, privacy = config.aggregation, config.privacy
     # unset: the guard's 64 (or the clip norm) for clipped, noised or masked releases; for
     # unprotected ones (a stock ClientApp's, as FedAvg takes any) the exact sum's room
-    protected = privacy.clip_norm > 0 or privacy.noised or config.federation.secagg_threshold > 0
+    protected = privacy.clip_norm > 0 or privacy.noised or config.federation.masked
     largest = config.largest_weight
     bound = (
         agg.guarded_bound(privacy.clip_norm)
         if protected
         else agg.plaintext_bound(largest_weight=largest)
     )
-    if privacy.noised and privacy.dp_mode == "local":
+    if privacy.noised and not privacy.distributed:
         reach = privacy.clip_norm * (1.0 + NOISE_REACH * noise_multiplier_of(config))
         bound = max(bound, reach)
     if bound * largest * 2.0**agg.fraction_bits >= 2.0**62:

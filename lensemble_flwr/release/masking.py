@@ -86,7 +86,7 @@ def mask(config: LensembleConfig) -> ReleaseTransform:
         RoundError: no masked round to mask for (a masked federation releases nothing in
             the clear), or what :func:`encode` and :func:`with_noise_share` refuse.
     """
-    distributed = config.privacy.dp_mode == "distributed"
+    distributed = config.privacy.distributed
 
     def update(release: Release, state: Any, ctx: ReleaseContext) -> tuple[Release, Any]:
         opened: MaskRound | None = ctx.mask_round

@@ -521,7 +521,7 @@ def _refuse_in_flowers_loop(
 ) -> None:
     """Flower's own loop (``Strategy.start``, a wrapper's) runs no masked round and
     resumes no run: refused before anything is made or sent."""
-    if config.federation.secagg_threshold > 0:
+    if config.federation.masked:
         raise ConfigError(
             "secagg-threshold",
             "masked rounds need a second exchange (unmask requests) within each "
