@@ -255,7 +255,7 @@ def manifest_probe(
     digest = hashlib.sha256(b"x").hexdigest()
     pids = tuple(f"p{i:03d}" for i in range(participants))
     entry = RoundEntry(
-        round=0,
+        round=1,  # rounds count from 1 (RoundEntry refuses 0)
         attempt=1,
         state="closed",
         round_seed=1,
@@ -279,10 +279,12 @@ def manifest_probe(
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(tmp)
         for r in round_indices:
-            manifest = base.model_copy(update={"rounds": (entry,) * r})
+            closed = tuple(entry.model_copy(update={"round": i + 1}) for i in range(r))
+            manifest = base.model_copy(update={"rounds": closed})
             best, size = float("inf"), 0
             for k in range(3):
-                nxt = entry.model_copy(update={"round": r, "attempt": k + 1})  # fresh entry
+                # the next round's attempt k + 1: a name the store has not claimed yet
+                nxt = entry.model_copy(update={"round": r + 1, "attempt": k + 1})
                 t0 = time.perf_counter()
                 manifest.with_round(store, nxt)
                 best = min(best, time.perf_counter() - t0)
