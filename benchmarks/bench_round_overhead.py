@@ -161,13 +161,19 @@ def phase_breakdown(
     record = "coordinator: record (manifest entry)"
     # (owner, attribute, phase); an instance attribute is deleted afterwards, a module or
     # class attribute is set back
-    patched: list[tuple[Any, str, str]] = [
+    wanted: list[tuple[Any, str, str]] = [
         (coordinator, "receive", ingress),
-        (coordinator.mode, "reveal", reveal),
+        (getattr(coordinator, "mode", None), "reveal", reveal),
         (coordinator_module, "outer_step", commit),
         (coordinator_module, "write_commit", commit),
         (RunManifest, "with_round", record),
     ]
+    # a seam the package no longer has is left out (its time counts as "other"), so the
+    # breakdown survives a refactor of the coordinator's internals
+    patched = [(o, a, p) for o, a, p in wanted if o is not None and callable(getattr(o, a, None))]
+    for owner, attr, phase in wanted:
+        if (owner, attr, phase) not in patched:
+            print(f"(phases: no {attr!r} to time for {phase!r}; counted as other)")
     originals = [vars(owner).get(attr) for owner, attr, _ in patched]
     for owner, attr, phase in patched:
         setattr(owner, attr, timers.wrap(phase, getattr(owner, attr)))
@@ -187,7 +193,7 @@ def phase_breakdown(
         "participant, excl. inner loop": t["participant"] - t[INNER],
         SEED: t[SEED],
         INNER: t[INNER] - t[SEED],  # nested timers: keep the phases disjoint
-        **{phase: t[phase] for phase in (ingress, reveal, commit, record)},
+        **{phase: t.get(phase, 0.0) for phase in (ingress, reveal, commit, record)},
     }
     phases["other (RoundOpen/Close, network, mean, diagnostics, ...)"] = wall - sum(phases.values())
     return wall, phases
@@ -334,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         wall = run_rounds(coordinator, rounds, c)
         cpu = time.process_time() - cpu0
         per_pr_ms = wall / per * 1e3
+        print(
+            f"\n== pass 1 (the target's figure): {per_pr_ms:.3f} ms wall, "
+            f"{cpu / per * 1e3:.3f} ms CPU per participant per round",
+            flush=True,
+        )
 
         wall_p, phases = phase_breakdown(coordinator, nodes, rounds)
         print(
@@ -364,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         f"\nbuild (Merkle roots, manifest, initial checkpoint): {t_build:.2f} s; "
         f"{total_rounds} rounds left {run_dir_mb:.1f} MB in the run directory"
     )
-    print(f"pass 1: {wall:.3f} s wall, {cpu:.3f} s CPU for {rounds} rounds x {c} participants")
+    print(
+        f"pass 1: {wall:.3f} s wall, {cpu:.3f} s CPU for {rounds} rounds x {c} participants "
+        f"({cpu / per * 1e3:.3f} ms CPU per participant per round: the figure to compare "
+        f"when the machine is loaded)"
+    )
     print(
         f"wall per participant per round: {per_pr_ms:.3f} ms "
         f"= {per_pr_ms / args.target_ms:.2f} x target; inner loop (torch) "
