@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         f"== in-process round overhead: C={c} participants, min_participants="
         f"{args.min_participants}, {rounds} rounds per pass after {args.warmup} warm-up, "
         f"no-op trainer (nn.Linear(4, 2), H=1, batch 1), {os.cpu_count()} cores, "
-        f"Python {sys.version.split()[0]}, torch {torch.__version__}"
+        f"Python {sys.version.split()[0]}, torch {torch.__version__}; load average "
+        f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
         t0 = time.perf_counter()
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{inner / wall_p:.0%} of it (pass 2); runtime excl. inner loop "
         f"{runtime_ms:.3f} ms = {runtime_ms / args.target_ms:.2f} x target (informational)"
     )
+    print(f"load average now {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
     ok = per_pr_ms <= args.target_ms
     print(
         f"{'PASS' if ok else 'FAIL'}: {per_pr_ms:.3f} ms wall per participant per round "
