@@ -14,11 +14,14 @@ ratio to the target and a breakdown, and ends with a PASS/FAIL line. It is a rep
 not a test: the exit code is 0 whatever the outcome.
 
 Three passes over the same federation, after the warm-up rounds:
-  1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number);
+  1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number,
+     printed as soon as the pass ends, with the CPU time per participant-round, which
+     moves less than the wall time when the machine is loaded);
   2. phases: the same with a timer around a few disjoint phases (inner loop, rest of the
      participant, coordinator ingress (``Coordinator.receive``), reveal + verify (the
      round mode's ``reveal``), commit (``outer_step`` + ``write_commit``), manifest
-     record (``RunManifest.with_round``));
+     record (``RunManifest.with_round``)); a seam the package no longer has is left out
+     and counted as "other";
   3. profile: the same under cProfile, top functions by own time.
 Finally a synthetic probe of how the per-round manifest save grows with the round index.
 """
