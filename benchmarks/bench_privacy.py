@@ -45,9 +45,12 @@ code is 0 whatever the outcome.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +62,12 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.privacy import discrete_gaussian
 from lensemble_flwr.privacy.budget import sensitivity_factor
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.privacy.gaussian import secure_normal
 from lensemble_flwr.provenance.averaging import averaged_model
 from lensemble_flwr.provenance.ledger import Ledger
-from lensemble_flwr.secagg import participant_role
 from lensemble_flwr.simulations.digits_data import (
     DigitsLinear,
     DigitsNet,
@@ -151,6 +154,36 @@ def arm_config(arm: str, epsilon: float, args: argparse.Namespace, tmp: Path) ->
     )  # fmt: skip
 
 
+
+@contextlib.contextmanager
+def recording_noise_shares(drawn: list[np.ndarray]) -> Iterator[None]:
+    """Append every discrete Gaussian noise share a member draws to ``drawn``.
+
+    The draw is swapped in every loaded package module that bound
+    ``secure_discrete_gaussian`` by name (the one that adds a member's share, wherever
+    the package keeps it), and put back on exit."""
+    original = discrete_gaussian.secure_discrete_gaussian
+
+    def recording(shape: tuple[int, ...], sigma: float) -> np.ndarray:
+        values = original(shape, sigma)
+        drawn.append(values)
+        return values
+
+    holders = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("lensemble_flwr")
+        and getattr(module, "__dict__", {}).get("secure_discrete_gaussian") is original
+    ]
+    for module in holders:
+        module.secure_discrete_gaussian = recording
+    try:
+        yield
+    finally:
+        for module in holders:
+            module.secure_discrete_gaussian = original
+
+
 def run_arm(
     arm: str, epsilon: float, args: argparse.Namespace, data: tuple, tmp: Path
 ) -> dict[str, Any]:
@@ -173,14 +206,6 @@ def run_arm(
     )  # fmt: skip
     shares: list[float] = []  # per round: the std of the sum of the members' shares
     drawn: list[np.ndarray] = []
-
-    def recording(shape, sigma):  # type: ignore[no-untyped-def]
-        values = original(shape, sigma)
-        drawn.append(values)
-        return values
-
-    original = participant_role.secure_discrete_gaussian
-    participant_role.secure_discrete_gaussian = recording
     sigma = 0.0 if arm in ("non-private",) else None
     if arm == "central":  # the trusted server's noise: calibrated like the others
         from lensemble_flwr.privacy.calibration import calibrated_noise_multiplier
@@ -189,7 +214,7 @@ def run_arm(
             epsilon, 1e-5, args.rounds, sensitivity=sensitivity_factor(args.adjacency)
         )
     curve, seconds = [], []
-    try:
+    with recording_noise_shares(drawn):
         for _ in range(args.rounds):
             drawn.clear()
             started = time.perf_counter()
@@ -211,8 +236,8 @@ def run_arm(
                 accuracy(coordinator.global_state().params, x_test, y_test, model_class)
             )
             network.flush()
-    finally:
-        participant_role.secure_discrete_gaussian = original
+    if arm.startswith("distributed") and not shares:
+        raise RuntimeError(f"{arm}: no member's noise share was recorded")
     records = Ledger(coordinator.store).records()
     published = averaged_model(coordinator.store, decay=args.average_decay)
     spent = [e for e in records[-1].epsilon.values() if e is not None]

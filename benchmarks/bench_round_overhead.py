@@ -14,11 +14,14 @@ ratio to the target and a breakdown, and ends with a PASS/FAIL line. It is a rep
 not a test: the exit code is 0 whatever the outcome.
 
 Three passes over the same federation, after the warm-up rounds:
-  1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number);
+  1. timed: plain ``coordinator.run(rounds)``, nothing instrumented (the target number,
+     printed as soon as the pass ends, with the CPU time per participant-round, which
+     moves less than the wall time when the machine is loaded);
   2. phases: the same with a timer around a few disjoint phases (inner loop, rest of the
      participant, coordinator ingress (the core's ``receive``), reveal + verify (the
      round mode's ``reveal``), commit (``commit.outer_step`` + ``commit.write_commit``), manifest
-     record (``RunManifest.with_round``));
+     record (``RunManifest.with_round``)); a seam the package no longer has is left out
+     and counted as "other";
   3. profile: the same under cProfile, top functions by own time.
 Finally a synthetic probe of how the per-round manifest save grows with the round index.
 """
@@ -161,13 +164,19 @@ def phase_breakdown(
     record = "coordinator: record (manifest entry)"
     # (owner, attribute, phase); an instance attribute is deleted afterwards, a module or
     # class attribute is set back
-    patched: list[tuple[Any, str, str]] = [
+    wanted: list[tuple[Any, str, str]] = [
         (coordinator.core, "receive", ingress),
         (coordinator.mode, "reveal", reveal),
         (commit_module, "outer_step", commit),
         (commit_module, "write_commit", commit),
         (RunManifest, "with_round", record),
     ]
+    # a seam the package no longer has is left out (its time counts as "other"), so the
+    # breakdown survives a refactor of the coordinator's internals
+    patched = [(o, a, p) for o, a, p in wanted if o is not None and callable(getattr(o, a, None))]
+    for owner, attr, phase in wanted:
+        if (owner, attr, phase) not in patched:
+            print(f"(phases: no {attr!r} to time for {phase!r}; counted as other)")
     originals = [vars(owner).get(attr) for owner, attr, _ in patched]
     for owner, attr, phase in patched:
         setattr(owner, attr, timers.wrap(phase, getattr(owner, attr)))
@@ -187,7 +196,7 @@ def phase_breakdown(
         "participant, excl. inner loop": t["participant"] - t[INNER],
         SEED: t[SEED],
         INNER: t[INNER] - t[SEED],  # nested timers: keep the phases disjoint
-        **{phase: t[phase] for phase in (ingress, reveal, commit, record)},
+        **{phase: t.get(phase, 0.0) for phase in (ingress, reveal, commit, record)},
     }
     phases["other (RoundOpen/Close, network, mean, diagnostics, ...)"] = wall - sum(phases.values())
     return wall, phases
@@ -255,7 +264,7 @@ def manifest_probe(
     digest = hashlib.sha256(b"x").hexdigest()
     pids = tuple(f"p{i:03d}" for i in range(participants))
     entry = RoundEntry(
-        round=0,
+        round=1,  # rounds count from 1 (RoundEntry refuses 0)
         attempt=1,
         state="closed",
         round_seed=1,
@@ -279,10 +288,12 @@ def manifest_probe(
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(tmp)
         for r in round_indices:
-            manifest = base.model_copy(update={"rounds": (entry,) * r})
+            closed = tuple(entry.model_copy(update={"round": i + 1}) for i in range(r))
+            manifest = base.model_copy(update={"rounds": closed})
             best, size = float("inf"), 0
             for k in range(3):
-                nxt = entry.model_copy(update={"round": r, "attempt": k + 1})  # fresh entry
+                # the next round's attempt k + 1: a name the store has not claimed yet
+                nxt = entry.model_copy(update={"round": r + 1, "attempt": k + 1})
                 t0 = time.perf_counter()
                 manifest.with_round(store, nxt)
                 best = min(best, time.perf_counter() - t0)
@@ -320,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         f"== in-process round overhead: C={c} participants, min_participants="
         f"{args.min_participants}, {rounds} rounds per pass after {args.warmup} warm-up, "
         f"no-op trainer (nn.Linear(4, 2), H=1, batch 1), {os.cpu_count()} cores, "
-        f"Python {sys.version.split()[0]}, torch {torch.__version__}"
+        f"Python {sys.version.split()[0]}, torch {torch.__version__}; load average "
+        f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     with tempfile.TemporaryDirectory(prefix="lensemble-bench-") as tmp:
         t0 = time.perf_counter()
@@ -332,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         wall = run_rounds(coordinator, rounds, c)
         cpu = time.process_time() - cpu0
         per_pr_ms = wall / per * 1e3
+        print(
+            f"\n== pass 1 (the target's figure): {per_pr_ms:.3f} ms wall, "
+            f"{cpu / per * 1e3:.3f} ms CPU per participant per round",
+            flush=True,
+        )
 
         wall_p, phases = phase_breakdown(coordinator, nodes, rounds)
         print(
@@ -362,13 +379,18 @@ def main(argv: list[str] | None = None) -> int:
         f"\nbuild (Merkle roots, manifest, initial checkpoint): {t_build:.2f} s; "
         f"{total_rounds} rounds left {run_dir_mb:.1f} MB in the run directory"
     )
-    print(f"pass 1: {wall:.3f} s wall, {cpu:.3f} s CPU for {rounds} rounds x {c} participants")
+    print(
+        f"pass 1: {wall:.3f} s wall, {cpu:.3f} s CPU for {rounds} rounds x {c} participants "
+        f"({cpu / per * 1e3:.3f} ms CPU per participant per round: the figure to compare "
+        f"when the machine is loaded)"
+    )
     print(
         f"wall per participant per round: {per_pr_ms:.3f} ms "
         f"= {per_pr_ms / args.target_ms:.2f} x target; inner loop (torch) "
         f"{inner / wall_p:.0%} of it (pass 2); runtime excl. inner loop "
         f"{runtime_ms:.3f} ms = {runtime_ms / args.target_ms:.2f} x target (informational)"
     )
+    print(f"load average now {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
     ok = per_pr_ms <= args.target_ms
     print(
         f"{'PASS' if ok else 'FAIL'}: {per_pr_ms:.3f} ms wall per participant per round "

@@ -455,8 +455,9 @@ def run_inprocess(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.rounds):
             for n in names:
                 out["wall"][n].append(one_round(n))
-        last = feds["plaintext"].coordinator.global_state().round - 1
-        out["exchanges"] = {n: (f.exchanges(0), f.exchanges(last)) for n, f in feds.items()}
+        # rounds count from 1; the global state's round is the last one closed
+        last = feds["plaintext"].coordinator.global_state().round
+        out["exchanges"] = {n: (f.exchanges(1), f.exchanges(last)) for n, f in feds.items()}
         hashes = {f.coordinator.global_state().params_hash for f in feds.values()}
         out["bitwise"] = len(hashes) == 1
         if args.profile_rounds > 0:
