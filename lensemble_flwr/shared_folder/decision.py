@@ -122,13 +122,12 @@ class SittingDecider:
     Args:
         config: the federation's config.
         store: the run's store, where the coordinator is restored from.
-        participant_id: this process's participant (its RoundOpen says the attempt).
         participants: every participant of the run, sorted.
         quorum: how many records a sitting past its deadline needs to go on (None: all).
         decided_by: who this process is, as outcomes name their decider.
-        seal: checks the records' signatures and signs the outcome.
+        seal: this participant's seal, which checks the records' signatures and signs
+            the outcome; its author's RoundOpen in an announcement says the attempt.
         aggregator_factory: passed to the restored coordinator.
-        follower: what this process already checked of the run's ledger.
     """
 
     def __init__(
@@ -136,23 +135,20 @@ class SittingDecider:
         config: LensembleConfig,
         *,
         store: Store,
-        participant_id: str,
         participants: tuple[str, ...],
         quorum: int | None,
         decided_by: str,
         seal: FolderSeal,
         aggregator_factory: AggregatorFactory,
-        follower: LedgerFollower,
     ) -> None:
         self.config = config
         self.store = store
-        self.participant_id = participant_id
         self.participants = participants
         self.quorum = quorum
         self.decided_by = decided_by
         self.seal = seal
         self._aggregator_factory = aggregator_factory
-        self._follower = follower
+        self._follower = LedgerFollower(store)  # what this process checked of the run
         self.decisions: list[Decision] = []
         """The sittings this process decided (at most one process decides each)."""
 
@@ -241,7 +237,7 @@ class SittingDecider:
             follower=self._follower,  # every sitting resumes: checking the whole run each
         )  # time would make it quadratic; each record is checked once per process
         state = coordinator.global_state()
-        expected_attempt = announcement.round_opens[self.participant_id]["attempt"]
+        expected_attempt = announcement.round_opens[self.seal.author]["attempt"]
         if (state.next_round, state.params_hash, coordinator.next_attempt()) != (
             announcement.round,
             announcement.params_hash,

@@ -69,7 +69,6 @@ from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import WirePayload
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import (
     ContributionRecord,
     RunManifest,
@@ -128,11 +127,23 @@ class SharedFolderParticipant:
         poll_interval: seconds between looks at the folder.
         aggregator_factory: passed to the coordinator when this process decides.
         on_outcome: called with the outcome of every sitting this process goes through.
+        identity: this participant's private identity key, which signs what it writes.
+        identities: every participant's public identity key (OpenSSH), the same in every
+            process; every document read from the folder is checked against it.
+        unauthenticated: run without ``identity`` and ``identities``, accepting that
+            anyone who can write the folder can act for anyone.
+
+    Attributes:
+        decisions: the sittings this process decided (at most one process decides each).
+        deposits: the sittings this process deposited a record in.
 
     Raises:
-        ConfigError: a participant list, id, run id or quorum that cannot work, or a
-            masked (secure-aggregation) config.
+        ConfigError: a participant list, id, run id or quorum that cannot work, a masked
+            (secure-aggregation) config, or identity keys that do not fit together.
     """
+
+    _answer: tuple[tuple[int, int], list[WirePayload]] | None = None
+    """The payloads this participant answered its last attempt (round, attempt) with."""
 
     def __init__(
         self,
@@ -156,33 +167,10 @@ class SharedFolderParticipant:
         unauthenticated: bool = False,
     ) -> None:
         everyone = tuple(participants)
-        if not everyone or len(set(everyone)) != len(everyone):
-            raise ConfigError("participants", "must be a non-empty list without repeats")
-        for field, names in (("run_id", [run_id]), ("participants", everyone)):
-            bad = [n for n in names if not _NAME.fullmatch(n) or n in (".", "..")]
-            if bad:
-                raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
-        if participant_id not in everyone:
-            raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
-        # The decider feeds the coordinator a batch of deposits, which carries no unmask
-        # exchange: the coordinator refuses a masked round there (conclude_collected), but
-        # only once the records are deposited. Its own refusal is asked here, on the mode
-        # the config selects, so the same error comes before anything is written.
-        require_exchange(
-            mode_for(
-                config,
-                ParticipantRegistry(config, Store(Path(folder) / "runs" / run_id, create=False)),
-                run_id=run_id,
-                aggregator_factory=aggregator_factory,
-            ),
-            None,
-        )
-        if quorum is not None and not 1 <= quorum <= len(everyone):
-            raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
+        _check_setup(folder, config, run_id, participant_id, everyone, quorum, aggregator_factory)
         self.identities = _check_identities(
             identity, identities, participant_id, everyone, unauthenticated=unauthenticated
         )
-        fed = config.federation
         self.config = config
         self.participant_id = participant_id
         self.participants = tuple(sorted(everyone))
@@ -190,14 +178,8 @@ class SharedFolderParticipant:
         self.quorum = quorum
         self.store = Store(Path(folder) / "runs" / run_id)
         self.identity = f"{participant_id} (pid {os.getpid()} on {socket.gethostname()})"
-        self.barrier = FolderBarrier(
-            self.store,
-            identity=self.identity,
-            round_timeout=fed.open_timeout + fed.collect_timeout
-            if round_timeout is None
-            else round_timeout,
-            publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
-            poll_interval=poll_interval,
+        self.barrier = _barrier(
+            self.store, self.identity, config, round_timeout, publish_timeout, poll_interval
         )
         self._outbox = ReplyCollector()
         self.participant = Participant(
@@ -211,23 +193,18 @@ class SharedFolderParticipant:
         self._initial_params = initial_params
         self._aggregator_factory = aggregator_factory
         self._on_outcome = on_outcome
-        self._answer: tuple[tuple[int, int], list[WirePayload]] | None = None
         self._seal = FolderSeal(run_id, participant_id, identity, self.identities)
         self._decider = SittingDecider(
             config,
             store=self.store,
-            participant_id=participant_id,
             participants=self.participants,
             quorum=quorum,
             decided_by=self.identity,
             seal=self._seal,
             aggregator_factory=aggregator_factory,
-            follower=LedgerFollower(self.store),  # what this process checked of the run
         )
         self.decisions: list[Decision] = self._decider.decisions
-        """The sittings this process decided (at most one process decides each)."""
         self.deposits: list[SittingKey] = []
-        """The sittings this process deposited a record in."""
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, rounds: int) -> GlobalState:
@@ -407,6 +384,69 @@ class SharedFolderParticipant:
             sketch_seed=derive_seed(self.config.federation.root_seed, "round", announcement.round),
             h_steps=self.config.inner.steps,
         )
+
+
+def _barrier(
+    store: Store,
+    identity: str,
+    config: LensembleConfig,
+    round_timeout: float | None,
+    publish_timeout: float | None,
+    poll_interval: float,
+) -> FolderBarrier:
+    """The run's barrier for this process; its deadlines default to the config's open
+    plus collect timeouts (a sitting) and collect timeout (a decider's publishing)."""
+    fed = config.federation
+    return FolderBarrier(
+        store,
+        identity=identity,
+        round_timeout=fed.open_timeout + fed.collect_timeout
+        if round_timeout is None
+        else round_timeout,
+        publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
+        poll_interval=poll_interval,
+    )
+
+
+def _check_setup(
+    folder: str | os.PathLike[str],
+    config: LensembleConfig,
+    run_id: str,
+    participant_id: str,
+    everyone: tuple[str, ...],
+    quorum: int | None,
+    aggregator_factory: AggregatorFactory,
+) -> None:
+    """Refuse a participant process that cannot work, before anything is written.
+
+    Raises:
+        ConfigError: a participant list with repeats or none, a run id or participant
+            that is not a folder name, a participant id not in the list, a masked
+            (secure-aggregation) config, or a quorum out of range.
+    """
+    if not everyone or len(set(everyone)) != len(everyone):
+        raise ConfigError("participants", "must be a non-empty list without repeats")
+    for field, names in (("run_id", [run_id]), ("participants", everyone)):
+        bad = [n for n in names if not _NAME.fullmatch(n) or n in (".", "..")]
+        if bad:
+            raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
+    if participant_id not in everyone:
+        raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
+    # The decider feeds the coordinator a batch of deposits, which carries no unmask
+    # exchange: the coordinator refuses a masked round there (conclude_collected), but
+    # only once the records are deposited. Its own refusal is asked here, on the mode
+    # the config selects, so the same error comes before anything is written.
+    require_exchange(
+        mode_for(
+            config,
+            ParticipantRegistry(config, Store(Path(folder) / "runs" / run_id, create=False)),
+            run_id=run_id,
+            aggregator_factory=aggregator_factory,
+        ),
+        None,
+    )
+    if quorum is not None and not 1 <= quorum <= len(everyone):
+        raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
 
 
 def _check_identities(
