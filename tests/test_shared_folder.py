@@ -57,6 +57,7 @@ from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey, Snapshot
+from lensemble_flwr.shared_folder.decision import SittingDecider, check_sizes
 from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
@@ -68,7 +69,7 @@ from lensemble_flwr.shared_folder.records import (
     encode,
     encode_record,
 )
-from lensemble_flwr.shared_folder.runner import SharedFolderParticipant, check_sizes
+from lensemble_flwr.shared_folder.runner import SharedFolderParticipant
 from lensemble_flwr.shared_folder.signed import document_body, sign_document
 from lensemble_flwr.simulations import shared_folder_demo
 from lensemble_flwr.simulations.inprocess import build
@@ -557,7 +558,7 @@ def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
 
 
 def test_a_closed_round_missing_from_the_ledger_is_refused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(SharedFolderParticipant, "_committed_record", lambda self, r: None)
+    monkeypatch.setattr(SittingDecider, "_committed_record", lambda self, r: None)
     with pytest.raises(LedgerError, match="does not hold the closed round"):
         node(tmp_path, "p00", ["p00"]).run(1)
 

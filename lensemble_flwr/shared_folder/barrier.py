@@ -31,7 +31,8 @@ Two deadlines, and two different errors, because they are different failures:
   decide: :class:`~lensemble_flwr.errors.ClaimantDied`, naming it.
 
 The barrier moves bytes; what a record or an outcome means is the caller's business
-(:mod:`lensemble_flwr.shared_folder.runner`). What it may be made to suffer on purpose, a
+(:mod:`lensemble_flwr.shared_folder.runner`, and the decider's
+:mod:`lensemble_flwr.shared_folder.decision`). What it may be made to suffer on purpose, a
 test's business, is a :class:`BarrierFaults` (also :mod:`lensemble_flwr.testing`).
 """
 

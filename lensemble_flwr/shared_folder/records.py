@@ -22,7 +22,7 @@ other transport's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -31,7 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lensemble_flwr.artifacts.tensors import pack, unpack
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.errors import LedgerError, RoundError
-from lensemble_flwr.protocol.messages import _HEX64, RoundOpen, WirePayload
+from lensemble_flwr.protocol.messages import (
+    _HEX64,
+    MessageKind,
+    RoundOpen,
+    WirePayload,
+    kind_of,
+)
 from lensemble_flwr.protocol.round import TerminalState
 
 RECORD_FORMAT = "lensemble-folder-record/1"
@@ -76,6 +82,11 @@ class FolderRecord:
     participant: str
     num_examples: int | None
     payloads: tuple[dict[str, Any], ...]
+
+
+def update_of(payloads: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The Update among a participant's payloads, if it sent one."""
+    return next((p for p in payloads if kind_of(p) is MessageKind.UPDATE), None)
 
 
 def _is_arrays(value: Any) -> bool:

@@ -12,12 +12,12 @@ and that is the whole deployment. Per sitting of a round (see :mod:`.barrier`):
 1. every process reads the sitting's announcement (the global checkpoint and the
    RoundOpen the coordinator would send it), lets its :class:`Participant` answer, and
    deposits the answer — Commitment and Update, or a Refusal — with its size;
-2. whoever finds every record there claims the decision. Exactly one wins; it restores
-   the coordinator from the run's store (:meth:`Coordinator.resume`) and feeds the records
-   into the same admission step as every other feeder
-   (:meth:`Coordinator.conclude_collected`, as the Flower strategy's ``aggregate_train``
-   does): quorum, self-check, outer step, checkpoint, ledger record. It publishes the
-   outcome and the next announcement;
+2. whoever finds every record there claims the decision. Exactly one wins, and its
+   :class:`~.decision.SittingDecider` restores the coordinator from the run's store
+   (:meth:`Coordinator.resume`) and feeds the records into the same admission step as
+   every other feeder (:meth:`Coordinator.conclude_collected`, as the Flower strategy's
+   ``aggregate_train`` does): quorum, self-check, outer step, checkpoint, ledger record.
+   It publishes the outcome and the next announcement;
 3. everybody else waits for that outcome and goes on from it, so all of them leave a round
    with the same global state, the one in the ledger.
 
@@ -36,18 +36,15 @@ which a one-shot deposit does not carry.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-import lensemble_flwr.errors as errors
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import derive_seed
@@ -62,22 +59,16 @@ from lensemble_flwr.errors import (
     CheckpointIntegrityError,
     ConfigError,
     ForgedMessage,
-    InconsistentSizes,
     LedgerError,
-    LensembleError,
-    Response,
     RoundError,
-    RoundIncomplete,
-    response_to,
 )
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.identity.signing import IdentityKey, parse_public_key
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
-from lensemble_flwr.protocol.messages import MessageKind, RoundOpen, WirePayload, kind_of
+from lensemble_flwr.protocol.messages import WirePayload
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
-from lensemble_flwr.provenance.follow import LedgerFollower
 from lensemble_flwr.provenance.ledger import (
     ContributionRecord,
     RunManifest,
@@ -85,84 +76,31 @@ from lensemble_flwr.provenance.ledger import (
     parse_document,
 )
 from lensemble_flwr.release import ReleaseTransform
-from lensemble_flwr.shared_folder.barrier import (
-    Decide,
-    FolderBarrier,
-    SittingKey,
-    Snapshot,
+from lensemble_flwr.shared_folder.barrier import FolderBarrier, SittingKey
+from lensemble_flwr.shared_folder.decision import (
+    Decision,
+    SittingDecider,
+    rebuild_error,
+    round_opens,
 )
 from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
     Genesis,
     Outcome,
-    OutcomeState,
     decode_genesis,
     decode_outcome,
     decode_record,
     encode,
     encode_record,
+    update_of,
 )
-from lensemble_flwr.shared_folder.signed import open_document, sign_document
+from lensemble_flwr.shared_folder.signed import FolderSeal
 from lensemble_flwr.transports.base import ReplyCollector
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """A sitting this process decided, and how."""
-
-    key: SittingKey
-    state: OutcomeState
-    contributors: tuple[str, ...]
-
-
-def check_sizes(records: Sequence[FolderRecord]) -> None:
-    """Refuse records that disagree about sizes: every record with an update states its
-    size or none does, and a stated size is the update's ``num_examples``.
-
-    Raises:
-        InconsistentSizes: naming who states a size and who does not, or whose size is
-            not its update's.
-    """
-    answered = [(r, _update_of(r.payloads)) for r in records]
-    answered = [(r, u) for r, u in answered if u is not None]
-    stated = sorted(r.participant for r, _ in answered if r.num_examples is not None)
-    silent = sorted(r.participant for r, _ in answered if r.num_examples is None)
-    if stated and silent:
-        raise InconsistentSizes(
-            f"{', '.join(stated)} state their size and {', '.join(silent)} do not: all of "
-            "them or none"
-        )
-    for record, update in answered:
-        if record.num_examples is not None and record.num_examples != update.get("num_examples"):
-            raise InconsistentSizes(
-                f"{record.participant} states size {record.num_examples} and its update "
-                f"says {update.get('num_examples')!r}"
-            )
-
-
-def _update_of(payloads: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The Update among a participant's payloads, if it sent one."""
-    return next((p for p in payloads if kind_of(p) is MessageKind.UPDATE), None)
-
-
-def _rebuild_error(outcome: Outcome) -> LensembleError:
-    """The error a stopped sitting published, as its own type where this package has it."""
-    reason = outcome.reason or ""
-    if outcome.state == "incomplete":
-        return RoundIncomplete(reason, missing=outcome.missing)
-    cls = getattr(errors, outcome.error or "", None)
-    if cls is ConfigError:
-        return ConfigError(outcome.error_field or "config", reason)
-    if isinstance(cls, type) and issubclass(cls, LensembleError):
-        return cls(reason)
-    return LensembleError(
-        f"{outcome.decided_by} failed deciding round {outcome.round}: {outcome.error}: {reason}"
-    )
 
 
 class SharedFolderParticipant:
@@ -189,11 +127,23 @@ class SharedFolderParticipant:
         poll_interval: seconds between looks at the folder.
         aggregator_factory: passed to the coordinator when this process decides.
         on_outcome: called with the outcome of every sitting this process goes through.
+        identity: this participant's private identity key, which signs what it writes.
+        identities: every participant's public identity key (OpenSSH), the same in every
+            process; every document read from the folder is checked against it.
+        unauthenticated: run without ``identity`` and ``identities``, accepting that
+            anyone who can write the folder can act for anyone.
+
+    Attributes:
+        decisions: the sittings this process decided (at most one process decides each).
+        deposits: the sittings this process deposited a record in.
 
     Raises:
-        ConfigError: a participant list, id, run id or quorum that cannot work, or a
-            masked (secure-aggregation) config.
+        ConfigError: a participant list, id, run id or quorum that cannot work, a masked
+            (secure-aggregation) config, or identity keys that do not fit together.
     """
+
+    _answer: tuple[tuple[int, int], list[WirePayload]] | None = None
+    """The payloads this participant answered its last attempt (round, attempt) with."""
 
     def __init__(
         self,
@@ -217,34 +167,10 @@ class SharedFolderParticipant:
         unauthenticated: bool = False,
     ) -> None:
         everyone = tuple(participants)
-        if not everyone or len(set(everyone)) != len(everyone):
-            raise ConfigError("participants", "must be a non-empty list without repeats")
-        for field, names in (("run_id", [run_id]), ("participants", everyone)):
-            bad = [n for n in names if not _NAME.fullmatch(n) or n in (".", "..")]
-            if bad:
-                raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
-        if participant_id not in everyone:
-            raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
-        # The decider feeds the coordinator a batch of deposits, which carries no unmask
-        # exchange: the coordinator refuses a masked round there (conclude_collected), but
-        # only once the records are deposited. Its own refusal is asked here, on the mode
-        # the config selects, so the same error comes before anything is written.
-        require_exchange(
-            mode_for(
-                config,
-                ParticipantRegistry(config, Store(Path(folder) / "runs" / run_id, create=False)),
-                run_id=run_id,
-                aggregator_factory=aggregator_factory,
-            ),
-            None,
-        )
-        if quorum is not None and not 1 <= quorum <= len(everyone):
-            raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
+        _check_setup(folder, config, run_id, participant_id, everyone, quorum, aggregator_factory)
         self.identities = _check_identities(
             identity, identities, participant_id, everyone, unauthenticated=unauthenticated
         )
-        self._identity = identity
-        fed = config.federation
         self.config = config
         self.participant_id = participant_id
         self.participants = tuple(sorted(everyone))
@@ -252,14 +178,8 @@ class SharedFolderParticipant:
         self.quorum = quorum
         self.store = Store(Path(folder) / "runs" / run_id)
         self.identity = f"{participant_id} (pid {os.getpid()} on {socket.gethostname()})"
-        self.barrier = FolderBarrier(
-            self.store,
-            identity=self.identity,
-            round_timeout=fed.open_timeout + fed.collect_timeout
-            if round_timeout is None
-            else round_timeout,
-            publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
-            poll_interval=poll_interval,
+        self.barrier = _barrier(
+            self.store, self.identity, config, round_timeout, publish_timeout, poll_interval
         )
         self._outbox = ReplyCollector()
         self.participant = Participant(
@@ -273,12 +193,18 @@ class SharedFolderParticipant:
         self._initial_params = initial_params
         self._aggregator_factory = aggregator_factory
         self._on_outcome = on_outcome
-        self._answer: tuple[tuple[int, int], list[WirePayload]] | None = None
-        self._follower = LedgerFollower(self.store)  # what this process checked of the run
-        self.decisions: list[Decision] = []
-        """The sittings this process decided (at most one process decides each)."""
+        self._seal = FolderSeal(run_id, participant_id, identity, self.identities)
+        self._decider = SittingDecider(
+            config,
+            store=self.store,
+            participants=self.participants,
+            quorum=quorum,
+            decided_by=self.identity,
+            seal=self._seal,
+            aggregator_factory=aggregator_factory,
+        )
+        self.decisions: list[Decision] = self._decider.decisions
         self.deposits: list[SittingKey] = []
-        """The sittings this process deposited a record in."""
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, rounds: int) -> GlobalState:
@@ -302,8 +228,10 @@ class SharedFolderParticipant:
             published = self.barrier.outcome(key)
             if published is None:  # the sitting is still open: answer it, then wait
                 self._deposit(key, announcement)
-                published = self.barrier.gather(key, self.participants, self._decider(announcement))
-            outcome = decode_outcome(self._open(published, f"{key.name}/outcome"))
+                published = self.barrier.gather(
+                    key, self.participants, self._decider.for_sitting(announcement)
+                )
+            outcome = decode_outcome(self._seal.open(published, f"{key.name}/outcome"))
             if (outcome.run_id, outcome.round, outcome.sitting) != (
                 self.run_id,
                 key.round,
@@ -315,7 +243,7 @@ class SharedFolderParticipant:
                 self._on_outcome(outcome)
             if outcome.next is None:
                 log.error("%s: the run stops: %s: %s", key, outcome.error, outcome.reason)
-                raise _rebuild_error(outcome)
+                raise rebuild_error(outcome)
             if outcome.state is not RoundState.CLOSED:
                 log.warning(
                     "%s %s (%s); the round is tried again", key, outcome.state, outcome.reason
@@ -325,7 +253,7 @@ class SharedFolderParticipant:
 
     # -- joining -------------------------------------------------------------------------
     def _join(self) -> Announcement:
-        genesis = decode_genesis(self._open(self.barrier.start(self._create), "genesis"))
+        genesis = decode_genesis(self._seal.open(self.barrier.start(self._create), "genesis"))
         if genesis.run_id != self.run_id:
             raise ConfigError("run_id", f"the folder's run is {genesis.run_id!r}")
         if genesis.participants != self.participants:
@@ -348,7 +276,7 @@ class SharedFolderParticipant:
             identities=self.identities,
         )
         first = Announcement.of(
-            self._round_opens(coordinator),
+            round_opens(coordinator, self.participants),
             sitting=1,
             checkpoint=coordinator.manifest.initial_checkpoint,
         )
@@ -358,10 +286,7 @@ class SharedFolderParticipant:
             created_by=self.identity,
             first=first,
         )
-        return self._sign(encode(genesis), "genesis")
-
-    def _round_opens(self, coordinator: Coordinator) -> dict[str, RoundOpen]:
-        return {pid: coordinator.round_open_for(pid) for pid in self.participants}
+        return self._seal.sign(encode(genesis), "genesis")
 
     # -- a participant's half ------------------------------------------------------------
     def answer(self, announcement: Announcement) -> FolderRecord:
@@ -377,7 +302,7 @@ class SharedFolderParticipant:
             self.participant.handle(announcement.round_open(self.participant_id, params))
             self._answer = (attempt, self._outbox.take())
         payloads = self._answer[1]
-        update = _update_of(payloads)
+        update = update_of(payloads)
         weighs = self.config.federation.weighting == "num-examples"
         return FolderRecord(
             run_id=self.run_id,
@@ -396,7 +321,7 @@ class SharedFolderParticipant:
             name = self.barrier.record_name(key, self.participant_id)
             existing = self.store.get(self.store.resolve(name))
             try:
-                decode_record(self._open(existing, slot, author=self.participant_id))
+                decode_record(self._seal.open(existing, slot, author=self.participant_id))
             except (ForgedMessage, RoundError) as exc:
                 raise ForgedMessage(
                     f"{key}: the slot of {self.participant_id} holds a record it did not "
@@ -411,30 +336,9 @@ class SharedFolderParticipant:
         """The bytes this participant deposits for ``record``: encoded, and signed for its
         slot of ``sitting`` (default: the record's own; unless the run is unauthenticated)."""
         key = sitting or SittingKey(record.round, record.sitting)
-        return self._sign(encode_record(record), f"{key.name}/record/{self.participant_id}")
+        return self._seal.sign(encode_record(record), f"{key.name}/record/{self.participant_id}")
 
-    # -- authentication ------------------------------------------------------------------
-    def _place(self, where: str) -> str:
-        return f"{self.run_id}/{where}"
-
-    def _sign(self, body: bytes, where: str) -> bytes:
-        if self.identities is None or self._identity is None:
-            return body  # unauthenticated, as asked
-        return sign_document(self._identity, self.participant_id, self._place(where), body)
-
-    def _open(self, data: bytes, where: str, *, author: str | None = None) -> bytes:
-        """The bytes of a document found at ``where``, its signature checked.
-
-        Raises:
-            ForgedMessage: it is not signed by a participant (``author``, for a slot).
-        """
-        if self.identities is None:
-            return data
-        _, body = open_document(
-            data, place=self._place(where), identities=self.identities, author=author
-        )
-        return body
-
+    # -- checking what was published --------------------------------------------------
     def _check_outcome(self, key: SittingKey, outcome: Outcome) -> None:
         """A closed outcome must be what the ledger holds: its global state and the next
         announcement's checkpoint are the ledger record's.
@@ -460,191 +364,6 @@ class SharedFolderParticipant:
                 f"{outcome.global_hash[:12]}…, which is not what the ledger records"
             )
 
-    # -- the decider's half --------------------------------------------------------------
-    def _decider(self, announcement: Announcement) -> Decide:
-        def decide(snapshot: Snapshot) -> bytes:
-            try:
-                outcome = self._decide(announcement, snapshot)
-            except Exception as exc:  # published, so nobody waits for a decider that failed
-                if not isinstance(exc, LensembleError):
-                    log.exception("%s: deciding failed", snapshot.key)
-                outcome = self._outcome(
-                    snapshot,
-                    RoundState.ABORTED,
-                    global_hash=announcement.params_hash,
-                    error=exc,
-                )
-            self.decisions.append(Decision(snapshot.key, outcome.state, outcome.contributors))
-            return self._sign(encode(outcome), f"{snapshot.key.name}/outcome")
-
-        return decide
-
-    def _decide(self, announcement: Announcement, snapshot: Snapshot) -> Outcome:
-        key, present = snapshot.key, sorted(snapshot.records)
-        retry_allowed = key.sitting < self.config.federation.max_round_attempts
-        if snapshot.missing and (self.quorum is None or len(present) < self.quorum):
-            error = RoundIncomplete(
-                f"{key}: no record from {', '.join(snapshot.missing)} by the deadline "
-                f"({len(present)} of {len(self.participants)} deposited)",
-                missing=snapshot.missing,
-            )
-            return self._outcome(
-                snapshot,
-                "incomplete",
-                global_hash=announcement.params_hash,
-                error=error,
-                next=announcement.again() if retry_allowed else None,
-            )
-        records = self._readable(snapshot)
-        check_sizes(records)
-        coordinator = Coordinator.resume(
-            self.config,
-            store=self.store,
-            aggregator_factory=self._aggregator_factory,
-            identities=self.identities,
-            follower=self._follower,  # every sitting resumes: checking the whole run each
-        )  # time would make it quadratic; each record is checked once per process
-        state = coordinator.global_state()
-        expected_attempt = announcement.round_opens[self.participant_id]["attempt"]
-        if (state.next_round, state.params_hash, coordinator.next_attempt()) != (
-            announcement.round,
-            announcement.params_hash,
-            expected_attempt,
-        ):
-            raise LedgerError(
-                f"{key}: the run's store is at round {state.next_round} attempt "
-                f"{coordinator.next_attempt()}, not at what the sitting announced"
-            )
-        payloads = [payload for record in records for payload in record.payloads]
-        # the sitting's announcement already invited them: the invitations are not sent
-        coordinator.begin_attempt()
-        coordinator.invite(present)
-        try:
-            result = coordinator.conclude_collected(payloads, present)
-        except Exception:
-            # past the commit point (e.g. the manifest entry could not be written): the
-            # round is in the ledger, so it is published as closed; the next decider's
-            # resume completes the manifest from the entry kept before the commit
-            closed = coordinator.outcomes[-1] if coordinator.outcomes else None
-            if closed is None or (closed.state, closed.round) != (
-                RoundState.CLOSED,
-                state.next_round,
-            ):
-                raise
-            log.exception(
-                "%s: round %d committed, its manifest entry not written", key, state.next_round
-            )
-            result = closed
-        if result.state is RoundState.CLOSED:
-            head = self._committed_record(state.next_round)
-            if head is None or head.new_global_hash != result.global_hash:
-                raise LedgerError(f"{key}: the ledger does not hold the closed round")
-            nxt = Announcement.of(
-                self._round_opens(coordinator), sitting=1, checkpoint=head.checkpoint
-            )
-            return self._outcome(
-                snapshot,
-                RoundState.CLOSED,
-                global_hash=result.global_hash,
-                contributors=result.contributors,
-                next=nxt,
-            )
-        assert result.error is not None
-        # the next sitting's decider resumes from the store: the commitments this attempt
-        # admitted must be there, since its RoundOpens no longer ask for them
-        coordinator.registry.persist()
-        retry = response_to(result.error) is Response.RETRY_ROUND and retry_allowed
-        nxt = (
-            Announcement.of(
-                self._round_opens(coordinator),
-                sitting=key.sitting + 1,
-                checkpoint=announcement.checkpoint,
-            )
-            if retry
-            else None
-        )
-        return self._outcome(
-            snapshot,
-            RoundState.ABORTED,
-            global_hash=result.global_hash,
-            error=result.error,
-            next=nxt,
-        )
-
-    def _committed_record(self, round: int) -> ContributionRecord | None:
-        """The ledger record of ``round``, read back by its name (None: there is none)."""
-        name = ledger_name(round)
-        if not self.store.bound(name):
-            return None
-        return parse_document(ContributionRecord, self.store.get(self.store.resolve(name)), name)
-
-    def _readable(self, snapshot: Snapshot) -> list[FolderRecord]:
-        """The snapshot's records that parse, speak for the participant they are filed
-        under, and say they belong to this run and sitting in a header that agrees with
-        their payloads; any other is left out (its participant then sent nothing the
-        coordinator can admit, as with a message that fails validation).
-
-        A record of another round passes, when its payloads say the same round: the
-        coordinator files its sender as late, as it does a late message."""
-        key, readable = snapshot.key, []
-        for pid, data in sorted(snapshot.records.items()):
-            try:
-                record = decode_record(self._open(data, f"{key.name}/record/{pid}", author=pid))
-            except ForgedMessage as exc:
-                log.error("%s: REFUSED the record in the slot of %s: %s", key, pid, exc)
-                continue
-            except RoundError as exc:
-                log.error("%s: record of %s left out, unreadable: %s", key, pid, exc)
-                continue
-            speakers = {p.get("participant_id") for p in record.payloads}
-            if record.participant != pid or not speakers <= {pid}:
-                log.warning("%s: record filed under %s speaks for %s", key, pid, speakers)
-                continue
-            carried = {(p.get("run_id"), p.get("round")) for p in record.payloads}
-            if (record.run_id, record.sitting) != (self.run_id, key.sitting) or not carried <= {
-                (record.run_id, record.round)
-            }:
-                log.warning(
-                    "%s: record filed under %s says run %r round %d sitting %d and carries "
-                    "messages of %s; left out",
-                    key,
-                    pid,
-                    record.run_id,
-                    record.round,
-                    record.sitting,
-                    sorted(carried, key=str),
-                )
-                continue
-            readable.append(record)
-        return readable
-
-    def _outcome(
-        self,
-        snapshot: Snapshot,
-        state: OutcomeState,
-        *,
-        global_hash: str,
-        contributors: tuple[str, ...] = (),
-        error: BaseException | None = None,
-        next: Announcement | None = None,
-    ) -> Outcome:
-        return Outcome(
-            run_id=self.run_id,
-            round=snapshot.key.round,
-            sitting=snapshot.key.sitting,
-            state=state,
-            decided_by=self.identity,
-            contributors=contributors,
-            missing=snapshot.missing,
-            error=None if error is None else type(error).__name__,
-            error_field=error.field if isinstance(error, ConfigError) else None,
-            reason=None
-            if error is None
-            else (error.reason if isinstance(error, ConfigError) else str(error))[:2000],
-            global_hash=global_hash,
-            next=next,
-        )
-
     # -- state ---------------------------------------------------------------------------
     def _checkpoint_params(self, announcement: Announcement) -> dict[str, np.ndarray]:
         checkpoint = decode_checkpoint(self.store.get(announcement.checkpoint))
@@ -665,6 +384,69 @@ class SharedFolderParticipant:
             sketch_seed=derive_seed(self.config.federation.root_seed, "round", announcement.round),
             h_steps=self.config.inner.steps,
         )
+
+
+def _barrier(
+    store: Store,
+    identity: str,
+    config: LensembleConfig,
+    round_timeout: float | None,
+    publish_timeout: float | None,
+    poll_interval: float,
+) -> FolderBarrier:
+    """The run's barrier for this process; its deadlines default to the config's open
+    plus collect timeouts (a sitting) and collect timeout (a decider's publishing)."""
+    fed = config.federation
+    return FolderBarrier(
+        store,
+        identity=identity,
+        round_timeout=fed.open_timeout + fed.collect_timeout
+        if round_timeout is None
+        else round_timeout,
+        publish_timeout=fed.collect_timeout if publish_timeout is None else publish_timeout,
+        poll_interval=poll_interval,
+    )
+
+
+def _check_setup(
+    folder: str | os.PathLike[str],
+    config: LensembleConfig,
+    run_id: str,
+    participant_id: str,
+    everyone: tuple[str, ...],
+    quorum: int | None,
+    aggregator_factory: AggregatorFactory,
+) -> None:
+    """Refuse a participant process that cannot work, before anything is written.
+
+    Raises:
+        ConfigError: a participant list with repeats or none, a run id or participant
+            that is not a folder name, a participant id not in the list, a masked
+            (secure-aggregation) config, or a quorum out of range.
+    """
+    if not everyone or len(set(everyone)) != len(everyone):
+        raise ConfigError("participants", "must be a non-empty list without repeats")
+    for field, names in (("run_id", [run_id]), ("participants", everyone)):
+        bad = [n for n in names if not _NAME.fullmatch(n) or n in (".", "..")]
+        if bad:
+            raise ConfigError(field, f"{bad} are not folder names ([A-Za-z0-9._-]+)")
+    if participant_id not in everyone:
+        raise ConfigError("participant_id", f"{participant_id!r} is not a participant")
+    # The decider feeds the coordinator a batch of deposits, which carries no unmask
+    # exchange: the coordinator refuses a masked round there (conclude_collected), but
+    # only once the records are deposited. Its own refusal is asked here, on the mode
+    # the config selects, so the same error comes before anything is written.
+    require_exchange(
+        mode_for(
+            config,
+            ParticipantRegistry(config, Store(Path(folder) / "runs" / run_id, create=False)),
+            run_id=run_id,
+            aggregator_factory=aggregator_factory,
+        ),
+        None,
+    )
+    if quorum is not None and not 1 <= quorum <= len(everyone):
+        raise ConfigError("quorum", f"must be between 1 and {len(everyone)}, got {quorum}")
 
 
 def _check_identities(

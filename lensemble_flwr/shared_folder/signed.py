@@ -9,12 +9,16 @@ from outside the folder. The signature covers the author, the document's *place*
 kind, round, sitting, slot) and its bytes, so a genuine document copied to another slot or
 sitting does not verify either.
 
+:class:`FolderSeal` is one participant process's use of both: it signs what the process
+writes and checks what it reads, or passes bytes through when the run is unauthenticated.
+
 Bytes: ``LSF1`` · 4-byte big-endian header length · canonical-JSON header
 ``{author, place, signature}`` · the document's own bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Mapping
@@ -82,3 +86,45 @@ def document_body(data: bytes) -> bytes:
         return data
     (size,) = struct.unpack(">I", data[4:8])
     return data[8 + size :]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FolderSeal:
+    """How one participant process signs what it writes in a run's folder and checks what
+    it reads there; a document's place is ``<run_id>/<where>``.
+
+    Args:
+        run_id: the run the documents belong to.
+        author: this process's participant, the author of what it signs.
+        key: its identity key (None: it signs nothing).
+        identities: the federation's allow-list (None: the run is unauthenticated, and
+            nothing is signed or checked).
+    """
+
+    run_id: str
+    author: str
+    key: IdentityKey | None
+    identities: Mapping[str, str] | None
+
+    def place(self, where: str) -> str:
+        """The place a document at ``where`` in this run is signed for."""
+        return f"{self.run_id}/{where}"
+
+    def sign(self, body: bytes, where: str) -> bytes:
+        """``body`` signed by this process for ``where`` (as it is, when unauthenticated)."""
+        if self.identities is None or self.key is None:
+            return body  # unauthenticated, as asked
+        return sign_document(self.key, self.author, self.place(where), body)
+
+    def open(self, data: bytes, where: str, *, author: str | None = None) -> bytes:
+        """The bytes of a document found at ``where``, its signature checked.
+
+        Raises:
+            ForgedMessage: it is not signed by a participant (``author``, for a slot).
+        """
+        if self.identities is None:
+            return data
+        _, body = open_document(
+            data, place=self.place(where), identities=self.identities, author=author
+        )
+        return body
