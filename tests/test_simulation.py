@@ -1,14 +1,19 @@
 """LensembleStrategy on Flower's simulation engine (Ray): a few end-to-end runs.
 
-Each test pays Ray's start-up (~10 s on 2 cores), so there are few of them. The ServerApp
-runs in this process (a thread of ``run_simulation``); results are handed back through
-the ``box`` dicts the apps close over.
+Every ``run_simulation`` of this module runs on one Ray session and one pool of
+ClientApp actors (the ``one_engine_session`` fixture): starting Ray and its actors (each
+imports Flower, torch and the package) costs more than most of these runs. An actor keeps
+nothing of a run that another run could see: each message brings the ClientApp to run,
+and the participants an actor keeps alive between messages are keyed by run and node.
+The ServerApp runs in this process (a thread of ``run_simulation``); results are handed
+back through the ``box`` dicts the apps close over.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
+from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
@@ -36,6 +42,36 @@ from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 pytestmark = pytest.mark.simulation
 
 BACKEND = {"client_resources": {"num_cpus": 0.5}}  # several actors on 2 cores
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_engine_session() -> Iterator[None]:
+    """Ray started once for the module, and its actor pool built once: Flower's Ray
+    backend builds a pool of actors for every run and shuts Ray down after it; here the
+    first run's pool is handed to every later run, and the module's end shuts it down.
+    (A run ends only after every message it sent was answered: the pool is idle then.)"""
+    import ray
+
+    pools: list = []
+    build, terminate = RayBackend.build, RayBackend.terminate
+
+    def build_once(self: RayBackend, app_fn) -> None:  # type: ignore[no-untyped-def]
+        if not pools:
+            build(self, app_fn)
+            pools.append(self.pool)
+        self.pool, self.app_fn = pools[0], app_fn
+
+    def keep_running(self: RayBackend) -> None:
+        self.pool = None
+
+    RayBackend.build, RayBackend.terminate = build_once, keep_running  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RayBackend.build, RayBackend.terminate = build, terminate  # type: ignore[method-assign]
+        if pools:
+            pools[0].terminate_all_actors()
+        ray.shutdown()
 
 
 def simulate(server: ServerApp, client: ClientApp, nodes: int) -> float:
