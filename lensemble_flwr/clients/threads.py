@@ -30,7 +30,7 @@ def torch_threads(participants_here: int = 2) -> int | None:
             ``participants_here`` is below 1.
     """
     if participants_here < 1:
-        raise ConfigError(f"participants_here must be at least 1, got {participants_here}")
+        raise ConfigError("participants_here", f"must be at least 1, got {participants_here}")
     raw = os.environ.get(THREADS_ENV, "").strip()
     if raw:
         try:
@@ -39,8 +39,7 @@ def torch_threads(participants_here: int = 2) -> int | None:
             threads = -1
         if threads < 0:
             raise ConfigError(
-                f"{THREADS_ENV}={raw!r}: expected a whole number of threads, or 0 for "
-                "torch's default"
+                THREADS_ENV, f"{raw!r} is not a whole number of threads (0: torch's default)"
             )
         return threads or None
     return SHARED_MACHINE_THREADS if participants_here > 1 else None

@@ -1,6 +1,8 @@
 """The Flower App in a real deployment on 127.0.0.1: one SuperLink, two SuperNodes, `flwr run`.
 
-Slow (about a minute on 2 cores) and process-heavy. Run it alone with
+One deployment serves the module: a plaintext run and a masked run are submitted to it
+together, and each test checks one of them. Slow (about a minute and a half on 2 cores)
+and process-heavy. Run it alone with
 
     .venv/bin/pytest tests/flower/test_deployment.py -q -m deployment -s
 
@@ -66,9 +68,28 @@ class Deployment:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@pytest.fixture
-def deployment(tmp_path: Path) -> Iterator[Deployment]:
-    """A SuperLink and two SuperNodes, all registered; stopped by PID afterwards."""
+@dataclass
+class Run:
+    """One ``flwr run`` on the deployment, and what the test checks it by."""
+
+    secagg: int
+    rc: int
+    output: str
+    seconds: float
+    listing: dict  # `flwr ls` after both runs ended
+
+
+@dataclass
+class Runs:
+    by_secagg: dict[int, Run]
+    sockets: SocketSampler
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A SuperLink and two SuperNodes, all registered, serving every run of the module;
+    stopped by PID afterwards."""
+    tmp_path = tmp_path_factory.mktemp("deployment")
     registry = ProcessRegistry()
     t0 = time.monotonic()
     try:
@@ -155,55 +176,83 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         assert not zombies, f"exited but never reaped: {zombies}"
 
 
-@pytest.mark.parametrize("secagg", [0, NUM_NODES], ids=["plaintext", "masked"])
-def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg: int) -> None:
-    """Plaintext rounds, and masked rounds (secure aggregation over both nodes)."""
+SECAGG = {"plaintext": 0, "masked": NUM_NODES}
+
+
+@pytest.fixture(scope="module")
+def runs(deployment: Deployment) -> Runs:
+    """A plaintext run and a masked run, submitted together to the one deployment (a
+    deployment spends most of a run waiting on Flower's polls, so two runs at once take
+    little longer than one); both nodes serve both runs."""
     dep, registry = deployment, deployment.registry
     runs_dir = dep.tmp / "runs"
-    run_config = (
-        f"num-server-rounds={NUM_ROUNDS} lensemble.min-participants={NUM_NODES} "
-        f"num-partitions={NUM_NODES} run-dir='{runs_dir}' lensemble.secagg-threshold={secagg} "
-        "warmup-timeout=60.0 lensemble.collect-timeout=60.0 lensemble.open-timeout=60.0"
-    )
-    try:
-        with SocketSampler(registry) as sampler:
-            cli = registry.start(
-                "flwr run",
-                [
-                    flower_bin("flwr"),
-                    "run",
-                    ".",
-                    CONNECTION,
-                    "--stream",
-                    "--run-config",
-                    run_config,
-                ],
+    clis = {}
+    with SocketSampler(registry) as sampler:
+        t0 = time.monotonic()
+        for secagg in SECAGG.values():
+            flwr_run = [flower_bin("flwr"), "run", ".", CONNECTION, "--stream"]
+            run_config = (
+                f"num-server-rounds={NUM_ROUNDS} lensemble.min-participants={NUM_NODES} "
+                f"num-partitions={NUM_NODES} run-dir='{runs_dir}' "
+                f"lensemble.secagg-threshold={secagg} warmup-timeout=60.0 "
+                "lensemble.collect-timeout=60.0 lensemble.open-timeout=60.0"
+            )
+            clis[secagg] = registry.start(
+                f"flwr run (secagg {secagg})",
+                [*flwr_run, "--run-config", run_config],
                 env=dep.cli_env,
-                log_path=dep.tmp / "logs" / "flwr-run.log",
+                log_path=dep.tmp / "logs" / f"flwr-run-secagg-{secagg}.log",
                 cwd=REPO,
             )
-            t0 = time.monotonic()
+        seconds, codes = {}, {}
+        for secagg, cli in clis.items():
             try:
-                rc = cli.popen.wait(timeout=RUN_TIMEOUT)
+                left = max(1.0, t0 + RUN_TIMEOUT - time.monotonic())
+                codes[secagg] = cli.popen.wait(timeout=left)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"`flwr run` did not finish within {RUN_TIMEOUT:.0f} s")
-            dep.timings["flwr run"] = time.monotonic() - t0
+                registry.dump_logs()
+                pytest.fail(f"`flwr run` (secagg {secagg}) did not end within {RUN_TIMEOUT:.0f} s")
+            seconds[secagg] = time.monotonic() - t0
+    listing = flwr_ls(CONNECTION, dep.cli_env, REPO)
+    by_secagg = {}
+    for secagg, cli in clis.items():
         cli.drain()
-        output = cli.log()
-        print(f"\n----- flwr run (rc={rc}) -----\n{output}")
+        by_secagg[secagg] = Run(secagg, codes[secagg], cli.log(), seconds[secagg], listing)
+    return Runs(by_secagg, sampler)
 
+
+def test_the_superlink_ran_exactly_the_two_runs_submitted(runs: Runs) -> None:
+    """Every run `flwr ls` lists is one of ours (the SuperLink was fresh), and it has
+    each run once."""
+    listed = [run["run-id"] for run in next(iter(runs.by_secagg.values())).listing["runs"]]
+    started = [_started_run_id(run.output) for run in runs.by_secagg.values()]
+    assert sorted(listed) == sorted(started) and len(set(started)) == len(SECAGG), (listed, started)
+
+
+def _started_run_id(output: str) -> str:
+    match = re.search(r"Successfully started run (\d+)", output)
+    assert match, f"`flwr run` did not say which run it started:\n{output}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("secagg", SECAGG.values(), ids=SECAGG.keys())
+def test_flwr_run_on_superlink_and_two_supernodes(
+    deployment: Deployment, runs: Runs, secagg: int
+) -> None:
+    """Plaintext rounds, and masked rounds (secure aggregation over both nodes)."""
+    dep, run = deployment, runs.by_secagg[secagg]
+    runs_dir = dep.tmp / "runs"
+    output = run.output
+    print(f"\n----- flwr run (rc={run.rc}) -----\n{output}")
+    try:
         # (1) the SuperLink says the run completed (`flwr run` exits 0 even on failure)
-        listing = flwr_ls(CONNECTION, dep.cli_env, REPO)
-        runs = listing.get("runs", [])
-        assert len(runs) == 1, f"expected one run on a fresh SuperLink: {listing}"
-        run_id = runs[0]["run-id"]
-        assert runs[0]["status"] == "finished:completed", listing
+        run_id = _started_run_id(output)
+        (listed,) = [r for r in run.listing.get("runs", []) if r["run-id"] == run_id]
+        assert listed["status"] == "finished:completed", run.listing
         print(
-            f"flwr ls: {runs[0]['status']}, elapsed {float(runs[0]['elapsed']):.1f} s, "
-            f"traffic {runs[0].get('network-traffic')}, compute {runs[0].get('compute-time')}"
+            f"flwr ls: {listed['status']}, elapsed {float(listed['elapsed']):.1f} s, "
+            f"traffic {listed.get('network-traffic')}, compute {listed.get('compute-time')}"
         )
-        if match := re.search(r"Successfully started run (\d+)", output):
-            assert match.group(1) == run_id
 
         # (2) the coordinator's ledger verifies: one record per round, both nodes in each
         run_dir = runs_dir / f"flwr-{run_id}"
@@ -222,6 +271,7 @@ def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg
         assert steady and int(steady.group(1)) == (2 if secagg else 1), output
 
         # (4) nothing but 127.0.0.1: every socket any of our processes held while running
+        sampler = runs.sockets
         assert sampler.seen, "the socket sampler saw no sockets at all"
         listening = sorted({u.local for u in sampler.seen if u.state == "0A"})
         print(f"processes seen (ours and their descendants): {sampler.programs()}")
@@ -237,13 +287,12 @@ def test_flwr_run_on_superlink_and_two_supernodes(deployment: Deployment, secagg
         assert events, "the network audit hook recorded nothing"
         assert not off_loopback(events), f"socket calls off 127.0.0.1: {off_loopback(events)}"
 
-        dep.timings["total"] = sum(
-            dep.timings[k] for k in ("supernodes registered (since start)", "flwr run")
-        )
-        print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in dep.timings.items()))
+        timings = {**dep.timings, "flwr run (both at once)": run.seconds}
+        timings["total"] = timings["supernodes registered (since start)"] + run.seconds
+        print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
         for line in output.splitlines():
             if re.search(r"round \d+: ", line):
                 print("  " + line.strip())
     except BaseException:
-        registry.dump_logs()
+        dep.registry.dump_logs()
         raise

@@ -819,11 +819,12 @@ def test_a_genesis_of_another_run_is_refused(tmp_path: Path) -> None:
 # -- the documented command ----------------------------------------------------------------
 def test_the_demo_script_as_documented(tmp_path: Path) -> None:
     """docs/shared-folder.md's command, as two OS processes: one told its index by flags,
-    one by Slurm's environment (as ``srun`` would)."""
+    one by Slurm's environment (as ``srun`` would). (The keys are made in this process,
+    by the same ``main`` the command runs: a third interpreter would only add its start.)"""
     command = [sys.executable, "-m", "lensemble_flwr.simulations.shared_folder_demo"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     keys = tmp_path / "keys"  # outside the shared folder
-    subprocess.run([*command, "--make-keys", keys, "--participants", "2"], check=True, env=env)
+    assert shared_folder_demo.main(["--make-keys", str(keys), "--participants", "2"]) == 0
     folder = tmp_path / "fed"
     common = ["--folder", str(folder), "--keys", str(keys), "--rounds", "2", "--inner-steps", "2"]
     processes = [
