@@ -180,10 +180,11 @@ SECAGG = {"plaintext": 0, "masked": NUM_NODES}
 
 
 @pytest.fixture(scope="module")
-def runs(deployment: Deployment) -> Runs:
+def runs(locked_down_started: object, deployment: Deployment) -> Runs:
     """A plaintext run and a masked run, submitted together to the one deployment (a
     deployment spends most of a run waiting on Flower's polls, so two runs at once take
-    little longer than one); both nodes serve both runs."""
+    little longer than one); both nodes serve both runs. The locked-down deployment of
+    test_deployment_auth.py comes up and runs beside them (tests/flower/conftest.py)."""
     dep, registry = deployment, deployment.registry
     runs_dir = dep.tmp / "runs"
     clis = {}

@@ -16,6 +16,11 @@ The registering CLI holds nothing but the CA certificate: Flower's Control API, 
 port, does not authenticate callers in this distribution, which is why docs/deployment.md
 keeps it off the participants' network.
 
+The locked-down deployment is brought up and run by :func:`lock_down` in a thread of its
+own, started (by the ``locked_down`` fixture of tests/flower/conftest.py) beside the runs
+of tests/flower/test_deployment.py: both mostly wait on Flower's polls. The thread only
+gathers evidence; the test asserts on it.
+
 Run it alone with
 
     .venv/bin/pytest tests/flower/test_deployment_auth.py -q -m deployment -s
@@ -26,12 +31,15 @@ docs/deployment.md ("Locking a deployment down") has the same steps for real hos
 
 from __future__ import annotations
 
+import io
 import re
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -64,8 +72,8 @@ pytestmark = pytest.mark.deployment
 REPO = Path(__file__).resolve().parents[2]
 CONNECTION = "lensemble-locked"
 NUM_ROUNDS = 1
-STARTUP_TIMEOUT = 45.0
-RUN_TIMEOUT = 75.0
+STARTUP_TIMEOUT = 60.0
+RUN_TIMEOUT = 180.0  # it runs beside test_deployment.py's two runs
 SUPERNODE_CONNECTION_ERROR = 305  # flwr.supercore.exit.ExitCode: activation refused
 
 skip_without_flower_clis()
@@ -109,9 +117,49 @@ def _node_id(log: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None:
+@dataclass
+class LockedDown:
+    """What the locked-down deployment showed, gathered by :func:`lock_down`."""
+
+    tmp: Path
+    registered: dict[str, int] = field(default_factory=dict)  # org -> node id it was given
+    register_answers: dict[str, dict] = field(default_factory=dict)
+    registered_again: dict | None = None
+    plain_http_ok: bool | None = None
+    system_trust_error: BaseException | None = None
+    node_ids: dict[str, int | None] = field(default_factory=dict)  # from the SuperNodes' logs
+    intruder_rc: int | None = None
+    intruder_log: str = ""
+    runs: list[dict] = field(default_factory=list)  # `flwr ls` after the run
+    run_timed_out: bool = False
+    output: str = ""
+    listed_nodes: dict = field(default_factory=dict)  # `flwr supernode list`
+    survivors: list = field(default_factory=list)  # processes alive after the SIGKILLs
+    zombies: list = field(default_factory=list)
+    logs: str = ""  # every process's log, when something went wrong
+    error: BaseException | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LockedDownThread:
+    """:func:`lock_down` in a thread; ``result()`` waits for it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.evidence = LockedDown(tmp)
+        self._thread = threading.Thread(target=lock_down, args=(self.evidence,), daemon=True)
+        self._thread.start()
+
+    def result(self) -> LockedDown:
+        self._thread.join(timeout=2 * STARTUP_TIMEOUT + RUN_TIMEOUT + 120)
+        assert not self._thread.is_alive(), "the locked-down deployment never finished"
+        return self.evidence
+
+
+def lock_down(ev: LockedDown) -> None:
+    """Bring the locked-down deployment up, run once on it, stop it; record what it did in
+    ``ev`` (an unexpected error too): it asserts nothing."""
     registry = ProcessRegistry()
-    timings: dict[str, float] = {}
+    tmp_path, timings = ev.tmp, ev.timings
     t0 = time.monotonic()
     try:
         tls = make_tls_files(tmp_path / "pki")
@@ -150,30 +198,30 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
             proc=superlink,
         )
         # the port speaks TLS only, and only the test CA vouches for it
-        assert not http_ok(f"http://{LOOPBACK}:{port}/health")
-        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        ev.plain_http_ok = http_ok(f"http://{LOOPBACK}:{port}/health")
+        try:
             urllib.request.urlopen(
                 f"https://{LOOPBACK}:{port}/health",
                 timeout=5,
                 context=ssl.create_default_context(),
             )
+        except Exception as exc:
+            ev.system_trust_error = exc
 
         # -- the operator registers the two organisations' public keys ----------------------
         cli_home = tmp_path / "home-cli"
         write_cli_config(cli_home, CONNECTION, port, root_certificates=tls.ca)
         cli_env = flower_env(cli_home)
-        registered: dict[str, int] = {}
         for org in ("org-a", "org-b"):
             answer = flwr_json(
                 ["supernode", "register", str(keys[org].public), CONNECTION], cli_env, REPO
             )
-            assert answer.get("success") is True, answer
-            registered[org] = int(answer["node-id"])
+            ev.register_answers[org] = answer
+            ev.registered[org] = int(answer["node-id"])
         # registering the same key again is refused (and says so in the JSON)
-        again = flwr_json(
+        ev.registered_again = flwr_json(
             ["supernode", "register", str(keys["org-a"].public), CONNECTION], cli_env, REPO
         )
-        assert again.get("success") is not True, again
 
         # -- three SuperNodes try to join; one key was never registered ---------------------
         nodes = {
@@ -197,25 +245,21 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
                 f"{node.name} to activate",
                 proc=node,
             )
-            assert _node_id(node.log()) == registered[org]
+            ev.node_ids[org] = _node_id(node.log())
         intruder = nodes["intruder"]
         try:
-            rc = intruder.popen.wait(timeout=STARTUP_TIMEOUT)
+            ev.intruder_rc = intruder.popen.wait(timeout=STARTUP_TIMEOUT)
         except subprocess.TimeoutExpired:
-            pytest.fail("the unregistered SuperNode was not refused")
+            ev.intruder_rc = None  # not refused
         intruder.drain()
-        # Flower logs its exit code (305: connection error) and the process exits non-zero
-        assert rc != 0 and f"Exit Code: {SUPERNODE_CONNECTION_ERROR}" in intruder.log()
-        assert "Failed to activate SuperNode" in intruder.log()
-        assert _node_id(intruder.log()) is None
+        ev.intruder_log = intruder.log()
         timings["supernodes settled (since start)"] = time.monotonic() - t0
 
         # -- the run: both registered organisations, nobody else ----------------------------
-        runs_dir = tmp_path / "runs"
         run_config = (
             f"num-server-rounds={NUM_ROUNDS} lensemble.min-participants=2 num-partitions=2 "
-            f"run-dir='{runs_dir}' warmup-timeout=40.0 lensemble.collect-timeout=40.0 "
-            "lensemble.open-timeout=40.0 fraction-evaluate=0.0"
+            f"run-dir='{tmp_path / 'runs'}' warmup-timeout=60.0 lensemble.collect-timeout=60.0 "
+            "lensemble.open-timeout=60.0 fraction-evaluate=0.0"
         )
         cli = registry.start(
             "flwr run",
@@ -228,38 +272,70 @@ def test_only_registered_supernodes_join_a_tls_superlink(tmp_path: Path) -> None
         try:
             cli.popen.wait(timeout=RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"`flwr run` did not finish within {RUN_TIMEOUT:.0f} s")
+            ev.run_timed_out = True
         timings["flwr run"] = time.monotonic() - t_run
         cli.drain()
-        output = cli.log()
-        print(f"\n----- flwr run -----\n{output}")
-
-        runs = flwr_ls(CONNECTION, cli_env, REPO).get("runs", [])
-        assert len(runs) == 1 and runs[0]["status"] == "finished:completed", runs
-        run_dir = runs_dir / f"flwr-{runs[0]['run-id']}"
-        # the registered organisations' nodes, by the partition-id each names itself by
-        # (org-a is partition 0, org-b partition 1; the intruder never got a node id)
-        expected = {"partition-id-0", "partition-id-1"}
-        records = verify(Store(run_dir))
-        assert [r.round for r in records] == list(range(1, NUM_ROUNDS + 1))
-        assert all(set(r.contributors) == expected for r in records)
-        assert audit_run(run_dir).ok
-        seen: set[str] = set()
-        for entry in RunManifest.load(Store(run_dir)).rounds:
-            seen |= {*entry.contributors, *entry.late, *entry.refused, *entry.update_digests}
-        assert seen == expected
-
-        listed = flwr_json(["supernode", "list", CONNECTION], cli_env, REPO)
-        ids = {int(n["node-id"]) for n in listed.get("nodes", [])}
-        assert ids == set(registered.values()), listed
-
+        ev.output = cli.log()
+        ev.runs = flwr_ls(CONNECTION, cli_env, REPO).get("runs", [])
+        ev.listed_nodes = flwr_json(["supernode", "list", CONNECTION], cli_env, REPO)
         timings["total"] = time.monotonic() - t0
-        print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-    except BaseException:
-        registry.dump_logs()
-        raise
+    except BaseException as exc:
+        ev.error = exc
     finally:
+        if ev.error is not None or ev.run_timed_out:
+            logs = io.StringIO()
+            registry.dump_logs(logs)
+            ev.logs = logs.getvalue()
         left = registry.stop_all()
         after = live(processes_in_groups(registry.pgids)) + still_running(registry.known.values())
-        assert not left and not after, f"processes survived their SIGKILL: {left or after}"
-        assert not registry.zombies(), f"exited but never reaped: {registry.zombies()}"
+        ev.survivors = left or after
+        ev.zombies = registry.zombies()
+
+
+def test_only_registered_supernodes_join_a_tls_superlink(locked_down: LockedDown) -> None:
+    ev = locked_down
+    assert ev.error is None, f"{ev.error!r}\n{ev.logs}"
+    # the port speaks TLS only, and only the test CA vouches for it
+    assert ev.plain_http_ok is False
+    assert isinstance(ev.system_trust_error, urllib.error.URLError)
+    assert re.search("CERTIFICATE_VERIFY_FAILED", str(ev.system_trust_error))
+
+    # the operator registered both organisations' keys; the same key again is refused
+    assert all(answer.get("success") is True for answer in ev.register_answers.values())
+    assert sorted(ev.register_answers) == ["org-a", "org-b"], ev.register_answers
+    assert ev.registered_again is not None and ev.registered_again.get("success") is not True
+
+    # each registered SuperNode got the node id its key was registered under
+    assert ev.node_ids == ev.registered
+    # the unregistered one was refused: Flower logs its exit code (305: connection error)
+    # and the process exits non-zero, without a node id
+    assert ev.intruder_rc is not None, "the unregistered SuperNode was not refused"
+    assert ev.intruder_rc != 0 and f"Exit Code: {SUPERNODE_CONNECTION_ERROR}" in ev.intruder_log
+    assert "Failed to activate SuperNode" in ev.intruder_log
+    assert _node_id(ev.intruder_log) is None
+
+    # -- the run: both registered organisations, nobody else --------------------------------
+    assert not ev.run_timed_out, f"`flwr run` did not finish within {RUN_TIMEOUT:.0f} s\n{ev.logs}"
+    print(f"\n----- flwr run -----\n{ev.output}")
+    runs = ev.runs
+    assert len(runs) == 1 and runs[0]["status"] == "finished:completed", runs
+    run_dir = ev.tmp / "runs" / f"flwr-{runs[0]['run-id']}"
+    # the registered organisations' nodes, by the partition-id each names itself by
+    # (org-a is partition 0, org-b partition 1; the intruder never got a node id)
+    expected = {"partition-id-0", "partition-id-1"}
+    records = verify(Store(run_dir))
+    assert [r.round for r in records] == list(range(1, NUM_ROUNDS + 1))
+    assert all(set(r.contributors) == expected for r in records)
+    assert audit_run(run_dir).ok
+    seen: set[str] = set()
+    for entry in RunManifest.load(Store(run_dir)).rounds:
+        seen |= {*entry.contributors, *entry.late, *entry.refused, *entry.update_digests}
+    assert seen == expected
+
+    ids = {int(n["node-id"]) for n in ev.listed_nodes.get("nodes", [])}
+    assert ids == set(ev.registered.values()), ev.listed_nodes
+    print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in ev.timings.items()))
+
+    # every process it started is gone, and reaped
+    assert not ev.survivors, f"processes survived their SIGKILL: {ev.survivors}"
+    assert not ev.zombies, f"exited but never reaped: {ev.zombies}"
