@@ -309,6 +309,35 @@ def _set_child_subreaper(on: bool) -> bool | None:
         return None
 
 
+# Registries may run at once (test_deployment_auth.py's in a thread beside
+# test_deployment.py's): this process stays a subreaper until the last of them stops.
+_subreaper_lock = threading.Lock()
+_subreaper_holders = 0
+_subreaper_before: bool | None = None
+
+
+def _hold_subreaper() -> bool:
+    """Make this process a child subreaper for one more registry; False where it cannot."""
+    global _subreaper_holders, _subreaper_before
+    with _subreaper_lock:
+        if _subreaper_holders == 0:
+            _subreaper_before = _set_child_subreaper(True)
+            if _subreaper_before is None:
+                return False
+        _subreaper_holders += 1
+        return True
+
+
+def _release_subreaper() -> None:
+    """One registry less; the last one restores the setting from before the first."""
+    global _subreaper_holders, _subreaper_before
+    with _subreaper_lock:
+        _subreaper_holders -= 1
+        if _subreaper_holders == 0 and _subreaper_before is not None:
+            _set_child_subreaper(_subreaper_before)
+            _subreaper_before = None
+
+
 def _copy_lines(src, dst) -> None:  # type: ignore[no-untyped-def]
     with contextlib.suppress(ValueError, OSError):  # dst closed: nothing left to copy
         for line in iter(src.readline, b""):
@@ -335,7 +364,7 @@ class ProcessRegistry:
         # their parent dies first they are re-parented to PID 1, and a PID 1 that does not
         # reap promptly (a bare container, this sandbox) keeps them as <defunct> zombies.
         # As a child subreaper, this process adopts them instead and reaps them by PID.
-        self._was_subreaper = _set_child_subreaper(True) if adopt_orphans else None
+        self._holds_subreaper = _hold_subreaper() if adopt_orphans else False
 
     def start(self, name: str, argv: Sequence[str], **kwargs: object) -> ManagedProcess:
         proc = start(name, argv, **kwargs)  # type: ignore[arg-type]
@@ -412,9 +441,9 @@ class ProcessRegistry:
                 break
             time.sleep(0.1)
         self._reap_adopted()
-        if self._was_subreaper is not None:
-            _set_child_subreaper(self._was_subreaper)
-            self._was_subreaper = None
+        if self._holds_subreaper:
+            _release_subreaper()
+            self._holds_subreaper = False
         return left
 
     def _reap_adopted(self) -> None:
