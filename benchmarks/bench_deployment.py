@@ -46,7 +46,7 @@ A report, not a test: exit 0. It fails loudly (exit 1) if any run did not finish
 ``flwr ls --format json`` and must be ``finished:completed``, and its ServerApp must
 have written one push per round. Every process it started is stopped by PID in a
 ``finally`` (SIGTERM to its process group, SIGKILL after a grace period; the helpers of
-``tests/deployment_helpers.py``).
+``tests/helpers/deployment_helpers.py``).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "benchmarks" / "deployment_app"
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
-from deployment_helpers import (  # noqa: E402  (tests/ is put on sys.path above)
+from deployment_helpers import (  # noqa: E402  (tests/helpers/ is put on sys.path above)
     LOOPBACK,
     ProcessRegistry,
     flower_bin,

@@ -162,7 +162,7 @@ def _sha256_of(arrays: dict[str, np.ndarray]) -> str:
 
 def hash_floor(updates: list[dict[str, np.ndarray]], threads: int) -> tuple[float, float]:
     """Seconds of SHA-256 over the C + 6 model sizes a round commits to (the C updates,
-    the int64 sums: 2, θ', m', the checkpoint of both: 2; ``tests/test_hash_once.py``
+    the int64 sums: 2, θ', m', the checkpoint of both: 2; ``tests/coordinator/test_hash_once.py``
     counts them): on one core, and on ``threads`` threads at once (hashlib releases the
     GIL), which is what the round can at best do. The round's own hashes are of other
     buffers with the same sizes: the updates stand in for all of them."""

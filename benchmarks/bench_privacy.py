@@ -36,7 +36,7 @@ reached 0.58 instead of 0.89, benchmarks/README.md). Reported per arm and ε:
 accuracy on the held-out set after every round, the final accuracy, the epsilon the ledger
 records (with whom it holds against), the noise in the revealed sum (distributed arms:
 measured, the sum of the members' shares, which equals the revealed sum minus the
-plaintext sum of the clipped releases — tests/test_distributed_dp.py checks that; local
+plaintext sum of the clipped releases — tests/privacy/test_distributed.py checks that; local
 and central: the std the mechanism draws, √n·σC and σC), and seconds per round. The
 verdicts the issue asks for are printed as PASS/FAIL lines. A report, not a test: the exit
 code is 0 whatever the outcome.

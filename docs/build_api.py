@@ -2,7 +2,7 @@
 
 It renders every public module of ``lensemble_flwr`` with pdoc (the ``docs`` extra, also in
 the ``test`` extra) into ``OUT`` (default ``docs/api/``, which git ignores); open
-``OUT/index.html``. ``tests/test_api_reference.py`` builds it and checks it (docs/api.md).
+``OUT/index.html``. ``tests/docs/test_api_reference.py`` builds it and checks it (docs/api.md).
 
 What differs from a bare ``pdoc lensemble_flwr``, and why:
 

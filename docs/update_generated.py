@@ -1,6 +1,6 @@
 """Rewrite the generated blocks of the docs from the code: ``python docs/update_generated.py``.
 
-``tests/test_docs.py`` fails when a block is stale.
+``tests/docs/test_docs.py`` fails when a block is stale.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lensemble_flwr.protocol.round import transition_diagram
 from lensemble_flwr.simulations.kill_points import kill_matrix_table
 
 DOCS = Path(__file__).resolve().parent
-sys.path.insert(0, str(DOCS.parent / "tests"))  # the fault catalogue lives with its tests
+sys.path.insert(0, str(DOCS.parent / "tests" / "helpers"))  # the fault catalogue: a test helper
 from fault_scenarios import scenario_table  # noqa: E402
 
 BLOCKS = {

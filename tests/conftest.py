@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from run_dir_helpers import copy_run, federated_run
 
+from lensemble_flwr.clients.threads import use_torch_threads
+
 # Everything the session leaves in the temp folder (the run directories of strategies
 # given none, the doc snippets' folders, the participants' private state) goes into one
 # folder of its own, removed when the session ends: a test run leaves nothing behind.
@@ -29,6 +31,11 @@ os.environ.setdefault("RAY_TMPDIR", _SYSTEM_TMP)
 _TMPDIR = os.environ.get("TMPDIR")
 os.environ["TMPDIR"] = _SESSION_TMP  # subprocesses (a ServerApp, a SuperLink) too
 tempfile.tempdir = _SESSION_TMP
+
+# Every in-process federation trains all its participants in this process, and the
+# session shares its cores with the processes it starts: torch's intra-op threads, one
+# per core by default, would only fight each other (lensemble_flwr/clients/threads.py).
+use_torch_threads()
 
 if "LENSEMBLE_PRIVACY_DIR" not in os.environ:
     os.environ["LENSEMBLE_PRIVACY_DIR"] = tempfile.mkdtemp(prefix="lensemble-test-state-")

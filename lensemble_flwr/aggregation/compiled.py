@@ -8,7 +8,7 @@ The numpy fold in :mod:`~lensemble_flwr.aggregation.fixed_point` makes several p
 over every chunk of every update (copy to float64, scale, ``rint``, cast, add), and more
 over the accumulator for the checksums; the mean and the outer step make one pass per
 operation. The kernels here do the same arithmetic in one pass over blocks small enough
-to stay in L1, and ``tests/test_compiled_kernels.py`` checks under hypothesis that they
+to stay in L1, and ``tests/aggregation/test_compiled.py`` checks under hypothesis that they
 give the numpy passes' bytes:
 
 - the fold: every value is ``rint(float64(x) * scale)``, rounded half to even. Where the

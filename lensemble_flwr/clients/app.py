@@ -26,6 +26,7 @@ from lensemble_flwr.clients.live import (
     size_of,
 )
 from lensemble_flwr.clients.state import load_state, save_state, saved_token
+from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -319,6 +320,7 @@ def make_client_app(
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
+        use_torch_threads()  # nodes share a machine (clients/threads.py), in every process
         payloads = instruction_payloads(message)
         if not payloads:
             return refusal(message, NOT_AN_INSTRUCTION)
@@ -347,6 +349,7 @@ def make_client_app(
     def evaluate(message: Message, context: Context) -> Message:
         if evaluate_fn is None:
             return refusal(message, "no evaluate_fn")
+        use_torch_threads()
         return handle_evaluate(
             message, context, trainer_fn(context), evaluate_fn, config_fn(context)
         )

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import make_client_app
+from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.simulations.digits_data import (
     DigitsTrainer,
     centralized_evaluate,
@@ -41,6 +42,7 @@ server_app = ServerApp()
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger)."""
+    use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     run_config = dict(context.run_config)
     config, strategy = strategy_from_context(context)
     seed = int(run_config.get("data-seed", 0))

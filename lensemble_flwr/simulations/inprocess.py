@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import (
     AggregatorFactory,
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
+    use_torch_threads(args.participants)  # they all train in this process (clients/threads.py)
 
     config = LensembleConfig(
         federation={

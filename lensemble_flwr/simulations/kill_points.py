@@ -1,7 +1,7 @@
 """Where the crash drill can kill a coordinator, and what each kill leaves behind.
 
 The drill (:mod:`lensemble_flwr.simulations.crash_drill`) kills at these points,
-tests/test_crash_recovery.py drills every one of them and checks what the ``committed``
+tests/end_to_end/test_crash_recovery.py drills every one of them and checks what the ``committed``
 flag implies, and docs/recovery.md shows :func:`kill_matrix_table`. Standard library only,
 so the docs can render the table without importing the federation.
 """

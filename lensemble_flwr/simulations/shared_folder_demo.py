@@ -29,9 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lensemble_flwr.atomic_write import user_file_mode, write_atomically
+from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.identity.signing import IdentityKey
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.keys is None) == (not args.unauthenticated):
         parser.error("pass --keys DIR (see --make-keys), or --unauthenticated")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    torch.set_num_threads(1)  # one participant per process; N of them share the machine
+    use_torch_threads(args.participants)  # one participant per process; N share the machine
 
     ids = participant_ids(args.participants)
     me = ids[args.participant_index]

@@ -38,6 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.clients.state import load_state
+from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.gauge.runtime import GaugeSetup
@@ -275,6 +276,7 @@ def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger), then print the
     per-node table of the last round."""
+    use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
     per_node = PerNodeEvaluation()

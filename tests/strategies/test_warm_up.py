@@ -1,0 +1,56 @@
+"""warm_up.py: waiting for the nodes before round 1, sending them nothing."""
+
+from __future__ import annotations
+
+import pytest
+from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+    make_transport,
+    silent,
+)
+
+from lensemble_flwr.strategies.warm_up import WARM_UP_SETTLE_S, wait_for_nodes
+
+
+def test_warm_up_waits_for_min_nodes_and_sends_them_nothing() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent, 14: silent},
+                    appear_at={13: 2.5, 14: 2.5})  # fmt: skip
+    # a node list is normally reused for peer_refresh seconds: warm-up must look again
+    transport = make_transport(grid, clock, message_ttl=2.0, peer_refresh=60.0)
+    connected = wait_for_nodes(transport, min_nodes=3, timeout_s=10.0)
+    assert connected == ["node-11", "node-12", "node-13", "node-14"]
+    assert grid.pushes == []  # a stock ClientApp has no query handler: nothing is sent
+    assert 2.5 <= clock.t <= 10.0
+
+
+def test_warm_up_gives_up_at_its_timeout() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent}, appear_at={11: 100.0})
+    transport = make_transport(grid, clock)
+    assert wait_for_nodes(transport, min_nodes=1, timeout_s=3.0) == []
+    assert clock.t == pytest.approx(3.0)
+
+
+def test_warm_up_on_the_simulation_engine_does_not_wait_for_nodes_that_cannot_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the simulation engine the nodes are registered as it starts (``declared_size``):
+    a count too low that stays so for a few seconds is said then, not after the warm-up
+    timeout; a count still rising (or none yet) is waited for as before."""
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent, 12: silent, 13: silent}, appear_at={13: 2.5})
+    transport = make_transport(grid, clock)
+    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
+    nodes = ["node-11", "node-12", "node-13"]
+    assert wait_for_nodes(transport, min_nodes=4, timeout_s=120.0) == nodes
+    assert 2.5 + WARM_UP_SETTLE_S <= clock.t <= 2.5 + WARM_UP_SETTLE_S + 1.0  # then settled
+    assert wait_for_nodes(transport, min_nodes=3, timeout_s=120.0) == nodes
+    clock = FakeClock()
+    grid = FakeGrid(clock, {11: silent}, appear_at={11: 30.0})  # the engine not started yet
+    transport = make_transport(grid, clock)
+    monkeypatch.setattr(transport, "declared_size", lambda: len(grid.get_node_ids()))
+    assert wait_for_nodes(transport, min_nodes=1, timeout_s=120.0) == ["node-11"]
+    assert 30.0 <= clock.t <= 31.0
