@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from federation_helpers import small_config
-from tests.coordinator.test_admission import ROOT, commitment
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.core import Concluded, RoundCore
@@ -19,6 +18,7 @@ from lensemble_flwr.protocol.messages import Update, to_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.simulations.toy import initial_params
+from tests.coordinator.test_admission import ROOT, commitment
 
 
 def core_of(tmp: Path) -> RoundCore:

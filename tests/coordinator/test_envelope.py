@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.coordinator.test_admission import coordinator_in, ingress_of, messages, snapshot
 
 from lensemble_flwr.coordinator.envelope import Route, check_envelope
 from lensemble_flwr.errors import ForgedMessage, IllegalMessage, RoundError
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.protocol.round import RoundState
+from tests.coordinator.test_admission import coordinator_in, ingress_of, messages, snapshot
 
 
 def test_the_envelope_routes_without_writing(tmp_path: Path) -> None:

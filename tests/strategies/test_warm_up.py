@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from lensemble_flwr.strategies.warm_up import WARM_UP_SETTLE_S, wait_for_nodes
 from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
     FakeGrid,
@@ -10,8 +12,6 @@ from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse f
     make_transport,
     silent,
 )
-
-from lensemble_flwr.strategies.warm_up import WARM_UP_SETTLE_S, wait_for_nodes
 
 
 def test_warm_up_waits_for_min_nodes_and_sends_them_nothing() -> None:
