@@ -627,7 +627,7 @@ class LensembleConfig(_Section):
                 "distributed noise needs noise: a noise-multiplier, or dp-epsilon with "
                 "dp-rounds to calibrate one",
             )
-        if self.federation.secagg_threshold <= 0:
+        if not self.federation.masked:
             raise ConfigError(
                 "dp-mode",
                 "distributed noise is added to masked inputs and only their sum is "

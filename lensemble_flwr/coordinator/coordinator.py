@@ -174,7 +174,7 @@ class Coordinator(Driver):
         number.
 
         ``check="full"`` verifies the whole run first (every record and every checkpoint,
-        as :func:`~lensemble_flwr.provenance.ledger.verify`); ``check="chain"`` verifies
+        as :func:`~lensemble_flwr.provenance.verify.verify`); ``check="chain"`` verifies
         the records' hash chain and only the checkpoint it resumes from — for a caller
         that resumes every round (the shared-folder runner), where a full check would make
         a run cost quadratic time. With ``follower`` (kept by the caller between resumes of

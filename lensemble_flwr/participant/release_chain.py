@@ -98,7 +98,7 @@ def with_mask(pipeline: ReleaseTransform, config: LensembleConfig) -> ReleaseTra
         ConfigError: the stage cannot be placed in the pipeline's order.
     """
     parts = pipeline.parts or (pipeline,)
-    if config.federation.secagg_threshold <= 0 or _has_stage(pipeline, Stage.MASK):
+    if not config.federation.masked or _has_stage(pipeline, Stage.MASK):
         return pipeline
     at = next((i for i, part in enumerate(parts) if part.stage > Stage.MASK), len(parts))
     return chain(*parts[:at], mask(config), *parts[at:])
