@@ -103,9 +103,15 @@ def _entry(item: Any, index: int) -> HistoryEntry:
 def check_restored(state: Any, budget: PrivacyBudget) -> PrivacyState | None:
     """A noise stage's state restored from an export, checked against ``budget``.
 
+    The budget file must hold at least what the state says was spent: a state that
+    records more releases (or more epsilon) than ``budget`` was saved against a budget
+    that has since been lost, replaced or rolled back, and restoring it would let the
+    participant spend again what it already released.
+
     Raises:
         RoundError: not a :class:`PrivacyState` (see :meth:`PrivacyState.load_state_dict`),
-            or one charged under another accountant or adjacency than ``budget``'s.
+            one charged under another accountant or adjacency than ``budget``'s, or one
+            that spent more than ``budget`` records.
     """
     if state is None:
         return None
@@ -117,4 +123,18 @@ def check_restored(state: Any, budget: PrivacyBudget) -> PrivacyState | None:
             f"privacy state: charged with {loaded.accountant!r} under {loaded.adjacency!r}, "
             f"this stage's budget is {budget.mechanism!r} under {budget.adjacency!r}"
         )
+    held = PrivacyState.of(budget)
+    released, recorded = _releases(loaded.history), _releases(held.history)
+    if released > recorded or loaded.epsilon > held.epsilon * (1 + 1e-9) + 1e-12:
+        raise RoundError(
+            f"privacy state: {released} releases (epsilon {loaded.epsilon:.4g}) were charged, "
+            f"but the budget at {budget.path} records {recorded} (epsilon "
+            f"{held.epsilon:.4g}): it was lost, replaced or rolled back; restore that file "
+            "rather than spend the released budget again"
+        )
     return loaded
+
+
+def _releases(history: tuple[HistoryEntry, ...]) -> int:
+    """How many charges a history holds (consecutive equal ones are merged into steps)."""
+    return sum(steps for _, _, steps in history)

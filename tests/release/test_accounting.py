@@ -82,8 +82,11 @@ def test_a_bad_state_dict_is_refused(why: str, data: Any) -> None:
 
 
 def test_a_restored_state_of_another_accountant_or_adjacency_is_refused(tmp_path: Path) -> None:
-    budget = PrivacyBudget(tmp_path, "p", epsilon=50.0, delta=1e-5)
+    budget = PrivacyBudget(tmp_path, "p", epsilon=1e9, delta=1e-5)
     state = PrivacyState.load_state_dict(GOOD)
+    for sigma, _, steps in state.history:  # the budget file holds what the state spent
+        for _ in range(steps):
+            budget.charge(sigma, sensitivity_factor=1.0)
     assert check_restored(state, budget) == state and check_restored(None, budget) is None
     for other in (state._replace(accountant="prv"), state._replace(adjacency="zero-out")):
         with pytest.raises(RoundError, match="this stage's budget"):
@@ -164,3 +167,22 @@ def test_an_import_with_a_bad_charge_is_refused_and_changes_nothing(tmp_path: Pa
     assert charge_of(target).history == ((0.5, 1.0, 3),)
     target.import_state(good)
     assert charge_of(target).history == ((0.5, 1.0, 1),)
+
+
+def test_a_state_that_spent_more_than_its_budget_file_records_is_refused(tmp_path: Path) -> None:
+    """A budget file lost or rolled back after the participant saved its state: restoring
+    the state would let it spend the released budget again."""
+    budget = PrivacyBudget(tmp_path / "kept", "p", epsilon=50.0, delta=1e-5)
+    budget.charge(2.0)
+    older = PrivacyState.of(budget)
+    budget.charge(2.0)
+    spent = PrivacyState.of(budget)
+    assert check_restored(spent, budget) == spent
+    assert check_restored(older, budget) == older  # a chain that failed after a charge
+    lost = PrivacyBudget(tmp_path / "new", "p", epsilon=50.0, delta=1e-5)
+    with pytest.raises(RoundError, match="2 releases .* records 0 .* rolled back"):
+        check_restored(spent, lost)
+    lost.charge(2.0)
+    with pytest.raises(RoundError, match="records 1"):
+        check_restored(spent, lost)
+    assert len(lost.history) == 1 and lost.history[0][2] == 1  # refusing spends nothing
