@@ -56,7 +56,7 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
         ("coordinator", "the phase loop, admission, round modes, commit, resume, outer step"),
     ),
     (("shared_folder", "no coordinator process: rounds that meet in a folder all nodes mount"),),
-    (("testing", "scripted faults for tests and drills: fault plans, a delivery log, a manual clock"),),
+    (("testing", "scripted faults for tests and drills: fault plans, delivery log, clock"),),
     (("cli", "the lensemble-flwr command: verify, show, report, average, prove, check-proof"),),
     (("__main__", "python -m lensemble_flwr: the lensemble-flwr command"),),
     (("strategies", "the coordinator as a Flower Strategy; Flower's Grid as a Transport"),),
