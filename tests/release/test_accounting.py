@@ -180,7 +180,7 @@ def test_a_state_that_spent_more_than_its_budget_file_records_is_refused(tmp_pat
     assert check_restored(spent, budget) == spent
     assert check_restored(older, budget) == older  # a chain that failed after a charge
     lost = PrivacyBudget(tmp_path / "new", "p", epsilon=50.0, delta=1e-5)
-    with pytest.raises(RoundError, match="2 releases .* records 0 .* rolled back"):
+    with pytest.raises(RoundError, match=r"2 releases .* records 0 .* rolled back"):
         check_restored(spent, lost)
     lost.charge(2.0)
     with pytest.raises(RoundError, match="records 1"):
