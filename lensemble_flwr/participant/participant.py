@@ -383,6 +383,11 @@ class Participant:
         release, self._pipeline_state = self.pipeline.update(Release(local=local), chain_state, ctx)
         if release.delta is None or release.bound_root != self.dataset_root:
             raise RoundError(f"{self.participant_id}: the pipeline did not bind its delta")
+        if release.noise_share is not None:  # charged for, but no mask stage added it
+            raise RoundError(
+                f"{self.participant_id}: the release chain drew a distributed noise share "
+                "that no mask stage added (distributed noise needs a masked federation)"
+            )
         self._check_residency(release.delta, global_state)
         meta = {**release.metadata, "num_examples": ctx.num_examples}
         if not release.masked:

@@ -10,16 +10,18 @@ import pytest
 from federation_helpers import federation, small_config
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import RoundError
 from lensemble_flwr.participant.local_training import PortableState, TorchTraining
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.protocol.messages import MessageKind
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.provenance.verify import verify
-from lensemble_flwr.release import bind, chain, difference
+from lensemble_flwr.release import bind, chain, clip, difference, distributed_noise
 from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
@@ -216,3 +218,18 @@ def test_a_masked_release_that_fails_keeps_the_listed_key_unused(error: Exceptio
     assert len(rounds) == 1 and rounds[0] is not None  # the round was opened, then put back
     assert node.masking.export() == before  # the listed key is still announced, unused
     assert node.masking.round_key is None
+
+
+def test_a_distributed_noise_share_that_no_mask_stage_added_is_refused(tmp_path: Path) -> None:
+    """A custom chain that draws (and pays for) a distributed-noise share in a federation
+    with no mask stage would release the update without the noise it claims: refused."""
+    budget = PrivacyBudget(tmp_path, "p", epsilon=1e6, delta=1e-5)
+    noise = distributed_noise(2.0, 0.5, fraction_bits=16, threshold=3, budget=budget)
+    node = Participant(
+        LensembleConfig(federation={"min_participants": 1}), participant_id="p",
+        transport=InProcessNetwork().transport_for("p"), trainer=ToyTrainer(1),
+        pipeline=chain(difference(), clip(0.5), noise, bind()),
+    )  # fmt: skip
+    state = GlobalState.create(0, initial_params(seed=0), sketch_seed=100, h_steps=2)
+    with pytest.raises(RoundError, match="noise share that no mask stage added"):
+        node.local_round(state, 11)
