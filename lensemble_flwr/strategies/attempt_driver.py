@@ -13,6 +13,8 @@ attempt between those two hooks as the coordinator's own blocking loop does:
   arrays hashed once);
 * :meth:`~AttemptDriver.conclude`: the attempt's end, with a masked round's unmask
   exchange (a second exchange within the attempt, which Flower's loop cannot make);
+  once it closed, :attr:`~AttemptDriver.on_closed` (the round loop's chance to push
+  the next round's instructions before the round's metrics are made);
 * :meth:`~AttemptDriver.wait_for_joins`: ``retry-wait`` between a round's attempts.
 """
 
@@ -27,6 +29,7 @@ from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.coordinator import WRITES_PREPARED, Coordinator
 from lensemble_flwr.errors import LensembleError, StoreError
 from lensemble_flwr.protocol.messages import UnmaskRequest, kind_of
+from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.strategies.grid_transport import GridTransport, unsent_refusal
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ class AttemptDriver:
         self._attempt: Attempt | None = None  # the attempt this driver drives
         self._outcome: RoundOutcome | None = None  # and how it ended, once it did
         self._reply_ids: frozenset[int] = frozenset()  # the replies take_replies took (ids)
+        # called with the outcome once :meth:`conclude` closed an attempt (the round loop
+        # opens the next round there when no code of the user's comes in between)
+        self.on_closed: Callable[[RoundOutcome], None] | None = None
 
     def drives(self, attempt: Attempt | None) -> bool:
         """Whether ``attempt`` is the one this driver pushed (its replies are admitted
@@ -123,9 +129,13 @@ class AttemptDriver:
     def conclude(self) -> RoundOutcome:
         """End the driven attempt: its outcome if it ended already, else the coordinator
         concludes it (AGGREGATING → CLOSED or ABORTED) with the unmask exchange."""
-        if self._outcome is None:
-            self._outcome = self._coordinator.conclude(exchange=self._exchange)
-        return self._outcome
+        if self._outcome is not None:
+            return self._outcome
+        outcome = self._outcome = self._coordinator.conclude(exchange=self._exchange)
+        on_closed, self.on_closed = self.on_closed, None
+        if on_closed is not None and outcome.state is RoundState.CLOSED:
+            on_closed(outcome)  # it may push the next attempt: this driver drives that one
+        return outcome
 
     def _exchange(self, requests: Mapping[str, UnmaskRequest], done: Callable[[], bool]) -> None:
         """A masked round's unmask requests, and their answers admitted until ``done()``

@@ -298,6 +298,8 @@ class LensembleStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Evaluate instructions (global arrays + config) for a share of the nodes."""
+        if self._fraction_evaluate <= 0:  # nobody is asked: the Grid need not list the nodes
+            return []
         nodes = sorted(grid.get_node_ids())
         if not nodes or not self._evaluates():
             return []

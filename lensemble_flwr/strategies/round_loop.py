@@ -13,7 +13,9 @@ meanwhile is invited; a masked round's unmask exchange happens within the attemp
 default ``aggregate_train``); an aborted attempt is retried as the error table and
 ``max-round-attempts`` say, after ``retry-wait``, as the same round (``server_round``
 does not move on); and with no code of the user's between two rounds, the next round's
-instructions go out before this round's metrics and lines are written.
+instructions go out before this round's metrics and lines are written (with none in the
+round hooks either, as soon as the round closes, before ``aggregate_train`` makes the
+round's metrics and returned arrays).
 
 What a subclass's override changes:
 
@@ -47,6 +49,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords, log_strategy_start_info
 
 from lensemble_flwr.aggregation import recycling
+from lensemble_flwr.config import metrics_released
 from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import FaultToleranceExceeded, LensembleError
@@ -86,6 +89,11 @@ class RoundLoop:
         self._evaluate_fn = evaluate_fn
         self._arrays = ArrayRecord()  # what the next configure_train is handed
         self._opened_ahead = False  # the next round's first attempt is out already
+        # the next round was opened as this one closed (in aggregate_train), and what
+        # opening it raised, to be raised once this round is reported
+        self._opened_on_close = False
+        self._not_opened: Exception | None = None
+        self._closed: RoundOutcome | None = None  # the outcome the driver closed with
 
     def run(self, initial_arrays: ArrayRecord, num_rounds: int) -> LensembleResult:
         """The rounds up to ``num_rounds`` (see :meth:`LensembleStrategy.start`)."""
@@ -176,7 +184,7 @@ class RoundLoop:
             say(INFO, "")
             say(INFO, "[ROUND %s/%s]", r, num_rounds)
             try:
-                outcomes, metrics = self._train_round(coordinator, driver, r)
+                outcomes, metrics = self._train_round(coordinator, driver, r, num_rounds)
             finally:
                 transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
             result.outcomes.extend(outcomes)
@@ -209,15 +217,18 @@ class RoundLoop:
         messages = list(
             strategy.configure_evaluate(r, self._arrays, self._evaluate_config, self._grid)
         )
-        not_opened: Exception | None = None
-        if r < num_rounds and not messages and self._opens_ahead():
+        not_opened, self._not_opened = self._not_opened, None
+        if self._opened_on_close or (r < num_rounds and not messages and self._opens_ahead()):
             # Only lensemble's own bookkeeping comes between the rounds: the next round's
-            # instructions go out now, and this round's lines are written while it trains
+            # instructions go out now (or went out as this round closed), and this
+            # round's lines are written while it trains
             evaluation = strategy.aggregate_evaluate(r, [])
-            try:
-                self._open_attempt(coordinator, driver, r + 1, ahead=True)
-            except Exception as exc:
-                not_opened = exc
+            if not self._opened_on_close:
+                try:
+                    self._open_attempt(coordinator, driver, r + 1, ahead=True)
+                except Exception as exc:
+                    not_opened = exc
+            self._opened_on_close = False
             self._say_train_metrics(r, metrics, result)
         else:
             self._say_train_metrics(r, metrics, result)
@@ -254,8 +265,48 @@ class RoundLoop:
             and strategy._train_metrics_aggr_fn is aggregate_metricrecords
         )
 
-    def _train_round(
+    def _opens_on_close(self, r: int, num_rounds: int) -> bool:
+        """Whether round ``r + 1`` may open as soon as round ``r`` closes, within
+        ``aggregate_train``, before the round's metrics and returned arrays are made:
+        when it would open ahead anyway (:meth:`_opens_ahead`, no federated
+        evaluation) and the round hooks are lensemble's own, so that no code of the
+        user's can tell that ``configure_train`` ran before the default hooks finished."""
+        from lensemble_flwr.strategies.lensemble import LensembleStrategy  # imports this
+
+        strategy = self._strategy
+        hooks = ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
+        return (
+            r < num_rounds
+            and self._opens_ahead()
+            and not (strategy._fraction_evaluate > 0 and metrics_released(strategy._config))
+            and all(
+                getattr(type(strategy), hook) is getattr(LensembleStrategy, hook)
+                for hook in hooks
+            )
+        )
+
+    def _open_on_close(
         self, coordinator: Coordinator, driver: AttemptDriver, r: int
+    ) -> Callable[[RoundOutcome], None]:
+        """What the driver calls once round ``r`` closed: round ``r + 1`` opens (with
+        the TTL of every round but the first); an error is raised once ``r`` is reported."""
+
+        def open_next(closed: RoundOutcome) -> None:
+            self._closed = closed
+            transport = self._strategy._transport
+            assert transport is not None
+            fed = self._strategy._config.federation
+            transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+            self._opened_on_close = True
+            try:
+                self._open_attempt(coordinator, driver, r + 1, ahead=True)
+            except Exception as exc:
+                self._not_opened = exc
+
+        return open_next
+
+    def _train_round(
+        self, coordinator: Coordinator, driver: AttemptDriver, r: int, num_rounds: int
     ) -> tuple[list[RoundOutcome], MetricRecord]:
         """Round ``r``'s attempts until one closes. Raises what stops the federation."""
         strategy = self._strategy
@@ -265,8 +316,14 @@ class RoundLoop:
                 self._open_attempt(coordinator, driver, r, ahead=False)
             self._opened_ahead = False
             driver.collect()
-            returned, metrics = strategy.aggregate_train(r, driver.take_replies())
-            outcome = driver.outcome
+            self._closed = None
+            if self._opens_on_close(r, num_rounds):
+                driver.on_closed = self._open_on_close(coordinator, driver, r)
+            try:
+                returned, metrics = strategy.aggregate_train(r, driver.take_replies())
+            finally:
+                driver.on_closed = None
+            outcome = self._closed if self._closed is not None else driver.outcome
             if outcome is None:  # an override that did not call the default ended nothing
                 log.warning(
                     "round %d: aggregate_train did not call LensembleStrategy."

@@ -1191,3 +1191,78 @@ def test_a_configure_train_that_begins_no_attempt_is_refused_saying_why(tmp_path
     with pytest.raises(RuntimeError, match=r"must call super\(\)\.configure_train"):
         strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=1)
     assert grid.pushed() == [] and verify(Store(tmp_path / "run")) == []
+
+
+class _HookOrder(LensembleStrategy):
+    """Records each round hook as it is entered and left; the defaults do the work."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    def aggregate_evaluate(self, server_round: int, replies: Any) -> MetricRecord | None:
+        self.calls.append(("aggregate_evaluate", server_round))
+        return super().aggregate_evaluate(server_round, replies)
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Any:
+        self.calls.append(("aggregate_train", server_round))
+        returned = super().aggregate_train(server_round, replies)
+        self.calls.append(("aggregate_train returned", server_round))
+        return returned
+
+    def configure_train(self, server_round: int, *args: Any) -> Any:
+        self.calls.append(("configure_train", server_round))
+        return super().configure_train(server_round, *args)
+
+
+def test_with_lensembles_own_hooks_the_next_round_goes_out_before_the_metrics_are_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no code of the user's anywhere between two rounds (round hooks included),
+    round r + 1's instructions are pushed as soon as round r commits, before
+    ``aggregate_train`` makes round r's metrics (and its returned arrays)."""
+    from lensemble_flwr.strategies import reporting
+
+    strategy, grid = stock_loop_federation(tmp_path)
+    latest: list[int] = []
+    round_metrics = reporting.round_metrics
+
+    def seen(outcome: Any, *args: Any, **kwargs: Any) -> MetricRecord:
+        latest.append(max(_train_rounds_pushed(grid)))
+        return round_metrics(outcome, *args, **kwargs)
+
+    monkeypatch.setattr(reporting, "round_metrics", seen)
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3
+    )
+    assert latest == [2, 3, 3]
+    assert _train_rounds_pushed(grid) == [r for r in (1, 2, 3) for _ in NODES]
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (2, 1), (3, 1)]
+    assert [r.round for r in verify(Store(tmp_path / "run"))] == [1, 2, 3]
+
+
+def test_with_a_round_hook_of_the_users_the_hooks_keep_flowers_order(tmp_path: Path) -> None:
+    """An overridden round hook sees Flower's order: round r's ``aggregate_train``
+    returns and its ``aggregate_evaluate`` runs before round r + 1's ``configure_train``."""
+    config = small_config(min_participants=3)
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    grid = FakeGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    strategy = _HookOrder(
+        config, run_dir=tmp_path / "run", run_id="hook-order", fraction_evaluate=0.0
+    )
+    strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2)
+    assert strategy.calls == [
+        ("configure_train", 1),
+        ("aggregate_train", 1),
+        ("aggregate_train returned", 1),
+        ("aggregate_evaluate", 1),
+        ("configure_train", 2),
+        ("aggregate_train", 2),
+        ("aggregate_train returned", 2),
+        ("aggregate_evaluate", 2),
+    ]
