@@ -134,6 +134,7 @@ from lensemble_flwr.clients.app import make_client_app
 from lensemble_flwr.clients.live import process_participants
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.strategies import LensembleStrategy
+from lensemble_flwr.strategies.grid_transport import is_simulation_grid
 from lensemble_flwr.strategies.records import PREFIX
 
 ENGINE_TICK = 0.1
@@ -459,10 +460,11 @@ def run_block(
                 fraction_evaluate=0.0,
                 poll_interval=variant.poll,
                 warmup_timeout=timeout_for(nodes),
-                durable_writes=durable_writes,
+                # the proxy is no InMemoryGrid: decide as the strategy does on the real grid
+                durable_writes=(
+                    durable_writes if durable_writes is not None else not is_simulation_grid(grid)
+                ),
             )
-            # the proxy is no InMemoryGrid: decide as the strategy does on the real grid
-            lens.durable_writes = lens.writes_durably(grid)
             result = lens.start(
                 grid=proxy,
                 initial_arrays=initial,  # type: ignore[arg-type]
