@@ -151,6 +151,21 @@ class LensembleStrategy(Strategy):
         lambda s: s._transport, "The GridTransport of the run (None before a run opened)."
     )
     poll_interval = _ReadOnly(lambda s: s._poll_interval, "Seconds between pulls of the Grid.")
+    # FedAvg's attributes, read as FedAvg's own code in an override reads them (set them
+    # through the constructor: an assignment is the subclass's own attribute)
+    fraction_train = _ReadOnly(
+        lambda s: s._config.federation.sample_fraction, "FedAvg's fraction_train."
+    )
+    min_train_nodes = _ReadOnly(lambda s: s._config.federation.sample_min, "FedAvg's.")
+    min_available_nodes = _ReadOnly(lambda s: s._config.federation.min_available, "FedAvg's.")
+    fraction_evaluate = _ReadOnly(lambda s: s._fraction_evaluate, "FedAvg's fraction_evaluate.")
+    min_evaluate_nodes = _ReadOnly(lambda s: s._min_evaluate_nodes, "FedAvg's.")
+    weighted_by_key = _ReadOnly(lambda s: s._weighted_by_key, "FedAvg's weighted_by_key.")
+    arrayrecord_key = _ReadOnly(lambda s: s._arrayrecord_key, "FedAvg's arrayrecord_key.")
+    configrecord_key = _ReadOnly(lambda s: s._configrecord_key, "FedAvg's configrecord_key.")
+    train_metrics_aggr_fn = _ReadOnly(lambda s: s._train_metrics_aggr_fn, "FedAvg's.")
+    evaluate_metrics_aggr_fn = _ReadOnly(lambda s: s._evaluate_metrics_aggr_fn, "FedAvg's.")
+    on_round = _ReadOnly(lambda s: s._on_round, "The callback each round's line goes to.")
     warmup_timeout = _ReadOnly(
         lambda s: s._warmup_timeout, "Seconds ``start`` waits for nodes before round 1."
     )

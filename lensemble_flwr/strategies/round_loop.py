@@ -36,6 +36,7 @@ evaluated; if any of it fails, the run is taken back (:mod:`.run_dir`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class RoundLoop:
     ) -> None:
         self._strategy, self._grid, self._timeout = strategy, grid, timeout
         self._train_config = ConfigRecord() if train_config is None else train_config
+        self._round_config: tuple[int, ConfigRecord] | None = None  # as round r began
         self._evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         self._logged_configs = (train_config, evaluate_config)
         self._evaluate_fn = evaluate_fn
@@ -346,6 +348,17 @@ class RoundLoop:
             log.info("round %d: retrying after %s", outcome.round, outcome.reason)
             driver.wait_for_joins()
 
+    def _config_for(self, r: int) -> ConfigRecord:
+        """The train config an attempt of round ``r`` hands ``configure_train``: a copy of
+        the config as the round's first attempt found it. A retry starts from that copy
+        again, so an override that changes the config in place (advanced-pytorch halves
+        its learning rate at a round) changes it once per round, as in Flower's loop,
+        where a round has one attempt; what the closing attempt changed carries on."""
+        if self._round_config is None or self._round_config[0] != r:
+            self._round_config = (r, copy.deepcopy(self._train_config))
+        self._train_config = copy.deepcopy(self._round_config[1])
+        return self._train_config
+
     def _open_attempt(
         self, coordinator: Coordinator, driver: AttemptDriver, r: int, *, ahead: bool
     ) -> None:
@@ -355,7 +368,7 @@ class RoundLoop:
         strategy, before = self._strategy, coordinator.attempt
         try:
             noise_multiplier_of(strategy._config, rounds=r)
-            messages = strategy.configure_train(r, self._arrays, self._train_config, self._grid)
+            messages = strategy.configure_train(r, self._arrays, self._config_for(r), self._grid)
             attempt = coordinator.attempt
             if attempt is None or attempt is before:
                 raise RuntimeError(

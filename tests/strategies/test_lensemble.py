@@ -308,6 +308,38 @@ def test_a_retried_round_in_start_is_the_same_round_and_counts_its_attempts(
     assert list(result.aborted) == [1]
 
 
+class _HalvesItsLearningRateAtRound1(_FirstAttemptSendsNothing):
+    """Flower's advanced-pytorch schedule: ``config["lr"]`` halved in place at a round."""
+
+    seen: list[tuple[int, float]]
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Any
+    ) -> Any:
+        if server_round == 1:
+            config["lr"] = config["lr"] * 0.5
+        self.seen = [*getattr(self, "seen", []), (server_round, config["lr"])]
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+def test_a_retried_round_hands_configure_train_the_config_as_the_round_began(
+    tmp_path: Path,
+) -> None:
+    """An override that changes the train config in place changes it once per round, as
+    in Flower's loop: a retry starts from the config as the round's first attempt found
+    it, and what the closing attempt changed carries on to the next round."""
+    _, grid = stock_loop_federation(tmp_path)
+    strategy = _HalvesItsLearningRateAtRound1(
+        small_config(min_participants=3), run_dir=tmp_path / "run", fraction_evaluate=0.0
+    )
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2,
+        train_config=ConfigRecord({"lr": 0.1}),
+    )  # fmt: skip
+    assert [(o.round, o.attempt) for o in result.outcomes] == [(1, 1), (1, 2), (2, 1)]
+    assert strategy.seen == [(1, 0.05), (1, 0.05), (2, 0.05)]
+
+
 def test_flowers_own_loop_counts_a_retried_rounds_attempts_as_start_does(
     tmp_path: Path,
 ) -> None:
@@ -1266,3 +1298,24 @@ def test_with_a_round_hook_of_the_users_the_hooks_keep_flowers_order(tmp_path: P
         ("aggregate_train returned", 2),
         ("aggregate_evaluate", 2),
     ]
+
+
+def test_fedavgs_attributes_read_as_in_fedavg(tmp_path: Path) -> None:
+    """An override copied from a FedAvg subclass reads FedAvg's attributes; they say what
+    the constructor was given (FedAvg's sampling arguments through the config)."""
+
+    def metrics(records: list[RecordDict], key: str) -> MetricRecord:
+        return MetricRecord({})
+
+    strategy = LensembleStrategy(
+        small_config(), run_dir=tmp_path / "run", fraction_train=0.5, min_train_nodes=2,
+        min_available_nodes=3, fraction_evaluate=0.25, min_evaluate_nodes=1,
+        weighted_by_key="n", arrayrecord_key="w", configrecord_key="c",
+        train_metrics_aggr_fn=metrics, evaluate_metrics_aggr_fn=metrics, on_round=print,
+    )  # fmt: skip
+    assert (strategy.fraction_train, strategy.min_train_nodes) == (0.5, 2)
+    assert strategy.min_available_nodes == 3
+    assert (strategy.fraction_evaluate, strategy.min_evaluate_nodes) == (0.25, 1)
+    assert (strategy.weighted_by_key, strategy.arrayrecord_key) == ("n", "w")
+    assert strategy.configrecord_key == "c" and strategy.on_round is print
+    assert strategy.train_metrics_aggr_fn is metrics is strategy.evaluate_metrics_aggr_fn
