@@ -56,26 +56,14 @@ from lensemble_flwr.strategies.reporting import (
     aggregated,
 )
 from lensemble_flwr.strategies.run_dir import RunPlace
+from lensemble_flwr.strategies.views import FedAvgAttributes, ReadOnly
 
 __all__ = ["LensembleResult", "LensembleStrategy", "with_sampling"]
 
 log = logging.getLogger(__name__)
 
 
-class _ReadOnly:
-    """A read-only view of the strategy's private state, which a subclass may shadow with
-    an attribute of its own of the same name (the view has no setter, so assigning one
-    stores the subclass's value, which lensemble never reads)."""
-
-    def __init__(self, read: Callable[[Any], Any], doc: str) -> None:
-        self._read = read
-        self.__doc__ = doc
-
-    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
-        return self if strategy is None else self._read(strategy)
-
-
-class LensembleStrategy(Strategy):
+class LensembleStrategy(FedAvgAttributes, Strategy):
     """A Flower Strategy whose rounds are lensemble rounds.
 
     Args:
@@ -136,37 +124,22 @@ class LensembleStrategy(Strategy):
     shadows them with its own); ``result.run_dir`` always says where the run went.
     """
 
-    config = _ReadOnly(
+    config = ReadOnly(
         lambda s: s._config, "The federation's config (sampling arguments folded in)."
     )
-    run_dir = _ReadOnly(
+    run_dir = ReadOnly(
         lambda s: s._place.path,
         "Where the run's checkpoints, ledger and manifest go (None until a run without "
         "``run_dir`` made its temporary one); ``result.run_dir`` says it too.",
     )
-    coordinator = _ReadOnly(
+    coordinator = ReadOnly(
         lambda s: s._place.coordinator, "The run's Coordinator (None before a run opened)."
     )
-    transport = _ReadOnly(
+    transport = ReadOnly(
         lambda s: s._transport, "The GridTransport of the run (None before a run opened)."
     )
-    poll_interval = _ReadOnly(lambda s: s._poll_interval, "Seconds between pulls of the Grid.")
-    # FedAvg's attributes, read as FedAvg's own code in an override reads them (set them
-    # through the constructor: an assignment is the subclass's own attribute)
-    fraction_train = _ReadOnly(
-        lambda s: s._config.federation.sample_fraction, "FedAvg's fraction_train."
-    )
-    min_train_nodes = _ReadOnly(lambda s: s._config.federation.sample_min, "FedAvg's.")
-    min_available_nodes = _ReadOnly(lambda s: s._config.federation.min_available, "FedAvg's.")
-    fraction_evaluate = _ReadOnly(lambda s: s._fraction_evaluate, "FedAvg's fraction_evaluate.")
-    min_evaluate_nodes = _ReadOnly(lambda s: s._min_evaluate_nodes, "FedAvg's.")
-    weighted_by_key = _ReadOnly(lambda s: s._weighted_by_key, "FedAvg's weighted_by_key.")
-    arrayrecord_key = _ReadOnly(lambda s: s._arrayrecord_key, "FedAvg's arrayrecord_key.")
-    configrecord_key = _ReadOnly(lambda s: s._configrecord_key, "FedAvg's configrecord_key.")
-    train_metrics_aggr_fn = _ReadOnly(lambda s: s._train_metrics_aggr_fn, "FedAvg's.")
-    evaluate_metrics_aggr_fn = _ReadOnly(lambda s: s._evaluate_metrics_aggr_fn, "FedAvg's.")
-    on_round = _ReadOnly(lambda s: s._on_round, "The callback each round's line goes to.")
-    warmup_timeout = _ReadOnly(
+    poll_interval = ReadOnly(lambda s: s._poll_interval, "Seconds between pulls of the Grid.")
+    warmup_timeout = ReadOnly(
         lambda s: s._warmup_timeout, "Seconds ``start`` waits for nodes before round 1."
     )
 
