@@ -316,7 +316,9 @@ class RoundCore:
             log.warning(
                 "round %d: message rejected (%s): %s", attempt.round, type(exc).__name__, exc
             )
-            keyless = not self.registry.has_key(str(payload.get("participant_id")))
+            keyless = isinstance(payload, Mapping) and not self.registry.has_key(
+                str(payload.get("participant_id"))
+            )  # (not a mapping at all: rejected as malformed, answering for nobody)
             record_rejection(attempt, payload, exc, keyless=keyless)
             return None
         except _UNTYPED_INPUT_ERRORS as exc:

@@ -75,7 +75,8 @@ def _validate_arrays(value: Any) -> dict[str, np.ndarray]:
         array = value[name]
         if not isinstance(name, str) or not name:
             raise ValueError(f"array names must be non-empty strings, got {name!r}")
-        if not isinstance(array, np.ndarray):
+        if not isinstance(array, np.ndarray) or isinstance(array, (np.matrix, np.ma.MaskedArray)):
+            # a matrix multiplies where an array scales, a masked array hides values
             raise ValueError(f"{name}: expected a numpy array, got {type(array).__name__}")
         if array.dtype not in _WIRE_DTYPES:
             raise ValueError(f"{name}: dtype {array.dtype} is not float32, float64 or int8")

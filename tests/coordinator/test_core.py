@@ -88,3 +88,16 @@ def test_resume_core_continues_the_stored_run(tmp_path: Path) -> None:
     again = resume_core(Wiring(small_config(min_participants=1), Store(tmp_path / "run")))
     assert again.run.head.state.params_hash == core.run.head.state.params_hash
     assert again.next_attempt() == 2 and again.inputs.run_id == "run"
+
+
+@pytest.mark.parametrize("payload", [3, "update", b"bytes", ["kind", "update"]])
+def test_a_payload_that_is_no_mapping_is_rejected_and_moves_nothing(
+    tmp_path: Path, payload: object
+) -> None:
+    """Whatever a transport hands in, the core rejects what is not a message (counted)
+    and its own rejection path raises nothing."""
+    core = core_of(tmp_path)
+    attempt = core.begin(now=0.0)
+    assert core.receive(payload) is None  # type: ignore[arg-type]
+    assert attempt.rejected == 1 and attempt.phase is RoundState.OPEN
+    assert not attempt.admitted and not attempt.refused

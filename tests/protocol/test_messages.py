@@ -116,6 +116,8 @@ MALFORMED = [
     ("inf in delta", lambda p: p["delta"].update(b=np.array([np.inf], np.float32))),
     ("integer array", lambda p: p["delta"].update(b=np.ones(3, np.int64))),
     ("list instead of array", lambda p: p["delta"].update(b=[1.0, 2.0])),
+    ("np.matrix", lambda p: p["delta"].update(b=np.matrix(np.ones((1, 3), np.float32)))),
+    ("masked array", lambda p: p["delta"].update(b=np.ma.array(np.ones(3, np.float32)))),
     ("non-string array name", lambda p: p["delta"].update({3: np.ones(1, np.float32)})),
     ("negative norm", lambda p: p.update(l2_norm=-1.0)),
     ("NaN norm", lambda p: p.update(l2_norm=float("nan"))),
