@@ -113,6 +113,11 @@ class PrivacyBudgetExceeded(LensembleError):
     """A release would exceed a participant's (epsilon, delta) budget."""
 
 
+class PrivacyBudgetUnreadable(PrivacyBudgetExceeded):
+    """A participant's budget file cannot be read (corrupt, or not a budget): what was
+    spent is unknown, so nothing is released until the file is restored."""
+
+
 class DPBoundViolation(LensembleError):
     """An update about to be noised is larger than the clip norm (INV-DP-BOUND)."""
 

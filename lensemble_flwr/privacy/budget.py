@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 from lensemble_flwr.atomic_write import write_atomically
 from lensemble_flwr.config import Adjacency
-from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded
+from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded, PrivacyBudgetUnreadable
 
 if TYPE_CHECKING:
     from opacus.accountants import PRVAccountant, RDPAccountant
@@ -159,7 +159,14 @@ class PrivacyBudget:
     def _load(self) -> list[tuple[float, float, int]]:
         if not self.path.exists():
             return []
-        data = json.loads(self.path.read_text())
+        try:
+            data = json.loads(self.path.read_text())
+            history = [(float(s), float(q), int(n)) for s, q, n in data["history"]]
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise PrivacyBudgetUnreadable(
+                f"{self.path} is not a readable privacy budget ({type(exc).__name__}: {exc}); "
+                "what was spent is unknown, so nothing is released: restore the file"
+            ) from None
         if data.get("accountant") != self.mechanism:
             raise ConfigError(
                 "dp-accountant",
@@ -173,7 +180,7 @@ class PrivacyBudget:
                 f"{self.path} was accounted under {recorded!r} adjacency, not "
                 f"{self.adjacency!r}: the two epsilons do not compose into one budget",
             )
-        return [(float(s), float(q), int(n)) for s, q, n in data["history"]]
+        return history
 
     def _accountant(self, history: list[tuple[float, float, int]]) -> RDPAccountant | PRVAccountant:
         accountant = accountant_class(self.mechanism)()

@@ -18,6 +18,7 @@ from lensemble_flwr.errors import (
     ConfigError,
     DPBoundViolation,
     PrivacyBudgetExceeded,
+    PrivacyBudgetUnreadable,
     RoundError,
 )
 from lensemble_flwr.norms import l2_norm
@@ -148,6 +149,22 @@ def test_a_release_that_would_exceed_the_budget_is_refused_and_not_recorded(
     reloaded = PrivacyBudget(tmp_path, "k", epsilon=20.0, delta=1e-5)
     assert reloaded.history == budget.history and len(budget.history[-1]) == 3
     assert budget.history[-1][2] >= history[-1][2]
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", "[1, 2]", '"a string"', "{}", '{"accountant": "rdp", "history": [[1]]}']
+)
+def test_a_corrupt_budget_file_is_a_typed_error_that_releases_nothing(
+    tmp_path: Path, text: str
+) -> None:
+    budget = PrivacyBudget(tmp_path, "k", epsilon=20.0, delta=1e-5)
+    budget.charge(1.0)
+    budget.path.write_text(text)
+    with pytest.raises(PrivacyBudgetUnreadable, match="restore the file"):
+        budget.charge(1.0)  # what was spent is unknown: nothing is charged or released
+    assert budget.path.read_text() == text
+    with pytest.raises(PrivacyBudgetUnreadable):
+        PrivacyBudget(tmp_path, "k", epsilon=20.0, delta=1e-5)
 
 
 def test_the_budget_survives_a_restart_and_a_new_run(tmp_path: Path) -> None:
