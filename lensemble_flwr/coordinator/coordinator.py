@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -141,12 +141,6 @@ class Coordinator(Driver):
             on_round, on_transition,
         )  # fmt: skip
         self._compose(create_core(wiring, run_id, initial_params), transport, clock)
-
-    @classmethod
-    def create(cls, config: LensembleConfig, **kwargs: Any) -> Coordinator:
-        """Start a new run: ``Coordinator(config, **kwargs)`` (θ_0 is ``initial_params``;
-        the run's first checkpoint and its manifest are written to ``store``)."""
-        return cls(config, **kwargs)
 
     @classmethod
     def resume(
