@@ -45,17 +45,22 @@ from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse f
 )
 
 
-def stock_loop_federation(
-    tmp_path: Path, config: Any = None, **arguments: Any
-) -> tuple[LensembleStrategy, FakeGrid]:
-    config = config or small_config(min_participants=3)
+def clientapp_grid(config: Any, grid_class: type[FakeGrid] = FakeGrid) -> FakeGrid:
+    """A fake Grid of lensemble ClientApps, one per node of NODES, each with its own Context."""
     contexts = {
         n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
         for n in NODES
     }
-    grid = FakeGrid(
+    return grid_class(
         FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
     )
+
+
+def stock_loop_federation(
+    tmp_path: Path, config: Any = None, **arguments: Any
+) -> tuple[LensembleStrategy, FakeGrid]:
+    config = config or small_config(min_participants=3)
+    grid = clientapp_grid(config)
     arguments = {"run_id": "stock-loop", "fraction_evaluate": 0.0, **arguments}
     strategy = LensembleStrategy(config, run_dir=tmp_path / "run", **arguments)
     return strategy, grid
@@ -464,13 +469,7 @@ def test_a_subclass_runs_masked_rounds_with_its_hooks_called(tmp_path: Path) -> 
     """The unmask exchange happens within the attempt, in the default aggregate_train:
     a subclass's hooks run every masked round, as in plaintext ones."""
     config = small_config(min_participants=3, secagg_threshold=3)
-    contexts = {
-        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-        for n in NODES
-    }
-    grid = FakeGrid(
-        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
-    )
+    grid = clientapp_grid(config)
     strategy = _DecayingLearningRate(config, run_dir=tmp_path / "masked", run_id="masked")
     result = strategy.start(
         grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
@@ -508,13 +507,7 @@ def test_a_subclass_in_start_keeps_lensembles_deadlines_and_the_first_rounds_gra
     tmp_path: Path,
 ) -> None:
     config = small_config(min_participants=3)  # open 10 s + collect 10 s
-    contexts = {
-        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-        for n in NODES
-    }
-    grid = _TimedGrid(
-        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
-    )
+    grid = clientapp_grid(config, _TimedGrid)
     grid.timeouts = []
     strategy = _DecayingLearningRate(
         config, run_dir=tmp_path / "run", fraction_evaluate=0.0, warmup_timeout=5.0
@@ -834,13 +827,7 @@ def test_start_asks_no_node_to_evaluate_in_masked_rounds(tmp_path: Path) -> None
     it used to ask every round, costing an exchange that every node refused (and a stock
     ClientApp would have answered with its un-noised metrics)."""
     config = small_config(min_participants=3, secagg_threshold=3)
-    contexts = {
-        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-        for n in NODES
-    }
-    grid = FakeGrid(
-        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
-    )
+    grid = clientapp_grid(config)
     strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="masked")
     default = inspect.signature(LensembleStrategy).parameters["fraction_evaluate"].default
     assert default == 1.0  # FedAvg's default: evaluation was asked for
@@ -1277,13 +1264,7 @@ def test_with_a_round_hook_of_the_users_the_hooks_keep_flowers_order(tmp_path: P
     """An overridden round hook sees Flower's order: round r's ``aggregate_train``
     returns and its ``aggregate_evaluate`` runs before round r + 1's ``configure_train``."""
     config = small_config(min_participants=3)
-    contexts = {
-        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-        for n in NODES
-    }
-    grid = FakeGrid(
-        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
-    )
+    grid = clientapp_grid(config)
     strategy = _HookOrder(
         config, run_dir=tmp_path / "run", run_id="hook-order", fraction_evaluate=0.0
     )
