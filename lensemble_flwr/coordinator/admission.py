@@ -77,6 +77,7 @@ from lensemble_flwr.transports.base import CLIENT_APP_ERROR, STOCK_CLIENTAPP, De
 
 log = logging.getLogger(__name__)
 
+
 class Verdict(str, enum.Enum):
     """What admitting one message did."""
 
@@ -248,8 +249,6 @@ def file_late_update(
     return Verdict.LATE
 
 
-
-
 # -- the attempt's other writers: what is not a message ---------------------------------
 def record_invitation(attempt: Attempt, peer: str, *, with_members: bool = False) -> None:
     """``peer`` is sent the attempt's RoundOpen (``with_members``: the one that lists a
@@ -296,14 +295,18 @@ def record_rejection(
     in process anyone may write any sender into a payload).
 
     A signature failure answers for nobody (another node may have taken the name), with
-    one exception: an update the transport made of a stock ClientApp's reply, from a
-    participant with no key (``keyless``). Nothing such a node sends can ever be signed,
-    so waiting for it (under ``require-signatures``) could only wait out the deadline."""
+    two exceptions: an update the transport made of a stock ClientApp's reply, from a
+    participant with no key (``keyless``): nothing such a node sends can ever be signed,
+    so waiting for it (under ``require-signatures``) could only wait out the deadline;
+    and an update the transport delivered from a peer under another name than the
+    peer's own (a node that claimed a name it could not sign for: its answer is its
+    own, under the name it has, never the claimed one's)."""
     attempt.rejected += 1
     if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
         return
     stock = tuple(payload.get("transforms") or ()) == (STOCK_CLIENTAPP,)
-    if isinstance(error, ForgedMessage) and not (stock and keyless):
+    claimed = payload.get("participant_id") != payload.peer
+    if isinstance(error, ForgedMessage) and not (stock and keyless) and not claimed:
         return
     if (payload.round, payload.attempt) != (attempt.round, attempt.number):
         return
@@ -497,6 +500,7 @@ def admit(
             f"{attempt.phase.value}"
         )
     return handler(attempt, msg, ingress, fields)
+
 
 def admission_table(tables: Mapping[str, Table]) -> str:
     """A markdown table of which state admits which message type, and with what handler,

@@ -146,6 +146,10 @@ class GridTransport:
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
+        # whether a payload is signed as its sender's name requires: a node is bound to
+        # the name its reply claims only if so (None: every claim binds, first come)
+        self.proves_name: Callable[[WirePayload], bool] | None = None
+        self._unproven: set[tuple[str, str]] = set()  # (node, name) claims logged
         self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
         self._peers: tuple[str, ...] = ()
         self._peers_at = -float("inf")
@@ -456,6 +460,48 @@ class GridTransport:
             self._train_replies.append((info.round, info.attempt, reply))
         self._inbox.extend(self._decoded(reply, info))
 
+    def _proven(self, content: RecordDict, source: str, claimed: str) -> bool:
+        """Whether the reply of the node ``source`` that names it ``claimed`` proves the
+        name: its first payload (the commitment when it has one) is signed as the name
+        requires (:attr:`proves_name`; without one, every claim is taken). A claim that
+        does not is logged, once per node and name."""
+        if self.proves_name is None:
+            return True
+        payloads = records.decode_reply(content)
+        if payloads and self.proves_name(payloads[0]):
+            return True
+        if (source, claimed) not in self._unproven:
+            self._unproven.add((source, claimed))
+            log.warning(
+                "%s names itself %s and cannot sign for that name: not bound to it; its "
+                "messages in that name are rejected as forged",
+                source,
+                claimed,
+            )
+        return False
+
+    def _named(
+        self, info: SentInstruction, source: str, claimed: str
+    ) -> tuple[SentInstruction, str]:
+        """The node ``source`` proved it is participant ``claimed``: learn the name (the
+        instruction ``info`` and the reply's source are that name's from now on).
+
+        Raises:
+            ValueError: the name is not the node's to take (:meth:`NodeNames.learn`), or
+                the node answered this attempt under its old name already.
+        """
+        node = self.names.node_of(source)
+        address = self.names.learn(
+            node, claimed, connected=self.grid.get_node_ids(), allowed=self.allowed
+        )
+        if address is None:
+            return info, source
+        if self.on_rename is not None and not self.on_rename(address, claimed):
+            self.names.forget(node)
+            raise ValueError(f"{address} answered already; it cannot be {claimed}")
+        self._peers_at = -float("inf")
+        return dataclasses.replace(info, peer=claimed), claimed
+
     def _decoded(self, reply: Message, info: SentInstruction) -> list[WirePayload]:
         """What a reply to the instruction ``info`` stands for: the payloads of a train
         reply, or a node's refusal of its RoundOpen (an error reply, a malformed one);
@@ -486,21 +532,19 @@ class GridTransport:
     ) -> list[WirePayload]:
         try:
             claimed = records.claimed_sender(content)
+            unproven = False
             if claimed is not None and claimed != source and info.peer == source:
-                node = self.names.node_of(source)
-                address = self.names.learn(
-                    node, claimed, connected=self.grid.get_node_ids(), allowed=self.allowed
-                )
-                if address is not None:  # the node named itself: it is that participant
-                    if self.on_rename is not None and not self.on_rename(address, claimed):
-                        self.names.forget(node)
-                        raise ValueError(f"{address} answered already; it cannot be {claimed}")
-                    self._peers_at = -float("inf")
-                    info, source = dataclasses.replace(info, peer=claimed), claimed
+                unproven = not self._proven(content, source, claimed)
+                if not unproven:
+                    info, source = self._named(info, source, claimed)
             carried = self.layout.carried if self.layout else ()
             payloads = train_reply_payloads(
-                content, info, source, carried=carried, weight_key=self.weight_key
-            )
+                content,
+                dataclasses.replace(info, peer=claimed) if unproven else info,
+                claimed if unproven and claimed is not None else source,
+                carried=carried,
+                weight_key=self.weight_key,
+            )  # (a claim not proven: every payload must name the claimed sender)
             if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
                 # the node's answer to this attempt, whatever the coordinator makes of it
                 node = self._node_of(source)
