@@ -77,7 +77,6 @@ from lensemble_flwr.transports.base import CLIENT_APP_ERROR, STOCK_CLIENTAPP, De
 
 log = logging.getLogger(__name__)
 
-
 class Verdict(str, enum.Enum):
     """What admitting one message did."""
 
@@ -247,6 +246,8 @@ def file_late_update(
         msg.participant_id,
     )
     return Verdict.LATE
+
+
 
 
 # -- the attempt's other writers: what is not a message ---------------------------------
@@ -500,7 +501,6 @@ def admit(
             f"{attempt.phase.value}"
         )
     return handler(attempt, msg, ingress, fields)
-
 
 def admission_table(tables: Mapping[str, Table]) -> str:
     """A markdown table of which state admits which message type, and with what handler,

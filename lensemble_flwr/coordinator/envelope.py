@@ -144,10 +144,10 @@ def signed_for_its_name(attempt: Attempt, payload: WirePayload, ingress: Ingress
     the allow-list, or bound with a commitment), or by the key a first commitment
     registers; unsigned only where the name has no key and no signature is required.
 
-    This is the check a transport asks before it binds a name to the node a message came
-    from (:class:`~lensemble_flwr.strategies.grid_transport.GridTransport`): a node that
-    cannot sign for a name does not get it. Nothing is changed; a malformed payload is
-    not accepted."""
+    This is the check a transport that learns names from its peers' messages (Flower's)
+    asks before it binds a name to the node a message came from: a node that cannot
+    sign for a name does not get it. Nothing is changed; a malformed payload is not
+    accepted."""
     try:
         msg = from_wire(payload)
         if not isinstance(msg, PARTICIPANT_MESSAGES) or msg.run_id != ingress.run_id:

@@ -16,8 +16,12 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
   *unbound* update: the delta is its arrays minus the global params it was sent.
 * A node is ``node-<node_id>`` until its first reply names it (its ``partition-id``,
-  ``lensemble-id`` or key: :mod:`.node_names`); a payload whose sender is not the node
-  the SuperLink says it came from is dropped (the SuperLink authenticates nodes, not us).
+  ``lensemble-id`` or key: :mod:`.node_names`), and only a reply whose first message is
+  signed as that name requires names it (:mod:`.name_claims`). A reply whose claim is
+  not proven binds nothing: its payloads go to the coordinator as delivered from the
+  node's own address, and are rejected there as forged. Any other payload whose sender
+  is not the node the SuperLink says it came from makes the reply malformed (the
+  SuperLink authenticates nodes, not names).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
+from lensemble_flwr.strategies.name_claims import bind_claim, claim_proven
 from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.traffic import RoundTraffic
 from lensemble_flwr.transports.base import (
@@ -146,9 +151,7 @@ class GridTransport:
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
-        # whether a payload is signed as its sender's name requires: a node is bound to
-        # the name its reply claims only if so (None: every claim binds, first come)
-        self.proves_name: Callable[[WirePayload], bool] | None = None
+        self.proves_name: Callable[[WirePayload], bool] | None = None  # see .name_claims
         self._unproven: set[tuple[str, str]] = set()  # (node, name) claims logged
         self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
         self._peers: tuple[str, ...] = ()
@@ -460,48 +463,6 @@ class GridTransport:
             self._train_replies.append((info.round, info.attempt, reply))
         self._inbox.extend(self._decoded(reply, info))
 
-    def _proven(self, content: RecordDict, source: str, claimed: str) -> bool:
-        """Whether the reply of the node ``source`` that names it ``claimed`` proves the
-        name: its first payload (the commitment when it has one) is signed as the name
-        requires (:attr:`proves_name`; without one, every claim is taken). A claim that
-        does not is logged, once per node and name."""
-        if self.proves_name is None:
-            return True
-        payloads = records.decode_reply(content)
-        if payloads and self.proves_name(payloads[0]):
-            return True
-        if (source, claimed) not in self._unproven:
-            self._unproven.add((source, claimed))
-            log.warning(
-                "%s names itself %s and cannot sign for that name: not bound to it; its "
-                "messages in that name are rejected as forged",
-                source,
-                claimed,
-            )
-        return False
-
-    def _named(
-        self, info: SentInstruction, source: str, claimed: str
-    ) -> tuple[SentInstruction, str]:
-        """The node ``source`` proved it is participant ``claimed``: learn the name (the
-        instruction ``info`` and the reply's source are that name's from now on).
-
-        Raises:
-            ValueError: the name is not the node's to take (:meth:`NodeNames.learn`), or
-                the node answered this attempt under its old name already.
-        """
-        node = self.names.node_of(source)
-        address = self.names.learn(
-            node, claimed, connected=self.grid.get_node_ids(), allowed=self.allowed
-        )
-        if address is None:
-            return info, source
-        if self.on_rename is not None and not self.on_rename(address, claimed):
-            self.names.forget(node)
-            raise ValueError(f"{address} answered already; it cannot be {claimed}")
-        self._peers_at = -float("inf")
-        return dataclasses.replace(info, peer=claimed), claimed
-
     def _decoded(self, reply: Message, info: SentInstruction) -> list[WirePayload]:
         """What a reply to the instruction ``info`` stands for: the payloads of a train
         reply, or a node's refusal of its RoundOpen (an error reply, a malformed one);
@@ -534,16 +495,23 @@ class GridTransport:
             claimed = records.claimed_sender(content)
             unproven = False
             if claimed is not None and claimed != source and info.peer == source:
-                unproven = not self._proven(content, source, claimed)
-                if not unproven:
-                    info, source = self._named(info, source, claimed)
+                unproven = not claim_proven(
+                    content, source, claimed, self.proves_name, self._unproven
+                )
+                if not unproven and bind_claim(
+                    self.names,
+                    source,
+                    claimed,
+                    connected=self.grid.get_node_ids(),
+                    allowed=self.allowed,
+                    on_rename=self.on_rename,
+                ):  # the node named itself: it is that participant
+                    self._peers_at = -float("inf")
+                    info, source = dataclasses.replace(info, peer=claimed), claimed
             carried = self.layout.carried if self.layout else ()
+            as_sent = (dataclasses.replace(info, peer=claimed), claimed) if unproven else None
             payloads = train_reply_payloads(
-                content,
-                dataclasses.replace(info, peer=claimed) if unproven else info,
-                claimed if unproven and claimed is not None else source,
-                carried=carried,
-                weight_key=self.weight_key,
+                content, *(as_sent or (info, source)), carried=carried, weight_key=self.weight_key
             )  # (a claim not proven: every payload must name the claimed sender)
             if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
                 # the node's answer to this attempt, whatever the coordinator makes of it
