@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from federation_helpers import small_config
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import Strategy
 
@@ -122,7 +122,10 @@ def signed_federation(
 
 
 HONEST = {pid(OWN[n]) for n in (12, 13, 14)}
-INITIAL = arrays_to_record(initial_params())
+
+
+def initial() -> ArrayRecord:
+    return arrays_to_record(initial_params())
 
 
 def test_a_node_cannot_take_an_honest_participants_name(
@@ -131,13 +134,13 @@ def test_a_node_cannot_take_an_honest_participants_name(
     """Node 11 is allow-listed as org-x but names itself org-b (node 12's name) and
     answers first, signing with its own key. Its claim binds nothing: org-b stays node
     12's, node 12 contributes every round, no round waits out its deadline and none is
-    retried; node 11's messages are rejected as forged, and its answer ends its own wait
-    (on main, node 11 took the name, node 12 was refused, and the federation stopped
-    after three attempts that each waited out the collect deadline)."""
+    retried; node 11's messages are rejected as forged, and its answer ends its own wait.
+    (When the first claim bound a name, node 11 took org-b, node 12 was refused, and the
+    federation stopped after three attempts that each waited out the collect deadline.)"""
     names = {**OWN, CLAIMANT: OWN[HONEST_NODE]}
     strategy, grid, _ = signed_federation(tmp_path, monkeypatch, names)
     with caplog.at_level(logging.WARNING):
-        result = strategy.start(grid=grid, initial_arrays=INITIAL, num_rounds=3)
+        result = strategy.start(grid=grid, initial_arrays=initial(), num_rounds=3)
     assert [(o.round, o.attempt, o.state) for o in result.outcomes] == [
         (r, 1, RoundState.CLOSED) for r in (1, 2, 3)
     ]
@@ -160,7 +163,7 @@ def test_in_flowers_own_loop_the_claim_binds_nothing_either(
     the honest participants, node 12 among them."""
     names = {**OWN, CLAIMANT: OWN[HONEST_NODE]}
     strategy, grid, _ = signed_federation(tmp_path, monkeypatch, names, delayed=False)
-    Strategy.start(strategy, grid=grid, initial_arrays=INITIAL, num_rounds=3)
+    Strategy.start(strategy, grid=grid, initial_arrays=initial(), num_rounds=3)
     coordinator = strategy.coordinator
     assert coordinator is not None
     outcomes = list(coordinator.outcomes)
@@ -185,7 +188,7 @@ def test_the_claimant_still_takes_part_under_its_own_name(
         return claiming(message)
 
     grid.nodes[CLAIMANT] = mends_its_ways
-    result = strategy.start(grid=grid, initial_arrays=INITIAL, num_rounds=3)
+    result = strategy.start(grid=grid, initial_arrays=initial(), num_rounds=3)
     assert [(o.round, o.attempt, o.state) for o in result.outcomes] == [
         (r, 1, RoundState.CLOSED) for r in (1, 2, 3)
     ]
@@ -220,7 +223,7 @@ def test_the_claimants_failed_replies_are_its_own_never_the_names(
         return clientapp_node(0, contexts[CLAIMANT], config)(message)  # no identity key
 
     grid.nodes[CLAIMANT] = failing
-    result = strategy.start(grid=grid, initial_arrays=INITIAL, num_rounds=2)
+    result = strategy.start(grid=grid, initial_arrays=initial(), num_rounds=2)
     assert [(o.round, o.attempt, o.state) for o in result.outcomes] == [
         (1, 1, RoundState.CLOSED),
         (2, 1, RoundState.CLOSED),
@@ -250,7 +253,7 @@ def test_without_an_allow_list_the_first_signed_claim_binds_the_name(
     strategy, grid, _ = signed_federation(
         tmp_path, monkeypatch, names, listed=False, claimant_after=0.5 if claimant_first else 2.0
     )
-    result = strategy.start(grid=grid, initial_arrays=INITIAL, num_rounds=2)
+    result = strategy.start(grid=grid, initial_arrays=initial(), num_rounds=2)
     assert [(o.round, o.attempt, o.state) for o in result.outcomes] == [
         (1, 1, RoundState.CLOSED),
         (2, 1, RoundState.CLOSED),
