@@ -296,14 +296,18 @@ def record_rejection(
     in process anyone may write any sender into a payload).
 
     A signature failure answers for nobody (another node may have taken the name), with
-    one exception: an update the transport made of a stock ClientApp's reply, from a
-    participant with no key (``keyless``). Nothing such a node sends can ever be signed,
-    so waiting for it (under ``require-signatures``) could only wait out the deadline."""
+    two exceptions: an update the transport made of a stock ClientApp's reply, from a
+    participant with no key (``keyless``): nothing such a node sends can ever be signed,
+    so waiting for it (under ``require-signatures``) could only wait out the deadline;
+    and an update the transport delivered from a peer under another name than the
+    peer's own (a node that claimed a name it could not sign for: its answer is its
+    own, under the name it has, never the claimed one's)."""
     attempt.rejected += 1
     if not isinstance(payload, DeliveredFrom) or kind_of(payload) is not MessageKind.UPDATE:
         return
     stock = tuple(payload.get("transforms") or ()) == (STOCK_CLIENTAPP,)
-    if isinstance(error, ForgedMessage) and not (stock and keyless):
+    claimed = payload.get("participant_id") != payload.peer
+    if isinstance(error, ForgedMessage) and not (stock and keyless) and not claimed:
         return
     if (payload.round, payload.attempt) != (attempt.round, attempt.number):
         return

@@ -58,6 +58,7 @@ from lensemble_flwr.coordinator.create import (
     resume_core,
 )
 from lensemble_flwr.coordinator.driver import WRITES_PREPARED, Driver
+from lensemble_flwr.coordinator.envelope import signed_for_its_name
 from lensemble_flwr.coordinator.modes import AggregatorFactory, RoundMode, require_exchange
 from lensemble_flwr.coordinator.recovery import INTERRUPTED
 from lensemble_flwr.coordinator.sampling import poisson_draw
@@ -270,6 +271,14 @@ class Coordinator(Driver):
         changes) when ``address`` already answered this attempt under that name: one
         peer may not contribute under two names."""
         return self.core.rename(address, participant)
+
+    def proves_name(self, payload: WirePayload) -> bool:
+        """Whether ``payload`` is signed as its sender's name requires (the key registered
+        for it; see :func:`~.envelope.signed_for_its_name`): what a transport asks before
+        it takes a node to be the participant it names. False before the first attempt,
+        and for anything malformed; nothing changes."""
+        attempt = self.core.attempt
+        return attempt is not None and signed_for_its_name(attempt, payload, self.core.ingress)
 
     def receive(
         self, payload: WirePayload | None, *, prepared: Prepared | None = None

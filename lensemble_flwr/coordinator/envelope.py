@@ -20,7 +20,13 @@ from typing import Any
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
-from lensemble_flwr.errors import ForgedMessage, IllegalMessage, ReplayedMessage, RoundError
+from lensemble_flwr.errors import (
+    ForgedMessage,
+    IllegalMessage,
+    LensembleError,
+    ReplayedMessage,
+    RoundError,
+)
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.protocol.messages import (
     Commitment,
@@ -29,7 +35,9 @@ from lensemble_flwr.protocol.messages import (
     Refusal,
     UnmaskResponse,
     Update,
+    WirePayload,
     canonical_fields,
+    from_wire,
     message_digest,
 )
 from lensemble_flwr.transports.base import TRANSPORT_ERRORS
@@ -114,17 +122,44 @@ def check_envelope(
     if filed_by_transport:
         if not _transport_may_file(attempt, msg, ingress, vouched, current):
             return Route.DROPPED, fields
-    else:
-        seed = (
-            attempt.state.sketch_seed
-            if msg.round == attempt.round
-            else derive_seed(ingress.config.federation.root_seed, "round", msg.round)
-        )
-        ingress.registry.check_signature(msg, seed, fields)  # late ones too: nothing unsigned
+    else:  # late ones too: nothing unsigned
+        ingress.registry.check_signature(msg, signing_seed(attempt, ingress, msg.round), fields)
     if not current:
         _check_replay(msg, ingress, fields)
         return Route.LATE, fields
     return Route.CURRENT, fields
+
+
+def signing_seed(attempt: Attempt, ingress: Ingress, round: int) -> int:
+    """The round seed a participant's message of ``round`` is signed under: the current
+    attempt's, or (another round's message) the one derived for that round."""
+    if round == attempt.round:
+        return attempt.state.sketch_seed
+    return derive_seed(ingress.config.federation.root_seed, "round", round)
+
+
+def signed_for_its_name(attempt: Attempt, payload: WirePayload, ingress: Ingress) -> bool:
+    """Whether ``payload`` is a participant's message of this run that its sender's name
+    accepts as that participant's own: signed by the key registered for the name (in
+    the allow-list, or bound with a commitment), or by the key a first commitment
+    registers; unsigned only where the name has no key and no signature is required.
+
+    This is the check a transport that learns names from its peers' messages (Flower's)
+    asks before it binds a name to the node a message came from: a node that cannot
+    sign for a name does not get it. Nothing is changed; a malformed payload is not
+    accepted."""
+    try:
+        msg = from_wire(payload)
+        if not isinstance(msg, PARTICIPANT_MESSAGES) or msg.run_id != ingress.run_id:
+            return False
+        ingress.registry.check_signature(msg, signing_seed(attempt, ingress, msg.round))
+    except _UNPROVEN:
+        return False
+    return True
+
+
+_UNPROVEN = (LensembleError, ValueError, TypeError, LookupError, AttributeError, ArithmeticError)
+"""What checking a payload that is not well formed may raise: it proves nothing."""
 
 
 def _transport_may_file(

@@ -16,8 +16,12 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
   *unbound* update: the delta is its arrays minus the global params it was sent.
 * A node is ``node-<node_id>`` until its first reply names it (its ``partition-id``,
-  ``lensemble-id`` or key: :mod:`.node_names`); a payload whose sender is not the node
-  the SuperLink says it came from is dropped (the SuperLink authenticates nodes, not us).
+  ``lensemble-id`` or key: :mod:`.node_names`), and only a reply whose first message is
+  signed as that name requires names it (:mod:`.name_claims`). A reply whose claim is
+  not proven binds nothing: its payloads go to the coordinator as delivered from the
+  node's own address, and are rejected there as forged. Any other payload whose sender
+  is not the node the SuperLink says it came from makes the reply malformed (the
+  SuperLink authenticates nodes, not names).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.strategies import records
 from lensemble_flwr.strategies.layout import ArrayLayout
+from lensemble_flwr.strategies.name_claims import bind_claim, claim_proven
 from lensemble_flwr.strategies.node_names import NodeNames
 from lensemble_flwr.strategies.traffic import RoundTraffic
 from lensemble_flwr.transports.base import (
@@ -146,6 +151,8 @@ class GridTransport:
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
+        self.proves_name: Callable[[WirePayload], bool] | None = None  # see .name_claims
+        self._unproven: set[tuple[str, str]] = set()  # (node, name) claims logged
         self.weight_key = "num-examples"  # a stock reply's example count (weighted_by_key)
         self._peers: tuple[str, ...] = ()
         self._peers_at = -float("inf")
@@ -486,21 +493,26 @@ class GridTransport:
     ) -> list[WirePayload]:
         try:
             claimed = records.claimed_sender(content)
+            unproven = False
             if claimed is not None and claimed != source and info.peer == source:
-                node = self.names.node_of(source)
-                address = self.names.learn(
-                    node, claimed, connected=self.grid.get_node_ids(), allowed=self.allowed
+                unproven = not claim_proven(
+                    content, source, claimed, self.proves_name, self._unproven
                 )
-                if address is not None:  # the node named itself: it is that participant
-                    if self.on_rename is not None and not self.on_rename(address, claimed):
-                        self.names.forget(node)
-                        raise ValueError(f"{address} answered already; it cannot be {claimed}")
+                if not unproven and bind_claim(
+                    self.names,
+                    source,
+                    claimed,
+                    connected=self.grid.get_node_ids(),
+                    allowed=self.allowed,
+                    on_rename=self.on_rename,
+                ):  # the node named itself: it is that participant
                     self._peers_at = -float("inf")
                     info, source = dataclasses.replace(info, peer=claimed), claimed
             carried = self.layout.carried if self.layout else ()
+            as_sent = (dataclasses.replace(info, peer=claimed), claimed) if unproven else None
             payloads = train_reply_payloads(
-                content, info, source, carried=carried, weight_key=self.weight_key
-            )
+                content, *(as_sent or (info, source)), carried=carried, weight_key=self.weight_key
+            )  # (a claim not proven: every payload must name the claimed sender)
             if info.kind is MessageKind.ROUND_OPEN and source == info.peer:
                 # the node's answer to this attempt, whatever the coordinator makes of it
                 node = self._node_of(source)

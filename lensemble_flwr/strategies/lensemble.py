@@ -395,6 +395,7 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             resume=self._resume,
         )
         transport.on_rename = coordinator.rename
+        transport.proves_name = coordinator.proves_name  # a name binds only if signed for
         transport.allowed = set(self._identities) if self._identities is not None else None
         transport.weight_key = self._weighted_by_key
         return coordinator

@@ -11,8 +11,9 @@ with the same config and data are the same run).
 
 A name is the node's own claim; the SuperLink authenticates the node, not the name. A
 name already held by another node is refused (first come, first named), and a node
-cannot change its name; with identity keys (``require-signatures``) the name is also
-bound to a key.
+cannot change its name. Where a name has a key (an allow-list, a key bound by a
+commitment, or ``require-signatures``), the transport asks for a reply signed by it
+before it teaches this class the name (:mod:`.name_claims`).
 """
 
 from __future__ import annotations
