@@ -42,6 +42,7 @@ from lensemble_flwr.coordinator.envelope import (
     check_envelope,
 )
 from lensemble_flwr.coordinator.exits import LEAVE_COLLECTING, LEAVE_OPEN, ExitRule
+from lensemble_flwr.coordinator.spent import check_spent
 from lensemble_flwr.errors import (
     DuplicateMessage,
     ForgedMessage,
@@ -193,8 +194,8 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
 
     Raises:
         DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError (also: the
-        sender was not invited to the attempt), UnprivatizedContribution, SketchMismatch:
-        see the checks.
+        sender was not invited to the attempt), UnprivatizedContribution,
+        PrivacyBudgetRolledBack, SketchMismatch: see the checks.
     """
     pid = msg.participant_id
     if pid in attempt.admitted:
@@ -203,6 +204,7 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
         raise RoundError(f"{pid}: not invited to round {msg.round} attempt {msg.attempt}")
     ingress.registry.check_binding(msg)
     check_privacy(ingress.config, msg)
+    check_spent(ingress.spent_before(pid), msg)  # a budget that lost what it spent
     if attempt.sketch_fingerprint is not None:
         check_sketch(msg, attempt.sketch_fingerprint)
     if attempt.aggregator is None:

@@ -56,12 +56,16 @@ class Ingress:
         admitted_digests: ``(round, attempt)`` → the update digests the manifest records
             as admitted in that attempt (None for an attempt it does not hold): how a
             late exact copy of an admitted update is recognised as a replay.
+        spent_before: participant → its cumulative epsilon in the run's newest ledger
+            record that has one (None: none), which its next update must exceed
+            (:mod:`.spent`).
     """
 
     config: LensembleConfig
     run_id: str
     registry: ParticipantRegistry
     admitted_digests: Callable[[int, int], Mapping[str, str] | None]
+    spent_before: Callable[[str], float | None] = lambda _participant: None
 
 
 class Route(str, enum.Enum):
