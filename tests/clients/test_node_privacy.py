@@ -60,9 +60,10 @@ def test_a_second_run_on_the_same_node_continues_its_budget(tmp_path: Path) -> N
     assert release(first) == pytest.approx(4.729, abs=0.01)
     second = build(context(budgets, 2, run_config(), **{"dp-epsilon-cap": 6.0}))
     assert isinstance(second, Participant)
-    with pytest.raises(PrivacyBudgetExceeded, match="7.077 > budget 6"):
+    with pytest.raises(PrivacyBudgetExceeded, match=r"7\.077 > budget 6"):
         release(second)  # a fresh budget would have allowed it
-    raised = build(context(budgets, 3, run_config(**{"dp-epsilon": 100.0}), **{"dp-epsilon-cap": 6.0}))
+    asks_more = run_config(**{"dp-epsilon": 100.0})
+    raised = build(context(budgets, 3, asks_more, **{"dp-epsilon-cap": 6.0}))
     assert isinstance(raised, Error)
     assert "epsilon 100" in raised.reason and "cap 6 (node config dp-epsilon-cap)" in raised.reason
     assert [p.name for p in budgets.glob("*.json")] == ["participant-lensemble-id-hospital-a.json"]
@@ -158,7 +159,7 @@ def test_a_budget_file_rolled_back_between_releases_is_refused_locally(tmp_path:
     kept = path.read_bytes()  # one release recorded
     release(participant)
     path.write_bytes(kept)  # rolled back by one release
-    with pytest.raises(PrivacyBudgetRolledBack, match="records 1 releases .* charged 2"):
+    with pytest.raises(PrivacyBudgetRolledBack, match=r"records 1 releases .* charged 2"):
         release(participant)
     assert path.read_bytes() == kept
     path.unlink()  # deleted

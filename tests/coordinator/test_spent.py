@@ -23,7 +23,8 @@ from lensemble_flwr.provenance.ledger import Ledger
 def update(epsilon: float | None) -> Update:
     return Update(
         run_id="r", round=2, sender="p01", participant_id="p01", dataset_root=None,
-        delta={"w": np.zeros(2, np.float32)}, l2_norm=0.0, num_examples=1, transforms=("difference",), epsilon=epsilon,
+        delta={"w": np.zeros(2, np.float32)}, l2_norm=0.0, num_examples=1,
+        transforms=("difference",), epsilon=epsilon,
     )  # fmt: skip
 
 
