@@ -45,6 +45,12 @@ PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
 """The message types a participant may send at all."""
 
 
+def no_figures(participant_id: str) -> float | None:
+    """No ledger figure for anyone: what an :class:`Ingress` built without one checks
+    updates against (nothing recorded yet)."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Ingress:
     """What admission checks a message against, besides the attempt itself.
@@ -65,7 +71,7 @@ class Ingress:
     run_id: str
     registry: ParticipantRegistry
     admitted_digests: Callable[[int, int], Mapping[str, str] | None]
-    spent_before: Callable[[str], float | None] = lambda _participant: None
+    spent_before: Callable[[str], float | None] = dataclasses.field(default=no_figures)
 
 
 class Route(str, enum.Enum):
