@@ -128,9 +128,12 @@ def train_round(config: LensembleConfig) -> list[Message]:
     }
     contexts = {
         n: Context(
-            run_id=1, node_id=n, node_config={"partition-id": i, **budget}, state=RecordDict(),
+            run_id=1,
+            node_id=n,
+            node_config={"partition-id": i, **budget},
+            state=RecordDict(),
             run_config={},
-        )  # fmt: skip
+        )
         for i, n in enumerate(NODES)
     }
     grid = FakeGrid(clock, {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)})

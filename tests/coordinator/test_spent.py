@@ -11,13 +11,21 @@ import pytest
 from federation_helpers import dp_config, federation
 
 from lensemble_flwr.artifacts.store import Store
+from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.spent import SpentBudgets, check_spent
-from lensemble_flwr.errors import PrivacyBudgetExceeded, PrivacyBudgetRolledBack, response_to
+from lensemble_flwr.errors import (
+    ForgedMessage,
+    PrivacyBudgetExceeded,
+    PrivacyBudgetRolledBack,
+    response_to,
+)
+from lensemble_flwr.identity.signing import IdentityKey, verify_signature
 from lensemble_flwr.participant.local_training import PortableState
 from lensemble_flwr.participant.release_chain import release_pipeline
-from lensemble_flwr.protocol.messages import Update
+from lensemble_flwr.protocol.messages import MessageKind, Update
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger
+from tests.coordinator.test_admission import coordinator_in
 
 
 def update(epsilon: float | None) -> Update:
@@ -75,3 +83,40 @@ def test_what_was_spent_is_read_from_the_ledger(tmp_path: Path) -> None:
     assert spent.before("nobody") is None
     live = coordinator.core.spent  # kept up to date by the commits, without re-reading
     assert {p: live.before(p) for p in records[-1].contributors} == records[-1].epsilon
+
+
+def test_the_claimed_epsilon_is_covered_by_the_signature() -> None:
+    """A relay cannot raise (or lower) what a signing participant says it spent: the
+    cumulative epsilon is one of the fields the participant signs."""
+    key = IdentityKey.generate()
+    signed = key.sign(update(2.3), 5)
+    verify_signature(signed, key.public_openssh, 5)
+    forged = signed.model_copy(update={"epsilon": 9.9})
+    with pytest.raises(ForgedMessage, match="not signed by its registered identity key"):
+        verify_signature(forged, key.public_openssh, 5)
+
+
+@pytest.mark.parametrize(
+    ("error", "stops"),
+    [("PrivacyBudgetExceeded", False), ("PrivacyBudgetUnreadable", True),
+     ("PrivacyBudgetRolledBack", True)],
+)  # fmt: skip
+def test_under_sampling_only_a_spent_budget_is_expected(
+    tmp_path: Path, error: str, stops: bool
+) -> None:
+    """A sampled participant asked past its plan refuses and the others go on; one whose
+    budget file it cannot trust (unreadable, rolled back) stops the federation, as it does
+    without sampling."""
+    coordinator = coordinator_in(tmp_path, RoundState.COLLECTING, sample_fraction=0.5)
+    assert coordinator.attempt is not None
+    coordinator.attempt.invited.add("p00")
+    refusal = {
+        "kind": MessageKind.REFUSAL.value, "run_id": "run", "round": 1, "attempt": 1,
+        "sender": "p00", "participant_id": "p00", "error": error, "reason": "budget",
+    }  # fmt: skip
+    if stops:
+        with pytest.raises(PrivacyBudgetExceeded):
+            coordinator.receive(refusal)
+    else:
+        assert coordinator.receive(refusal) is Verdict.REFUSED
+    assert "p00" in coordinator.attempt.refused
