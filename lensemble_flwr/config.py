@@ -281,10 +281,22 @@ class PrivacyConfig(_Section):
     noise_multiplier: float = Field(
         0.0, ge=0, allow_inf_nan=False, description="Noise std in units of C (0: no noise)."
     )
-    dp_epsilon: float = Field(0.0, ge=0, description="Each participant's epsilon budget.")
-    dp_delta: float = Field(1e-5, gt=0, lt=1, description="The budget's delta.")
+    dp_epsilon: float = Field(
+        0.0,
+        ge=0,
+        description="Each participant's epsilon budget (on a Flower node: a request, at "
+        "most the node's dp-epsilon-cap).",
+    )
+    dp_delta: float = Field(
+        1e-5,
+        gt=0,
+        lt=1,
+        description="The budget's delta (on a Flower node: must be the node's dp-delta).",
+    )
     dp_accountant: Literal["rdp", "prv"] = Field(
-        "rdp", description="Opacus accountant (prv: with dp-mode local only)."
+        "rdp",
+        description="Opacus accountant (prv: with dp-mode local only; on a Flower node: "
+        "must be the node's dp-accountant).",
     )
     dp_adjacency: Adjacency = Field(
         "substitution",
@@ -320,7 +332,8 @@ class PrivacyConfig(_Section):
     dp_state_dir: str = Field(
         "",
         description="Participant-side directory of budgets and commitment secrets "
-        "('' : the default).",
+        "('' : the default; on a Flower node the node's dp-budget-dir, which a run cannot "
+        "change: anything else is refused).",
     )
     dp_release_metrics: bool = Field(
         False,

@@ -118,6 +118,13 @@ class PrivacyBudgetUnreadable(PrivacyBudgetExceeded):
     spent is unknown, so nothing is released until the file is restored."""
 
 
+class PrivacyBudgetRolledBack(PrivacyBudgetUnreadable):
+    """A participant's budget holds less than it is known to have spent: its file was
+    deleted, replaced or rolled back since (seen by the participant, against the charge it
+    last recorded, or by the coordinator, against the cumulative epsilon the participant
+    last released into the run). Nothing more is released against it."""
+
+
 class DPBoundViolation(LensembleError):
     """An update about to be noised is larger than the clip norm (INV-DP-BOUND)."""
 

@@ -25,6 +25,7 @@ from lensemble_flwr.clients.live import (
     process_participants,
     size_of,
 )
+from lensemble_flwr.clients.node_privacy import node_privacy
 from lensemble_flwr.clients.state import load_state, save_state, saved_token
 from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig, metrics_released
@@ -34,6 +35,7 @@ from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
+from lensemble_flwr.privacy.ownership import BudgetOwner, owned_config
 from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.release.pipeline import ReleaseTransform
 from lensemble_flwr.strategies import records
@@ -128,17 +130,19 @@ def handle_train(
     gauge: GaugeSetup | None = None,
     identity: IdentityKey | None = None,
     pipeline: ReleaseTransform | None = None,
+    owner: BudgetOwner | None = None,
 ) -> Message:
     """Run one train instruction through a Participant rebuilt from ``context.state``.
 
     ``pipeline`` is the participant's release pipeline (None: the one the config asks
     for); its stages' state is restored from and saved to ``context.state`` with the rest
-    of the participant's state."""
+    of the participant's state. ``owner``: the node's budget settings (None: its node
+    config's, :func:`~lensemble_flwr.clients.node_privacy.node_privacy`)."""
     payloads = instruction_payloads(message)
     if not payloads:
         return refusal(message, NOT_AN_INSTRUCTION)
     built = build_participant(
-        context, trainer, config, gauge=gauge, identity=identity, pipeline=pipeline
+        context, trainer, config, gauge=gauge, identity=identity, pipeline=pipeline, owner=owner
     )
     if isinstance(built, Error):
         return Message(built, reply_to=message)
@@ -173,21 +177,28 @@ def build_participant(
     gauge: GaugeSetup | None = None,
     identity: IdentityKey | None = None,
     pipeline: ReleaseTransform | None = None,
+    owner: BudgetOwner | None = None,
 ) -> Participant | Error:
     """This node's Participant with the state kept in ``context.state``, or the Error
-    saying why it cannot be built."""
+    saying why it cannot be built.
+
+    ``config`` is what the run asks for; the privacy budget is the node's (``owner``,
+    default: its node config): a run that asks for more epsilon than the node's cap,
+    another delta or accountant, or another budget directory gets an Error naming both,
+    and nothing is trained or released (:func:`~lensemble_flwr.privacy.ownership.owned_config`)."""
     try:
+        owned = owned_config(config, node_privacy(context) if owner is None else owner)
         participant = Participant(
-            config,
+            owned,
             participant_id=participant_name(context, identity),
             transport=ReplyCollector(),
             trainer=trainer,
             gauge=gauge,
             identity=identity,
             pipeline=pipeline,
-            stable_id=stable_identity(context, config, identity),
+            stable_id=stable_identity(context, owned, identity),
         )
-    except ConfigError as exc:  # no stable identity under DP, an unusable state dir
+    except ConfigError as exc:  # beyond the node's budget, no stable identity under DP, ...
         return Error(code=REFUSED, reason=str(exc))
     participant.import_state(load_state(context.state))
     return participant
@@ -280,6 +291,7 @@ def make_client_app(
     pipeline_fn: Callable[[Context], ReleaseTransform | None] | None = None,
     keep_live_bytes: int = DEFAULT_KEEP_BYTES,
     mods: list[Mod] | None = None,
+    node_privacy_fn: Callable[[Context], BudgetOwner] = node_privacy,
 ) -> ClientApp:
     """A ClientApp whose participants are built by ``trainer_fn(context)``.
 
@@ -314,6 +326,9 @@ def make_client_app(
         mods: Flower mods around every handler, as ``ClientApp(mods=...)`` takes them
             (e.g. ``[fixedclipping_mod]`` for Flower's client-side DP wrapper). Give them
             here: Flower fixes a handler's mods when the handler is registered.
+        node_privacy_fn: this node's privacy budget settings, which a run's config may
+            only ask within (default: the SuperNode's node config ``dp-epsilon-cap``,
+            ``dp-delta``, ``dp-accountant``, ``dp-budget-dir``; see docs/privacy.md).
     """
     app = ClientApp(mods=list(mods or []))
     process_participants(keep_live_bytes)  # a negative size fails here, not per message
@@ -330,6 +345,10 @@ def make_client_app(
         if participant is not None and not current:
             participant = refreshed(participant, context)
         if participant is None:
+            try:
+                owner = node_privacy_fn(context)
+            except ConfigError as exc:  # the node's own settings are bad: nothing trains
+                return refusal(message, str(exc))
             built = build_participant(
                 context,
                 trainer_fn(context),
@@ -337,6 +356,7 @@ def make_client_app(
                 gauge=gauge_fn(context) if gauge_fn is not None else None,
                 identity=identity_fn(context),
                 pipeline=pipeline_fn(context) if pipeline_fn is not None else None,
+                owner=owner,
             )
             if isinstance(built, Error):
                 return Message(built, reply_to=message)

@@ -42,11 +42,13 @@ from lensemble_flwr.coordinator.envelope import (
     check_envelope,
 )
 from lensemble_flwr.coordinator.exits import LEAVE_COLLECTING, LEAVE_OPEN, ExitRule
+from lensemble_flwr.coordinator.spent import check_spent
 from lensemble_flwr.errors import (
     DuplicateMessage,
     ForgedMessage,
     IllegalMessage,
     PrivacyBudgetExceeded,
+    PrivacyBudgetUnreadable,
     Response,
     RoundError,
     SecureAggregationError,
@@ -133,14 +135,18 @@ def record_refusal(
 
     Under sampling a spent budget stops nothing: the noise was planned for the releases
     a participant is *likely* asked for (``privacy.calibration.releases_of``), so one
-    asked more often than that is expected to refuse the rest, and the others go on."""
+    asked more often than that is expected to refuse the rest, and the others go on. A
+    budget that cannot be read or was rolled back is not expected, and stops it."""
     pid = msg.participant_id
     attempt.refused[pid] = f"{msg.error}: {msg.reason}"
     # an error reply: the transport that filed it logged it, with the node and its text
     level = logging.DEBUG if msg.error == CLIENT_APP_ERROR else logging.WARNING
     log.log(level, "round %d: %s releases nothing: %s", attempt.round, pid, attempt.refused[pid])
     error = reported(msg.error, f"{pid}: {msg.reason}")
-    if isinstance(error, PrivacyBudgetExceeded) and ingress.config.federation.sampled:
+    spent = isinstance(error, PrivacyBudgetExceeded) and not isinstance(
+        error, PrivacyBudgetUnreadable
+    )  # spent, not unreadable or rolled back
+    if spent and ingress.config.federation.sampled:
         log.warning(
             "round %d: %s has spent its privacy budget: it is sampled past the planned "
             "releases (dp-overrun) and refuses from now on; the federation goes on",
@@ -193,8 +199,8 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
 
     Raises:
         DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError (also: the
-        sender was not invited to the attempt), UnprivatizedContribution, SketchMismatch:
-        see the checks.
+        sender was not invited to the attempt), UnprivatizedContribution,
+        PrivacyBudgetRolledBack, SketchMismatch: see the checks.
     """
     pid = msg.participant_id
     if pid in attempt.admitted:
@@ -203,6 +209,7 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
         raise RoundError(f"{pid}: not invited to round {msg.round} attempt {msg.attempt}")
     ingress.registry.check_binding(msg)
     check_privacy(ingress.config, msg)
+    check_spent(ingress.spent_before(pid), msg)  # a budget that lost what it spent
     if attempt.sketch_fingerprint is not None:
         check_sketch(msg, attempt.sketch_fingerprint)
     if attempt.aggregator is None:

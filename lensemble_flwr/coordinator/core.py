@@ -49,6 +49,7 @@ from lensemble_flwr.coordinator.modes import PlaintextMode, RoundMode, UnmaskRou
 from lensemble_flwr.coordinator.outcomes import RecentOutcomes
 from lensemble_flwr.coordinator.reach import ReachMemo
 from lensemble_flwr.coordinator.sampling import draw_sample, oversampled
+from lensemble_flwr.coordinator.spent import SpentBudgets
 from lensemble_flwr.errors import (
     ConfigError,
     FaultToleranceExceeded,
@@ -128,11 +129,13 @@ class RoundCore:
         self._commit, self.run = commit, run
         self.outcomes, self.observers = outcomes, observers
         self.attempt: Attempt | None = None
+        self.spent = SpentBudgets(commit.ledger.records)  # read on first DP update
         self.ingress = Ingress(
             config=self.config,
             run_id=inputs.run_id,
             registry=registry,
             admitted_digests=self.admitted_digests,
+            spent_before=self.spent.before,
         )
         self.grace = 0.0  # extra seconds on the next attempt's deadlines
         self._reach = ReachMemo()  # what invite and advance derived from the peers
@@ -401,8 +404,10 @@ class RoundCore:
             )  # fmt: skip
         except LensembleError as exc:
             if attempt.phase in TERMINAL_STATES:
+                self.spent.forget()  # committed: read the ledger again when next needed
                 raise  # an observer of the commit raised it: the round stays committed
             return exc
+        self.spent.committed(committed.record)
         close = RoundClose(
             run_id=self.inputs.run_id,
             round=attempt.round,

@@ -53,6 +53,12 @@ PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
 """The message types a participant may send at all."""
 
 
+def no_figures(participant_id: str) -> float | None:
+    """No ledger figure for anyone: what an :class:`Ingress` built without one checks
+    updates against (nothing recorded yet)."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Ingress:
     """What admission checks a message against, besides the attempt itself.
@@ -64,12 +70,16 @@ class Ingress:
         admitted_digests: ``(round, attempt)`` → the update digests the manifest records
             as admitted in that attempt (None for an attempt it does not hold): how a
             late exact copy of an admitted update is recognised as a replay.
+        spent_before: participant → its cumulative epsilon in the run's newest ledger
+            record that has one (None: none), which its next update must exceed
+            (:mod:`.spent`).
     """
 
     config: LensembleConfig
     run_id: str
     registry: ParticipantRegistry
     admitted_digests: Callable[[int, int], Mapping[str, str] | None]
+    spent_before: Callable[[str], float | None] = dataclasses.field(default=no_figures)
 
 
 class Route(str, enum.Enum):

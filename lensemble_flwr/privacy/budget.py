@@ -41,7 +41,12 @@ from typing import TYPE_CHECKING, Literal
 
 from lensemble_flwr.atomic_write import write_atomically
 from lensemble_flwr.config import Adjacency
-from lensemble_flwr.errors import ConfigError, PrivacyBudgetExceeded, PrivacyBudgetUnreadable
+from lensemble_flwr.errors import (
+    ConfigError,
+    PrivacyBudgetExceeded,
+    PrivacyBudgetRolledBack,
+    PrivacyBudgetUnreadable,
+)
 
 if TYPE_CHECKING:
     from opacus.accountants import PRVAccountant, RDPAccountant
@@ -196,11 +201,24 @@ class PrivacyBudget:
             return 0.0
         return float(self._accountant(history).get_epsilon(delta=self.delta))
 
-    def charge(self, noise_multiplier: float, *, sensitivity_factor: float | None = None) -> float:
+    def releases(self) -> int:
+        """How many releases the budget has recorded."""
+        return sum(steps for _, _, steps in self.history)
+
+    def charge(
+        self,
+        noise_multiplier: float,
+        *,
+        sensitivity_factor: float | None = None,
+        at_least: tuple[int, float] | None = None,
+    ) -> float:
         """Record one release with noise multiplier ``noise_multiplier`` (std / clip norm),
         whose sensitivity is ``sensitivity_factor`` clip norms (default: the budget's
         adjacency's, 2 for substitution and 1 for zero-out; 1 also for a multiplier already
         relative to the sensitivity, as the distributed mechanism's equivalent one is).
+
+        ``at_least``: (releases, epsilon) the caller knows were already recorded here (its
+        last charge); a file that holds fewer was deleted, replaced or rolled back since.
 
         Returns:
             The epsilon spent after this release.
@@ -208,11 +226,15 @@ class PrivacyBudget:
         Raises:
             PrivacyBudgetExceeded: this release would take the spent epsilon past the
                 budget; nothing is recorded and nothing may be released.
+            PrivacyBudgetRolledBack: the file holds less than ``at_least``; nothing is
+                recorded and nothing may be released.
         """
         factor = self.sensitivity_factor if sensitivity_factor is None else sensitivity_factor
         step = (noise_multiplier / factor, 1.0)
         with self._locked():  # another process (or budget object) may have charged since
             self.history = self._load()
+            if at_least is not None:
+                self._check_holds(*at_least)
             history = _merged(self.history, step)
             after = self._epsilon(history)
             if after > self.epsilon_budget:
@@ -223,6 +245,20 @@ class PrivacyBudget:
             self._save(history)
             self.history = history
         return after
+
+    def _check_holds(self, releases: int, epsilon: float) -> None:
+        """Refuse a file that records fewer releases, or less epsilon, than were charged.
+
+        Raises:
+            PrivacyBudgetRolledBack: it does.
+        """
+        held, spent = self.releases(), self.spent()
+        if held < releases or spent < epsilon * (1 - 1e-9) - 1e-12:
+            raise PrivacyBudgetRolledBack(
+                f"{self.path} records {held} releases (epsilon {spent:.4g}), but this "
+                f"participant charged {releases} (epsilon {epsilon:.4g}): the budget file "
+                "was deleted, replaced or rolled back; nothing is released until it is restored"
+            )
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -66,6 +66,13 @@ def _transform(
     )
 
 
+def _held(state: PrivacyState | None) -> tuple[int, float] | None:
+    """(releases, epsilon) the stage last charged, which its budget file must still hold."""
+    if state is None:
+        return None
+    return sum(steps for _, _, steps in state.history), state.epsilon
+
+
 def _charged(budget: PrivacyBudget, epsilon: float) -> PrivacyState:
     """The stage's new state: the budget's history after the charge it just wrote."""
     history = tuple((float(s), float(q), int(n)) for s, q, n in budget.history)
@@ -87,7 +94,8 @@ def gaussian_noise(
         release: Release, state: PrivacyState, ctx: ReleaseContext
     ) -> tuple[Release, PrivacyState]:
         delta = _clipped(release, "gaussian_noise")
-        epsilon = budget.charge(noise_multiplier)  # raises before anything is released
+        # raises before anything is released (also if the file lost what ``state`` charged)
+        epsilon = budget.charge(noise_multiplier, at_least=_held(state))
         noisy = {
             n: (a.astype(np.float64) + secure_normal(a.shape, std)).astype(a.dtype)
             for n, a in delta.items()
@@ -134,7 +142,9 @@ def distributed_noise(
         share = distributed_noise_for(
             noise_multiplier, clip_norm, fraction_bits, threshold, dim, budget.adjacency
         )
-        epsilon = budget.charge(share.equivalent_noise_multiplier, sensitivity_factor=1.0)
+        epsilon = budget.charge(
+            share.equivalent_noise_multiplier, sensitivity_factor=1.0, at_least=_held(state)
+        )
         meta = {
             **release.metadata,
             "epsilon": epsilon,

@@ -122,9 +122,17 @@ def train_round(config: LensembleConfig) -> list[Message]:
     """One round of the strategy's train instruction to four ClientApp nodes; their
     replies."""
     clock = FakeClock()
+    budget = {  # the nodes' own settings: a cap that covers the run's, their directory
+        "dp-epsilon-cap": config.privacy.dp_epsilon,
+        "dp-budget-dir": config.privacy.dp_state_dir,
+    }
     contexts = {
         n: Context(
-            run_id=1, node_id=n, node_config={"partition-id": i}, state=RecordDict(), run_config={}
+            run_id=1,
+            node_id=n,
+            node_config={"partition-id": i, **budget},
+            state=RecordDict(),
+            run_config={},
         )
         for i, n in enumerate(NODES)
     }

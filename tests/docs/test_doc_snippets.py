@@ -511,3 +511,52 @@ def test_every_private_run_config_in_the_docs_can_release(
         accountant=privacy.dp_accountant,
     )  # fmt: skip
     assert 0 < budget.charge(noise) <= privacy.dp_epsilon
+    # and a node that sets nothing itself (its default cap, delta, accountant) runs it
+    from lensemble_flwr.privacy.ownership import BudgetOwner, owned_config
+
+    owned_config(config, BudgetOwner(budget_dir=str(tmp_path)))
+
+
+def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
+    """privacy.md's SuperNode node config, parsed as flower-supernode parses it: every
+    private run config of the page fits it, a node with it releases, and the run that asks
+    for more is refused with the message the page quotes."""
+    from flwr.common.config import parse_config_args
+
+    from lensemble_flwr.clients.app import build_participant
+    from lensemble_flwr.clients.node_privacy import owner_from_node_config
+    from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.participant.participant import Participant
+    from lensemble_flwr.privacy.ownership import OWNER_KEYS, owned_config
+    from lensemble_flwr.protocol.state import GlobalState
+    from lensemble_flwr.simulations.toy import ToyTrainer, initial_params
+
+    page = (REPO / "docs" / "privacy.md").read_text()
+    (line,) = re.findall(r'--node-config "(.*?)"', page)
+    node_config = parse_config_args([line]) | {"dp-budget-dir": str(tmp_path / "node")}
+    assert set(OWNER_KEYS.values()) <= set(node_config)  # the page shows every key
+    owner = owner_from_node_config(node_config)
+    runs = [c for w, c in private_run_configs() if w.startswith("privacy.md")]
+    assert runs
+    for run_config in runs:
+        owned_config(LensembleConfig.from_run_config(run_config), owner)
+
+    def built(run_config: dict[str, Any]) -> Any:
+        context = Context(
+            run_id=1, node_id=5, node_config=node_config, state=RecordDict(),
+            run_config=run_config,
+        )  # fmt: skip
+        config = LensembleConfig.from_run_config(run_config)
+        return build_participant(context, ToyTrainer(0), config)
+
+    participant = built(runs[0])
+    assert isinstance(participant, Participant)
+    state = GlobalState.create(0, initial_params(), sketch_seed=1, h_steps=2)
+    assert participant.local_round(state, round_seed=1).epsilon is not None
+    assert [p.name for p in (tmp_path / "node").glob("*.json")] == [
+        "participant-lensemble-id-hospital-a.json"
+    ]
+    refused = built(runs[0] | {"lensemble.dp-epsilon": 100.0})
+    quoted = re.search(r"e\.g\. `(lensemble\.dp-epsilon: the run asks .*?)`", page, re.S)
+    assert quoted is not None
+    assert refused.reason == " ".join(quoted.group(1).split())

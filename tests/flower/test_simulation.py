@@ -32,6 +32,7 @@ from lensemble_flwr.clients import make_client_app, wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.privacy.budget import PrivacyBudget
+from lensemble_flwr.privacy.ownership import BudgetOwner
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import RunManifest
 from lensemble_flwr.provenance.verify import verify
@@ -341,15 +342,19 @@ def test_private_int8_releases_over_flower(tmp_path: Path) -> None:
             "clip_norm": 1.0,
             "noise_multiplier": 0.5,
             "dp_epsilon": 1000.0,
-            "dp_state_dir": str(tmp_path / "budgets"),
         },
         release={"quantize": "int8"},
     )
+    # the simulation engine gives a node no node config of its own: the nodes' budget
+    # settings (a cap that covers the run's request, their directory) come from the app
+    owner = BudgetOwner(epsilon_cap=1000.0, budget_dir=str(tmp_path / "budgets"))
     box: dict = {}
     simulate(
         lensemble_server(config, tmp_path / "run", 2, box, toy_params()),
         make_client_app(
-            lambda c: ToyTrainer(int(c.node_config["partition-id"])), config_fn=lambda _: config
+            lambda c: ToyTrainer(int(c.node_config["partition-id"])),
+            config_fn=lambda _: config,
+            node_privacy_fn=lambda _: owner,
         ),
         nodes=3,
     )

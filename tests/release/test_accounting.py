@@ -186,3 +186,33 @@ def test_a_state_that_spent_more_than_its_budget_file_records_is_refused(tmp_pat
     with pytest.raises(RoundError, match="records 1"):
         check_restored(spent, lost)
     assert len(lost.history) == 1 and lost.history[0][2] == 1  # refusing spends nothing
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian_noise", "distributed_noise"])
+def test_either_noise_stage_refuses_a_budget_file_that_lost_its_charge(
+    tmp_path: Path, mechanism: str
+) -> None:
+    """The stage's state is its last charge; a budget file that holds less at the next
+    charge (rolled back, deleted) is refused before anything is drawn or recorded."""
+    from lensemble_flwr.errors import PrivacyBudgetRolledBack
+    from lensemble_flwr.release.noise import distributed_noise, gaussian_noise
+    from lensemble_flwr.release.pipeline import Release
+
+    budget = PrivacyBudget(tmp_path, "participant-p", epsilon=500.0, delta=1e-5)
+    if mechanism == "gaussian_noise":
+        stage = gaussian_noise(1.0, 0.5, budget)
+    else:
+        stage = distributed_noise(1.0, 0.5, fraction_bits=16, threshold=3, budget=budget)
+    clipped = Release(delta={"w": np.full(4, 0.1, np.float32)}, metadata={"clipped_norm": 0.2})
+    state = stage.init({})
+    _, state = stage.update(clipped, state, None)
+    kept = budget.path.read_bytes()
+    _, state = stage.update(clipped, state, None)
+    budget.path.write_bytes(kept)  # one release rolled back
+    with pytest.raises(PrivacyBudgetRolledBack, match="records 1 releases"):
+        stage.update(clipped, state, None)
+    assert budget.path.read_bytes() == kept
+    budget.path.unlink()  # deleted
+    with pytest.raises(PrivacyBudgetRolledBack, match="records 0 releases"):
+        stage.update(clipped, state, None)
+    assert not budget.path.exists()

@@ -1,0 +1,145 @@
+"""Whose privacy budget it is: the data owner's settings, and a run's request checked
+against them.
+
+A participant's budget (:class:`~lensemble_flwr.privacy.budget.PrivacyBudget`) protects
+its owner's data, so its cap, its delta, its accountant and where its file lives are the
+owner's to set, not the run's. On a Flower node the owner speaks through the SuperNode's
+node config (:mod:`lensemble_flwr.clients.node_privacy`); a run speaks through its run
+config (``lensemble.dp-epsilon`` and friends), which whoever starts the run chooses. A
+run's privacy settings are therefore a *request*: :func:`owned_config` lets a run plan
+within the owner's settings and refuses, naming both values, a run that asks for a
+larger epsilon, another delta or accountant, or another budget directory.
+
+The budget file's cap is the run's epsilon, which is at most the owner's cap, and the
+file holds everything spent under the owner's directory and the participant's stable
+identity, by every run: a run that asks again for the cap finds what earlier runs spent
+already charged, and one that asks for more is refused before it trains.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lensemble_flwr.config import LensembleConfig, default_state_dir
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.privacy.budget import MECHANISMS, Mechanism
+
+DEFAULT_EPSILON_CAP = 10.0
+"""The cap of an owner that sets none: epsilon 10 over everything it ever releases."""
+DEFAULT_DELTA = 1e-5
+"""The delta of an owner that sets none (the run config's default ``dp-delta`` too)."""
+
+
+@dataclass(frozen=True)
+class BudgetOwner:
+    """The data owner's settings for its privacy budget.
+
+    Attributes:
+        epsilon_cap: the most epsilon any run may ask for; the budget file never records
+            more, over all runs.
+        delta: the delta every epsilon of the budget is at.
+        accountant: the accountant the budget is composed with ("rdp" or "prv").
+        budget_dir: the directory of the budget files and commitment secrets ('' : the
+            default, ``$LENSEMBLE_PRIVACY_DIR`` or ``~/.local/share/lensemble-flwr/privacy``).
+        source: what the settings are called where the owner wrote them, for messages
+            (e.g. "node config" with keys ``dp-epsilon-cap``, ...).
+
+    Raises:
+        ConfigError: a cap that is not a positive finite number, a delta outside (0, 1)
+            or an unknown accountant, naming the owner's key.
+    """
+
+    epsilon_cap: float = DEFAULT_EPSILON_CAP
+    delta: float = DEFAULT_DELTA
+    accountant: Mechanism = "rdp"
+    budget_dir: str = ""
+    source: str = "node config"
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epsilon_cap) and self.epsilon_cap > 0):
+            raise ConfigError(
+                self.named("epsilon_cap"), f"{self.epsilon_cap!r} is not a positive finite epsilon"
+            )
+        if not 0 < self.delta < 1:
+            raise ConfigError(self.named("delta"), f"{self.delta!r} is not in (0, 1)")
+        if self.accountant not in MECHANISMS:
+            raise ConfigError(
+                self.named("accountant"),
+                f"unknown accountant {self.accountant!r}: one of {list(MECHANISMS)}",
+            )
+
+    @staticmethod
+    def key(field: str) -> str:
+        """The owner's key for ``field`` (``dp-epsilon-cap`` for ``epsilon_cap``)."""
+        return OWNER_KEYS[field]
+
+    def directory(self) -> Path:
+        """Where the owner keeps its budgets (the default directory when it names none)."""
+        return Path(self.budget_dir) if self.budget_dir else default_state_dir()
+
+    def named(self, field: str) -> str:
+        """``field``'s key as the owner writes it, for messages ("node config dp-delta")."""
+        return f"{self.source} {self.key(field)}"
+
+
+OWNER_KEYS: dict[str, str] = {
+    "epsilon_cap": "dp-epsilon-cap",
+    "delta": "dp-delta",
+    "accountant": "dp-accountant",
+    "budget_dir": "dp-budget-dir",
+}
+"""The owner's keys (a SuperNode's ``--node-config``), by :class:`BudgetOwner` field."""
+
+
+def owned_config(config: LensembleConfig, owner: BudgetOwner) -> LensembleConfig:
+    """``config`` (a run's request) with ``owner``'s budget directory, once it fits
+    ``owner``'s settings.
+
+    The directory rule holds with or without noise (the directory also keeps the
+    commitment secret); the others only when the run's releases are noised.
+
+    Raises:
+        ConfigError: the run asks for an epsilon above the owner's cap, another delta or
+            accountant, or another budget directory (a run cannot move the budget); the
+            message names the run's value and the owner's.
+    """
+    privacy = config.privacy
+    home = owner.directory()
+    asked = privacy.dp_state_dir
+    if asked and _resolved(asked) != _resolved(home):
+        raise ConfigError(
+            "lensemble.dp-state-dir",
+            f"the run asks to keep this participant's budget in {asked}, but its owner "
+            f"keeps it in {home} ({owner.named('budget_dir')}; default if unset): a run "
+            "cannot move a participant's budget (leave dp-state-dir empty)",
+        )
+    if privacy.noised:
+        if privacy.dp_epsilon > owner.epsilon_cap:
+            raise ConfigError(
+                "lensemble.dp-epsilon",
+                f"the run asks for epsilon {privacy.dp_epsilon:g}, above this participant's "
+                f"cap {owner.epsilon_cap:g} ({owner.named('epsilon_cap')}): refused, nothing "
+                "released",
+            )
+        if privacy.dp_delta != owner.delta:
+            raise ConfigError(
+                "lensemble.dp-delta",
+                f"the run asks for delta {privacy.dp_delta:g}, but this participant's budget "
+                f"is kept at delta {owner.delta:g} ({owner.named('delta')})",
+            )
+        if privacy.dp_accountant != owner.accountant:
+            raise ConfigError(
+                "lensemble.dp-accountant",
+                f"the run asks for the {privacy.dp_accountant!r} accountant, but this "
+                f"participant's budget is composed with {owner.accountant!r} "
+                f"({owner.named('accountant')})",
+            )
+    placed = privacy.model_copy(update={"dp_state_dir": str(home)})
+    return config.model_copy(update={"privacy": placed})
+
+
+def _resolved(path: str | os.PathLike[str]) -> Path:
+    return Path(path).expanduser().resolve()
