@@ -25,7 +25,7 @@ from lensemble_flwr.clients.live import (
     process_participants,
     size_of,
 )
-from lensemble_flwr.clients.node_privacy import node_privacy
+from lensemble_flwr.clients.node_privacy import bounded_by_node_config, node_privacy
 from lensemble_flwr.clients.state import load_state, save_state, saved_token
 from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig, metrics_released
@@ -328,7 +328,9 @@ def make_client_app(
             here: Flower fixes a handler's mods when the handler is registered.
         node_privacy_fn: this node's privacy budget settings, which a run's config may
             only ask within (default: the SuperNode's node config ``dp-epsilon-cap``,
-            ``dp-delta``, ``dp-accountant``, ``dp-budget-dir``; see docs/privacy.md).
+            ``dp-delta``, ``dp-accountant``, ``dp-budget-dir``; see docs/privacy.md). What
+            the node config sets still binds a function given here: the smaller cap,
+            and the node config's delta, accountant and directory where it sets them.
     """
     app = ClientApp(mods=list(mods or []))
     process_participants(keep_live_bytes)  # a negative size fails here, not per message
@@ -347,6 +349,8 @@ def make_client_app(
         if participant is None:
             try:
                 owner = node_privacy_fn(context)
+                if node_privacy_fn is not node_privacy:  # the operator's keys still bind
+                    owner = bounded_by_node_config(owner, context.node_config)
             except ConfigError as exc:  # the node's own settings are bad: nothing trains
                 return refusal(message, str(exc))
             built = build_participant(

@@ -13,6 +13,7 @@ before the participant is built.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +54,28 @@ def owner_from_node_config(node_config: Mapping[str, Any]) -> BudgetOwner:
             raise ConfigError(f"node config {key}", f"{value!r} is not {wanted}")
         settings[field] = float(value) if field in ("epsilon_cap", "delta") else value
     return BudgetOwner(**settings, source="node config")
+
+
+def bounded_by_node_config(owner: BudgetOwner, node_config: Mapping[str, Any]) -> BudgetOwner:
+    """``owner`` (settings an app's ``node_privacy_fn`` chose) within what the SuperNode's
+    node config sets: the smaller of the two caps, and the node config's delta,
+    accountant and budget directory wherever it sets them. The app comes with the run;
+    the node config is the operator's, so an app cannot raise what the operator set.
+
+    Raises:
+        ConfigError: see :func:`owner_from_node_config`.
+    """
+    node = owner_from_node_config(node_config)
+    given = {_FIELDS[key] for key in node_config if key in _FIELDS}
+    if not given:
+        return owner
+    return dataclasses.replace(
+        owner,
+        epsilon_cap=min(owner.epsilon_cap, node.epsilon_cap),
+        delta=node.delta if "delta" in given else owner.delta,
+        accountant=node.accountant if "accountant" in given else owner.accountant,
+        budget_dir=node.budget_dir if "budget_dir" in given else owner.budget_dir,
+    )
 
 
 def node_privacy(context: Context) -> BudgetOwner:

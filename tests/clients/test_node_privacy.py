@@ -169,3 +169,18 @@ def test_a_budget_file_rolled_back_between_releases_is_refused_locally(tmp_path:
     shutil.rmtree(budgets)  # the whole directory: the same
     with pytest.raises(PrivacyBudgetRolledBack):
         release(participant)
+
+
+def test_an_apps_node_privacy_fn_cannot_raise_what_the_node_config_sets() -> None:
+    from lensemble_flwr.clients.node_privacy import bounded_by_node_config
+
+    generous = BudgetOwner(epsilon_cap=1000.0, delta=1e-6, accountant="prv", budget_dir="/a")
+    node = {"dp-epsilon-cap": 8.0, "dp-budget-dir": "/b"}
+    bounded = bounded_by_node_config(generous, node)
+    assert bounded.epsilon_cap == 8.0 and bounded.budget_dir == "/b"
+    assert (bounded.delta, bounded.accountant) == (1e-6, "prv")  # not set by the node
+    assert bounded_by_node_config(generous, {"partition-id": 0}) == generous
+    stricter = BudgetOwner(epsilon_cap=2.0)
+    assert bounded_by_node_config(stricter, node).epsilon_cap == 2.0
+    with pytest.raises(ConfigError, match="dp-epsilon-cap"):
+        bounded_by_node_config(generous, {"dp-epsilon-cap": "lots"})
