@@ -58,6 +58,7 @@ __all__ = [
     "CLOSING",
     "CLOSINGS",
     "EXTERNAL_STEP",
+    "closing_name",
     "load_closing",
     "load_external_step",
     "mark_started",
@@ -83,7 +84,8 @@ def _legacy_round_attempts(round: int) -> str:
     return f"{ATTEMPTS}/{round:08d}"  # a folder per round: runs written before
 
 
-def _closing_name(round: int, attempt: int) -> str:
+def closing_name(round: int, attempt: int) -> str:
+    """The store name the closing entry of ``attempt`` of ``round`` is kept under."""
     return f"{CLOSINGS}/{round:08d}-{attempt:04d}"  # one folder, as the manifest's entries
 
 
@@ -121,7 +123,7 @@ def started_attempts(store: Store, round: int, *, at_least: int = 0) -> list[int
 def save_closing(store: Store, entry: RoundEntry) -> None:
     """Keep the manifest entry of the round about to be committed (see the module doc),
     under its attempt's own name: a new name, never a file replaced."""
-    name = _closing_name(entry.round, entry.attempt)
+    name = closing_name(entry.round, entry.attempt)
     digest = store.put(canonical_json(entry.model_dump(mode="json")))
     if not store.claim(name, digest) and store.resolve(name) != digest:
         store.bind(name, digest)  # the same attempt's commit tried again: the newer entry
@@ -132,7 +134,7 @@ def load_closing(store: Store, round: int, attempt: int) -> RoundEntry | None:
     closings had names of their own: the one entry it kept, whichever round's it is;
     the caller compares). None when none was kept or it does not parse (the caller
     refuses to resume rather than guess the entry)."""
-    name = _closing_name(round, attempt)
+    name = closing_name(round, attempt)
     if not store.bound(name):
         name = CLOSING
         if not store.bound(name):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import Literal
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.durable import (
+    closing_name,
     load_closing,
     load_external_step,
     started_attempts,
@@ -34,8 +36,16 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RoundEntry,
     RunManifest,
+    entries_digest,
+    ledger_name,
 )
-from lensemble_flwr.provenance.verify import verify, verify_chain, verify_registry
+from lensemble_flwr.provenance.verify import (
+    agreement_breaks,
+    verify,
+    verify_chain,
+    verify_registry,
+    verify_resumable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +75,13 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
     closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
     if records and records[-1].round not in closed:
         # committed, but the crash came before its manifest entry
-        manifest = _complete_cut_commit(store, manifest, records[-1])
+        manifest = _complete_cut_commit(store, manifest, records[-1], manifest.rounds)
     if check == "full":
-        verify(store)  # the registry too
+        verify(store)  # the registry, the round in flight and the kept step too
     else:
         verify_chain(records, manifest)
         verify_registry(store, records)
+        verify_resumable(store, records, manifest)
     head = records[-1] if records else None
     return _resume_point(store, manifest, head)
 
@@ -85,25 +96,34 @@ def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
     """
     header = follower.manifest_header()
     records = follower.unchecked()
-    if records and not any(
-        e.state is RoundState.CLOSED for e in follower.entries(records[-1].round)
-    ):
-        _complete_cut_commit(store, header, records[-1])
+    if records:
+        entries = follower.entries(records[-1].round)
+        if not any(e.state is RoundState.CLOSED for e in entries):
+            _complete_cut_commit(store, header, records[-1], entries)
     follower.check(records)
     current = follower.entries(follower.through + 1)
     if any(e.state is RoundState.CLOSED for e in current):
         raise LedgerError(
-            f"round {follower.through + 1} is closed in the manifest but not in the ledger"
+            f"round {follower.through + 1} is closed in the manifest but not in the ledger "
+            f"({ledger_name(follower.through + 1)} is missing)"
         )
     follower.check_registry()
+    follower.check_resumable(current)
     return _resume_point(store, header.model_copy(update={"rounds": current}), follower.head)
 
 
 def _complete_cut_commit(
-    store: Store, manifest: RunManifest, rec: ContributionRecord
+    store: Store, manifest: RunManifest, rec: ContributionRecord, entries: Iterable[RoundEntry]
 ) -> RunManifest:
     """Write the manifest entry of ``rec``'s round from the closing entry kept before its
-    commit (the crash came between the ledger record and the entry)."""
+    commit (the crash came between the ledger record and the entry), once it is checked
+    to be the entry ``rec`` committed to (``entries``: the manifest's, of any round; those
+    of ``rec``'s round are the attempts before it). Nothing is written otherwise.
+
+    Raises:
+        LedgerError: the kept entry is missing, another round's, or not the one the
+            record committed to.
+    """
     log.warning("round %d: completing the manifest after a crash", rec.round)
     kept = load_closing(store, rec.round, rec.attempt)
     if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
@@ -114,6 +134,15 @@ def _complete_cut_commit(
         raise LedgerError(
             f"round {rec.round} is in the ledger but not in the manifest, and the "
             "manifest entry kept before its commit is missing or is another round's"
+        )
+    before = [e for e in entries if e.round == rec.round and e.attempt < rec.attempt]
+    if entries_digest([*before, kept]) != rec.entries_digest or any(
+        agreement_breaks(rec, kept)
+    ):
+        raise LedgerError(
+            f"round {rec.round} is in the ledger but not in the manifest, and the entry "
+            f"kept before its commit ({closing_name(rec.round, rec.attempt)}) is not the "
+            "one the ledger record committed to: nothing was written"
         )
     return manifest.with_round(store, kept)
 
