@@ -151,16 +151,22 @@ class LedgerFollower:
 
     def check_resumable(self, current: tuple[RoundEntry, ...]) -> None:
         """Check what lies past the head: ``current`` (the stored entries of the round
-        after it), that no later round has one, and the kept external step
-        (:func:`~lensemble_flwr.provenance.verify.resume_breaks`).
+        after it, attempts 1, 2, … up to the first missing one), that no attempt follows
+        right after that gap and the next round has none, and the kept external step
+        (:func:`~lensemble_flwr.provenance.verify.resume_breaks`). Entries are found by
+        name, so a longer gap is found only by a full ``verify``.
 
         Raises:
             LedgerError: naming the artifact.
         """
-        later = RunManifest.entry(self.store, self.through + 2, 1)
+        t = self.through + 1
+        probes = [  # read by name: an attempt past a gap of one, and the next round's first
+            RunManifest.entry(self.store, t, len(current) + 2),
+            RunManifest.entry(self.store, t + 1, 1),
+        ]
         breaks = resume_breaks(
             self.store,
-            (*current, *([later] if later is not None else [])),
+            (*current, *(e for e in probes if e is not None)),
             head=self.head,
             initial_params_hash=self.manifest_header().initial_params_hash,
             last_step=self.last_step,
