@@ -19,10 +19,13 @@ from typing import Literal
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.durable import (
+    EXTERNAL_STEP,
     closing_name,
     load_closing,
     load_external_step,
+    marker_name,
     started_attempts,
+    started_from,
 )
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.params import NamedArrays
@@ -164,6 +167,7 @@ def _resume_point(
             raise LedgerError("the kept external step's checkpoint does not hold its model")
     else:
         step = None  # none kept, or one an earlier round already trained from
+    _check_started_from(store, manifest, ckpt.round + 1, step)
     return Recovered(
         manifest=manifest,
         round=ckpt.round,
@@ -172,6 +176,34 @@ def _resume_point(
         head_hash=head.record_hash if head else GENESIS,
         external_step=step,
     )
+
+
+def _check_started_from(
+    store: Store, manifest: RunManifest, round: int, step: ExternalStep | None
+) -> None:
+    """Every attempt of ``round`` that started must have started from the model the
+    resume continues from: the kept external step's adopted model (``step``), or the
+    committed one (its marker names none).
+
+    Raises:
+        LedgerError: a marker names another model: the kept step was written, replaced or
+            deleted after the round started.
+    """
+    finished = [e.attempt for e in manifest.rounds if e.round == round]
+    expected = step.adopted_hash if step is not None else None
+    for attempt in started_attempts(store, round, at_least=max(finished, default=0)):
+        name = marker_name(round, attempt)
+        if not store.bound(name):
+            continue  # a marker of a run written before markers named the step
+        found = started_from(store, round, attempt)
+        if found != expected:
+            was = f"the model adopted as {found[:12]}…" if found else "the committed model"
+            now = "the kept external step's model" if step else "the committed model"
+            raise LedgerError(
+                f"{EXTERNAL_STEP}: round {round} attempt {attempt} started ({name}) from "
+                f"{was}, not from {now}: the kept step was written, replaced or removed "
+                "after the round started"
+            )
 
 
 def record_interrupted(

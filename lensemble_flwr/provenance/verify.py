@@ -667,13 +667,25 @@ def kept_step_breaks(
     starts from ``head``'s model, is the step of every attempt of that round the manifest
     holds (``pending``), and whose checkpoint holds the adopted model at the recorded
     change norm from ``head``'s. A coordinator changes only the model it just committed,
-    so a step kept before any round committed is never one of its own."""
-    if not store.bound(EXTERNAL_STEP):
-        return
+    so a step kept before any round committed is never one of its own. And a round in
+    flight whose attempts trained from a step needs that step still kept (else a resume
+    would train from the model the step replaced: the un-noised one, under central DP)."""
+    pending = list(pending)
+    stepped = [(e.attempt, e.external_step) for e in pending if e.external_step is not None]
     try:
         step = load_external_step(store)
     except (LedgerError, StoreError) as exc:
         yield LinkBreak(None, "external_step", "an external step", str(exc), str(exc))
+        return
+    t = head.round + 1 if head is not None else 1
+    if stepped and (step is None or step == last_step):
+        attempt, trained_from = stepped[0]  # the round in flight's step is no longer kept
+        yield LinkBreak(
+            t, "external_step", trained_from.adopted_hash, "missing",
+            f"{EXTERNAL_STEP} is missing or replaced, yet round {t} attempt {attempt} "
+            f"({manifest_entry_name(t, attempt)}) trained from the model a step adopted",
+            attempt,
+        )  # fmt: skip
         return
     if step is None or step == last_step:
         return
@@ -685,7 +697,6 @@ def kept_step_breaks(
             "the newest committed model: no coordinator kept it (it was written by hand)",
         )  # fmt: skip
         return
-    t = head.round + 1
     for entry in pending:
         if entry.external_step != step:
             found = entry.external_step.adopted_hash if entry.external_step else "no step"

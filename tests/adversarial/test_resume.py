@@ -165,6 +165,47 @@ def test_a_hand_written_step_for_a_round_that_already_started_is_refused(
 
 
 @pytest.mark.parametrize("check", CHECKS)
+def test_a_hand_written_step_for_a_round_cut_short_is_refused(tmp_path: Path, check: str) -> None:
+    """Round 3's first attempt started from the committed model and the coordinator died
+    in it (no manifest entry, only its start marker): the marker says which model it
+    started from, so a step written by hand afterwards is refused."""
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(2)
+    coordinator.begin_attempt()  # the process dies here
+    network.flush()
+    hand_written_step(coordinator)
+    run = tmp_path / "run"
+    refused(coordinator.config, run, check, "attempts/00000003-0001.*from the committed model")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("finished", [True, False], ids=["aborted attempt", "cut short"])
+def test_a_removed_pending_step_is_refused(tmp_path: Path, check: str, finished: bool) -> None:
+    """Round 2 trains from a model a step adopted (a wrapper's central noise); deleting
+    the kept step would have the resumed coordinator train round 2 from the model it
+    replaced, releasing the un-noised aggregate."""
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(1)
+    step = coordinator.adopt(noised(coordinator))
+    coordinator.begin_attempt()
+    if finished:
+        coordinator.abort(LedgerError("stopped by the test"))
+    network.flush()
+    run = tmp_path / "run"
+    (run / "names" / EXTERNAL_STEP).unlink()
+    if finished:  # the manifest entry says so: verify and the audit see it too
+        with pytest.raises(LedgerError, match=f"{EXTERNAL_STEP} is missing"):
+            verify(Store(run))
+        assert EXTERNAL_STEP in {f.where for f in audit_run(run).findings}
+    refused(
+        coordinator.config,
+        run,
+        check,
+        f"{EXTERNAL_STEP}.*{'missing' if finished else step.adopted_hash[:12]}",
+    )
+
+
+@pytest.mark.parametrize("check", CHECKS)
 def test_a_hand_written_step_that_no_record_holds_is_refused(tmp_path: Path, check: str) -> None:
     """A step that starts from an older round's model (or θ_0) and that no record trained
     from was kept by no coordinator (it changes only the model it just committed)."""
