@@ -180,7 +180,7 @@ class RoundCore:
             )
         _check_quorum_reachable(self.config, declared)
         state, number = self.run.head.state, self.next_attempt()
-        mark_started(self.store, state.next_round, number)
+        mark_started(self.store, state.next_round, number, self.run.external_step)
         attempt = Attempt(
             machine=RoundMachine(state.next_round, number),
             state=state,

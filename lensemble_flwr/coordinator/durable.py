@@ -24,7 +24,9 @@ configuration and every attempt. Two more things are needed to pick a run up aga
   attempt that has a marker but no manifest entry was cut short by a crash; on resume it
   is recorded as aborted, so the next attempt gets a fresh number and participants,
   which answer each (round, attempt) only once, answer it. The name says everything:
-  every marker is bound to the same small blob.
+  every marker is bound to the same small blob, but for an attempt that trains from an
+  external step, whose marker names the adopted model (resume refuses a kept step that
+  the round's started attempts did not train from, and a missing one they did).
 
 A plaintext round (no external step, no new binding) thus rebinds no name, makes no
 folder and adds no blob beyond its checkpoint, its ledger record and its entry:
@@ -41,13 +43,16 @@ either the previous version or the new one, never a half-written file.
 
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
-from lensemble_flwr.errors import LedgerError
+from lensemble_flwr.errors import LedgerError, StoreError
 from lensemble_flwr.provenance.ledger import (  # kept where a joining participant reads it
     EXTERNAL_STEP,
+    ExternalStep,
     RoundEntry,
     load_external_step,
     save_external_step,
@@ -58,12 +63,15 @@ __all__ = [
     "CLOSING",
     "CLOSINGS",
     "EXTERNAL_STEP",
+    "closing_name",
     "load_closing",
     "load_external_step",
     "mark_started",
+    "marker_name",
     "save_closing",
     "save_external_step",
     "started_attempts",
+    "started_from",
 ]
 
 ATTEMPTS = "coordinator/attempts"
@@ -83,18 +91,50 @@ def _legacy_round_attempts(round: int) -> str:
     return f"{ATTEMPTS}/{round:08d}"  # a folder per round: runs written before
 
 
-def _closing_name(round: int, attempt: int) -> str:
+def closing_name(round: int, attempt: int) -> str:
+    """The store name the closing entry of ``attempt`` of ``round`` is kept under."""
     return f"{CLOSINGS}/{round:08d}-{attempt:04d}"  # one folder, as the manifest's entries
 
 
-def mark_started(store: Store, round: int, attempt: int) -> None:
-    """Record that this attempt started (before its first message goes out).
+def marker_name(round: int, attempt: int) -> str:
+    """The store name of the start marker of ``attempt`` of ``round``."""
+    return _marker_name(round, attempt)
+
+
+def mark_started(
+    store: Store, round: int, attempt: int, external_step: ExternalStep | None = None
+) -> None:
+    """Record that this attempt started (before its first message goes out), and, when it
+    trains from a model an external step adopted, which one: a restarted coordinator
+    then holds the step it finds kept against the attempts that started from it.
 
     Raises:
         LedgerError: the attempt was already started once (attempt numbers never repeat).
     """
-    if not store.claim(_marker_name(round, attempt), store.put(_STARTED)):
+    marker = _STARTED
+    if external_step is not None:
+        marker = canonical_json({"attempt": "started", "adopted_hash": external_step.adopted_hash})
+    if not store.claim(_marker_name(round, attempt), store.put(marker)):
         raise LedgerError(f"round {round} attempt {attempt} was already started")
+
+
+def started_from(store: Store, round: int, attempt: int) -> str | None:
+    """The adopted model an attempt's start marker names (None: the committed model).
+
+    Raises:
+        LedgerError: the marker is not one :func:`mark_started` writes.
+    """
+    name = _marker_name(round, attempt)
+    try:
+        marker = json.loads(store.get(store.resolve(name)))
+        if marker.get("attempt") != "started":
+            raise ValueError("not a start marker")
+        adopted = marker.get("adopted_hash")
+        if adopted is not None and not isinstance(adopted, str):
+            raise ValueError("adopted_hash is not a hash")
+    except (ValueError, AttributeError, StoreError) as exc:
+        raise LedgerError(f"{name}: the attempt's start marker does not parse ({exc})") from None
+    return adopted
 
 
 def started_attempts(store: Store, round: int, *, at_least: int = 0) -> list[int]:
@@ -121,7 +161,7 @@ def started_attempts(store: Store, round: int, *, at_least: int = 0) -> list[int
 def save_closing(store: Store, entry: RoundEntry) -> None:
     """Keep the manifest entry of the round about to be committed (see the module doc),
     under its attempt's own name: a new name, never a file replaced."""
-    name = _closing_name(entry.round, entry.attempt)
+    name = closing_name(entry.round, entry.attempt)
     digest = store.put(canonical_json(entry.model_dump(mode="json")))
     if not store.claim(name, digest) and store.resolve(name) != digest:
         store.bind(name, digest)  # the same attempt's commit tried again: the newer entry
@@ -132,7 +172,7 @@ def load_closing(store: Store, round: int, attempt: int) -> RoundEntry | None:
     closings had names of their own: the one entry it kept, whichever round's it is;
     the caller compares). None when none was kept or it does not parse (the caller
     refuses to resume rather than guess the entry)."""
-    name = _closing_name(round, attempt)
+    name = closing_name(round, attempt)
     if not store.bound(name):
         name = CLOSING
         if not store.bound(name):

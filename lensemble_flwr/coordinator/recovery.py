@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import Literal
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.coordinator.durable import (
+    EXTERNAL_STEP,
+    closing_name,
     load_closing,
     load_external_step,
+    marker_name,
     started_attempts,
+    started_from,
 )
 from lensemble_flwr.errors import LedgerError
 from lensemble_flwr.params import NamedArrays
@@ -34,8 +39,16 @@ from lensemble_flwr.provenance.ledger import (
     Ledger,
     RoundEntry,
     RunManifest,
+    entries_digest,
+    ledger_name,
 )
-from lensemble_flwr.provenance.verify import verify, verify_chain, verify_registry
+from lensemble_flwr.provenance.verify import (
+    agreement_breaks,
+    verify,
+    verify_chain,
+    verify_registry,
+    verify_resumable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +78,13 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
     closed = {e.round for e in manifest.rounds if e.state is RoundState.CLOSED}
     if records and records[-1].round not in closed:
         # committed, but the crash came before its manifest entry
-        manifest = _complete_cut_commit(store, manifest, records[-1])
+        manifest = _complete_cut_commit(store, manifest, records[-1], manifest.rounds)
     if check == "full":
-        verify(store)  # the registry too
+        verify(store)  # the registry, the round in flight and the kept step too
     else:
         verify_chain(records, manifest)
         verify_registry(store, records)
+        verify_resumable(store, records, manifest)
     head = records[-1] if records else None
     return _resume_point(store, manifest, head)
 
@@ -85,25 +99,34 @@ def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
     """
     header = follower.manifest_header()
     records = follower.unchecked()
-    if records and not any(
-        e.state is RoundState.CLOSED for e in follower.entries(records[-1].round)
-    ):
-        _complete_cut_commit(store, header, records[-1])
+    if records:
+        entries = follower.entries(records[-1].round)
+        if not any(e.state is RoundState.CLOSED for e in entries):
+            _complete_cut_commit(store, header, records[-1], entries)
     follower.check(records)
     current = follower.entries(follower.through + 1)
     if any(e.state is RoundState.CLOSED for e in current):
         raise LedgerError(
-            f"round {follower.through + 1} is closed in the manifest but not in the ledger"
+            f"round {follower.through + 1} is closed in the manifest but not in the ledger "
+            f"({ledger_name(follower.through + 1)} is missing)"
         )
     follower.check_registry()
+    follower.check_resumable(current)
     return _resume_point(store, header.model_copy(update={"rounds": current}), follower.head)
 
 
 def _complete_cut_commit(
-    store: Store, manifest: RunManifest, rec: ContributionRecord
+    store: Store, manifest: RunManifest, rec: ContributionRecord, entries: Iterable[RoundEntry]
 ) -> RunManifest:
     """Write the manifest entry of ``rec``'s round from the closing entry kept before its
-    commit (the crash came between the ledger record and the entry)."""
+    commit (the crash came between the ledger record and the entry), once it is checked
+    to be the entry ``rec`` committed to (``entries``: the manifest's, of any round; those
+    of ``rec``'s round are the attempts before it). Nothing is written otherwise.
+
+    Raises:
+        LedgerError: the kept entry is missing, another round's, or not the one the
+            record committed to.
+    """
     log.warning("round %d: completing the manifest after a crash", rec.round)
     kept = load_closing(store, rec.round, rec.attempt)
     if kept is None or (kept.round, kept.attempt, kept.new_global_hash) != (
@@ -114,6 +137,15 @@ def _complete_cut_commit(
         raise LedgerError(
             f"round {rec.round} is in the ledger but not in the manifest, and the "
             "manifest entry kept before its commit is missing or is another round's"
+        )
+    before = [e for e in entries if e.round == rec.round and e.attempt < rec.attempt]
+    if entries_digest([*before, kept]) != rec.entries_digest or any(
+        agreement_breaks(rec, kept)
+    ):
+        raise LedgerError(
+            f"round {rec.round} is in the ledger but not in the manifest, and the entry "
+            f"kept before its commit ({closing_name(rec.round, rec.attempt)}) is not the "
+            "one the ledger record committed to: nothing was written"
         )
     return manifest.with_round(store, kept)
 
@@ -135,6 +167,7 @@ def _resume_point(
             raise LedgerError("the kept external step's checkpoint does not hold its model")
     else:
         step = None  # none kept, or one an earlier round already trained from
+    _check_started_from(store, manifest, ckpt.round + 1, step)
     return Recovered(
         manifest=manifest,
         round=ckpt.round,
@@ -143,6 +176,34 @@ def _resume_point(
         head_hash=head.record_hash if head else GENESIS,
         external_step=step,
     )
+
+
+def _check_started_from(
+    store: Store, manifest: RunManifest, round: int, step: ExternalStep | None
+) -> None:
+    """Every attempt of ``round`` that started must have started from the model the
+    resume continues from: the kept external step's adopted model (``step``), or the
+    committed one (its marker names none).
+
+    Raises:
+        LedgerError: a marker names another model: the kept step was written, replaced or
+            deleted after the round started.
+    """
+    finished = [e.attempt for e in manifest.rounds if e.round == round]
+    expected = step.adopted_hash if step is not None else None
+    for attempt in started_attempts(store, round, at_least=max(finished, default=0)):
+        name = marker_name(round, attempt)
+        if not store.bound(name):
+            continue  # a marker of a run written before markers named the step
+        found = started_from(store, round, attempt)
+        if found != expected:
+            was = f"the model adopted as {found[:12]}…" if found else "the committed model"
+            now = "the kept external step's model" if step else "the committed model"
+            raise LedgerError(
+                f"{EXTERNAL_STEP}: round {round} attempt {attempt} started ({name}) from "
+                f"{was}, not from {now}: the kept step was written, replaced or removed "
+                "after the round started"
+            )
 
 
 def record_interrupted(

@@ -35,6 +35,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import LedgerError, StoreError
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
+    EXTERNAL_STEP,
     GENESIS,
     LEDGER,
     MANIFEST_HEADER,
@@ -57,6 +58,7 @@ from lensemble_flwr.provenance.verify import (
     closed_attempt,
     evidence_breaks,
     fetch_blob,
+    kept_step_breaks,
     newest_checkpoint_breaks,
     record_breaks,
     record_checkpoint_breaks,
@@ -307,6 +309,15 @@ class _Walk:
             newest = f"round {self.records[-1].round}"
             self._breaks(newest, newest_checkpoint_breaks(self.store, self.records))
         self._breaks("participant registry", registry_breaks(self.store, self.records))
+        head = self.records[-1] if self.records else None
+        steps = [r.external_step for r in self.records if r.external_step is not None]
+        pending = by_round.get(head.round + 1 if head else 1, [])
+        self._breaks(
+            EXTERNAL_STEP,
+            kept_step_breaks(
+                self.store, head=head, last_step=steps[-1] if steps else None, pending=pending
+            ),
+        )
         if expected_head is not None:
             head = self.records[-1].record_hash if self.records else None
             if head != expected_head:

@@ -28,6 +28,7 @@ from lensemble_flwr.provenance.ledger import (
     GENESIS,
     MANIFEST_HEADER,
     ContributionRecord,
+    ExternalStep,
     RoundEntry,
     RunManifest,
     header_digest,
@@ -40,6 +41,7 @@ from lensemble_flwr.provenance.verify import (
     evidence_breaks,
     record_breaks,
     registry_breaks,
+    resume_breaks,
 )
 
 
@@ -51,6 +53,7 @@ class LedgerFollower:
     store: Store
     header: RunManifest | None = None
     head: ContributionRecord | None = None
+    last_step: ExternalStep | None = None  # the newest checked record's step that has one
     _known: dict[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     _read: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -97,7 +100,7 @@ class LedgerFollower:
         """
         header = self.manifest_header()
         header_hash = header_digest(header)
-        prev = self.head
+        prev, last_step = self.head, self.last_step
         known, read = dict(self._known), dict(self._read)
         for rec in records:
             entries = self.entries(rec.round)
@@ -132,7 +135,9 @@ class LedgerFollower:
             if breaks:
                 raise LedgerError(breaks[0].message)
             prev = rec
+            last_step = rec.external_step or last_step
         self.head, self._known, self._read = prev, known, read
+        self.last_step = last_step
 
     def check_registry(self) -> None:
         """Check the current registry against what the records checked so far bound (an
@@ -142,4 +147,29 @@ class LedgerFollower:
             LedgerError: naming the participant.
         """
         for broken in registry_breaks(self.store, [], dict(self._known), self._read):
+            raise LedgerError(broken.message)
+
+    def check_resumable(self, current: tuple[RoundEntry, ...]) -> None:
+        """Check what lies past the head: ``current`` (the stored entries of the round
+        after it, attempts 1, 2, … up to the first missing one), that no attempt follows
+        right after that gap and the next round has none, and the kept external step
+        (:func:`~lensemble_flwr.provenance.verify.resume_breaks`). Entries are found by
+        name, so a longer gap is found only by a full ``verify``.
+
+        Raises:
+            LedgerError: naming the artifact.
+        """
+        t = self.through + 1
+        probes = [  # read by name: an attempt past a gap of one, and the next round's first
+            RunManifest.entry(self.store, t, len(current) + 2),
+            RunManifest.entry(self.store, t + 1, 1),
+        ]
+        breaks = resume_breaks(
+            self.store,
+            (*current, *(e for e in probes if e is not None)),
+            head=self.head,
+            initial_params_hash=self.manifest_header().initial_params_hash,
+            last_step=self.last_step,
+        )
+        for broken in breaks:
             raise LedgerError(broken.message)

@@ -263,7 +263,7 @@ class RunManifest(_Frozen):
         name = manifest_entry_name(round, attempt)
         if not store.bound(name):
             return None
-        return parse_document(RoundEntry, store.get(store.resolve(name)), name)
+        return _named_entry(store, name)
 
     @staticmethod
     def _store_entry(store: Store, entry: RoundEntry) -> None:
@@ -284,11 +284,25 @@ class RunManifest(_Frozen):
     def load(cls, store: Store) -> RunManifest:
         """The run's manifest as stored. Raises StoreError or LedgerError."""
         header = cls.from_header(store.get(store.resolve(MANIFEST_HEADER)))
-        entries = tuple(
-            parse_document(RoundEntry, store.get(store.resolve(name)), name)
-            for name in store.bound(MANIFEST_ROUNDS)
-        )
+        entries = tuple(_named_entry(store, name) for name in store.bound(MANIFEST_ROUNDS))
         return header.model_copy(update={"rounds": entries})
+
+
+def _named_entry(store: Store, name: str) -> RoundEntry:
+    """The manifest entry bound to ``name``, which must be the name of its round and
+    attempt (an entry stored under another attempt's name would hide that attempt).
+
+    Raises:
+        StoreError: it cannot be read; UnreadableDocument: it does not parse;
+        LedgerError: it is another attempt's.
+    """
+    entry = parse_document(RoundEntry, store.get(store.resolve(name)), name)
+    if manifest_entry_name(entry.round, entry.attempt) != name:
+        raise LedgerError(
+            f"{name} holds the entry of round {entry.round} attempt {entry.attempt}, not "
+            "its own"
+        )
+    return entry
 
 
 class UnreadableDocument(LedgerError):

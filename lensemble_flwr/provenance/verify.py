@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
@@ -30,16 +30,21 @@ from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError, StoreEr
 from lensemble_flwr.norms import change_norm
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
+    EXTERNAL_STEP,
     FRAME_DRIFT,
     GENESIS,
     REGISTRY,
     ContributionRecord,
+    ExternalStep,
     Ledger,
     RoundEntry,
     RunManifest,
     entries_digest,
     header_digest,
     is_pruned,
+    ledger_name,
+    load_external_step,
+    manifest_entry_name,
 )
 
 CHANGE_NORM_REL_TOL = 1e-9
@@ -81,6 +86,7 @@ def verify(store: Store) -> list[ContributionRecord]:
     )
     _raise_first(newest_checkpoint_breaks(store, records))
     verify_registry(store, records)
+    verify_resumable(store, records, manifest)
     return records
 
 
@@ -104,6 +110,28 @@ def verify_registry(store: Store, records: list[ContributionRecord]) -> None:
         LedgerError: naming the first broken link.
     """
     _raise_first(registry_breaks(store, records))
+
+
+def verify_resumable(
+    store: Store, records: list[ContributionRecord], manifest: RunManifest
+) -> None:
+    """The checks of :func:`verify` on what lies past the newest record (see
+    :func:`resume_breaks`): a restarted coordinator runs them before it continues.
+
+    Raises:
+        LedgerError: naming the first broken link and the artifact that holds it.
+    """
+    head = records[-1] if records else None
+    last_step = next((r.external_step for r in reversed(records) if r.external_step), None)
+    _raise_first(
+        resume_breaks(
+            store,
+            manifest.rounds,
+            head=head,
+            initial_params_hash=manifest.initial_params_hash,
+            last_step=last_step,
+        )
+    )
 
 
 # -- the link rules: one definition, walked by verify() and by the run audit --------------------
@@ -203,27 +231,43 @@ def record_checkpoint_breaks(
     yield from breaks
     if breaks or committed_checkpoint is None:
         return
+    yield from change_norm_breaks(
+        store,
+        step,
+        committed_checkpoint,
+        rec.round,
+        field="ledger.external_step.change_norm",
+        message=f"round {rec.round}: its external step's change norm is not the distance "
+        "between the committed and the adopted model",
+    )
+
+
+def change_norm_breaks(
+    store: Store,
+    step: ExternalStep,
+    committed_checkpoint: str,
+    round: int | None,
+    *,
+    field: str,
+    message: str,
+) -> Iterator[LinkBreak]:
+    """``step``'s recorded change norm must be the distance between the model in
+    ``committed_checkpoint`` and the one in its own checkpoint (not recomputed when either
+    was pruned)."""
     if is_pruned(store, step.checkpoint) or is_pruned(store, committed_checkpoint):
         return  # one of the two models was pruned: the change norm cannot be recomputed
     try:
         adopted = decode_checkpoint(store.get(step.checkpoint)).params
         committed = decode_checkpoint(store.get(committed_checkpoint)).params
     except (CheckpointIntegrityError, StoreError) as exc:  # named by the chain's own checks
-        yield LinkBreak(rec.round, "external_step.checkpoint", "readable", str(exc), str(exc))
+        yield LinkBreak(round, "external_step.checkpoint", "readable", str(exc), str(exc))
         return
     try:
         norm = change_norm(committed, adopted) if set(committed) == set(adopted) else None
     except ValueError:  # an array of another size under the same name: not the model
         norm = None
     if norm is None or not math.isclose(norm, step.change_norm, rel_tol=CHANGE_NORM_REL_TOL):
-        yield LinkBreak(
-            rec.round,
-            "ledger.external_step.change_norm",
-            norm,
-            step.change_norm,
-            f"round {rec.round}: its external step's change norm is not the distance "
-            "between the committed and the adopted model",
-        )
+        yield LinkBreak(round, field, norm, step.change_norm, message)
 
 
 def record_breaks(
@@ -329,12 +373,14 @@ def link_breaks(
     closed = {e.round: e for e in manifest.rounds if e.state is RoundState.CLOSED}
     rounds = [r.round for r in records]
     if sorted(closed) != rounds:
+        missing = [ledger_name(t) for t in sorted(set(closed) - set(rounds))]
         yield LinkBreak(
             None,
             "manifest closed rounds",
             sorted(closed),
             rounds,
-            f"manifest closed rounds {sorted(closed)} differ from ledger rounds {rounds}",
+            f"manifest closed rounds {sorted(closed)} differ from ledger rounds {rounds}"
+            + (f" (the ledger records {missing} are missing)" if missing else ""),
         )
         return
     header = header_digest(manifest)
@@ -433,7 +479,15 @@ def registry_breaks(
                     f"round {rec.round}: the registry it used binds {pid} to another root",
                 )
         yield from _unchanged(known, commitments, f"round {rec.round}: participant registry")
-    if not current or not known or not store.bound(REGISTRY):
+    if not current or not known:
+        return
+    if not store.bound(REGISTRY):  # the records bound participants: it cannot be gone
+        yield LinkBreak(
+            None, "registry", REGISTRY, "missing",
+            f"participant registry: {REGISTRY} is missing, yet the ledger's records bound "
+            f"participants {sorted(known)} with it (an impostor could register in their "
+            "names)",
+        )  # fmt: skip
         return
     try:
         digest = store.resolve(REGISTRY)
@@ -550,3 +604,119 @@ def attempt_breaks(
 def closed_attempt(attempts: list[RoundEntry]) -> RoundEntry | None:
     """The round's closed attempt (the first, should a broken manifest hold several)."""
     return next((e for e in attempts if e.state is RoundState.CLOSED), None)
+
+
+def resume_breaks(
+    store: Store,
+    entries: Iterable[RoundEntry],
+    *,
+    head: ContributionRecord | None,
+    initial_params_hash: str,
+    last_step: ExternalStep | None,
+) -> Iterator[LinkBreak]:
+    """What a resume continues from beyond the ledger: the manifest ``entries`` past the
+    ``head`` record (:func:`uncommitted_breaks`) and the kept external step
+    (:func:`kept_step_breaks`; ``last_step``: the newest record's step that has one)."""
+    entries = list(entries)
+    after = head.round if head is not None else 0
+    committed_hash = head.new_global_hash if head is not None else initial_params_hash
+    yield from uncommitted_breaks(entries, after=after, committed_hash=committed_hash)
+    pending = [e for e in entries if e.round == after + 1]
+    yield from kept_step_breaks(store, head=head, last_step=last_step, pending=pending)
+
+
+def uncommitted_breaks(
+    entries: Iterable[RoundEntry], *, after: int, committed_hash: str
+) -> Iterator[LinkBreak]:
+    """Manifest entries past the newest record (round ``after``, which left
+    ``committed_hash``) belong to the round in flight only, and follow its attempt rules
+    (:func:`attempt_breaks`): numbered 1, 2, …, each from the committed model or the
+    round's one external step, none producing a global state. A closed one is
+    :func:`link_breaks`' (a ledger record is missing)."""
+    entries = [e for e in entries if e.round > after]
+    beyond = sorted((e.round, e.attempt) for e in entries if e.round > after + 1)
+    if beyond:
+        name = manifest_entry_name(*beyond[0])
+        yield LinkBreak(
+            beyond[0][0], "manifest.round", after + 1, beyond[0][0],
+            f"{name}: an attempt of round {beyond[0][0]}, yet the ledger ends at round "
+            f"{after} (a round runs only once the one before it is in the ledger)",
+            beyond[0][1],
+        )  # fmt: skip
+    attempts = sorted((e for e in entries if e.round == after + 1), key=lambda e: e.attempt)
+    for broken in attempt_breaks(
+        after + 1, attempts, committed_hash=committed_hash, last_round=True
+    ):
+        if broken.attempt is None:
+            yield broken
+            continue
+        name = manifest_entry_name(after + 1, broken.attempt)
+        yield dataclasses.replace(broken, message=f"{name}: {broken.message}")
+
+
+def kept_step_breaks(
+    store: Store,
+    *,
+    head: ContributionRecord | None,
+    last_step: ExternalStep | None,
+    pending: Iterable[RoundEntry] = (),
+) -> Iterator[LinkBreak]:
+    """The external step kept under ``coordinator/external-step`` must be one the
+    evidence binds: the step of the newest record that has one (``last_step``: a round
+    already trained from it), or the pending step of the round after ``head`` — which
+    starts from ``head``'s model, is the step of every attempt of that round the manifest
+    holds (``pending``), and whose checkpoint holds the adopted model at the recorded
+    change norm from ``head``'s. A coordinator changes only the model it just committed,
+    so a step kept before any round committed is never one of its own. And a round in
+    flight whose attempts trained from a step needs that step still kept (else a resume
+    would train from the model the step replaced: the un-noised one, under central DP)."""
+    pending = list(pending)
+    stepped = [(e.attempt, e.external_step) for e in pending if e.external_step is not None]
+    try:
+        step = load_external_step(store)
+    except (LedgerError, StoreError) as exc:
+        yield LinkBreak(None, "external_step", "an external step", str(exc), str(exc))
+        return
+    t = head.round + 1 if head is not None else 1
+    if stepped and (step is None or step == last_step):
+        attempt, trained_from = stepped[0]  # the round in flight's step is no longer kept
+        yield LinkBreak(
+            t, "external_step", trained_from.adopted_hash, "missing",
+            f"{EXTERNAL_STEP} is missing or replaced, yet round {t} attempt {attempt} "
+            f"({manifest_entry_name(t, attempt)}) trained from the model a step adopted",
+            attempt,
+        )  # fmt: skip
+        return
+    if step is None or step == last_step:
+        return
+    if head is None or step.committed_hash != head.new_global_hash:
+        yield LinkBreak(
+            None, "external_step", "a ledger record's step, or one from the newest model",
+            step.adopted_hash,
+            f"{EXTERNAL_STEP} is no ledger record's external step and does not start from "
+            "the newest committed model: no coordinator kept it (it was written by hand)",
+        )  # fmt: skip
+        return
+    for entry in pending:
+        if entry.external_step != step:
+            found = entry.external_step.adopted_hash if entry.external_step else "no step"
+            yield LinkBreak(
+                t, "manifest.external_step", step.adopted_hash, found,
+                f"{EXTERNAL_STEP}: round {t} attempt {entry.attempt} "
+                f"({manifest_entry_name(t, entry.attempt)}) trained from another model than "
+                "the kept external step's (a step is kept before a round's first attempt)",
+                entry.attempt,
+            )  # fmt: skip
+    for broken in checkpoint_breaks(
+        store, step.checkpoint, params_hash=step.adopted_hash, round=head.round
+    ):
+        yield dataclasses.replace(broken, message=f"{EXTERNAL_STEP}: {broken.message}")
+    yield from change_norm_breaks(
+        store,
+        step,
+        head.checkpoint,
+        t,
+        field="external_step.change_norm",
+        message=f"{EXTERNAL_STEP}: its change norm is not the distance between the newest "
+        "committed model and the adopted one",
+    )
