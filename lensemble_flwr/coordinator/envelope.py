@@ -27,6 +27,7 @@ from lensemble_flwr.protocol.messages import (
     ControlMessage,
     ParticipantMessage,
     Refusal,
+    SurvivorAttestation,
     UnmaskResponse,
     Update,
     canonical_fields,
@@ -41,6 +42,7 @@ PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
     Update,
     Refusal,
     UnmaskResponse,
+    SurvivorAttestation,
 )
 """The message types a participant may send at all."""
 
