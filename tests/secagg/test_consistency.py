@@ -290,3 +290,38 @@ def test_a_survivor_that_does_not_attest_aborts_the_attempt_before_anyone_disclo
     assert second.state is RoundState.CLOSED and second.count == 3
     responses = seen.payloads(MessageKind.UNMASK_RESPONSE, round=1)
     assert responses and {p["attempt"] for p in responses} == {2}  # none in attempt 1
+
+
+def test_signed_attestations_are_admitted_and_an_unsigned_one_is_forged(tmp_path: Path) -> None:
+    """With identity keys, a member signs its SurvivorAttestation like its other messages;
+    one stripped of its signature is rejected (ForgedMessage) and counts as not
+    answering."""
+    from federation_helpers import signed_federation
+
+    from lensemble_flwr.identity.signing import IdentityKey
+
+    keys = {f"p0{i}": IdentityKey.generate() for i in range(4)}
+    config = small_config(secagg_threshold=3, min_participants=3)
+    faults = FaultPlan().drop("p02", round=1, at=RoundState.COLLECTING)
+    coordinator, network, _ = signed_federation(tmp_path, keys, config=config, faults=faults)
+    seen = DeliveryLog(network, dest=COORDINATOR)
+    coordinator.run(1)
+    (outcome,) = coordinator.outcomes
+    assert outcome.state is RoundState.CLOSED and outcome.count == 3
+    signed = seen.payloads(MessageKind.SURVIVOR_ATTESTATION, round=1)
+    assert len(signed) == 3 and all(p["signature"] for p in signed)
+
+    def unsign(payload: dict) -> dict:
+        payload["signature"] = None
+        return payload
+
+    faults = (
+        FaultPlan()
+        .drop("p02", round=1, at=RoundState.COLLECTING)
+        .corrupt("p01", round=1, kind=MessageKind.SURVIVOR_ATTESTATION, mutate=unsign)
+    )
+    coordinator, _, _ = signed_federation(tmp_path / "unsigned", keys, config=config, faults=faults)
+    coordinator.run(1)
+    first = coordinator.outcomes[0]
+    assert first.state is RoundState.ABORTED and isinstance(first.error, SecureAggregationError)
+    assert first.rejected >= 1
