@@ -435,12 +435,9 @@ def disclose(
             :func:`share_threshold` surviving neighbours).
 
     Raises:
-        SecureAggregationError: a sender is named both survivor and dropped (disclosing
-            both would unmask its individual input), the survivors and the dropped are
-            not the members, I am not a survivor, a survivor would be left with no
-            surviving neighbour, or (in a sparse graph) with fewer than t_k, a share comes
-            from a member that is not my neighbour, or a sealed share does not
-            authenticate.
+        SecureAggregationError: what :func:`check_partition` refuses (among others, fewer
+            survivors than t), a share comes from a member that is not my neighbour, or
+            a sealed share does not authenticate.
     """
     check_partition(
         me=me, members=members, context=context, survivors=survivors, dropped=dropped,
