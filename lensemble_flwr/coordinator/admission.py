@@ -65,6 +65,7 @@ from lensemble_flwr.protocol.messages import (
     MessageKind,
     ParticipantMessage,
     Refusal,
+    SurvivorAttestation,
     UnmaskResponse,
     Update,
     WirePayload,
@@ -86,6 +87,7 @@ class Verdict(str, enum.Enum):
     ADMITTED = "admitted"  # an Update entered the round's sum
     REFUSED = "refused"  # the sender releases nothing this attempt
     DISCLOSED = "disclosed"  # a masked round's unmask response was recorded
+    ATTESTED = "attested"  # a masked round's survivor attestation was recorded
     LATE = "late"  # of another attempt, or an update after collection closed: filed
 
 
@@ -421,9 +423,19 @@ def take_disclosure(
     return Verdict.DISCLOSED
 
 
+def take_attestation(
+    attempt: Attempt, msg: SurvivorAttestation, ingress: Ingress, fields: Mapping[str, Any]
+) -> Verdict:
+    """Admit a survivor's attestations of the survivor set, to be relayed with the unmask
+    requests (the coordinator checks who they are from and to, not the tags: it cannot)."""
+    assert isinstance(attempt.aggregator, SecureAggregator)  # fixed before COLLECTING
+    attempt.aggregator.attest(msg.participant_id, msg.tags)
+    return Verdict.ATTESTED
+
+
 def _with(phase: Phase, **admits: Any) -> Phase:
     """``phase`` with the handlers of the message kinds named (by class name) replaced."""
-    kinds = {kind.__name__: kind for kind in (Update, UnmaskResponse)}
+    kinds = {kind.__name__: kind for kind in (Update, UnmaskResponse, SurvivorAttestation)}
     return Phase({**phase.admits, **{kinds[k]: h for k, h in admits.items()}}, phase.exit)
 
 
@@ -434,12 +446,14 @@ MASKED_ROUND: RoundTable = MappingProxyType(
             PLAINTEXT_ROUND[RoundState.COLLECTING], Update=admit_member_update
         ),
         RoundState.AGGREGATING: _with(
-            PLAINTEXT_ROUND[RoundState.AGGREGATING], UnmaskResponse=take_disclosure
+            PLAINTEXT_ROUND[RoundState.AGGREGATING],
+            UnmaskResponse=take_disclosure,
+            SurvivorAttestation=take_attestation,
         ),
     }
 )
 """A masked round's table: the plaintext one, with member updates that announce their
-next mask key and the unmask responses of AGGREGATING."""
+next mask key, and the survivor attestations and unmask responses of AGGREGATING."""
 
 MASKED_ADMISSION: Table = flat(MASKED_ROUND)
 """The masked round's admission, as (state, message kind) -> handler."""
@@ -513,7 +527,7 @@ def admission_table(tables: Mapping[str, Table]) -> str:
     """A markdown table of which state admits which message type, and with what handler,
     for each named table (rendered into docs/runtime.md); states that admit nothing in
     any table are left out."""
-    kinds = [Commitment, Update, Refusal, UnmaskResponse]
+    kinds = [Commitment, Update, Refusal, SurvivorAttestation, UnmaskResponse]
     states = [s for s in RoundState if any(state is s for t in tables.values() for state, _ in t)]
     rows = ["| round | state | " + " | ".join(k.__name__ for k in kinds) + " |"]
     rows.append("| --- | --- | " + " | ".join("---" for _ in kinds) + " |")

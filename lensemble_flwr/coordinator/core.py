@@ -373,6 +373,17 @@ class RoundCore:
             raise IllegalTransition(f"cannot conclude a round that is {attempt.phase.value}")
         return attempt
 
+    def survivor_check(self) -> UnmaskRound | None:
+        """The survivor check an AGGREGATING masked attempt in which somebody dropped
+        needs answered before its unmask requests (None otherwise). The attestations are
+        :meth:`receive`'d as they come; :meth:`unmask` follows.
+
+        Raises:
+            IllegalTransition: the attempt is not AGGREGATING (nothing changes).
+            LensembleError: the sum cannot be revealed (the caller aborts).
+        """
+        return self.mode.check(self.aggregating())
+
     def unmask(self) -> UnmaskRound | None:
         """The unmask requests an AGGREGATING attempt needs answered before its sum is
         revealed (a masked round), or None (a plaintext one). The answers are

@@ -33,7 +33,6 @@ from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     RoundClose,
-    UnmaskRequest,
     kind_of,
 )
 from lensemble_flwr.protocol.round import RoundState
@@ -135,15 +134,19 @@ class Driver:
         return outcome
 
     def _unmask(self, exchange: Exchange | None) -> None:
-        """A masked round's unmask exchange, before its sum is revealed: the core's
-        requests go out through ``exchange``, which admits the answers (nothing in a
-        plaintext round).
+        """A masked round's exchanges before its sum is revealed: the survivor check when
+        somebody dropped, then the unmask requests; the core's messages go out through
+        ``exchange``, which admits the answers (nothing in a plaintext round).
 
         Raises:
             ConfigError: the round is masked and there is no ``exchange``.
             LensembleError: a request could not be formed, or an answer stopped the round.
         """
         require_exchange(self.core.mode, exchange)
+        check = self.core.survivor_check()
+        if check is not None:
+            assert exchange is not None  # require_exchange: a masked round has one
+            exchange(check.requests, check.done)
         unmask = self.core.unmask()
         if unmask is not None:
             assert exchange is not None  # require_exchange: a masked round has one
@@ -304,9 +307,10 @@ class Driver:
         for peer, message in messages:
             transport.send(peer, message)
 
-    def _exchange(self, requests: Mapping[str, UnmaskRequest], done: Callable[[], bool]) -> None:
-        """A second exchange within the attempt (a masked round's unmask requests), over
-        the transport, until ``done()`` or the collect timeout passed."""
+    def _exchange(self, requests: Mapping[str, ControlMessage], done: Callable[[], bool]) -> None:
+        """A further exchange within the attempt (a masked round's survivor check or
+        unmask requests), over the transport, until ``done()`` or the collect timeout
+        passed."""
         transport = self._require_transport()
         self._send_all(requests.items())
         deadline = self._clock() + self.core.config.federation.collect_timeout

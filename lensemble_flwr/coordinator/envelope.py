@@ -33,6 +33,7 @@ from lensemble_flwr.protocol.messages import (
     ControlMessage,
     ParticipantMessage,
     Refusal,
+    SurvivorAttestation,
     UnmaskResponse,
     Update,
     WirePayload,
@@ -49,6 +50,7 @@ PARTICIPANT_MESSAGES: tuple[type[ParticipantMessage], ...] = (
     Update,
     Refusal,
     UnmaskResponse,
+    SurvivorAttestation,
 )
 """The message types a participant may send at all."""
 

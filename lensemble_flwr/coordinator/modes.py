@@ -15,17 +15,22 @@ question         plaintext                    masked (secure aggregation)
                  (and bound, if required)
 ``eligible``     every invited participant    the members
 ``invitation``   once per participant         again to members, once they are fixed
-``table``        :data:`.admission.PLAINTEXT_  the same, + unmask responses while
-                 ROUND`                       AGGREGATING; an update announces its
-                                              next mask key
-``unmask``       nothing (None)               the unmask requests to every survivor, and
-                                              when all of them answered
+``table``        :data:`.admission.PLAINTEXT_  the same, + attestations and unmask
+                 ROUND`                       responses while AGGREGATING; an update
+                                              announces its next mask key
+``check``        nothing (None)               when somebody dropped, the survivor set
+                                              to every survivor (to attest), and when
+                                              all of them attested; None otherwise
+``unmask``       nothing (None)               the unmask requests to every survivor
+                                              (with the attestations addressed to it),
+                                              and when all of them answered
 ``reveal``       the sum, self-checked        the same, from the disclosed shares
 ===============  ===========================  ========================================
 
 ``admission`` is each mode's table as the flat (state, kind) -> handler view. A masked
-round needs its unmask exchange within the attempt: the mode only says what to send
-(``unmask``); the feeder that has a transport (the driver) sends it and admits the answers,
+round needs its unmask exchange (and, when somebody dropped, the survivor check before
+it) within the attempt: the mode only says what to send (``check``, ``unmask``); the
+feeder that has a transport (the driver) sends it and admits the answers,
 then the core reveals. :func:`require_exchange` is the one place the coordinator refuses a
 feeder that cannot give it one.
 """
@@ -56,7 +61,12 @@ from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.reach import ReachMemo
 from lensemble_flwr.errors import ConfigError, NonDeterministicAggregation
 from lensemble_flwr.identity.registry import ParticipantRegistry
-from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest
+from lensemble_flwr.protocol.messages import (
+    ControlMessage,
+    RoundOpen,
+    SurvivorCheck,
+    UnmaskRequest,
+)
 from lensemble_flwr.secagg import prg
 from lensemble_flwr.secagg.aggregator import SecureAggregator, check_capacity
 from lensemble_flwr.secagg.participant_role import encode_member, encode_named
@@ -67,17 +77,19 @@ log = logging.getLogger(__name__)
 
 AggregatorFactory = Callable[[Mapping[str, np.ndarray], AggregationConfig, int], Aggregator]
 
-Exchange = Callable[[Mapping[str, UnmaskRequest], Callable[[], bool]], None]
-"""``exchange(requests, done)``: send each request to its recipient and admit what comes
-back until ``done()`` or the exchange's deadline. Only a feeder that can wait for a second
-exchange within one attempt has one (the blocking loop); the others pass None."""
+Exchange = Callable[[Mapping[str, ControlMessage], Callable[[], bool]], None]
+"""``exchange(requests, done)``: send each request (a SurvivorCheck or an UnmaskRequest)
+to its recipient and admit what comes back until ``done()`` or the exchange's deadline.
+Only a feeder that can wait for further exchanges within one attempt has one (the
+blocking loop); the others pass None."""
 
 
 @dataclass(frozen=True)
 class UnmaskRound:
-    """What a masked round's unmask exchange sends and when it is complete."""
+    """What one of a masked round's exchanges after the updates (the survivor check, the
+    unmask) sends and when it is complete."""
 
-    requests: Mapping[str, UnmaskRequest]
+    requests: Mapping[str, ControlMessage]
     """One request per survivor that holds shares, by recipient."""
     done: Callable[[], bool]
     """True once every request was answered (nothing more to wait for)."""
@@ -106,6 +118,9 @@ class RoundMode(Protocol):
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
         """The RoundOpen to send ``peer`` now, or None when it needs none."""
+
+    def check(self, attempt: Attempt) -> UnmaskRound | None:
+        """The survivor check the attempt needs before its unmask exchange (None: none)."""
 
     def unmask(self, attempt: Attempt) -> UnmaskRound | None:
         """The unmask exchange the attempt needs before its sum is revealed (None: none)."""
@@ -192,6 +207,10 @@ class PlaintextMode:
             shared = attempt.round_open.model_copy(update={"needs_commitment": needs})
             self._invitations[key] = shared
         return shared
+
+    def check(self, attempt: Attempt) -> None:
+        """A plaintext sum needs no survivor check."""
+        return None
 
     def unmask(self, attempt: Attempt) -> None:
         """A plaintext sum needs no unmask exchange."""
@@ -326,11 +345,42 @@ class MaskedMode:
             changes["secagg_members"] = self._encoded_members(attempt, peer)
         return attempt.round_open.model_copy(update=changes)
 
-    def unmask(self, attempt: Attempt) -> UnmaskRound:
-        """The disclosure requests, one to every survivor that holds shares; the exchange
-        is complete once every survivor disclosed."""
+    def check(self, attempt: Attempt) -> UnmaskRound | None:
+        """When somebody dropped, the survivor set to every survivor, to attest to the
+        others before anyone discloses; complete once every survivor attested. None when
+        nobody dropped (steady state: the round stays at two exchanges).
+
+        Raises:
+            SecureAggregationError: the sum cannot be revealed (nobody is asked).
+        """
         aggregator = attempt.aggregator
         assert isinstance(aggregator, SecureAggregator)
+        partition = aggregator.survivor_set()
+        if partition is None:
+            return None
+        survivors, dropped = partition
+        check = SurvivorCheck(
+            run_id=self.run_id,
+            round=attempt.round,
+            attempt=attempt.number,
+            sender=COORDINATOR,
+            survivors=survivors,
+            dropped=dropped,
+        )  # one frozen message for every survivor: a transport encodes it once
+        return UnmaskRound(dict.fromkeys(survivors, check), aggregator.all_attested)
+
+    def unmask(self, attempt: Attempt) -> UnmaskRound:
+        """The disclosure requests, one to every survivor that holds shares, each with the
+        attestations addressed to it; the exchange is complete once every survivor
+        disclosed.
+
+        Raises:
+            SecureAggregationError: the sum cannot be revealed, or a survivor would get
+                too few attestations to disclose (nobody is asked).
+        """
+        aggregator = attempt.aggregator
+        assert isinstance(aggregator, SecureAggregator)
+        aggregator.check_attested()
         requests = aggregator.disclosure_requests()
         messages = {
             holder: UnmaskRequest(
@@ -341,6 +391,7 @@ class MaskedMode:
                 survivors=request.survivors,
                 dropped=request.dropped,
                 sealed=request.sealed_hex,
+                attestations=request.attestations,
             )
             for holder, request in requests.items()
         }

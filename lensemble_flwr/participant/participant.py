@@ -45,6 +45,8 @@ from lensemble_flwr.protocol.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
+    SurvivorAttestation,
+    SurvivorCheck,
     UnmaskRequest,
     UnmaskResponse,
     Update,
@@ -181,6 +183,8 @@ class Participant:
             self._on_round_open(message)
         elif isinstance(message, UnmaskRequest):
             self._on_unmask(message)
+        elif isinstance(message, SurvivorCheck):
+            self._on_survivor_check(message)
         elif isinstance(message, RoundClose):
             if self.last_close is None or message.round >= self.last_close.round:
                 self.last_close = message  # the newest close: the head join trusts
@@ -325,6 +329,27 @@ class Participant:
                 sender=self.participant_id,
                 participant_id=self.participant_id,
                 **shares,
+            ),
+        )
+
+    def _on_survivor_check(self, check: SurvivorCheck) -> None:
+        """Attest the survivor set to the other survivors (a masked round with drops)."""
+        try:
+            tags = self.masking.attest(check)
+        except LensembleError as exc:
+            log.warning(
+                "%s: no attestation for round %d: %r", self.participant_id, check.round, exc
+            )
+            return
+        self._send(
+            check.sender,
+            SurvivorAttestation(
+                run_id=check.run_id,
+                round=check.round,
+                attempt=check.attempt,
+                sender=self.participant_id,
+                participant_id=self.participant_id,
+                tags=tags,
             ),
         )
 

@@ -50,6 +50,8 @@ class MessageKind(str, enum.Enum):
     UNMASK_REQUEST = "unmask-request"
     UNMASK_RESPONSE = "unmask-response"
     ROUND_CLOSE = "round-close"
+    SURVIVOR_CHECK = "survivor-check"
+    SURVIVOR_ATTESTATION = "survivor-attestation"
 
     def __str__(self) -> str:  # "update", not "MessageKind.UPDATE", in messages and logs
         return self.value
@@ -61,6 +63,7 @@ PARTICIPANT_KINDS = frozenset(
         MessageKind.UPDATE,
         MessageKind.REFUSAL,
         MessageKind.UNMASK_RESPONSE,
+        MessageKind.SURVIVOR_ATTESTATION,
     }
 )
 """The kinds a participant sends (about itself, and may sign); the coordinator sends the
@@ -286,6 +289,31 @@ class UnmaskRequest(_Message):
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     sealed: dict[str, str] = Field(description="sender -> its shares sealed for you (hex)")
+    attestations: dict[str, Annotated[str, Field(pattern=_HEX64)]] = Field(
+        default_factory=dict,
+        description="attester -> its attestation of this survivor set to you (hex "
+        "HMAC); needed when anyone is dropped (secagg/consistency.py)",
+    )
+
+
+class SurvivorCheck(_Message):
+    """Coordinator → surviving member of a masked round in which somebody dropped: the
+    survivor set it will be asked to disclose for; attest it to the other survivors."""
+
+    kind: Literal[MessageKind.SURVIVOR_CHECK] = MessageKind.SURVIVOR_CHECK
+    attempt: int = Field(1, ge=1)
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+class SurvivorAttestation(_FromParticipant):
+    """Surviving member → coordinator: its attestation of the survivor set of the
+    SurvivorCheck to each of its surviving neighbours, to be relayed to them."""
+
+    kind: Literal[MessageKind.SURVIVOR_ATTESTATION] = MessageKind.SURVIVOR_ATTESTATION
+    tags: dict[str, Annotated[str, Field(pattern=_HEX64)]] = Field(
+        description="recipient -> the attestation addressed to it (hex HMAC-SHA256)"
+    )
 
 
 class UnmaskResponse(_FromParticipant):
@@ -325,9 +353,27 @@ ParticipantMessage = _FromParticipant
 """Any message a participant sends about itself (and may sign)."""
 
 ControlMessage = Union[  # noqa: UP007
-    RoundOpen, Commitment, Update, Refusal, UnmaskRequest, UnmaskResponse, RoundClose
+    RoundOpen,
+    Commitment,
+    Update,
+    Refusal,
+    UnmaskRequest,
+    UnmaskResponse,
+    RoundClose,
+    SurvivorCheck,
+    SurvivorAttestation,
 ]
-_MESSAGE_TYPES = (RoundOpen, Commitment, Update, Refusal, UnmaskRequest, UnmaskResponse, RoundClose)
+_MESSAGE_TYPES = (
+    RoundOpen,
+    Commitment,
+    Update,
+    Refusal,
+    UnmaskRequest,
+    UnmaskResponse,
+    RoundClose,
+    SurvivorCheck,
+    SurvivorAttestation,
+)
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
     Annotated[ControlMessage, Field(discriminator="kind")]
 )

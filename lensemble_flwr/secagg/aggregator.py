@@ -9,6 +9,7 @@ masked sum and the disclosed shares) and compares: never by asking for individua
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +25,7 @@ from lensemble_flwr.errors import (
 )
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.secagg import shamir
+from lensemble_flwr.secagg.consistency import attestations_needed
 from lensemble_flwr.secagg.protocol import Disclosure, MaskedSum, Member, NeighbourGraph
 
 
@@ -37,6 +39,7 @@ class DisclosureRequest:
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     sealed_hex: dict[str, str]  # survivor -> its share sealed for this holder, as it came
+    attestations: dict[str, str] = dataclasses.field(default_factory=dict)  # attester -> tag
 
     @property
     def self_mask_shares(self) -> dict[str, bytes]:
@@ -98,6 +101,7 @@ class SecureAggregator:
         self._self_shares: dict[str, Mapping[str, str]] = {}  # sender -> its sealed (hex)
         self._weights: dict[str, int] = {}
         self._disclosures: dict[str, Disclosure] = {}
+        self._attestations: dict[str, dict[str, str]] = {}  # attester -> recipient -> tag
         self._revealed: AggregateSum | None = None
         self._parsed: tuple[Update, dict[str, bytes], Mapping[str, str]] | None = None
 
@@ -156,9 +160,80 @@ class SecureAggregator:
         )
         return dict(shares)
 
+    def survivor_set(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """The partition the survivors are asked to attest once the contributing set is
+        frozen, as (survivors, dropped); None when nobody dropped (a member that sees no
+        drop discloses no pairwise seed, and needs no attestation).
+
+        Raises:
+            SecureAggregationError: the sum cannot be revealed, so nobody is asked
+                anything (:meth:`~.protocol.MaskedSum.check_revealable`).
+        """
+        if not self._sum.dropped:
+            return None
+        self._sum.check_revealable()
+        return tuple(sorted(self._sum.survivors)), tuple(self._sum.dropped)
+
+    def attest(self, attester: str, tags: Mapping[str, str]) -> None:
+        """Record a survivor's attestations of the survivor set, to be relayed; or raise
+        and record nothing. The coordinator cannot check a tag (it does not hold the
+        key): it checks who sends them to whom.
+
+        Raises:
+            RoundError: nobody dropped (nothing to attest), the attester is not a
+                survivor or attested already, or a tag is addressed to anyone but its
+                surviving neighbours (every other survivor with the full graph).
+        """
+        if not self._sum.dropped:
+            raise RoundError(f"{attester}: nobody dropped: there is no survivor set to attest")
+        if attester not in self._weights:
+            raise RoundError(f"{attester}: only survivors attest the survivor set")
+        if attester in self._attestations:
+            raise RoundError(f"{attester}: attested the survivor set already")
+        strangers = set(tags) - (set(self._weights) & self._graph.near(attester))
+        if strangers:
+            raise RoundError(
+                f"{attester}: attestations addressed to {sorted(strangers)[:3]}, who are not "
+                "its surviving neighbours"
+            )
+        self._attestations[attester] = dict(tags)
+
+    def all_attested(self) -> bool:
+        """Whether every survivor's attestations arrived."""
+        return len(self._attestations) == len(self._weights)
+
+    def _attestations_for(self, holder: str) -> dict[str, str]:
+        return {a: tags[holder] for a, tags in self._attestations.items() if holder in tags}
+
+    def check_attested(self) -> None:
+        """Refuse (before anyone is asked to disclose) when somebody dropped and a
+        survivor would get fewer attestations than it needs to disclose (it would
+        refuse, and the sum could not be revealed).
+
+        Raises:
+            SecureAggregationError: some survivor would.
+        """
+        if not self._sum.dropped:
+            return
+        survivors = sorted(self._sum.survivors)
+        need = attestations_needed(
+            len(self._member_ids), self._graph.degree, self._sum.threshold,
+            sparse=self._graph.sparse,
+        )  # fmt: skip
+        counts = collections.Counter(r for tags in self._attestations.values() for r in tags)
+        short = [s for s in survivors if counts[s] < need]
+        if short:
+            raise SecureAggregationError(
+                f"{short[:3]} would get fewer than {need} attestations of the survivor set "
+                "(survivors that did not attest count as not answering)"
+            )
+
     def disclosure_requests(self) -> dict[str, DisclosureRequest]:
         """What to ask each survivor once the contributing set is frozen: in a sparse
         graph, only the shares its surviving neighbours dealt it.
+
+        Each request carries the attestations of the survivor set addressed to its
+        holder (:meth:`attest`; none when nobody dropped).
 
         Raises:
             SecureAggregationError: (sparse graph) the sum cannot be revealed, so nobody
@@ -177,6 +252,7 @@ class SecureAggregator:
                         s: self._self_shares[s][holder]
                         for s in sorted(alive.intersection(self._graph.near(holder)))
                     },
+                    attestations=self._attestations_for(holder),
                 )
                 for holder in survivors
             }
@@ -186,6 +262,7 @@ class SecureAggregator:
                 survivors=survivors,
                 dropped=dropped,
                 sealed_hex={s: sealed[holder] for s, sealed in columns},
+                attestations=self._attestations_for(holder),
             )
             for holder in survivors
         }

@@ -99,7 +99,7 @@ class SecAggKeys:
     mask_private: bytes
     enc_private: bytes
     boxes: BoxKeys | None = dataclasses.field(default=None, repr=False, compare=False)
-    _seeds: dict[tuple[bytes, bytes], bytes] = dataclasses.field(
+    _seeds: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -127,17 +127,32 @@ class SecAggKeys:
         assert self.boxes is not None  # __post_init__
         return self.boxes.box(peer_enc_public)
 
+    def _agreed(self, peer_mask_public: bytes, context: bytes) -> tuple[bytes, bytes]:
+        """(pair seed, attestation key) with the peer for ``context``: one X25519
+        agreement, two HKDF derivations under distinct labels."""
+        found = self._seeds.get((peer_mask_public, context))
+        if found is None:
+            secret = _exchange(self.mask_private, peer_mask_public)
+            found = (hkdf(secret, PAIR_LABEL + context), hkdf(secret, ATTEST_LABEL + context))
+            self._seeds[(peer_mask_public, context)] = found
+        return found
+
     def pair_seed(self, peer_mask_public: bytes, context: bytes) -> bytes:
         """:func:`pair_seed` of the mask key with the peer's, computed once.
 
         Raises:
             SecureAggregationError: the peer's key is not a usable X25519 public key.
         """
-        found = self._seeds.get((peer_mask_public, context))
-        if found is None:
-            found = pair_seed(self.mask_private, peer_mask_public, context)
-            self._seeds[(peer_mask_public, context)] = found
-        return found
+        return self._agreed(peer_mask_public, context)[0]
+
+    def attest_key(self, peer_mask_public: bytes, context: bytes) -> bytes:
+        """:func:`attest_key` of the mask key with the peer's (the agreement the pair
+        seed came from, made once).
+
+        Raises:
+            SecureAggregationError: the peer's key is not a usable X25519 public key.
+        """
+        return self._agreed(peer_mask_public, context)[1]
 
 
 def _exchange(private: bytes, peer_public: bytes) -> bytes:
@@ -163,13 +178,30 @@ def check_public_key(public: bytes) -> None:
     _exchange(_PROBE, public)
 
 
+PAIR_LABEL = b"lensemble-secagg/pair|"
+ATTEST_LABEL = b"lensemble-secagg/attest|"
+"""HKDF labels of the two keys one X25519 agreement of mask keys gives: the pairwise
+mask seed (disclosed for a dropped neighbour) and the key that authenticates survivor
+sets between the two members (never disclosed: knowing the seed says nothing of it)."""
+
+
 def pair_seed(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:
     """The pairwise mask seed of two participants for one round attempt (symmetric).
 
     Raises:
         SecureAggregationError: the peer's key is not a usable X25519 public key.
     """
-    return hkdf(_exchange(mask_private, peer_mask_public), b"lensemble-secagg/pair|" + context)
+    return hkdf(_exchange(mask_private, peer_mask_public), PAIR_LABEL + context)
+
+
+def attest_key(mask_private: bytes, peer_mask_public: bytes, context: bytes) -> bytes:
+    """The key two members authenticate survivor sets with, for one round attempt
+    (symmetric; from the agreement of :func:`pair_seed`, under another label).
+
+    Raises:
+        SecureAggregationError: the peer's key is not a usable X25519 public key.
+    """
+    return hkdf(_exchange(mask_private, peer_mask_public), ATTEST_LABEL + context)
 
 
 def _box_key(enc_private: bytes, peer_enc_public: bytes) -> bytes:

@@ -7,7 +7,10 @@ key that serves this one round attempt. The stage masks; the role keeps what the
 round's unmask request will need. With the masked update the participant announces the
 public half of the key its next round will use; the private halves of announced keys
 stay with the participant; a key is deleted once its round's unmask request is answered
-(one answer per attempt). Its sealing key is long-lived: it only ever encrypts shares for one peer.
+(one answer per attempt). When somebody dropped, the member first attests the survivor
+set to the other survivors and discloses only for a set enough of them attested
+(:mod:`~lensemble_flwr.secagg.consistency`). Its sealing key is long-lived: it only ever
+encrypts shares for one peer.
 """
 
 from __future__ import annotations
@@ -17,10 +20,16 @@ from typing import Any
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import SecureAggregationError
-from lensemble_flwr.protocol.messages import RoundOpen, UnmaskRequest
-from lensemble_flwr.secagg import prg
+from lensemble_flwr.protocol.messages import RoundOpen, SurvivorCheck, UnmaskRequest
+from lensemble_flwr.secagg import consistency, prg
 from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
-from lensemble_flwr.secagg.protocol import Member, context_of, disclose, graph_of
+from lensemble_flwr.secagg.protocol import (
+    Member,
+    check_partition,
+    context_of,
+    disclose,
+    graph_of,
+)
 
 ANNOUNCED_KEYS_KEPT = 4
 """How many announced, unused mask keys a participant keeps (the coordinator lists only
@@ -91,6 +100,7 @@ class MaskingRole:
         self.announced: dict[str, bytes] = {}  # public hex -> private, announced, unused
         self.round_key: bytes | None = None  # the mask key of the attempt masked last
         self.answered: dict[str, Any] | None = None  # that attempt's unmask answer
+        self.attested: dict[str, Any] | None = None  # that attempt's survivor attestation
         self.members: list[Member] = []
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
@@ -211,6 +221,7 @@ class MaskingRole:
         self.round_key = self.announced.pop(listed)
         self.members = members
         self.answered = None
+        self.attested = None
         self.context = context_of(msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
         self.threshold = msg.secagg_threshold
@@ -239,24 +250,106 @@ class MaskingRole:
             self._round_keys = keys
         return keys
 
-    def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
-        """The UnmaskResponse's fields for ``request``. A participant answers one
-        partition of the members per attempt: the same request again gets the same
-        answer; any other is refused (two partitions would let a coordinator collect a
-        member's self mask from some holders and its pairwise seeds from the others). The
-        round's mask key is deleted once the answer is made.
+    def _partition_of(self, msg: UnmaskRequest | SurvivorCheck) -> list[list[str]]:
+        """``msg``'s partition, once it is known to be about this member's masked round.
 
         Raises:
-            SecureAggregationError: no masked round to unmask, another round, another
-                partition than the one answered, or what :func:`~.protocol.disclose`
-                refuses.
+            SecureAggregationError: no masked round, or ``msg`` is of another one.
         """
         me = self.participant_id
         if not self.members:
             raise SecureAggregationError(f"{me}: no masked round to unmask")
-        if context_of(request.run_id, request.round, request.attempt) != self.context:
+        if context_of(msg.run_id, msg.round, msg.attempt) != self.context:
             raise SecureAggregationError(f"{me}: unmask request for another round")
-        partition = [list(request.survivors), list(request.dropped)]
+        return [list(msg.survivors), list(msg.dropped)]
+
+    def _check_partition(self, survivors: tuple[str, ...], dropped: tuple[str, ...]) -> None:
+        check_partition(
+            me=self.participant_id, members=self.members, context=self.context,
+            survivors=survivors, dropped=dropped, threshold=self.threshold, degree=self.degree,
+        )  # fmt: skip
+
+    def attest(self, check: SurvivorCheck) -> dict[str, str]:
+        """The SurvivorAttestation's tags for ``check``: this member's attestation of the
+        survivor set to each of its surviving neighbours. A member attests one survivor
+        set per attempt, and then discloses for that set only: the same check again gets
+        the same answer, another set is refused, and so is a set other than the one it
+        already disclosed for.
+
+        Raises:
+            SecureAggregationError: no masked round to attest, another round, another
+                partition than the one attested or answered, a disclosure already made
+                (the round's key is gone), or what :func:`~.protocol.check_partition`
+                refuses (nothing is attested).
+        """
+        me, partition = self.participant_id, self._partition_of(check)
+        if self.attested is not None:
+            if self.attested["partition"] != partition:
+                raise SecureAggregationError(
+                    f"{me}: this attempt's survivor set was attested already; refusing "
+                    "to attest another"
+                )
+            return dict(self.attested["tags"])
+        if self.answered is not None or self.round_key is None or self.enc_private is None:
+            raise SecureAggregationError(
+                f"{me}: this attempt's unmask request was answered already: nothing to attest"
+            )
+        self._check_partition(check.survivors, check.dropped)
+        tags = consistency.attest(
+            self._keys(), me=me, members=self.members, context=self.context,
+            degree=self.degree, survivors=check.survivors, dropped=check.dropped,
+        )  # fmt: skip
+        self.attested = {"partition": partition, "tags": tags}
+        return dict(tags)
+
+    def _check_attested(self, request: UnmaskRequest, partition: list[list[str]]) -> None:
+        """A request that drops anyone must be the partition this member attested, if it
+        attested one, and carry enough valid attestations of it from other survivors
+        (:func:`~.consistency.attestations_needed`); one that drops nobody needs none
+        (disclosing no pairwise seed, the member cannot be exposed by it).
+
+        Raises:
+            SecureAggregationError: it is not, or it does not.
+        """
+        me = self.participant_id
+        if self.attested is not None and self.attested["partition"] != partition:
+            raise SecureAggregationError(
+                f"{me}: the unmask request names another survivor set than the one this "
+                "participant attested; refusing to disclose"
+            )
+        if not request.dropped:
+            return
+        graph = graph_of(self.members, self.degree, self.context)
+        need = consistency.attestations_needed(
+            len(self.members), self.degree, self.threshold, sparse=graph.sparse
+        )
+        valid = consistency.valid_attesters(
+            self._keys(), me=me, members=self.members, context=self.context,
+            degree=self.degree, survivors=request.survivors, dropped=request.dropped,
+            attestations=request.attestations,
+        )  # fmt: skip
+        if len(valid) < need:
+            raise SecureAggregationError(
+                f"{me}: {len(valid)} valid attestations of the survivor set from other "
+                f"survivors, {need} needed: refusing to disclose"
+            )
+
+    def disclose(self, request: UnmaskRequest) -> dict[str, dict[str, str]]:
+        """The UnmaskResponse's fields for ``request``. A participant answers one
+        partition of the members per attempt: the same request again gets the same
+        answer; any other is refused (two partitions would let a coordinator collect a
+        member's self mask from some holders and its pairwise seeds from the others), and
+        so is one other than the partition it attested. A request that names a dropped
+        member must carry enough attestations of that exact partition from the other
+        survivors (:meth:`_check_attested`). The round's mask key is deleted once the
+        answer is made.
+
+        Raises:
+            SecureAggregationError: no masked round to unmask, another round, another
+                partition than the one answered or attested, too few valid attestations,
+                or what :func:`~.protocol.disclose` refuses (nothing is disclosed).
+        """
+        me, partition = self.participant_id, self._partition_of(request)
         if self.answered is not None:
             if self.answered["partition"] != partition:
                 raise SecureAggregationError(
@@ -266,6 +359,8 @@ class MaskingRole:
             return dict(self.answered["reply"])
         if self.enc_private is None or self.round_key is None or self.threshold < 1:
             raise SecureAggregationError(f"{me}: no masked round to unmask")
+        self._check_partition(request.survivors, request.dropped)
+        self._check_attested(request, partition)
         try:
             sealed = {s: bytes.fromhex(c) for s, c in request.sealed.items()}
         except ValueError:
@@ -298,6 +393,7 @@ class MaskingRole:
             "announced": {pub: priv.hex() for pub, priv in self.announced.items()},
             "round_key": None if self.round_key is None else self.round_key.hex(),
             "answered": self.answered,
+            "attested": self.attested,
             "members": [encode_member(m) for m in self.members],
             "context": self.context.decode(),
             "degree": self.degree,
@@ -315,6 +411,8 @@ class MaskingRole:
         self._round_keys = None
         answered = meta.get("answered")
         self.answered = dict(answered) if isinstance(answered, dict) else None
+        attested = meta.get("attested")
+        self.attested = dict(attested) if isinstance(attested, dict) else None
         self.members = parse_members(tuple(meta.get("members", ())))
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))

@@ -353,6 +353,66 @@ def _open_share(
         raise SecureAggregationError(f"{sender.pid}'s sealed share is not a share") from None
 
 
+def check_partition(
+    *,
+    me: str,
+    members: Sequence[Member],
+    context: bytes,
+    survivors: Sequence[str],
+    dropped: Sequence[str],
+    threshold: int,
+    degree: int = 0,
+) -> None:
+    """Everything a member checks of a survivor set before it attests it or discloses
+    for it (the partition itself; whether the coordinator may ask is checked by the
+    caller).
+
+    Raises:
+        SecureAggregationError: a sender is named both survivor and dropped (disclosing
+            both would unmask its individual input), the survivors and the dropped are
+            not the members, each named once, ``me`` is not a survivor, there are fewer
+            survivors than the threshold t (on every graph: a sum of fewer than t
+            members is never revealed), a survivor would be left with no surviving
+            neighbour or, in a sparse graph, with fewer than t_k, or the survivors fall
+            into unconnected groups.
+    """
+    both = set(survivors) & set(dropped)
+    if both:
+        raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
+    ids = {m.pid for m in members}
+    named = [*survivors, *dropped]
+    if set(named) != ids or len(named) != len(ids):
+        raise SecureAggregationError(
+            "refusing to disclose: the survivors and the dropped are not the members"
+        )
+    if me not in survivors:
+        raise SecureAggregationError(f"refusing to disclose: {me} is not named a survivor")
+    if len(survivors) < threshold:
+        raise SecureAggregationError(
+            f"refusing to disclose: {len(survivors)} survivors, threshold {threshold}"
+        )
+    alone = isolated_survivors(members, survivors, degree, context)
+    if alone:
+        raise SecureAggregationError(
+            f"refusing to disclose: {alone} would have no surviving neighbour"
+        )
+    graph = graph_of(members, degree, context)
+    if not graph.sparse:
+        return
+    if graph.groups(survivors) > 1:
+        raise SecureAggregationError(
+            "refusing to disclose: the survivors fall into unconnected groups, whose "
+            "sums could be revealed one by one"
+        )
+    short = short_of_shares(members, survivors, degree, threshold, context)
+    if short:
+        need = share_threshold(len(members), degree, threshold)
+        raise SecureAggregationError(
+            f"refusing to disclose: {short} would have fewer than {need} surviving "
+            "neighbours to disclose their self mask"
+        )
+
+
 def disclose(
     *,
     me: str,
@@ -375,53 +435,23 @@ def disclose(
             :func:`share_threshold` surviving neighbours).
 
     Raises:
-        SecureAggregationError: a sender is named both survivor and dropped (disclosing
-            both would unmask its individual input), the survivors and the dropped are
-            not the members, I am not a survivor, a survivor would be left with no
-            surviving neighbour, or (in a sparse graph) with fewer than t_k, a share comes
-            from a member that is not my neighbour, or a sealed share does not
-            authenticate.
+        SecureAggregationError: what :func:`check_partition` refuses (among others, fewer
+            survivors than t), a share comes from a member that is not my neighbour, or
+            a sealed share does not authenticate.
     """
-    both = set(survivors) & set(dropped)
-    if both:
-        raise SecureAggregationError(f"refusing to disclose both shares of {sorted(both)}")
-    by_id = {m.pid: m for m in members}
-    named = [*survivors, *dropped]
-    if set(named) != set(by_id) or len(named) != len(by_id):
-        raise SecureAggregationError(
-            "refusing to disclose: the survivors and the dropped are not the members"
-        )
-    if me not in survivors:
-        raise SecureAggregationError(f"refusing to disclose: {me} is not named a survivor")
-    alone = isolated_survivors(members, survivors, degree, context)
-    if alone:
-        raise SecureAggregationError(
-            f"refusing to disclose: {alone} would have no surviving neighbour"
-        )
+    check_partition(
+        me=me, members=members, context=context, survivors=survivors, dropped=dropped,
+        threshold=threshold, degree=degree,
+    )  # fmt: skip
     graph = graph_of(members, degree, context)
     near = graph.near(me)
     if graph.sparse:
-        if len(set(survivors)) < threshold:
-            raise SecureAggregationError(
-                f"refusing to disclose: {len(set(survivors))} survivors, threshold {threshold}"
-            )
-        if graph.groups(survivors) > 1:
-            raise SecureAggregationError(
-                "refusing to disclose: the survivors fall into unconnected groups, whose "
-                "sums could be revealed one by one"
-            )
-        short = short_of_shares(members, survivors, degree, threshold, context)
-        if short:
-            need = share_threshold(len(members), degree, threshold)
-            raise SecureAggregationError(
-                f"refusing to disclose: {short} would have fewer than {need} surviving "
-                "neighbours to disclose their self mask"
-            )
         strangers = sorted(set(self_mask_shares) - near)
         if strangers:
             raise SecureAggregationError(
                 f"refusing to disclose: shares from {strangers}, who are not my neighbours"
             )
+    by_id = {m.pid: m for m in members}
     self_mask = {
         sender: _open_share(keys, by_id[sender], me, self_mask_shares[sender], context)
         for sender in survivors

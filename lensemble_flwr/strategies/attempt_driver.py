@@ -28,7 +28,7 @@ from flwr.app import Message
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.coordinator import WRITES_PREPARED, Coordinator
 from lensemble_flwr.errors import LensembleError, StoreError
-from lensemble_flwr.protocol.messages import UnmaskRequest, kind_of
+from lensemble_flwr.protocol.messages import ControlMessage, kind_of
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.strategies.grid_transport import GridTransport, unsent_refusal
 
@@ -137,9 +137,9 @@ class AttemptDriver:
             on_closed(outcome)  # it may push the next attempt: this driver drives that one
         return outcome
 
-    def _exchange(self, requests: Mapping[str, UnmaskRequest], done: Callable[[], bool]) -> None:
-        """A masked round's unmask requests, and their answers admitted until ``done()``
-        or the collect timeout."""
+    def _exchange(self, requests: Mapping[str, ControlMessage], done: Callable[[], bool]) -> None:
+        """A masked round's survivor check or unmask requests, and their answers admitted
+        until ``done()`` or the collect timeout."""
         coordinator, transport = self._coordinator, self._transport
         for peer, request in requests.items():
             transport.send(peer, request)

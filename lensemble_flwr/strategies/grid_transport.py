@@ -46,6 +46,7 @@ from lensemble_flwr.protocol.messages import (
     MessageKind,
     RoundClose,
     RoundOpen,
+    SurvivorCheck,
     UnmaskRequest,
     WirePayload,
     kind_of,
@@ -190,10 +191,15 @@ class GridTransport:
         return None
 
     def send(self, peer_id: str, message: ControlMessage) -> None:
-        """Queue a RoundOpen or UnmaskRequest for ``peer_id`` (pushed by the next recv)."""
+        """Queue a RoundOpen, SurvivorCheck or UnmaskRequest for ``peer_id`` (pushed by
+        the next recv)."""
         payload = to_wire(message)
         if isinstance(message, UnmaskRequest):
             self._queue_message(peer_id, records.encode_unmask(payload), MessageType.TRAIN, payload)
+            return
+        if isinstance(message, SurvivorCheck):
+            content = records.encode_survivor_check(payload)
+            self._queue_message(peer_id, content, MessageType.TRAIN, payload)
             return
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")

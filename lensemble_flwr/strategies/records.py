@@ -44,7 +44,10 @@ _JSON = "__json__"
 # what a participant sends, in protocol order (MessageKind lists the kinds in that order)
 _REPLY_KINDS = tuple(kind for kind in MessageKind if kind in PARTICIPANT_KINDS)
 UNMASK_RECORD = PREFIX + MessageKind.UNMASK_REQUEST.value
-INSTRUCTION_KINDS = frozenset({MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST})
+CHECK_RECORD = PREFIX + MessageKind.SURVIVOR_CHECK.value
+INSTRUCTION_KINDS = frozenset(
+    {MessageKind.ROUND_OPEN, MessageKind.UNMASK_REQUEST, MessageKind.SURVIVOR_CHECK}
+)
 """The kinds a train instruction carries (the ones a participant answers)."""
 CARRIED = "carried-arrays"
 """Config field (under the ``lensemble.`` prefix) naming the instruction's arrays that are
@@ -168,6 +171,11 @@ def encode_unmask(request: WirePayload) -> RecordDict:
     return RecordDict({UNMASK_RECORD: ConfigRecord(_fields_to_config(request, skip=None))})
 
 
+def encode_survivor_check(check: WirePayload) -> RecordDict:
+    """A SurvivorCheck (a masked round's consistency exchange) as a train instruction."""
+    return RecordDict({CHECK_RECORD: ConfigRecord(_fields_to_config(check, skip=None))})
+
+
 def encode_close(round_close: WirePayload) -> dict[str, Any]:
     """A RoundClose as the ``lensemble.close.*`` config entries that ride on the next
     instruction."""
@@ -178,8 +186,9 @@ def decode_instruction(content: RecordDict) -> list[dict[str, Any]]:
     """The lensemble payloads of an instruction, RoundClose first. Empty if there are none."""
     payloads: list[dict[str, Any]] = []
     config_records = records_of(content, ConfigRecord)
-    if UNMASK_RECORD in config_records:
-        return [_config_to_fields(config_records[UNMASK_RECORD])]
+    for exchange in (UNMASK_RECORD, CHECK_RECORD):  # an instruction of its own
+        if exchange in config_records:
+            return [_config_to_fields(config_records[exchange])]
     config = named_or_only(config_records, CONFIG)
     if config is None:
         return payloads

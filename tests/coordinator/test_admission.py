@@ -33,6 +33,7 @@ from lensemble_flwr.protocol.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
+    SurvivorAttestation,
     UnmaskRequest,
     UnmaskResponse,
     Update,
@@ -179,7 +180,11 @@ def test_the_tables_name_only_participant_messages_and_listening_states() -> Non
 def test_a_masked_round_admits_unmask_responses_only_while_aggregating(tmp_path: Path) -> None:
     masked = MaskedMode.admission
     assert [s for s, kind in masked if kind is UnmaskResponse] == [RoundState.AGGREGATING]
-    assert set(masked) == set(ADMISSION) | {(RoundState.AGGREGATING, UnmaskResponse)}
+    assert [s for s, kind in masked if kind is SurvivorAttestation] == [RoundState.AGGREGATING]
+    assert set(masked) == set(ADMISSION) | {
+        (RoundState.AGGREGATING, UnmaskResponse),
+        (RoundState.AGGREGATING, SurvivorAttestation),
+    }
 
 
 def test_an_update_a_handler_refuses_changes_nothing(tmp_path: Path) -> None:

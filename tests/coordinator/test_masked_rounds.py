@@ -159,6 +159,63 @@ def test_masked_rounds_over_a_flower_grid(tmp_path: Path) -> None:
     assert grid.stored == {} and transport.dropped == []
 
 
+def test_a_masked_round_with_a_drop_over_a_flower_grid_checks_the_survivors(
+    tmp_path: Path,
+) -> None:
+    """A member that stops answering once it is listed in round 2: the survivors get the
+    survivor check as a train instruction of its own and attest through their ClientApp;
+    that round is three exchanges (a round without a drop stays at two:
+    ``test_masked_rounds_over_a_flower_grid``)."""
+    from flwr.app import Context, Message, RecordDict
+
+    from lensemble_flwr.strategies import records
+    from tests.strategies.test_grid_transport import (
+        NODES,
+        FakeClock,
+        FakeGrid,
+        clientapp_node,
+        make_transport,
+    )
+
+    config = masked_config()
+    clock = FakeClock()
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    nodes = {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    answer = nodes[NODES[0]]
+
+    def silent_in_round_two(message: Message) -> Message | None:
+        for payload in records.decode_instruction(message.content):
+            if payload.get("round") == 2 and payload.get("secagg_members"):
+                return None  # listed, then gone: its masked update never comes
+        return answer(message)
+
+    nodes[NODES[0]] = silent_in_round_two
+    grid = FakeGrid(clock, nodes)
+    fed = config.federation
+    transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
+    coordinator = Coordinator(
+        config,
+        transport=transport,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        run_id="flwr-1",
+    )
+    coordinator.run(2)
+    assert [o.count for o in coordinator.outcomes] == [4, 3]
+    verify(Store(tmp_path / "run"))
+    checks = [
+        i for i, _ in grid.delivered if records.CHECK_RECORD in records.records_of(
+            i.content, records.ConfigRecord
+        )
+    ]  # fmt: skip
+    assert len(checks) == 3 and {int(i.metadata.group_id) for i in checks} == {2}
+    assert transport.exchanges(1) == 3  # keys, members, unmask
+    assert transport.exchanges(2) == 3  # members, survivor check, unmask
+
+
 def test_every_round_attempt_masks_with_fresh_keys(tmp_path: Path) -> None:
     """A mask key serves one attempt: each member set lists keys never listed before, and
     a member whose key was spent without a successor (it dropped) commits a new one."""

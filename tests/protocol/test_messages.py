@@ -25,6 +25,8 @@ from lensemble_flwr.protocol.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
+    SurvivorAttestation,
+    SurvivorCheck,
     UnmaskRequest,
     UnmaskResponse,
     Update,
@@ -263,6 +265,8 @@ def one_of_each_kind() -> dict[MessageKind, ControlMessage]:
             count=1,
             record_hash=ROOT,
         ),
+        SurvivorCheck(**common, sender="coordinator", survivors=("p1",), dropped=("p2",)),
+        SurvivorAttestation(**mine, tags={"p3": "ab" * 32}),
     ]
     by_kind = {m.kind: m for m in messages}
     assert list(by_kind) == list(MessageKind)  # one class per kind, none left out
@@ -301,6 +305,7 @@ def test_participant_kinds_are_the_kinds_of_the_messages_a_participant_signs() -
         MessageKind.UPDATE,
         MessageKind.REFUSAL,
         MessageKind.UNMASK_RESPONSE,
+        MessageKind.SURVIVOR_ATTESTATION,
     }
 
 
@@ -328,7 +333,9 @@ def test_an_unknown_kind_is_refused_naming_the_kinds_as_they_are_spelled_on_the_
 # RoundOpen's alone moved again when it named the mask PRG (``secagg_prg``): no ledger,
 # manifest or signature refers to a RoundOpen's digest. RoundClose's moved when it carried
 # its round's C_t instead of the contributors' ids (their list is in the ledger record the
-# close names); none of those refers to a RoundClose's digest either.
+# close names); none of those refers to a RoundClose's digest either. UnmaskRequest's moved
+# when it carried the attestations of the survivor set (none here): no ledger, manifest or
+# signature refers to an UnmaskRequest's digest.
 PINNED_DIGESTS = {
     MessageKind.ROUND_OPEN: (
         "2566b4fdbb75a3bf3814be45e259196280b8848c1cc02ae1c11c447cf01ba55b",
@@ -347,7 +354,7 @@ PINNED_DIGESTS = {
         "0ef2a706d408956dbe0ab90b283dc5264b90234979a69c3cb1734cd385610f4d",
     ),
     MessageKind.UNMASK_REQUEST: (
-        "674f70f81c1cb2dbb7c2615d4b0035c8167b925652204209554531731f558bb1",
+        "a1eed5abfb093ee5993edf6cf6d10f4e021455ffa804599b7513bd5a51891433",
         None,
     ),
     MessageKind.UNMASK_RESPONSE: (
@@ -357,6 +364,14 @@ PINNED_DIGESTS = {
     MessageKind.ROUND_CLOSE: (
         "9401861e8a821813bf9a19c3acceb686fd89fc40a9b89d82f9625d9e7f4b10eb",
         None,
+    ),
+    MessageKind.SURVIVOR_CHECK: (
+        "2b52f7bc853544622fc55ecd02f22f54c09d9a69bd218c36a13872c62872d4f0",
+        None,
+    ),
+    MessageKind.SURVIVOR_ATTESTATION: (
+        "b89f6c503aefe6b9ee8bfac55fddf14170ebce33f12f8b08c89c67315b417df6",
+        "f074e9842296e20571bd9e2e7bbcc68fc19002797c33ab8c00ad8d973cc964ea",
     ),
 }
 
