@@ -17,7 +17,8 @@ Layout under ``root``:
 A large blob (a checkpoint) is written by :meth:`Store.put_parts` from its parts (views of
 the arrays it holds) and hashed as it is written, on a second thread: the blob is never
 assembled in memory, and its digest costs no pass of its own. A blob read back later
-(:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed.
+(:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed; a
+commit re-reads the checkpoint it relies on (:meth:`Store.read_back`) before recording it.
 
 ``Store(root, sync=False)`` skips the fsyncs and keeps everything else: a write is still
 published whole or not at all, so a killed *process* leaves the store as it was after its
@@ -347,6 +348,45 @@ class Store:
         if actual != digest:
             raise CheckpointIntegrityError(f"blob {digest} hashes to {actual}")
         return data
+
+    def read_back(self, digest: str) -> None:
+        """Re-read the blob ``digest`` from disk and re-hash it, a slice at a time (never
+        the whole blob in memory): what a commit does before it records a checkpoint it
+        just wrote, or found already stored.
+
+        A blob that is missing, or does not hash to its digest (it was corrupted where it
+        lies, or the write did not read back), is useless to every reader (:meth:`get`
+        refuses it), so it is removed (as :meth:`delete` does) before the error is raised:
+        the next write of the same bytes publishes them afresh instead of finding the bad
+        blob there and trusting it.
+
+        Raises:
+            StoreError: ``digest`` is malformed, or the blob cannot be read.
+            CheckpointIntegrityError: the blob is missing or does not hash to ``digest``.
+        """
+        _check_digest(digest)
+        path = self._blob_path(digest)
+        self._check_no_links(path)
+        hasher = hashlib.sha256()
+        try:
+            with open(path, "rb", buffering=0) as blob:
+                size = os.fstat(blob.fileno()).st_size
+                view = memoryview(bytearray(min(max(size, 1), _SLICE)))
+                while count := blob.readinto(view):
+                    hasher.update(view[:count])
+        except FileNotFoundError:
+            raise CheckpointIntegrityError(f"blob {digest} was written but is not there") from None
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot read back: {_cause(exc)}") from None
+        actual = hasher.hexdigest()
+        if actual == digest:
+            return
+        try:
+            self.delete(digest)
+            what = "removed"
+        except StoreError as exc:
+            what = f"not removed ({exc})"
+        raise CheckpointIntegrityError(f"blob {digest} reads back as {actual}; {what}")
 
     def delete(self, digest: str) -> bool:
         """Remove the blob ``digest`` (a checkpoint a retention policy prunes) and fsync

@@ -458,3 +458,41 @@ def test_prepare_writes_that_cannot_make_a_file_is_a_store_error(tmp_path: Path)
     (tmp_path / "s" / "tmp").write_bytes(b"")  # tmp/ is a file: nothing can be made in it
     with pytest.raises(StoreError, match="cannot prepare writes"):
         store.prepare_writes(2)
+
+
+# -- read_back: what a commit checks before its record names a blob ----------------------
+def test_read_back_passes_a_blob_that_hashes_to_its_digest(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    digest = store.put_parts([data[:100], memoryview(data)[100:]])
+    store.read_back(digest)  # nothing raised, nothing removed
+    assert store.get(digest) == data
+
+
+def test_a_corrupt_blob_found_at_the_digest_is_refused_removed_and_rewritten(
+    tmp_path: Path,
+) -> None:
+    """put_parts finds a blob under the digest and does not rewrite it; read_back does
+    not trust it: it is refused, removed, and the next write of the same bytes publishes
+    them afresh."""
+    store = Store(tmp_path)
+    data = b"checkpoint bytes " * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    planted = tmp_path / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"not those bytes")
+    assert store.put_parts([data]) == digest  # found there: not rewritten
+    with pytest.raises(CheckpointIntegrityError, match=r"reads back as .*; removed"):
+        store.read_back(digest)
+    assert not store.has(digest)
+    assert store.put_parts([data]) == digest  # written afresh this time
+    store.read_back(digest)
+    assert store.get(digest) == data
+
+
+def test_read_back_of_a_missing_or_malformed_blob(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(CheckpointIntegrityError, match="not there"):
+        store.read_back("0" * 64)
+    with pytest.raises(StoreError, match="malformed digest"):
+        store.read_back("xyz")

@@ -281,20 +281,28 @@ class RottingStore(Store):
         parts = list(parts)
         digest = super().put_parts(parts)
         if self.rot and b"lensemble-checkpoint" in bytes(parts[0][:400]):
-            path = self.root / "blobs" / digest[:2] / digest
-            raw = bytearray(path.read_bytes())
-            raw[-1] ^= 0xFF
-            path.write_bytes(bytes(raw))
+            rot_blob(self, digest)
         return digest
 
 
-def test_a_checkpoint_that_rots_after_its_write_is_refused_by_every_reader(
-    tmp_path: Path,
-) -> None:
-    """A commit does not read its checkpoint back (it was hashed as it was written), so a
-    blob that rots on disk afterwards is caught by whoever reads it next: ``verify``
-    names it, a resumed coordinator refuses it, a joining participant refuses it."""
-    from lensemble_flwr.coordinator.coordinator import Coordinator
+def rot_blob(store: Store, digest: str) -> None:
+    path = store.root / "blobs" / digest[:2] / digest
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def assert_nothing_committed(coordinator, store: Store, before: str) -> None:
+    assert_aborted_unchanged(coordinator, before, CheckpointIntegrityError)
+    assert Ledger(store).head() is None  # no record
+    manifest = RunManifest.load(Store(store.root))
+    assert [e.state for e in manifest.rounds] == [RoundState.ABORTED]  # no closed entry
+
+
+def test_a_checkpoint_write_that_does_not_read_back_aborts_the_round(tmp_path: Path) -> None:
+    """The commit reads its checkpoint back before the record names it: a blob that rots
+    as it is written aborts the attempt (nothing committed), is removed, and the resumed
+    run writes it afresh and commits."""
     from lensemble_flwr.simulations.toy import initial_params
 
     _, network, nodes = federation(tmp_path, name="scratch")
@@ -302,10 +310,62 @@ def test_a_checkpoint_that_rots_after_its_write_is_refused_by_every_reader(
     coordinator = Coordinator(
         small_config(), transport=network.coordinator, initial_params=initial_params(), store=store
     )
+    before = coordinator.global_state().params_hash
     store.rot = True
+    with pytest.raises(CheckpointIntegrityError, match="reads back as"):
+        coordinator.run(1)
+    assert_nothing_committed(coordinator, store, before)
+    assert len(coordinator.outcomes) == 1  # stop, no retry in this run
+    resumed = Coordinator.resume(
+        small_config(), transport=network.coordinator, store=Store(store.root)
+    )
+    resumed.run(1)
+    assert resumed.round_state() is RoundState.CLOSED
+    assert [r.round for r in verify(Store(store.root))] == [1]
+    assert nodes[0].join(str(store.root)).params_hash == resumed.global_state().params_hash
+
+
+def test_a_corrupt_blob_already_at_the_checkpoints_digest_is_not_trusted(
+    tmp_path: Path,
+) -> None:
+    """A blob planted at the digest the round's checkpoint will have (found by running the
+    same round on a twin) is read back, refused and removed: the round aborts with nothing
+    committed, no reader is ever pointed at it, and the resumed run commits a good one."""
+    twin, _, _ = federation(tmp_path, name="twin")
+    twin.run(1)
+    head = Ledger(Store(tmp_path / "twin")).head()
+    assert head is not None and head.attempt == 1
+    digest, good = head.checkpoint, Store(tmp_path / "twin").get(head.checkpoint)
+
+    coordinator, network, nodes = federation(tmp_path)
+    store = Store(tmp_path / "run")
+    planted = store.root / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    before = coordinator.global_state().params_hash
+    with pytest.raises(CheckpointIntegrityError, match=digest):
+        coordinator.run(1)
+    assert_nothing_committed(coordinator, store, before)
+    assert not store.has(digest)  # the bad blob is gone: nothing can trust it later
+    resumed = Coordinator.resume(small_config(), transport=network.coordinator, store=store)
+    resumed.run(1)
+    records = verify(store)  # every checkpoint a record names reads back
+    assert [(r.round, r.attempt) for r in records] == [(1, 2)]
+    assert nodes[0].join(str(store.root)).params_hash == resumed.global_state().params_hash
+
+
+def test_a_checkpoint_that_rots_after_its_commit_is_refused_by_every_reader(
+    tmp_path: Path,
+) -> None:
+    """A blob that rots on disk after the round committed is caught by whoever reads it
+    next: ``verify`` names it, a resumed coordinator refuses it, a joining participant
+    refuses it."""
+    coordinator, _, nodes = federation(tmp_path)
     coordinator.run(1)
+    store = Store(tmp_path / "run")
     head = Ledger(store).head()
     assert head is not None and head.round == 1
+    rot_blob(store, head.checkpoint)
     with pytest.raises(LedgerError, match="round 1: checkpoint"):
         verify(Store(store.root))
     with pytest.raises(LedgerError, match=r"round 1: checkpoint: blob .* hashes to"):
