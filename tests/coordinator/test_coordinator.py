@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 
@@ -207,27 +206,27 @@ def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
 
 
 class CorruptingAggregator(FixedPointAggregator):
-    """Tampers with the revealed sum: every time, or only the first time."""
+    """Corrupts its sum in place once everything is folded: the first accumulator only (a
+    one-off fault, which the re-sum computed from the inputs does not share), or, when
+    ``persistent``, the re-sum's too."""
 
-    def __init__(self, *args, transient: bool, **kwargs) -> None:
+    def __init__(self, *args, persistent: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.transient = transient
-        self.reveals = 0
+        self.persistent = persistent
+        self.frozen: list[str] = []
 
-    def reveal(self) -> AggregateSum:
-        honest = super().reveal()
-        self.reveals += 1
-        if self.transient and self.reveals > 1:
-            return honest
-        sums = {n: a.copy() for n, a in honest.sums.items()}
-        first = next(iter(sums))
-        sums[first].reshape(-1)[0] += 1
-        return dataclasses.replace(honest, sums=sums)
+    def _frozen(self, *, resum: bool) -> AggregateSum:
+        self._fold()
+        if not resum or self.persistent:
+            accs = self._resum_acc if resum else self._acc
+            next(iter(accs.values())).reshape(-1)[0] += 1
+        self.frozen.append("resum" if resum else "sum")
+        return super()._frozen(resum=resum)
 
 
-def corrupting(transient: bool, log: list):
+def corrupting(persistent: bool, log: list):
     def factory(template, config: AggregationConfig, seed: int):
-        agg = CorruptingAggregator(template, config, check_seed=seed, transient=transient)
+        agg = CorruptingAggregator(template, config, check_seed=seed, persistent=persistent)
         log.append(agg)
         return agg
 
@@ -236,24 +235,35 @@ def corrupting(transient: bool, log: list):
 
 def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> None:
     made: list = []
-    factory = corrupting(transient=False, log=made)
+    factory = corrupting(persistent=True, log=made)
     coordinator, _network, _ = federation(tmp_path, aggregator_factory=factory)
     before = coordinator.global_state().params_hash
     with pytest.raises(NonDeterministicAggregation):
         coordinator.run(1)
-    assert made[0].reveals == 2  # the single re-sum happened
+    assert made[0].frozen == ["sum", "resum"]  # the single re-sum happened
     assert_aborted_unchanged(coordinator, before, NonDeterministicAggregation)
     assert len(coordinator.outcomes) == 1  # stop, no retry
     assert Ledger(Store(tmp_path / "run")).head() is None
 
 
-def test_transient_determinism_mismatch_recovers_on_the_resum(tmp_path: Path) -> None:
+def test_a_one_off_corruption_of_the_sum_is_recovered_by_the_resum(tmp_path: Path) -> None:
+    """The re-sum is computed from the admitted inputs, not re-read from the corrupted
+    accumulator: the round commits the same sum and model as an honest run."""
     made: list = []
-    coordinator, _, _ = federation(
-        tmp_path, aggregator_factory=corrupting(transient=True, log=made)
-    )
+    coordinator, _, _ = federation(tmp_path, aggregator_factory=corrupting(False, made))
     coordinator.run(1)
-    assert made[0].reveals == 2 and coordinator.round_state() is RoundState.CLOSED
+    assert made[0].frozen == ["sum", "resum"] and coordinator.round_state() is RoundState.CLOSED
+    honest, _, _ = federation(tmp_path, name="honest")
+    honest.run(1)
+    (got,), (want,) = Ledger(Store(tmp_path / "run")).records(), honest_records(tmp_path)
+    assert (got.aggregate_digest, got.new_global_hash) == (
+        want.aggregate_digest,
+        want.new_global_hash,
+    )
+
+
+def honest_records(tmp_path: Path) -> list:
+    return Ledger(Store(tmp_path / "honest")).records()
 
 
 def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path) -> None:
