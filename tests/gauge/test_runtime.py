@@ -32,6 +32,7 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.protocol.messages import MessageKind, Update
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.release.quantize import quantize_int8
@@ -298,3 +299,34 @@ def test_aligning_int8_codes_as_deltas_is_far_from_aligning_what_was_released() 
     wrong = transform(plaintext_update(codes, scales=scales)).delta  # what it used to sum
     error = np.sqrt(sum(np.sum((wrong[n] * scales[n] - right[n]) ** 2) for n in raw))
     assert error / np.sqrt(sum(np.sum(right[n] ** 2) for n in raw)) > 0.5
+
+
+def test_local_round_checks_the_warm_start_at_t0_without_a_round_open(tmp_path: Path) -> None:
+    """A caller that trains through ``Participant.local_round`` (no RoundOpen) meets the
+    same INV-WARMSTART-T0 check: round 1 from a θ_0 whose encoder is not the warm start is
+    refused before any training; from the warm start it trains, and a later round is not
+    checked."""
+    params = initial_params(0)
+    good = encoder_hash(params, ["encoder"])
+    fed = world(tmp_path, config(warm_start_hash=good))
+    node, seed, probe = fed.participants[0], 11, fed.gauge.probe
+
+    def state(round: int, params: dict) -> GlobalState:
+        return GlobalState.create(
+            round, params, sketch_seed=seed, h_steps=1, probe_hash=probe.probe_hash,
+            landmark_hashes=probe.landmark_hashes,
+        )  # fmt: skip
+
+    other = {n: a + 1.0 if n.startswith("encoder") else a for n, a in params.items()}
+    t0_other = state(0, other)
+    with pytest.raises(GaugeError, match="is not the warm start"):
+        node.local_round(t0_other, seed)
+    assert node.last_loss is None  # refused before it trained
+    released = node.local_round(state(0, params), seed)
+    assert released.round == 1 and node.last_loss is not None
+    later = node.local_round(state(1, other), seed)
+    assert later.round == 2  # θ_1 is no warm start to check
+    # a participant pinned to another warm start refuses the agreed θ_0 as well
+    node.config = config(warm_start_hash="cd" * 32)
+    with pytest.raises(GaugeError, match="is not the warm start cdcdcdcdcdcd"):
+        node.local_round(state(0, params), seed)
