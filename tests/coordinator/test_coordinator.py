@@ -364,6 +364,27 @@ def test_a_corrupt_blob_already_at_the_checkpoints_digest_is_not_trusted(
     assert nodes[0].join(str(store.root)).params_hash == resumed.global_state().params_hash
 
 
+def test_a_corrupt_blob_at_the_initial_checkpoints_digest_does_not_start_the_run(
+    tmp_path: Path,
+) -> None:
+    """θ_0's checkpoint, which the manifest names, is read back too: a corrupt blob under
+    its digest stops the run from starting (removed), and the next start writes it."""
+    twin, _, _ = federation(tmp_path, name="twin")
+    digest = twin.manifest.initial_checkpoint
+    good = Store(tmp_path / "twin").get(digest)
+    store = Store(tmp_path / "run")
+    planted = store.root / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(good[::-1])
+    with pytest.raises(CheckpointIntegrityError, match=digest):
+        federation(tmp_path)
+    assert not store.has(digest) and not store.bound("manifest")
+    coordinator, _, _ = federation(tmp_path)
+    assert store.get(digest) == good
+    coordinator.run(1)
+    assert [r.round for r in verify(store)] == [1]
+
+
 def test_a_checkpoint_that_rots_after_its_commit_is_refused_by_every_reader(
     tmp_path: Path,
 ) -> None:
