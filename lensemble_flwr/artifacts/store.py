@@ -52,12 +52,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import itertools
 import os
 import re
 import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -93,6 +96,33 @@ _BLOB_FOLDERS = tuple(f"{i:02x}" for i in range(256))
 def _cause(exc: BaseException) -> str:
     """An OS error's cause in words (e.g. 'No space left on device')."""
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def _hash_file(blob: io.RawIOBase) -> str:
+    """SHA-256 of an open file's bytes, read a slice at a time: a large file is read into
+    one buffer while the other is hashed on a thread (hashlib releases the GIL), so the
+    hash costs no time of its own beside the read."""
+    size = os.fstat(blob.fileno()).st_size
+    hasher = hashlib.sha256()
+    if size < HASH_ON_A_THREAD_MIN_BYTES:
+        view = memoryview(bytearray(max(size, 1)))
+        while count := blob.readinto(view):
+            hasher.update(view[:count])
+        return hasher.hexdigest()
+    with contextlib.suppress(AttributeError, OSError):  # a hint: read ahead further
+        os.posix_fadvise(blob.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buffers = [memoryview(bytearray(min(size, _SLICE))) for _ in range(2)]
+    with ThreadPoolExecutor(1, thread_name_prefix="lensemble-store-hash") as pool:
+        hashing: Future[None] | None = None
+        for turn in itertools.count():
+            view = buffers[turn % 2]  # not the one being hashed
+            count = blob.readinto(view)
+            if hashing is not None:
+                hashing.result()
+            if not count:
+                return hasher.hexdigest()
+            hashing = pool.submit(hasher.update, view[:count])
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _check_digest(digest: str) -> None:
@@ -367,18 +397,13 @@ class Store:
         _check_digest(digest)
         path = self._blob_path(digest)
         self._check_no_links(path)
-        hasher = hashlib.sha256()
         try:
             with open(path, "rb", buffering=0) as blob:
-                size = os.fstat(blob.fileno()).st_size
-                view = memoryview(bytearray(min(max(size, 1), _SLICE)))
-                while count := blob.readinto(view):
-                    hasher.update(view[:count])
+                actual = _hash_file(blob)
         except FileNotFoundError:
             raise CheckpointIntegrityError(f"blob {digest} was written but is not there") from None
         except OSError as exc:
             raise StoreError(f"{path}: cannot read back: {_cause(exc)}") from None
-        actual = hasher.hexdigest()
         if actual == digest:
             return
         try:

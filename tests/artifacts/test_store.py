@@ -461,12 +461,25 @@ def test_prepare_writes_that_cannot_make_a_file_is_a_store_error(tmp_path: Path)
 
 
 # -- read_back: what a commit checks before its record names a blob ----------------------
-def test_read_back_passes_a_blob_that_hashes_to_its_digest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [0, 1000, 3 * 1024 * 1024 + 17])
+def test_read_back_passes_a_blob_that_hashes_to_its_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Small blobs are hashed as they are read; from a megabyte on, one slice is read
+    while the other is hashed (slices of 1 MiB here: four turns)."""
+    monkeypatch.setattr(store_module, "_SLICE", 1 << 20)
     store = Store(tmp_path)
-    data = os.urandom(3 * 1024 * 1024 + 17)
+    data = os.urandom(size)
     digest = store.put_parts([data[:100], memoryview(data)[100:]])
     store.read_back(digest)  # nothing raised, nothing removed
     assert store.get(digest) == data
+    blob = tmp_path / "blobs" / digest[:2] / digest
+    rotted = bytearray(data or b"\x00")  # one byte flipped (or one byte more)
+    rotted[size // 2] ^= 0xFF
+    blob.write_bytes(bytes(rotted))
+    with pytest.raises(CheckpointIntegrityError, match="reads back as"):
+        store.read_back(digest)
+    assert not store.has(digest)
 
 
 def test_a_corrupt_blob_found_at_the_digest_is_refused_removed_and_rewritten(

@@ -319,7 +319,7 @@ def test_a_round_hashes_each_model_sized_buffer_once(
 _HASH_THREADS = ("lensemble-sums-digest", "lensemble-momentum-digest", "lensemble-store-hash")
 
 
-@pytest.mark.parametrize(("size", "threads"), [(1_000, 0), (300_000, 3)])
+@pytest.mark.parametrize(("size", "threads"), [(1_000, 0), (300_000, 4)])
 def test_only_a_large_model_is_hashed_on_threads_of_their_own(
     size: int,
     threads: int,
@@ -328,9 +328,9 @@ def test_only_a_large_model_is_hashed_on_threads_of_their_own(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A round of a small model starts no thread to hash on (starting one costs more than
-    the overlap saves); a model of a megabyte and more overlaps its three hashes (the
-    sums, m', the checkpoint as it is written). The recorded-run tests above pin that
-    the digests do not depend on it."""
+    the overlap saves); a model of a megabyte and more overlaps its four hashes (the
+    sums, m', the checkpoint as it is written, and as it is read back with the read).
+    The recorded-run tests above pin that the digests do not depend on it."""
     caplog.set_level(logging.ERROR)
     coordinator = unbound_coordinator(Store(tmp_path), size=size)
     started: list[str] = []
