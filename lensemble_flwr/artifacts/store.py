@@ -380,15 +380,11 @@ class Store:
         return data
 
     def read_back(self, digest: str) -> None:
-        """Re-read the blob ``digest`` from disk and re-hash it, a slice at a time (never
-        the whole blob in memory): what a commit does before it records a checkpoint it
-        just wrote, or found already stored.
-
-        A blob that is missing, or does not hash to its digest (it was corrupted where it
-        lies, or the write did not read back), is useless to every reader (:meth:`get`
-        refuses it), so it is removed (as :meth:`delete` does) before the error is raised:
-        the next write of the same bytes publishes them afresh instead of finding the bad
-        blob there and trusting it.
+        """Re-read the blob ``digest`` from disk and re-hash it a slice at a time, as a
+        commit does with a checkpoint it wrote (or found stored) before recording it. A
+        blob that does not hash to its digest is useless to every reader (:meth:`get`
+        refuses it): it is removed (:meth:`delete`) before the error is raised, so that
+        the next write of the same bytes publishes them afresh instead of trusting it.
 
         Raises:
             StoreError: ``digest`` is malformed, or the blob cannot be read.
