@@ -509,3 +509,22 @@ def test_read_back_of_a_missing_or_malformed_blob(tmp_path: Path) -> None:
         store.read_back("0" * 64)
     with pytest.raises(StoreError, match="malformed digest"):
         store.read_back("xyz")
+
+
+def test_a_blob_that_does_not_read_back_and_cannot_be_removed_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Still refused (the typed error), and its message says it is still there: the next
+    write of the same bytes finds it and the next read-back refuses it again."""
+    store = Store(tmp_path)
+    digest = store.put(b"original")
+    (tmp_path / "blobs" / digest[:2] / digest).write_bytes(b"tampered")
+
+    def refuse(digest: str) -> bool:
+        raise StoreError("read-only")
+
+    monkeypatch.setattr(store, "delete", refuse)
+    for _ in range(2):
+        with pytest.raises(CheckpointIntegrityError, match=r"not removed \(read-only\)"):
+            store.read_back(digest)
+        assert store.put(b"original") == digest
