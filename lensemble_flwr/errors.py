@@ -162,6 +162,15 @@ class ConfigError(LensembleError):
         self.reason = reason
 
 
+class UnalignableUpdate(ConfigError):
+    """An update that a coordinator-side transform (the alignment harness) must not touch:
+    its metadata says it was clipped, noised, quantized, masked or otherwise transformed
+    before release, where only a raw plaintext delta may be aligned there."""
+
+    def __init__(self, reason: str, field: str = "gauge-coordinator-harness") -> None:
+        super().__init__(field, reason)
+
+
 class CheckpointIntegrityError(LensembleError):
     """An artifact's bytes do not hash to the digest it is known by."""
 
@@ -206,6 +215,8 @@ RESPONSES: Mapping[type[LensembleError], Response] = MappingProxyType(
         DegenerateProcrustes: Response.REFUSE_RELEASE,
         DPBoundViolation: Response.REFUSE_RELEASE,
         ConfigError: Response.STOP_FEDERATION,
+        # One sender configured otherwise (it quantized, clipped, ...): its update only.
+        UnalignableUpdate: Response.REJECT_MESSAGE,
         StoreError: Response.STOP_FEDERATION,
         LedgerError: Response.STOP_FEDERATION,
     }

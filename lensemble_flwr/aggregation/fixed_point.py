@@ -4,8 +4,9 @@
 Integer addition is associative, so the sum — and its digest — is bitwise the same
 whatever order updates arrive in, and the same on every machine. Memory does not grow
 with the number of participants: an admitted update is held only until it is folded
-into the accumulator, at most ``fold_batch`` at a time (folding several updates per
-pass over the accumulator is what makes the fold run near memory bandwidth).
+into the accumulators (the sum and the re-sum, see below), at most ``fold_batch`` at a
+time (folding several updates per pass over an accumulator is what makes the fold run
+near memory bandwidth).
 
 Each value is rounded half-to-even from ``float64(x) * weight * 2**F``; the rounding is
 per update, so it is deterministic. While a batch's bound allows it, the batch is summed
@@ -15,7 +16,12 @@ integers.
 The self-check: while folding, the aggregator accumulates two linear checksums of what
 it adds (the plain sum and a sum weighted by a seeded vector, modulo 2**64). ``verify``
 recomputes them from the revealed sums. Any lost, doubled or corrupted fold shows up as
-a mismatch, :class:`NonDeterministicAggregation`.
+a mismatch, :class:`NonDeterministicAggregation`. Every batch is folded twice, from the
+same inputs, into two accumulators (each with its checksums): the sum, and the re-sum
+that :meth:`FixedPointAggregator.resum` reveals when the sum fails its check, so that
+a corruption of the first accumulator is recovered from the inputs without keeping
+them. The two computations must agree (their checksums are compared), else neither
+passes.
 
 An admitted update's arrays are held by reference until they are folded: a caller must
 not modify them after ``admit`` (messages validated at ingress own their arrays).
@@ -28,7 +34,7 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -201,6 +207,10 @@ class Aggregator(Protocol):
     def reveal(self) -> AggregateSum:
         """Freeze the contributing set and return the sum."""
 
+    def resum(self) -> AggregateSum:
+        """Compute the sum again from what was admitted (not from the revealed sum), for
+        a second check when the first failed; it becomes the revealed sum."""
+
     def verify(self, result: AggregateSum) -> None:
         """Recompute the self-check; raise NonDeterministicAggregation on a mismatch."""
 
@@ -222,6 +232,25 @@ def _float32_exact(values: np.ndarray, scale: np.float64) -> bool:
 
 def _chunk_checksum(q: np.ndarray, r: np.ndarray) -> int:
     return int(q.sum()) + int(np.dot(q, r[: q.size]))
+
+
+def _twice(
+    fused: Callable[[np.ndarray, int, int], int], first: np.ndarray, second: np.ndarray
+) -> Callable[[int, int], tuple[int, int]]:
+    """A range kernel that runs the compiled fold ``fused`` into ``first`` and then into
+    ``second``, chunk by chunk (the second pass over a chunk finds its inputs in cache);
+    returns both checksums. Chunks start at multiples of CHUNK from the range's start,
+    so each element keeps its checksum weight."""
+
+    def kernel(lo: int, hi: int) -> tuple[int, int]:
+        checks = [0, 0]
+        for s in range(lo, hi, CHUNK):
+            e = min(s + CHUNK, hi)
+            checks[0] += fused(first, s, e)
+            checks[1] += fused(second, s, e)
+        return checks[0], checks[1]
+
+    return kernel
 
 
 @dataclasses.dataclass
@@ -252,6 +281,11 @@ class FixedPointAggregator:
         self._acc = {
             n: recycling.output(f"sum:{n}", a.shape, np.int64) for n, a in self._template.items()
         }
+        # the re-sum: the same inputs folded again, on their own, into an accumulator of
+        # their own (what ``resum`` reveals when the first sum fails its check)
+        self._resum_acc = {
+            n: recycling.output(f"resum:{n}", a.shape, np.int64) for n, a in self._template.items()
+        }
         self._acc_written = False
         self._broken: str | None = None  # why a fold failed half-way, if one did
         largest = max((a.size for a in self._template.values()), default=0)
@@ -262,6 +296,7 @@ class FixedPointAggregator:
         self._weight = 0
         self._bound = 0
         self._checksum = 0
+        self._resum_checksum = 0
         self._revealed: AggregateSum | None = None
 
     @property
@@ -339,11 +374,25 @@ class FixedPointAggregator:
             raise RoundError(f"a fold failed ({self._broken}): this sum cannot be revealed")
 
     def _fold_batch(self, batch: list[_Pending]) -> None:
+        """Fold ``batch`` into the sum and, computed again from the same inputs, into the
+        re-sum: two computations, each with the checksum of what it added. They take
+        turns chunk by chunk, so the second reads the inputs from cache, not memory."""
+        assign, self._acc_written = not self._acc_written, True
+        first, second = self._fold_into(self._acc, self._resum_acc, batch, assign)
+        self._checksum = (self._checksum + first) % _MOD
+        self._resum_checksum = (self._resum_checksum + second) % _MOD
+
+    def _fold_into(
+        self, accs: NamedArrays, again: NamedArrays, batch: list[_Pending], assign: bool
+    ) -> tuple[int, int]:
+        """Fold ``batch`` into the accumulators ``accs`` and, computed anew, into
+        ``again`` (``assign``: write over them); returns the checksums of what each
+        computation added."""
         exact_in_float = sum(p.bound for p in batch) < _FLOAT_EXACT
         r = self._r
-        assign, self._acc_written = not self._acc_written, True
-        for name, acc in self._acc.items():
-            flat_acc = acc.reshape(-1)
+        totals = [0, 0]
+        for name, acc in accs.items():
+            flat_acc, flat_again = acc.reshape(-1), again[name].reshape(-1)
             flats = [p.delta[name].reshape(-1) for p in batch]
             scales = [p.scale[name] for p in batch]
             bound = max(p.bound for p in batch)
@@ -351,21 +400,23 @@ class FixedPointAggregator:
                 flats, scales, r, bound, assign=assign, slots=self._config.fold_batch
             )
             if fused is not None:
-                checks = run_ranges(flat_acc.size, functools.partial(fused, flat_acc))
-                self._checksum = (self._checksum + sum(checks)) % _MOD
+                for pair in run_ranges(flat_acc.size, _twice(fused, flat_acc, flat_again)):
+                    totals = [t + c for t, c in zip(totals, pair, strict=True)]
                 continue
             inputs = [
                 (x, sc, _float32_exact(p.delta[name], sc))
                 for x, sc, p in zip(flats, scales, batch, strict=True)
             ]
 
-            def kernel(lo: int, hi: int, flat_acc=flat_acc, inputs=inputs) -> int:
+            def kernel(
+                lo: int, hi: int, flat_acc=flat_acc, flat_again=flat_again, inputs=inputs
+            ) -> tuple[int, int]:
                 t = np.empty(CHUNK, np.float64)
                 b = np.empty(CHUNK, np.float64)
                 b32 = np.empty(CHUNK, np.float32)
                 q = np.empty(CHUNK, np.int64)
                 ti = np.empty(CHUNK, np.int64)
-                check = 0
+                checks = [0, 0]
 
                 def rounded(x: np.ndarray, sc: np.float64, in_f32: bool, k: int) -> np.ndarray:
                     """rint(x * sc) for one chunk, in float32 where that is exact."""
@@ -384,26 +435,29 @@ class FixedPointAggregator:
                     e = min(s + CHUNK, hi)
                     k = e - s
                     tk, qk, tik = t[:k], q[:k], ti[:k]
-                    (x0, s0, f0), rest = inputs[0], inputs[1:]
-                    np.copyto(tk, rounded(x0[s:e], s0, f0, k))
-                    if exact_in_float:
-                        for x, sc, f32 in rest:
-                            np.add(tk, rounded(x[s:e], sc, f32, k), out=tk)
-                        np.copyto(qk, tk, casting="unsafe")
-                    else:
-                        np.copyto(tik, tk, casting="unsafe")
-                        for x, sc, f32 in rest:
-                            np.copyto(qk, rounded(x[s:e], sc, f32, k), casting="unsafe")
-                            np.add(tik, qk, out=tik)
-                        qk[...] = tik
-                    if assign:
-                        flat_acc[s:e] = qk
-                    else:
-                        np.add(flat_acc[s:e], qk, out=flat_acc[s:e])
-                    check += _chunk_checksum(qk, r)
-                return check
+                    for which, dest in enumerate((flat_acc, flat_again)):
+                        (x0, s0, f0), rest = inputs[0], inputs[1:]
+                        np.copyto(tk, rounded(x0[s:e], s0, f0, k))
+                        if exact_in_float:
+                            for x, sc, f32 in rest:
+                                np.add(tk, rounded(x[s:e], sc, f32, k), out=tk)
+                            np.copyto(qk, tk, casting="unsafe")
+                        else:
+                            np.copyto(tik, tk, casting="unsafe")
+                            for x, sc, f32 in rest:
+                                np.copyto(qk, rounded(x[s:e], sc, f32, k), casting="unsafe")
+                                np.add(tik, qk, out=tik)
+                            qk[...] = tik
+                        if assign:
+                            dest[s:e] = qk
+                        else:
+                            np.add(dest[s:e], qk, out=dest[s:e])
+                        checks[which] += _chunk_checksum(qk, r)
+                return checks[0], checks[1]
 
-            self._checksum = (self._checksum + sum(run_ranges(flat_acc.size, kernel))) % _MOD
+            for pair in run_ranges(flat_acc.size, kernel):
+                totals = [t + c for t, c in zip(totals, pair, strict=True)]
+        return totals[0] % _MOD, totals[1] % _MOD
 
     def reveal(self) -> AggregateSum:
         """Fold what is pending and freeze the contributing set.
@@ -412,22 +466,46 @@ class FixedPointAggregator:
             RoundError: a fold failed half-way (its sum would be partial).
         """
         if self._revealed is None:
-            self._fold()  # raises RoundError after a fold that failed
-            for acc in self._acc.values():
+            self._revealed = self._frozen(resum=False)
+        return self._revealed
+
+    def resum(self) -> AggregateSum:
+        """The re-sum: the second computation of the sum, folded from the admitted inputs
+        apart from the first (not a re-reading of it), which becomes the revealed sum. The
+        coordinator asks for it once, when the first failed :meth:`verify`; it is verified
+        in turn.
+
+        Raises:
+            RoundError: a fold failed half-way (its sum would be partial).
+        """
+        self.reveal()  # folds what is pending and freezes the contributing set
+        self._revealed = self._frozen(resum=True)
+        return self._revealed
+
+    def _frozen(self, *, resum: bool) -> AggregateSum:
+        """Everything folded so far, read-only, as the round's sum: the first computation's
+        or (``resum``) the second's."""
+        self._fold()  # raises RoundError after a fold that failed
+        accs, checksum = (
+            (self._resum_acc, self._resum_checksum) if resum else (self._acc, self._checksum)
+        )
+        for acc in accs.values():
+            if acc.flags.writeable:
                 if not self._acc_written:  # nothing was folded: the sum of nothing
                     acc.fill(0)
                 acc.setflags(write=False)
-            self._revealed = AggregateSum(
-                sums=dict(self._acc),
-                total_weight=self._weight,
-                contributors=self.contributors,
-                fraction_bits=self._config.fraction_bits,
-                checksum=self._checksum,
-            )
-        return self._revealed
+        return AggregateSum(
+            sums=dict(accs),
+            total_weight=self._weight,
+            contributors=self.contributors,
+            fraction_bits=self._config.fraction_bits,
+            checksum=checksum,
+        )
 
     def verify(self, result: AggregateSum) -> None:
-        """Recompute the linear checksums from ``result`` and compare them with ingress.
+        """Recompute the linear checksums from ``result`` and compare them with ingress,
+        where both computations of the sum (the sum and the re-sum) must have added the
+        same.
 
         The same pass over the sums computes their mean, which ``result.mean()`` then
         returns once without reading the sums again: the mean is computed from the very
@@ -439,10 +517,15 @@ class FixedPointAggregator:
         mean, total = _mean_and_checksum(result, self._r)
         expected = (self._checksum, self._weight, self.contributors)
         actual = (total, result.total_weight, result.contributors)
-        if actual != expected or result.checksum != self._checksum:
+        if (
+            actual != expected
+            or result.checksum != self._checksum
+            or self._resum_checksum != self._checksum
+        ):
             raise NonDeterministicAggregation(
                 f"revealed sum does not reproduce: checksum {total:#x} vs ingress "
-                f"{self._checksum:#x}, weight {result.total_weight} vs {self._weight}, "
+                f"{self._checksum:#x} (re-sum's {self._resum_checksum:#x}), weight "
+                f"{result.total_weight} vs {self._weight}, "
                 f"{result.count} vs {len(self._contributors)} contributors"
             )
         if result.total_weight > 0:

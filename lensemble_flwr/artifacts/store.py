@@ -17,7 +17,8 @@ Layout under ``root``:
 A large blob (a checkpoint) is written by :meth:`Store.put_parts` from its parts (views of
 the arrays it holds) and hashed as it is written, on a second thread: the blob is never
 assembled in memory, and its digest costs no pass of its own. A blob read back later
-(:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed.
+(:meth:`Store.get`: recovery, a joining participant, ``verify``) is always re-hashed; a
+commit re-reads the checkpoint it relies on (:meth:`Store.read_back`) before recording it.
 
 ``Store(root, sync=False)`` skips the fsyncs and keeps everything else: a write is still
 published whole or not at all, so a killed *process* leaves the store as it was after its
@@ -51,12 +52,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import itertools
 import os
 import re
 import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -92,6 +96,33 @@ _BLOB_FOLDERS = tuple(f"{i:02x}" for i in range(256))
 def _cause(exc: BaseException) -> str:
     """An OS error's cause in words (e.g. 'No space left on device')."""
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def _hash_file(blob: io.RawIOBase) -> str:
+    """SHA-256 of an open file's bytes, read a slice at a time: a large file is read into
+    one buffer while the other is hashed on a thread (hashlib releases the GIL), so the
+    hash costs no time of its own beside the read."""
+    size = os.fstat(blob.fileno()).st_size
+    hasher = hashlib.sha256()
+    if size < HASH_ON_A_THREAD_MIN_BYTES:
+        view = memoryview(bytearray(max(size, 1)))
+        while count := blob.readinto(view):
+            hasher.update(view[:count])
+        return hasher.hexdigest()
+    with contextlib.suppress(AttributeError, OSError):  # a hint: read ahead further
+        os.posix_fadvise(blob.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buffers = [memoryview(bytearray(min(size, _SLICE))) for _ in range(2)]
+    with ThreadPoolExecutor(1, thread_name_prefix="lensemble-store-hash") as pool:
+        hashing: Future[None] | None = None
+        for turn in itertools.count():
+            view = buffers[turn % 2]  # not the one being hashed
+            count = blob.readinto(view)
+            if hashing is not None:
+                hashing.result()
+            if not count:
+                return hasher.hexdigest()
+            hashing = pool.submit(hasher.update, view[:count])
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _check_digest(digest: str) -> None:
@@ -347,6 +378,36 @@ class Store:
         if actual != digest:
             raise CheckpointIntegrityError(f"blob {digest} hashes to {actual}")
         return data
+
+    def read_back(self, digest: str) -> None:
+        """Re-read the blob ``digest`` from disk and re-hash it a slice at a time, as a
+        commit does with a checkpoint it wrote (or found stored) before recording it. A
+        blob that does not hash to its digest is useless to every reader (:meth:`get`
+        refuses it): it is removed (:meth:`delete`) before the error is raised, so that
+        the next write of the same bytes publishes them afresh instead of trusting it.
+
+        Raises:
+            StoreError: ``digest`` is malformed, or the blob cannot be read.
+            CheckpointIntegrityError: the blob is missing or does not hash to ``digest``.
+        """
+        _check_digest(digest)
+        path = self._blob_path(digest)
+        self._check_no_links(path)
+        try:
+            with open(path, "rb", buffering=0) as blob:
+                actual = _hash_file(blob)
+        except FileNotFoundError:
+            raise CheckpointIntegrityError(f"blob {digest} was written but is not there") from None
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot read back: {_cause(exc)}") from None
+        if actual == digest:
+            return
+        try:
+            self.delete(digest)
+            what = "removed"
+        except StoreError as exc:
+            what = f"not removed ({exc})"
+        raise CheckpointIntegrityError(f"blob {digest} reads back as {actual}; {what}")
 
     def delete(self, digest: str) -> bool:
         """Remove the blob ``digest`` (a checkpoint a retention policy prunes) and fsync

@@ -52,6 +52,7 @@ from lensemble_flwr.errors import (
     Response,
     RoundError,
     SecureAggregationError,
+    UnalignableUpdate,
     UnprivatizedContribution,
     reported,
     response_to,
@@ -73,6 +74,8 @@ from lensemble_flwr.protocol.messages import (
     message_digest,
 )
 from lensemble_flwr.protocol.round import TRANSITIONS, RoundState
+from lensemble_flwr.release.binding import bind
+from lensemble_flwr.release.differencing import difference
 from lensemble_flwr.secagg.aggregator import SecureAggregator
 from lensemble_flwr.secagg.keys import check_public_key
 from lensemble_flwr.secagg.protocol import Disclosure, Member
@@ -195,6 +198,43 @@ def check_privacy(config: LensembleConfig, update: Update) -> None:
         )
 
 
+RAW_PLAINTEXT_STAGES = frozenset({difference().name, bind().name, STOCK_CLIENTAPP})
+"""The release stages an update may declare and still be a raw plaintext delta: it was
+differenced (and bound to its data), or it is a stock ClientApp's reply. Anything else it
+names (clip, noise, int8 quantization, alignment, a stage of a custom chain) transformed
+what it releases."""
+
+
+def check_raw_plaintext(update: Update, field: str) -> None:
+    """Refuse, by its metadata, an update that is not a raw plaintext delta: what a
+    coordinator-side transform of individual updates (the alignment harness, a research
+    ``update_transform``) may be given. Aligning int8 codes, or a clipped or noised delta,
+    as if they were raw deltas would sum something else than what was released
+    (INV-ALIGN-BEFORE-RELEASE).
+
+    Raises:
+        UnalignableUpdate: it declares a stage outside :data:`RAW_PLAINTEXT_STAGES`, or it
+            is quantized (``scales``), masked or carries a privacy cost (``epsilon``).
+    """
+    declared = [
+        what
+        for what, on in (
+            ("int8 scales", update.scales is not None),
+            ("a mask", update.masked),
+            (f"epsilon {update.epsilon}", update.epsilon is not None),
+        )
+        if on
+    ]
+    declared += [f"stage {t!r}" for t in update.transforms if t not in RAW_PLAINTEXT_STAGES]
+    if declared:
+        raise UnalignableUpdate(
+            f"{update.participant_id}: update released with {', '.join(declared)}; the "
+            "coordinator transforms only raw plaintext deltas (a participant configured "
+            "otherwise than the federation); refused",
+            field,
+        )
+
+
 def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
     """Everything an update must be before it may be summed; returns what is summed (the
     update itself, or the research harness's transform of it).
@@ -202,7 +242,8 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
     Raises:
         DuplicateMessage, UnboundContribution, CommitmentMismatch, RoundError (also: the
         sender was not invited to the attempt), UnprivatizedContribution,
-        PrivacyBudgetRolledBack, SketchMismatch: see the checks.
+        PrivacyBudgetRolledBack, SketchMismatch, UnalignableUpdate (a coordinator-side
+        transform is on): see the checks.
     """
     pid = msg.participant_id
     if pid in attempt.admitted:
@@ -216,7 +257,11 @@ def check_update(attempt: Attempt, msg: Update, ingress: Ingress) -> Update:
         check_sketch(msg, attempt.sketch_fingerprint)
     if attempt.aggregator is None:
         raise RoundError(f"{pid}: update before the masked round's members were fixed")
-    return attempt.transform(msg) if attempt.transform is not None else msg
+    if attempt.transform is None:
+        return msg
+    harness = ingress.config.gauge.coordinator_harness
+    check_raw_plaintext(msg, "gauge-coordinator-harness" if harness else "update_transform")
+    return attempt.transform(msg)
 
 
 def fold_update(

@@ -5,8 +5,12 @@ is the commit point:
 
 1. the outer step: θ_r and m_r from θ_{r-1}, m_{r-1} and the mean update;
 2. the checkpoint of θ_r and its momentum, streamed to the store and hashed as it is
-   written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`; it is not read back:
-   whoever reads it later — recovery, a joining participant, ``verify`` — re-hashes it);
+   written (:meth:`~lensemble_flwr.artifacts.store.Store.put_parts`), then read back from
+   disk and re-hashed (:meth:`~lensemble_flwr.artifacts.store.Store.read_back`): the
+   record names a blob that was verified where it lies, whether this commit wrote it or
+   found it already stored under its digest (a blob there is not trusted unread). One
+   that does not read back raises CheckpointIntegrityError and is removed, so a later
+   attempt writes it afresh; whoever reads it later re-hashes it again;
 3. the closing manifest entry, kept (:func:`~.durable.save_closing`) so that a crash
    right after the commit loses nothing;
 4. the ledger record, chained to the previous one — from here on the round is committed;
@@ -143,6 +147,7 @@ def write_commit(
 
     Raises:
         StoreError, LedgerError: the store refused a write (nothing is committed).
+        CheckpointIntegrityError: the checkpoint did not read back (nothing is committed).
     """
     t = attempt.round  # round t takes θ_{t-1} to θ_t: its checkpoint is θ_t's
     new_state, momentum_hash = _pinned(new_state, momentum)
@@ -153,6 +158,7 @@ def write_commit(
             momentum_hash=momentum_hash,
         )
     )  # fmt: skip
+    store.read_back(digest)  # what the record will name, as it lies on disk
     entry = entry_of(
         attempt,
         result,
@@ -260,6 +266,7 @@ def commit_round(
     Raises:
         StoreError, LedgerError: a write before the commit point was refused (nothing is
             committed, ``run`` is unchanged).
+        CheckpointIntegrityError: the checkpoint did not read back (likewise).
     """
     head, groups = run.head, ctx.config.groups
     averaged = frozenset(n for n in attempt.state.params if groups.is_averaged(n))

@@ -83,6 +83,8 @@ def create_core(wiring: Wiring, run_id: str, initial_params: Mapping[str, np.nda
         ParameterMismatch: θ_0 is not floating-point, or does not fit the config's groups.
         StoreError: the store already holds a run.
         ConfigError: the config refuses the wiring (see :func:`_checked_inputs`).
+        CheckpointIntegrityError: θ_0's checkpoint did not read back (it is removed; the
+            run is not started).
     """
     config, store = wiring.config, wiring.store
     for name, array in initial_params.items():
@@ -100,6 +102,7 @@ def create_core(wiring: Wiring, run_id: str, initial_params: Mapping[str, np.nda
     state = inputs.pin(0, {n: np.asarray(a) for n, a in initial_params.items()})
     momentum = zero_momentum(state.params)
     initial = store.put_parts(checkpoint_parts(0, state.params, momentum))
+    store.read_back(initial)  # the manifest names it: as it lies on disk
     manifest = RunManifest(
         run_id=run_id,
         config=config.to_recorded(),

@@ -13,7 +13,8 @@ global hashes. The external step does neither:
 2. the outer optimizer's momentum is re-derived from the released models only
    (:func:`~.outer_optimizer.momentum_after_external_step`), so no un-noised mean
    survives in the optimizer state to leak through later steps;
-3. θ̃ and that momentum are stored as a checkpoint, and the step (committed hash,
+3. θ̃ and that momentum are stored as a checkpoint (read back from disk, as a commit
+   reads back its own), and the step (committed hash,
    adopted hash, checkpoint, change norm) is kept in the store (:mod:`.durable`) before
    anything is sent: a coordinator that restarts trains from θ̃, never from θ_{t+1};
 4. every manifest entry of the next round and its ledger record carry the step, and the
@@ -81,6 +82,8 @@ def take_external_step(
 
     Raises:
         StoreError: the store refused a write.
+        CheckpointIntegrityError: the adopted model's checkpoint did not read back
+            (removed; nothing was adopted).
     """
     momentum = momentum_after_external_step(
         stepped_from.params,
@@ -89,9 +92,10 @@ def take_external_step(
         config,
         averaged=stepped_from.averaged,
     )
-    digest = store.put_parts(  # hashed as it is written, not read back
+    digest = store.put_parts(  # hashed as it is written
         checkpoint_parts(state.round, state.params, momentum, params_hash=state.params_hash)
     )
+    store.read_back(digest)  # the next round trains from it: as it lies on disk
     step = ExternalStep(
         committed_hash=committed.params_hash,
         adopted_hash=state.params_hash,

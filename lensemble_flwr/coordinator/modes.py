@@ -130,7 +130,8 @@ class RoundMode(Protocol):
 
 
 def revealed_and_checked(aggregator: Aggregator) -> AggregateSum:
-    """Reveal the sum and self-check it; a mismatch is re-summed once, a second raises.
+    """Reveal the sum and self-check it; a mismatch is re-summed once (computed again
+    from the admitted inputs, :meth:`~.Aggregator.resum`, not re-read), a second raises.
 
     Raises:
         NonDeterministicAggregation: the re-sum did not reproduce either.
@@ -140,7 +141,7 @@ def revealed_and_checked(aggregator: Aggregator) -> AggregateSum:
         aggregator.verify(result)
     except NonDeterministicAggregation as exc:
         log.warning("self-check mismatch, re-summing once: %s", exc)
-        result = aggregator.reveal()
+        result = aggregator.resum()
         aggregator.verify(result)
     return result
 

@@ -84,7 +84,25 @@ def check_round_open(
     """
     if gauge is not None and config.gauge.align:
         check_pinned(gauge.probe, probe_hash, landmark_hashes)
-    if round == 1:  # the first round starts from θ_0: the warm start
+    check_warm_start_at_t0(gauge, config, round=round, params=params)
+
+
+def check_warm_start_at_t0(
+    gauge: GaugeSetup | None,
+    config: LensembleConfig,
+    *,
+    round: int,
+    params: Mapping[str, np.ndarray],
+) -> None:
+    """INV-WARMSTART-T0 where a participant is about to train round ``round`` from
+    ``params``: round 1 (Flower's numbering: the first round, which starts from θ_0)
+    must start from the agreed warm-start encoder; a later round passes. The one check
+    of every participant-side path: a RoundOpen, a direct ``local_round`` and a rejoin.
+
+    Raises:
+        GaugeError: round 1's encoder is not the warm start.
+    """
+    if round == 1:
         check_warm_start_of(gauge, config, params)
 
 

@@ -23,7 +23,7 @@ from lensemble_flwr.errors import (
 from lensemble_flwr.gauge.runtime import (
     GaugeSetup,
     check_round_open,
-    check_warm_start_of,
+    check_warm_start_at_t0,
     require_setup,
 )
 from lensemble_flwr.identity.signing import IdentityKey
@@ -363,8 +363,14 @@ class Participant:
             ResidencyViolation: the release carries a name outside the shared groups, or
                 one the coordinator did not broadcast.
             DegenerateProcrustes: alignment is on and the probe cannot fix the frame.
+            GaugeError: ``global_state`` is θ_0 and its encoder is not the agreed warm
+                start (INV-WARMSTART-T0: checked here too, for a caller that trains
+                without a RoundOpen).
             RoundError: the pipeline did not produce a delta bound as it should be.
         """
+        check_warm_start_at_t0(
+            self.gauge, self.config, round=global_state.next_round, params=global_state.params
+        )
         release = self._release(global_state, round_seed, None)
         assert release.delta is not None  # _release checks
         return PseudoGradient(
@@ -462,8 +468,10 @@ class Participant:
         checkpoint = recover_checkpoint(
             Store(coordinator_endpoint), self.last_close, self.participant_id
         )
-        if checkpoint.round == 0:  # a (re)joiner at θ_0 revalidates the warm start
-            check_warm_start_of(self.gauge, self.config, checkpoint.params)
+        # a (re)joiner at θ_0 revalidates the warm start
+        check_warm_start_at_t0(
+            self.gauge, self.config, round=checkpoint.round + 1, params=checkpoint.params
+        )
         state = GlobalState.create(
             checkpoint.round,
             checkpoint.params,

@@ -344,6 +344,11 @@ class SecureAggregator:
         )
         return self._revealed
 
+    def resum(self) -> AggregateSum:
+        """The sum unmasked again from the recorded transcript (each :meth:`reveal`
+        computes it afresh), for a second check when the first failed."""
+        return self.reveal()
+
     def verify(self, result: AggregateSum) -> None:
         """Reveal again from the recorded transcript and compare, bit for bit."""
         try:

@@ -419,6 +419,72 @@ def test_verify_passes_on_an_honest_result() -> None:
     other.verify(result)
 
 
+def _corrupt_in_place(result: AggregateSum, name: str = "enc.w", index: int = 3) -> None:
+    """A fault of the accumulator itself (the revealed sums are its arrays)."""
+    array = result.sums[name]
+    array.setflags(write=True)
+    array.reshape(-1)[index] += 5
+    array.setflags(write=False)
+
+
+def test_the_resum_is_computed_from_the_inputs_not_read_from_the_sum() -> None:
+    """A corruption of the first accumulator fails the check; the re-sum, folded apart
+    from the same inputs, passes it and holds the honest sums."""
+    agg, result = _honest()
+    _corrupt_in_place(result)
+    with pytest.raises(NonDeterministicAggregation, match="does not reproduce"):
+        agg.verify(result)
+    again = agg.resum()
+    agg.verify(again)
+    assert agg.reveal() is again  # the re-sum is now the revealed sum
+    _, honest = _honest()
+    for name, sums in honest.sums.items():
+        assert np.array_equal(again.sums[name], sums)
+        assert not np.shares_memory(again.sums[name], result.sums[name])
+    assert (again.checksum, again.total_weight, again.contributors) == (
+        honest.checksum,
+        honest.total_weight,
+        honest.contributors,
+    )
+
+
+def test_a_resum_corrupted_too_fails_its_check() -> None:
+    agg, result = _honest()
+    _corrupt_in_place(result)
+    again = agg.resum()
+    _corrupt_in_place(again, "enc.b", 0)
+    with pytest.raises(NonDeterministicAggregation, match="does not reproduce"):
+        agg.verify(again)
+
+
+class _Disagreeing(FixedPointAggregator):
+    """Its second computation adds another value than its first (each consistent with its
+    own checksums, as a fold that does not reproduce would be)."""
+
+    def _fold_into(self, accs, again, batch, assign):  # type: ignore[no-untyped-def]
+        first, second = super()._fold_into(accs, again, batch, assign)
+        again["enc.b"].reshape(-1)[0] += 1  # element 0 weighs 1 + r[0] in the checksum
+        return first, (second + 1 + int(self._r[0])) % 2**64
+
+
+def test_two_computations_that_disagree_pass_neither_check() -> None:
+    agg = _Disagreeing(_template(), AggregationConfig(fold_batch=3), check_seed=17)
+    for i in range(4):
+        agg.admit(_good(f"p{i}", i), weight=i + 1)
+    with pytest.raises(NonDeterministicAggregation, match="re-sum's"):
+        agg.verify(agg.reveal())
+    with pytest.raises(NonDeterministicAggregation, match="re-sum's"):
+        agg.verify(agg.resum())
+
+
+def test_an_empty_round_resums_to_zero() -> None:
+    agg = FixedPointAggregator(_template(), AggregationConfig(), check_seed=1)
+    agg.verify(agg.reveal())
+    again = agg.resum()
+    agg.verify(again)
+    assert all(not a.any() for a in again.sums.values())
+
+
 @pytest.mark.parametrize(
     ("name", "index", "delta"),
     [("enc.b", 0, 1), ("enc.w", 11, -1), ("enc.b", 4, 2**40)],

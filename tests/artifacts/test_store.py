@@ -458,3 +458,73 @@ def test_prepare_writes_that_cannot_make_a_file_is_a_store_error(tmp_path: Path)
     (tmp_path / "s" / "tmp").write_bytes(b"")  # tmp/ is a file: nothing can be made in it
     with pytest.raises(StoreError, match="cannot prepare writes"):
         store.prepare_writes(2)
+
+
+# -- read_back: what a commit checks before its record names a blob ----------------------
+@pytest.mark.parametrize("size", [0, 1000, 3 * 1024 * 1024 + 17])
+def test_read_back_passes_a_blob_that_hashes_to_its_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Small blobs are hashed as they are read; from a megabyte on, one slice is read
+    while the other is hashed (slices of 1 MiB here: four turns)."""
+    monkeypatch.setattr(store_module, "_SLICE", 1 << 20)
+    store = Store(tmp_path)
+    data = os.urandom(size)
+    digest = store.put_parts([data[:100], memoryview(data)[100:]])
+    store.read_back(digest)  # nothing raised, nothing removed
+    assert store.get(digest) == data
+    blob = tmp_path / "blobs" / digest[:2] / digest
+    rotted = bytearray(data or b"\x00")  # one byte flipped (or one byte more)
+    rotted[size // 2] ^= 0xFF
+    blob.write_bytes(bytes(rotted))
+    with pytest.raises(CheckpointIntegrityError, match="reads back as"):
+        store.read_back(digest)
+    assert not store.has(digest)
+
+
+def test_a_corrupt_blob_found_at_the_digest_is_refused_removed_and_rewritten(
+    tmp_path: Path,
+) -> None:
+    """put_parts finds a blob under the digest and does not rewrite it; read_back does
+    not trust it: it is refused, removed, and the next write of the same bytes publishes
+    them afresh."""
+    store = Store(tmp_path)
+    data = b"checkpoint bytes " * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    planted = tmp_path / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"not those bytes")
+    assert store.put_parts([data]) == digest  # found there: not rewritten
+    with pytest.raises(CheckpointIntegrityError, match=r"reads back as .*; removed"):
+        store.read_back(digest)
+    assert not store.has(digest)
+    assert store.put_parts([data]) == digest  # written afresh this time
+    store.read_back(digest)
+    assert store.get(digest) == data
+
+
+def test_read_back_of_a_missing_or_malformed_blob(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(CheckpointIntegrityError, match="not there"):
+        store.read_back("0" * 64)
+    with pytest.raises(StoreError, match="malformed digest"):
+        store.read_back("xyz")
+
+
+def test_a_blob_that_does_not_read_back_and_cannot_be_removed_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Still refused (the typed error), and its message says it is still there: the next
+    write of the same bytes finds it and the next read-back refuses it again."""
+    store = Store(tmp_path)
+    digest = store.put(b"original")
+    (tmp_path / "blobs" / digest[:2] / digest).write_bytes(b"tampered")
+
+    def refuse(digest: str) -> bool:
+        raise StoreError("read-only")
+
+    monkeypatch.setattr(store, "delete", refuse)
+    for _ in range(2):
+        with pytest.raises(CheckpointIntegrityError, match=r"not removed \(read-only\)"):
+            store.read_back(digest)
+        assert store.put(b"original") == digest

@@ -22,11 +22,18 @@ from lensemble_flwr.coordinator.admission import (
     Ingress,
     Verdict,
     admit,
+    check_raw_plaintext,
 )
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.modes import MaskedMode, admission_tables
-from lensemble_flwr.errors import IllegalMessage
+from lensemble_flwr.errors import (
+    ConfigError,
+    IllegalMessage,
+    Response,
+    UnalignableUpdate,
+    response_to,
+)
 from lensemble_flwr.protocol.messages import (
     Commitment,
     ControlMessage,
@@ -41,6 +48,7 @@ from lensemble_flwr.protocol.messages import (
 )
 from lensemble_flwr.protocol.round import RoundEvent, RoundState
 from lensemble_flwr.simulations.toy import initial_params
+from lensemble_flwr.transports.base import STOCK_CLIENTAPP
 
 ROOT = "a" * 64
 PROGRESS = [
@@ -248,3 +256,50 @@ def test_a_masked_round_without_an_unmask_exchange_is_refused_in_one_place() -> 
     with pytest.raises(ConfigError, match="unmask exchange"):
         require_exchange(mode, None)
     require_exchange(mode, lambda requests, done: None)  # an exchange: accepted
+
+
+# -- what a coordinator-side transform may be given: raw plaintext deltas only ----------
+def _plain_update(**fields: Any) -> Update:
+    values = {
+        "run_id": "r", "round": 1, "sender": "p01", "participant_id": "p01",
+        "dataset_root": "a" * 64, "delta": {"w": np.ones(3, np.float32)}, "num_examples": 1,
+        **fields,
+    }  # fmt: skip
+    return Update(**values)
+
+
+@pytest.mark.parametrize(
+    "transforms", [(), ("difference",), ("difference", "bind"), (STOCK_CLIENTAPP,)]
+)
+def test_a_raw_plaintext_update_may_be_transformed(transforms: tuple[str, ...]) -> None:
+    check_raw_plaintext(_plain_update(transforms=transforms), "gauge-coordinator-harness")
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            {
+                "delta": {"w": np.ones(3, np.int8)},
+                "scales": {"w": 0.5},
+                "transforms": ("difference",),
+            },
+            "int8 scales",
+        ),
+        ({"transforms": ("difference", "int8_quantize", "bind")}, "'int8_quantize'"),
+        ({"transforms": ("difference", "clip", "bind")}, "stage 'clip'"),
+        ({"transforms": ("difference", "clip", "gaussian_noise")}, "'gaussian_noise'"),
+        ({"epsilon": 0.5}, "epsilon 0.5"),
+        ({"transforms": ("align", "difference")}, "stage 'align'"),
+        ({"transforms": ("my_custom_stage",)}, "'my_custom_stage'"),
+    ],
+)
+def test_a_release_transformed_update_is_refused_by_its_metadata(
+    fields: dict[str, Any], named: str
+) -> None:
+    update = _plain_update(**fields)
+    with pytest.raises(UnalignableUpdate, match=f"p01: update released with .*{named}") as info:
+        check_raw_plaintext(update, "update_transform")
+    assert info.value.field == "update_transform"
+    assert isinstance(info.value, ConfigError)  # the specification's error for it
+    assert response_to(info.value) is Response.REJECT_MESSAGE  # that update, not the run

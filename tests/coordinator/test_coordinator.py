@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 
@@ -207,27 +206,27 @@ def test_arrival_order_does_not_change_the_aggregate(tmp_path: Path) -> None:
 
 
 class CorruptingAggregator(FixedPointAggregator):
-    """Tampers with the revealed sum: every time, or only the first time."""
+    """Corrupts its sum in place once everything is folded: the first accumulator only (a
+    one-off fault, which the re-sum computed from the inputs does not share), or, when
+    ``persistent``, the re-sum's too."""
 
-    def __init__(self, *args, transient: bool, **kwargs) -> None:
+    def __init__(self, *args, persistent: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.transient = transient
-        self.reveals = 0
+        self.persistent = persistent
+        self.frozen: list[str] = []
 
-    def reveal(self) -> AggregateSum:
-        honest = super().reveal()
-        self.reveals += 1
-        if self.transient and self.reveals > 1:
-            return honest
-        sums = {n: a.copy() for n, a in honest.sums.items()}
-        first = next(iter(sums))
-        sums[first].reshape(-1)[0] += 1
-        return dataclasses.replace(honest, sums=sums)
+    def _frozen(self, *, resum: bool) -> AggregateSum:
+        self._fold()
+        if not resum or self.persistent:
+            accs = self._resum_acc if resum else self._acc
+            next(iter(accs.values())).reshape(-1)[0] += 1
+        self.frozen.append("resum" if resum else "sum")
+        return super()._frozen(resum=resum)
 
 
-def corrupting(transient: bool, log: list):
+def corrupting(persistent: bool, log: list):
     def factory(template, config: AggregationConfig, seed: int):
-        agg = CorruptingAggregator(template, config, check_seed=seed, transient=transient)
+        agg = CorruptingAggregator(template, config, check_seed=seed, persistent=persistent)
         log.append(agg)
         return agg
 
@@ -236,24 +235,35 @@ def corrupting(transient: bool, log: list):
 
 def test_forced_determinism_mismatch_resums_once_then_aborts(tmp_path: Path) -> None:
     made: list = []
-    factory = corrupting(transient=False, log=made)
+    factory = corrupting(persistent=True, log=made)
     coordinator, _network, _ = federation(tmp_path, aggregator_factory=factory)
     before = coordinator.global_state().params_hash
     with pytest.raises(NonDeterministicAggregation):
         coordinator.run(1)
-    assert made[0].reveals == 2  # the single re-sum happened
+    assert made[0].frozen == ["sum", "resum"]  # the single re-sum happened
     assert_aborted_unchanged(coordinator, before, NonDeterministicAggregation)
     assert len(coordinator.outcomes) == 1  # stop, no retry
     assert Ledger(Store(tmp_path / "run")).head() is None
 
 
-def test_transient_determinism_mismatch_recovers_on_the_resum(tmp_path: Path) -> None:
+def test_a_one_off_corruption_of_the_sum_is_recovered_by_the_resum(tmp_path: Path) -> None:
+    """The re-sum is computed from the admitted inputs, not re-read from the corrupted
+    accumulator: the round commits the same sum and model as an honest run."""
     made: list = []
-    coordinator, _, _ = federation(
-        tmp_path, aggregator_factory=corrupting(transient=True, log=made)
-    )
+    coordinator, _, _ = federation(tmp_path, aggregator_factory=corrupting(False, made))
     coordinator.run(1)
-    assert made[0].reveals == 2 and coordinator.round_state() is RoundState.CLOSED
+    assert made[0].frozen == ["sum", "resum"] and coordinator.round_state() is RoundState.CLOSED
+    honest, _, _ = federation(tmp_path, name="honest")
+    honest.run(1)
+    (got,), (want,) = Ledger(Store(tmp_path / "run")).records(), honest_records(tmp_path)
+    assert (got.aggregate_digest, got.new_global_hash) == (
+        want.aggregate_digest,
+        want.new_global_hash,
+    )
+
+
+def honest_records(tmp_path: Path) -> list:
+    return Ledger(Store(tmp_path / "honest")).records()
 
 
 def test_update_bound_to_another_dataset_root_aborts_fail_closed(tmp_path: Path) -> None:
@@ -281,20 +291,28 @@ class RottingStore(Store):
         parts = list(parts)
         digest = super().put_parts(parts)
         if self.rot and b"lensemble-checkpoint" in bytes(parts[0][:400]):
-            path = self.root / "blobs" / digest[:2] / digest
-            raw = bytearray(path.read_bytes())
-            raw[-1] ^= 0xFF
-            path.write_bytes(bytes(raw))
+            rot_blob(self, digest)
         return digest
 
 
-def test_a_checkpoint_that_rots_after_its_write_is_refused_by_every_reader(
-    tmp_path: Path,
-) -> None:
-    """A commit does not read its checkpoint back (it was hashed as it was written), so a
-    blob that rots on disk afterwards is caught by whoever reads it next: ``verify``
-    names it, a resumed coordinator refuses it, a joining participant refuses it."""
-    from lensemble_flwr.coordinator.coordinator import Coordinator
+def rot_blob(store: Store, digest: str) -> None:
+    path = store.root / "blobs" / digest[:2] / digest
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def assert_nothing_committed(coordinator, store: Store, before: str) -> None:
+    assert_aborted_unchanged(coordinator, before, CheckpointIntegrityError)
+    assert Ledger(store).head() is None  # no record
+    manifest = RunManifest.load(Store(store.root))
+    assert [e.state for e in manifest.rounds] == [RoundState.ABORTED]  # no closed entry
+
+
+def test_a_checkpoint_write_that_does_not_read_back_aborts_the_round(tmp_path: Path) -> None:
+    """The commit reads its checkpoint back before the record names it: a blob that rots
+    as it is written aborts the attempt (nothing committed), is removed, and the resumed
+    run writes it afresh and commits."""
     from lensemble_flwr.simulations.toy import initial_params
 
     _, network, nodes = federation(tmp_path, name="scratch")
@@ -302,10 +320,83 @@ def test_a_checkpoint_that_rots_after_its_write_is_refused_by_every_reader(
     coordinator = Coordinator(
         small_config(), transport=network.coordinator, initial_params=initial_params(), store=store
     )
+    before = coordinator.global_state().params_hash
     store.rot = True
+    with pytest.raises(CheckpointIntegrityError, match="reads back as"):
+        coordinator.run(1)
+    assert_nothing_committed(coordinator, store, before)
+    assert len(coordinator.outcomes) == 1  # stop, no retry in this run
+    resumed = Coordinator.resume(
+        small_config(), transport=network.coordinator, store=Store(store.root)
+    )
+    resumed.run(1)
+    assert resumed.round_state() is RoundState.CLOSED
+    assert [r.round for r in verify(Store(store.root))] == [1]
+    assert nodes[0].join(str(store.root)).params_hash == resumed.global_state().params_hash
+
+
+def test_a_corrupt_blob_already_at_the_checkpoints_digest_is_not_trusted(
+    tmp_path: Path,
+) -> None:
+    """A blob planted at the digest the round's checkpoint will have (found by running the
+    same round on a twin) is read back, refused and removed: the round aborts with nothing
+    committed, no reader is ever pointed at it, and the resumed run commits a good one."""
+    twin, _, _ = federation(tmp_path, name="twin")
+    twin.run(1)
+    head = Ledger(Store(tmp_path / "twin")).head()
+    assert head is not None and head.attempt == 1
+    digest, good = head.checkpoint, Store(tmp_path / "twin").get(head.checkpoint)
+
+    coordinator, network, nodes = federation(tmp_path)
+    store = Store(tmp_path / "run")
+    planted = store.root / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    before = coordinator.global_state().params_hash
+    with pytest.raises(CheckpointIntegrityError, match=digest):
+        coordinator.run(1)
+    assert_nothing_committed(coordinator, store, before)
+    assert not store.has(digest)  # the bad blob is gone: nothing can trust it later
+    resumed = Coordinator.resume(small_config(), transport=network.coordinator, store=store)
+    resumed.run(1)
+    records = verify(store)  # every checkpoint a record names reads back
+    assert [(r.round, r.attempt) for r in records] == [(1, 2)]
+    assert nodes[0].join(str(store.root)).params_hash == resumed.global_state().params_hash
+
+
+def test_a_corrupt_blob_at_the_initial_checkpoints_digest_does_not_start_the_run(
+    tmp_path: Path,
+) -> None:
+    """θ_0's checkpoint, which the manifest names, is read back too: a corrupt blob under
+    its digest stops the run from starting (removed), and the next start writes it."""
+    twin, _, _ = federation(tmp_path, name="twin")
+    digest = twin.manifest.initial_checkpoint
+    good = Store(tmp_path / "twin").get(digest)
+    store = Store(tmp_path / "run")
+    planted = store.root / "blobs" / digest[:2] / digest
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(good[::-1])
+    with pytest.raises(CheckpointIntegrityError, match=digest):
+        federation(tmp_path)
+    assert not store.has(digest) and not store.bound("manifest")
+    coordinator, _, _ = federation(tmp_path)
+    assert store.get(digest) == good
     coordinator.run(1)
+    assert [r.round for r in verify(store)] == [1]
+
+
+def test_a_checkpoint_that_rots_after_its_commit_is_refused_by_every_reader(
+    tmp_path: Path,
+) -> None:
+    """A blob that rots on disk after the round committed is caught by whoever reads it
+    next: ``verify`` names it, a resumed coordinator refuses it, a joining participant
+    refuses it."""
+    coordinator, _, nodes = federation(tmp_path)
+    coordinator.run(1)
+    store = Store(tmp_path / "run")
     head = Ledger(store).head()
     assert head is not None and head.round == 1
+    rot_blob(store, head.checkpoint)
     with pytest.raises(LedgerError, match="round 1: checkpoint"):
         verify(Store(store.root))
     with pytest.raises(LedgerError, match=r"round 1: checkpoint: blob .* hashes to"):

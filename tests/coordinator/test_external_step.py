@@ -27,7 +27,12 @@ from lensemble_flwr.coordinator.outer_optimizer import (
     momentum_after_external_step,
     outer_step,
 )
-from lensemble_flwr.errors import IllegalTransition, LedgerError, ParameterMismatch
+from lensemble_flwr.errors import (
+    CheckpointIntegrityError,
+    IllegalTransition,
+    LedgerError,
+    ParameterMismatch,
+)
 from lensemble_flwr.provenance.audit import audit_run
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.provenance.verify import record_breaks, verify
@@ -348,3 +353,34 @@ def test_a_joining_participant_gets_the_adopted_model_not_the_one_it_replaced(
     assert nodes[2].join(str(coordinator.store.root)).params_hash == (
         coordinator.global_state().params_hash
     )
+
+
+def test_an_adopted_checkpoint_that_does_not_read_back_adopts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adopted model's checkpoint is read back before the step is kept, as a commit's
+    is: one that rots as it is written is CheckpointIntegrityError, removed, and nothing
+    is adopted; the same adoption afterwards writes it afresh."""
+    coordinator, network, _ = federation(tmp_path)
+    coordinator.run(1)
+    before, store = coordinator.global_state().params_hash, coordinator.store
+    write = store.put_parts
+
+    def rotting(parts):  # type: ignore[no-untyped-def]
+        digest = write(parts)
+        blob = store.root / "blobs" / digest[:2] / digest
+        blob.write_bytes(blob.read_bytes()[:-1] + b"\x00")
+        return digest
+
+    monkeypatch.setattr(store, "put_parts", rotting)
+    target = noised(coordinator)
+    with pytest.raises(CheckpointIntegrityError, match="reads back as"):
+        coordinator.adopt(target)
+    assert coordinator.global_state().params_hash == before
+    assert not store.bound(durable.EXTERNAL_STEP)
+    monkeypatch.setattr(store, "put_parts", write)
+    step = coordinator.adopt(target)
+    assert step is not None and decode_checkpoint(store.get(step.checkpoint))
+    coordinator.run(1)
+    network.flush()
+    assert verify(store)[1].external_step == step

@@ -32,8 +32,10 @@ from lensemble_flwr.gauge.runtime import (
 )
 from lensemble_flwr.protocol.messages import MessageKind, Update
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import Ledger
 from lensemble_flwr.provenance.verify import verify
+from lensemble_flwr.release.quantize import quantize_int8
 from lensemble_flwr.simulations.world_federation import build_world, world_gauge
 from lensemble_flwr.simulations.world_model import (
     WorldModelAdapter,
@@ -239,3 +241,92 @@ def test_alignment_happens_before_every_other_release_stage(tmp_path: Path) -> N
     assert released.sketch_fingerprint is not None
     assert np.isfinite(released.l2_norm) and released.l2_norm <= 0.5 + 1e-6
     assert fed.coordinator.round_state() is RoundState.CLOSED
+
+
+def _int8_release(payload: dict) -> dict:
+    """p02 as a participant configured with ``quantize = "int8"`` sends it: int8 codes and
+    their scales, the stage named."""
+    rng = np.random.default_rng(0)
+    codes, scales = {}, {}
+    for name, values in payload["delta"].items():
+        codes[name], scales[name] = quantize_int8(np.asarray(values), rng)
+    payload.update(delta=codes, scales=scales, transforms=("difference", "int8_quantize", "bind"))
+    return payload
+
+
+def test_the_harness_refuses_an_int8_update_instead_of_aligning_its_codes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator harness aligns raw plaintext deltas only: an int8 release of a
+    participant configured otherwise is rejected at ingress by its metadata, never
+    aligned, and the round sums exactly what it would have summed without it (aligned
+    as if they were deltas, its codes came out far from the released values: the sum
+    they would have entered is shown wrong here too)."""
+    cfg = config(align=False, coordinator_harness=True)
+    faults = FaultPlan().corrupt("p02", round=1, kind=MessageKind.UPDATE, mutate=_int8_release)
+    fed = world(tmp_path / "int8", cfg, faults=faults)
+    with caplog.at_level(logging.WARNING, logger=COORDINATOR_LOG):
+        fed.coordinator.run(1)
+    entry = fed.coordinator.manifest.rounds[-1]
+    assert entry.state is RoundState.CLOSED and entry.contributors == ("p00", "p01")
+    assert entry.rejected == 1
+    (rejected,) = rejections(caplog)
+    assert "UnalignableUpdate" in rejected and "int8 scales" in rejected
+    # the sum is untouched: the same global as a round in which p02 sent nothing
+    silent = FaultPlan().drop("p02", round=1, at=RoundState.OPEN)
+    twin = world(tmp_path / "without", cfg, faults=silent)
+    twin.coordinator.run(1)
+    assert twin.coordinator.manifest.rounds[-1].contributors == ("p00", "p01")
+    assert fed.coordinator.global_state().params_hash == twin.coordinator.global_state().params_hash
+
+
+def test_aligning_int8_codes_as_deltas_is_far_from_aligning_what_was_released() -> None:
+    """Why the harness refuses an int8 release: its transform, given the codes, sums
+    (aligned codes) x scale, which is nowhere near the alignment of the released values."""
+    gauge, cfg, params = world_gauge(0), config(sketch_rows=16), initial_params(0)
+    rng = np.random.default_rng(1)
+    moved = {
+        n: a + 1e-3 * rng.standard_normal(a.shape).astype(np.float32) for n, a in params.items()
+    }
+    local = WorldModelAdapter().rotate(moved, random_orthogonal(8, seed=3))
+    raw = {n: local[n] - params[n] for n in params}
+    codes, scales = {}, {}
+    for name in raw:
+        codes[name], scales[name] = quantize_int8(raw[name], rng)
+    released = {n: (codes[n] * scales[n]).astype(np.float32) for n in raw}
+    transform = harness_transform(gauge, cfg, params, round_seed=7)
+    right = transform(plaintext_update(released)).delta
+    wrong = transform(plaintext_update(codes, scales=scales)).delta  # what it used to sum
+    error = np.sqrt(sum(np.sum((wrong[n] * scales[n] - right[n]) ** 2) for n in raw))
+    assert error / np.sqrt(sum(np.sum(right[n] ** 2) for n in raw)) > 0.5
+
+
+def test_local_round_checks_the_warm_start_at_t0_without_a_round_open(tmp_path: Path) -> None:
+    """A caller that trains through ``Participant.local_round`` (no RoundOpen) meets the
+    same INV-WARMSTART-T0 check: round 1 from a θ_0 whose encoder is not the warm start is
+    refused before any training; from the warm start it trains, and a later round is not
+    checked."""
+    params = initial_params(0)
+    good = encoder_hash(params, ["encoder"])
+    fed = world(tmp_path, config(warm_start_hash=good))
+    node, seed, probe = fed.participants[0], 11, fed.gauge.probe
+
+    def state(round: int, params: dict) -> GlobalState:
+        return GlobalState.create(
+            round, params, sketch_seed=seed, h_steps=1, probe_hash=probe.probe_hash,
+            landmark_hashes=probe.landmark_hashes,
+        )  # fmt: skip
+
+    other = {n: a + 1.0 if n.startswith("encoder") else a for n, a in params.items()}
+    t0_other = state(0, other)
+    with pytest.raises(GaugeError, match="is not the warm start"):
+        node.local_round(t0_other, seed)
+    assert node.last_loss is None  # refused before it trained
+    released = node.local_round(state(0, params), seed)
+    assert released.round == 1 and node.last_loss is not None
+    later = node.local_round(state(1, other), seed)
+    assert later.round == 2  # θ_1 is no warm start to check
+    # a participant pinned to another warm start refuses the agreed θ_0 as well
+    node.config = config(warm_start_hash="cd" * 32)
+    with pytest.raises(GaugeError, match="is not the warm start cdcdcdcdcdcd"):
+        node.local_round(state(0, params), seed)
