@@ -319,10 +319,9 @@ def test_keyed_members_wait_for_the_member_list_while_a_rejoiner_commits(
     ]
     opens: dict[str, list[tuple[bool, bool]]] = {}
     for d in everything.deliveries:
-        if d.dest != COORDINATOR and kind_of(d.payload) is MessageKind.ROUND_OPEN:
-            if d.payload["round"] == 3:
-                asked = (bool(d.payload["needs_commitment"]), bool(d.payload["secagg_members"]))
-                opens.setdefault(d.dest, []).append(asked)
+        if kind_of(d.payload) is MessageKind.ROUND_OPEN and d.payload["round"] == 3:
+            asked = (bool(d.payload["needs_commitment"]), bool(d.payload["secagg_members"]))
+            opens.setdefault(d.dest, []).append(asked)
     assert opens.pop("p02") == [(True, False), (False, True)]
     assert opens == {p: [(False, True)] for p in ("p00", "p01", "p03")}
 
