@@ -31,6 +31,10 @@ def payloads_to_coordinator(network, kind: MessageKind) -> list[dict]:
     return [p for p in SEEN[network].payloads() if kind_of(p) is kind]
 
 
+def payloads_to_coordinator_of(log: DeliveryLog, kind: MessageKind) -> list[dict]:
+    return [p for p in log.payloads(kind) if isinstance(p, dict) and p.get("sender") != COORDINATOR]
+
+
 SEEN: dict[InProcessNetwork, DeliveryLog] = {}  # what each run's coordinator received
 
 
@@ -324,6 +328,30 @@ def test_keyed_members_wait_for_the_member_list_while_a_rejoiner_commits(
             opens.setdefault(d.dest, []).append(asked)
     assert opens.pop("p02") == [(True, False), (False, True)]
     assert opens == {p: [(False, True)] for p in ("p00", "p01", "p03")}
+
+
+def test_a_keyed_participant_that_appears_after_the_members_are_fixed_waits(
+    tmp_path: Path,
+) -> None:
+    """p03 is unreachable when round 3's members are fixed and comes back while they
+    train: it is sent nothing in round 3 (nothing in it is for a non-member that holds a
+    key) and masks in round 4 with the key it announced in round 2, with no commitment."""
+    coordinator, network, _ = federation(tmp_path, config=masked_config())
+    everything = DeliveryLog(network)
+    coordinator.run(2)
+    network.take_offline("p03")
+    network.call_at(network.clock.time + 0.5, lambda: network.bring_online("p03"))
+    coordinator.run(2)
+    assert [(o.state, o.count) for o in coordinator.outcomes][2:] == [
+        (RoundState.CLOSED, 3),
+        (RoundState.CLOSED, 4),
+    ]
+    to_p03 = {(kind_of(d.payload), d.payload["round"]) for d in everything.deliveries
+              if d.dest == "p03"}  # fmt: skip
+    assert (MessageKind.ROUND_OPEN, 3) not in to_p03 and (MessageKind.ROUND_OPEN, 4) in to_p03
+    assert "p03" not in coordinator.manifest.rounds[2].invited
+    commitments = payloads_to_coordinator_of(everything, MessageKind.COMMITMENT)
+    assert [p["participant_id"] for p in commitments].count("p03") == 1  # round 1 only
 
 
 def test_a_sparse_neighbour_graph_reveals_bitwise_the_plaintext_sum(tmp_path: Path) -> None:
