@@ -327,7 +327,7 @@ class MaskedMode:
         each member, with the member list, once the members are fixed. A keyed
         participant that is not a member gets none: with no member list and no
         commitment to ask for, it would ask nothing of it (over Flower its empty answer
-        reads as a refusal of the attempt); it is invited once the members are fixed."""
+        reads as a refusal of the attempt); it is invited with the members if it is one."""
         if peer in attempt.invited and (attempt.members is None or peer in attempt.members_sent):
             return None  # the common answer: asked for every reachable peer, many times
         members = _member_ids(attempt)
