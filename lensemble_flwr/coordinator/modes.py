@@ -325,10 +325,15 @@ class MaskedMode:
 
     def invitation(self, attempt: Attempt, peer: str) -> RoundOpen | None:
         """The RoundOpen with the masking parameters: once per participant, and again to
-        each member, with the member list, once the members are fixed."""
+        each member, with the member list, once the members are fixed. A keyed
+        participant that is not a member gets none: with no member list and no
+        commitment to ask for, it would ask nothing of it (over Flower its empty answer
+        reads as a refusal of the attempt); it is invited with the members if it is one."""
         if peer in attempt.invited and (attempt.members is None or peer in attempt.members_sent):
             return None  # the common answer: asked for every reachable peer, many times
         members = _member_ids(attempt)
+        if peer not in members and self.registry.keyed(peer):
+            return None  # e.g. while a member whose key was spent commits a fresh one
         resend = peer in members and peer not in attempt.members_sent
         if peer in attempt.invited and not resend:
             return None

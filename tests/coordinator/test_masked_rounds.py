@@ -31,6 +31,10 @@ def payloads_to_coordinator(network, kind: MessageKind) -> list[dict]:
     return [p for p in SEEN[network].payloads() if kind_of(p) is kind]
 
 
+def payloads_to_coordinator_of(log: DeliveryLog, kind: MessageKind) -> list[dict]:
+    return [p for p in log.payloads(kind) if isinstance(p, dict) and p.get("sender") != COORDINATOR]
+
+
 SEEN: dict[InProcessNetwork, DeliveryLog] = {}  # what each run's coordinator received
 
 
@@ -216,6 +220,69 @@ def test_a_masked_round_with_a_drop_over_a_flower_grid_checks_the_survivors(
     assert transport.exchanges(2) == 3  # members, survivor check, unmask
 
 
+def test_a_member_that_dropped_over_a_flower_grid_masks_again_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """node-11 goes silent once it is listed in round 2 and answers again in round 3:
+    round 3 takes it back with a fresh mask key and closes on its first attempt."""
+    from flwr.app import Context, Message, RecordDict
+
+    from lensemble_flwr.strategies import records
+    from tests.strategies.test_grid_transport import (
+        NODES,
+        FakeClock,
+        FakeGrid,
+        clientapp_node,
+        make_transport,
+    )
+
+    config = masked_config()
+    clock = FakeClock()
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in NODES
+    }
+    nodes = {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    answer = nodes[NODES[0]]
+
+    def silent_in_round_two(message: Message) -> Message | None:
+        for payload in records.decode_instruction(message.content):
+            if payload.get("round") == 2 and payload.get("secagg_members"):
+                return None
+        return answer(message)
+
+    nodes[NODES[0]] = silent_in_round_two
+    grid = FakeGrid(clock, nodes)
+    fed = config.federation
+    transport = make_transport(grid, clock, message_ttl=fed.open_timeout + fed.collect_timeout)
+    coordinator = Coordinator(
+        config,
+        transport=transport,
+        initial_params=initial_params(),
+        store=Store(tmp_path / "run"),
+        run_id="flwr-1",
+    )
+    coordinator.run(3)
+    # one attempt per round: nobody refuses round 3 while node-11 commits again
+    assert [o.state for o in coordinator.outcomes] == [RoundState.CLOSED] * 3
+    assert [o.count for o in coordinator.outcomes] == [4, 3, 4]
+    assert [(e.round, e.attempt) for e in coordinator.manifest.rounds] == [(1, 1), (2, 1), (3, 1)]
+    assert not any(e.refused for e in coordinator.manifest.rounds)
+    verify(Store(tmp_path / "run"))
+    opens: dict[int, list[dict]] = {}
+    for instruction, _ in grid.delivered:
+        for payload in records.decode_instruction(instruction.content):
+            if payload.get("round") == 3 and kind_of(payload) is MessageKind.ROUND_OPEN:
+                opens.setdefault(instruction.metadata.dst_node_id, []).append(payload)
+    # node-11 is asked for a fresh key, then gets the members; the others only the members
+    assert [(bool(p["needs_commitment"]), bool(p["secagg_members"])) for p in opens[11]] == [
+        (True, False),
+        (False, True),
+    ]
+    assert all([bool(p["secagg_members"]) for p in opens[n]] == [True] for n in NODES[1:])
+    assert transport.exchanges(3) == 3  # node-11: commitment, members, unmask
+
+
 def test_every_round_attempt_masks_with_fresh_keys(tmp_path: Path) -> None:
     """A mask key serves one attempt: each member set lists keys never listed before, and
     a member whose key was spent without a successor (it dropped) commits a new one."""
@@ -235,6 +302,56 @@ def test_every_round_attempt_masks_with_fresh_keys(tmp_path: Path) -> None:
     assert len(set(announced + commitments)) == len(announced) + len(commitments)  # all fresh
     assert len(commitments) == 5  # four at the start, p02 once more after it dropped
     verify(Store(tmp_path / "masked"))
+
+
+def test_keyed_members_wait_for_the_member_list_while_a_rejoiner_commits(
+    tmp_path: Path,
+) -> None:
+    """In process: p02 goes silent in round 2 (its key spent) and is reachable again when
+    round 3 begins; only p02 is asked for a fresh key, and the others, still keyed, get
+    one RoundOpen each (the one that lists the members), not one that asks nothing."""
+    faults = FaultPlan().drop("p02", round=2, at=RoundState.COLLECTING)
+    coordinator, network, _ = federation(tmp_path, config=masked_config(), faults=faults)
+    everything = DeliveryLog(network)
+    coordinator.run(2)
+    network.bring_online("p02")  # as a Flower node that answers again: its state is kept
+    coordinator.run(1)
+    assert [(o.state, o.count) for o in coordinator.outcomes] == [
+        (RoundState.CLOSED, 4),
+        (RoundState.CLOSED, 3),
+        (RoundState.CLOSED, 4),
+    ]
+    opens: dict[str, list[tuple[bool, bool]]] = {}
+    for d in everything.deliveries:
+        if kind_of(d.payload) is MessageKind.ROUND_OPEN and d.payload["round"] == 3:
+            asked = (bool(d.payload["needs_commitment"]), bool(d.payload["secagg_members"]))
+            opens.setdefault(d.dest, []).append(asked)
+    assert opens.pop("p02") == [(True, False), (False, True)]
+    assert opens == {p: [(False, True)] for p in ("p00", "p01", "p03")}
+
+
+def test_a_keyed_participant_that_appears_after_the_members_are_fixed_waits(
+    tmp_path: Path,
+) -> None:
+    """p03 is unreachable when round 3's members are fixed and comes back while they
+    train: it is sent nothing in round 3 (nothing in it is for a non-member that holds a
+    key) and masks in round 4 with the key it announced in round 2, with no commitment."""
+    coordinator, network, _ = federation(tmp_path, config=masked_config())
+    everything = DeliveryLog(network)
+    coordinator.run(2)
+    network.take_offline("p03")
+    network.call_at(network.clock.time + 0.5, lambda: network.bring_online("p03"))
+    coordinator.run(2)
+    assert [(o.state, o.count) for o in coordinator.outcomes][2:] == [
+        (RoundState.CLOSED, 3),
+        (RoundState.CLOSED, 4),
+    ]
+    to_p03 = {(kind_of(d.payload), d.payload["round"]) for d in everything.deliveries
+              if d.dest == "p03"}  # fmt: skip
+    assert (MessageKind.ROUND_OPEN, 3) not in to_p03 and (MessageKind.ROUND_OPEN, 4) in to_p03
+    assert "p03" not in coordinator.manifest.rounds[2].invited
+    commitments = payloads_to_coordinator_of(everything, MessageKind.COMMITMENT)
+    assert [p["participant_id"] for p in commitments].count("p03") == 1  # round 1 only
 
 
 def test_a_sparse_neighbour_graph_reveals_bitwise_the_plaintext_sum(tmp_path: Path) -> None:

@@ -826,6 +826,33 @@ def test_end_to_end_three_rounds_over_the_grid(tmp_path: Path) -> None:
     assert all(load_state(c.state).meta["last_open"][:2] == [3, 1] for c in contexts.values())
 
 
+def test_a_node_silent_for_a_round_trains_again_the_next_over_the_grid(tmp_path: Path) -> None:
+    """Plaintext: node-11 does not answer round 2's instruction (the round closes with
+    the other three at its deadline) and answers round 3's: round 3 takes it back on its
+    first attempt (the masked case: tests/coordinator/test_masked_rounds.py)."""
+    coordinator, _transport, grid, _ = federation_over_grid(
+        tmp_path / "run", delay=lambda node, m: 1.0
+    )
+    answer = grid.nodes[NODES[0]]
+
+    def silent_in_round_two(message: Message) -> Message | None:
+        for payload in records.decode_instruction(message.content):
+            if kind_of(payload) is MessageKind.ROUND_OPEN and payload["round"] == 2:
+                return None
+        return answer(message)
+
+    grid.nodes[NODES[0]] = silent_in_round_two
+    coordinator.run(3)
+    assert [(o.state, o.count) for o in coordinator.outcomes] == [
+        (RoundState.CLOSED, 4),
+        (RoundState.CLOSED, 3),
+        (RoundState.CLOSED, 4),
+    ]
+    ledger = verify(Store(tmp_path / "run"))
+    assert [(r.round, r.attempt) for r in ledger] == [(1, 1), (2, 1), (3, 1)]
+    assert participant_id(NODES[0]) in ledger[-1].contributors
+
+
 @pytest.mark.parametrize("failure", ["error", "malformed"])
 def test_a_signing_nodes_failed_reply_ends_its_wait_at_once(
     tmp_path: Path, failure: str, caplog: pytest.LogCaptureFixture
