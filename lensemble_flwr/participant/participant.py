@@ -26,6 +26,7 @@ from lensemble_flwr.gauge.runtime import (
     check_warm_start_of,
     require_setup,
 )
+from lensemble_flwr.identity.endorsement import endorse
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
@@ -273,6 +274,7 @@ class Participant:
             num_examples=self.training.num_examples(),
             identity_key=self.identity.public_openssh if self.identity else None,
             **keys,
+            **self._endorsement(),
         )
 
     def _refuse(self, msg: RoundOpen, common: dict[str, Any], exc: LensembleError) -> None:
@@ -299,7 +301,17 @@ class Participant:
             }
         else:
             fields |= {"l2_norm": meta["released_norm"], "scales": meta.get("scales")}
-        return Update(**common, **fields)
+        return Update(**common, **fields, **self._endorsement())
+
+    def _endorsement(self) -> dict[str, str]:
+        """The endorsement this participant's next Commitment or Update carries: its
+        identity key's signature of the record of the newest RoundClose it received (the
+        record it checked last; nothing without a key or a close). See
+        :mod:`lensemble_flwr.identity.endorsement`."""
+        if self.identity is None or self.last_close is None:
+            return {}
+        record = self.last_close.record_hash
+        return {"endorses": record, "endorsement": endorse(self.identity, record)}
 
     def _send(self, dest: str, message: ParticipantMessage) -> None:
         """Sign (when this participant has an identity) and send."""
@@ -415,13 +427,21 @@ class Participant:
                 f"{self.participant_id}: a release may carry only shared parameters, not {leaked}"
             )
 
-    def join(self, coordinator_endpoint: str) -> GlobalState:
+    def join(self, coordinator_endpoint: str, *, expect_head: str | None = None) -> GlobalState:
         """Recover the latest committed global state from the run directory and verify it.
 
         A rejoiner's stale local state (inner optimizer, last answered round) is discarded.
 
         Args:
             coordinator_endpoint: the coordinator's run directory (its artifact store).
+            expect_head: the record hash the newest record must carry, held outside the
+                run directory (an operator's pin, another participant's RoundClose).
+
+        Every record before the newest must carry the endorsements its run's policy
+        requires (identity/endorsement.py): a chain rewritten and resealed by someone
+        without the participants' keys is refused. The newest record of a run endorsed by
+        the next round has none yet: without a RoundClose of it or ``expect_head`` it is
+        joined with a warning, as only as trustworthy as the run directory.
 
         The ledger is checked as a chain, not only its head: every record's hash and its
         links back to the manifest's θ_0 (a forged, resealed head would otherwise pass
@@ -432,10 +452,11 @@ class Participant:
             CheckpointIntegrityError: the checkpoint's bytes or params do not match the
                 hash the ledger (or manifest) records for it, or the ledger does not hold
                 the round this participant saw closed.
-            LedgerError: the ledger's chain is broken.
+            LedgerError: the ledger's chain is broken, a record lacks its endorsements,
+                or the newest record is not ``expect_head``.
         """
         checkpoint = recover_checkpoint(
-            Store(coordinator_endpoint), self.last_close, self.participant_id
+            Store(coordinator_endpoint), self.last_close, self.participant_id, expect_head
         )
         if checkpoint.round == 0:  # a (re)joiner at θ_0 revalidates the warm start
             check_warm_start_of(self.gauge, self.config, checkpoint.params)
