@@ -48,10 +48,13 @@ from lensemble_flwr.errors import ForgedMessage, LedgerError, StoreError
 from lensemble_flwr.identity.signing import IdentityKey, digest_signed_by
 from lensemble_flwr.provenance.ledger import (
     ENDORSED_ON_WRITE,
+    MANIFEST_HEADER,
     ContributionRecord,
     EndorsementPolicy,
+    Ledger,
+    RunManifest,
 )
-from lensemble_flwr.provenance.verify import LinkBreak
+from lensemble_flwr.provenance.verify import LinkBreak, verify
 
 ENDORSEMENTS = "endorsements"
 """Store names ``endorsements/<round>/<participant>``: a participant's deposited
@@ -309,3 +312,86 @@ def endorsement_breaks(
 ) -> Iterator[LinkBreak]:
     """The broken links of :func:`endorsement_review`, for a walk that lists them all."""
     yield from endorsement_review(store, records, policy)[1]
+
+
+def verify_run(store: Store, *, expect_head: str | None = None) -> list[RecordEndorsement]:
+    """:func:`~lensemble_flwr.provenance.verify.verify`, then every record's endorsement
+    under the run's policy, and the newest record against ``expect_head`` when given (a
+    hash held outside the run directory).
+
+    Returns:
+        Every record's endorsement, in round order.
+
+    Raises:
+        LedgerError: the first broken link, a forged endorsement, a record endorsed by
+            fewer participants than its policy requires (naming the record and who is
+            missing), or a head that is not ``expect_head``.
+    """
+    records = verify(store)
+    reviews = check_endorsed(store, records, RunManifest.load(store).endorsement)
+    found = records[-1].record_hash if records else None
+    if expect_head is not None and found != expect_head:
+        raise LedgerError(f"ledger head: record_hash: expected {expect_head}, found {found}")
+    return reviews
+
+
+def review_run(
+    store: Store,
+) -> tuple[EndorsementPolicy | None, list[RecordEndorsement], list[LinkBreak]] | None:
+    """The run's policy, every record's endorsement and the broken links, for a report
+    (``lensemble-flwr verify`` and ``show``); None when the ledger or the manifest header
+    cannot be read (the report's own checks name why)."""
+    try:
+        policy = RunManifest.from_header(store.get(store.resolve(MANIFEST_HEADER))).endorsement
+        records = Ledger(store).records()
+    except (LedgerError, StoreError):
+        return None
+    reviews, breaks = endorsement_review(store, records, policy)
+    return policy, reviews, breaks
+
+
+def summary(policy: EndorsementPolicy | None, reviews: Sequence[RecordEndorsement]) -> str:
+    """One line on a run's endorsements (what ``verify`` and ``show`` print)."""
+    if policy is None:
+        return "none: the run was written before endorsements (its history rests on its writer)"
+    by_status: dict[str, list[int]] = {}
+    for review in reviews:
+        by_status.setdefault(review.status, []).append(review.round)
+    words = {
+        "endorsed": "endorsed",
+        "pending": "not yet endorsed (the head: pin it with --expect-head)",
+        "keyless": "cannot be endorsed: no contributor holds an identity key (they rest "
+        "on the writer alone)",
+        "unendorsed": "UNENDORSED",
+    }
+    parts = [
+        f"round{'s' if len(by_status[s]) > 1 else ''} {_spans(by_status[s])} {words[s]}"
+        for s in ("endorsed", "unendorsed", "keyless", "pending")
+        if s in by_status
+    ]
+    return f"policy {policy}; " + ("; ".join(parts) if parts else "no records yet")
+
+
+def _spans(rounds: Sequence[int]) -> str:
+    """``1-3, 5``: ascending rounds as ranges."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def endorsements_json(
+    policy: EndorsementPolicy | None,
+    reviews: Sequence[RecordEndorsement],
+    breaks: Sequence[LinkBreak],
+) -> dict[str, object]:
+    """The endorsement part of ``verify --json`` and ``show --json``."""
+    return {
+        "policy": policy,
+        "summary": summary(policy, reviews),
+        "records": [dataclasses.asdict(r) | {"missing": list(r.missing)} for r in reviews],
+        "broken": [b.message for b in breaks],
+    }
