@@ -44,6 +44,7 @@ from lensemble_flwr.errors import (
     RoundError,
     StoreError,
 )
+from lensemble_flwr.identity.endorsement import verify_run
 from lensemble_flwr.protocol.messages import (
     Commitment,
     MessageKind,
@@ -53,7 +54,6 @@ from lensemble_flwr.protocol.messages import (
     message_digest,
     to_wire,
 )
-from lensemble_flwr.identity.endorsement import verify_run
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import Ledger, RunManifest
 from lensemble_flwr.provenance.verify import verify
