@@ -249,9 +249,9 @@ def endorsement_review(
                     "endorsements",
                     f"{required} of {list(keyed) or 'any registered participant'}",
                     list(endorsers),
-                    f"round {rec.round}: ledger record {rec.record_hash[:12]}… is UNENDORSED "
-                    f"(forged, or written by someone who is not its participants): it needs "
-                    f"the endorsement of {required} of "
+                    f"round {rec.round}: ledger record {rec.record_hash[:12]}… is UNENDORSED, "
+                    "so FORGED by someone without its participants' keys: it needs the "
+                    f"endorsement of {required} of "
                     f"{', '.join(keyed) or 'the registered participants'}; "
                     f"missing {', '.join(review.missing) or 'any signature'}",
                 )
