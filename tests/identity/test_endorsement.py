@@ -184,8 +184,8 @@ def test_an_untouched_run_over_flowers_grid_with_signing_clientapps_is_endorsed(
     [
         ("kept", r"round 2: FORGED endorsement: round 3's record carries an endorsement of "
          r"record \w+… in p00's name that p00's registered identity key did not sign"),
-        ("dropped", r"round 2: ledger record \w+… is UNENDORSED, so FORGED .* needs the endorsement of "
-         r"3 of p00, p01, p02, p03; missing p00, p01, p02, p03"),
+        ("dropped", r"round 2: ledger record \w+… is UNENDORSED, so FORGED .* needs the "
+         r"endorsement of 3 of p00, p01, p02, p03; missing p00, p01, p02, p03"),
     ],
 )  # fmt: skip
 def test_a_resealed_history_is_refused_by_verify_resume_and_join_naming_the_record(
