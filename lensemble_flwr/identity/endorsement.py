@@ -25,7 +25,8 @@ contributors whose identity key the registry it used records. A record before th
 is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed contributors signed its
 hash, where R counts those of them that contributed to the next record (a contributor
 that never took part again never heard of the next round, so it cannot have endorsed:
-requiring it would refuse every untouched run with a drop-out); under ``"on-write"`` at
+requiring it would refuse every untouched run with a drop-out; with R = 0 the record is,
+like the head, not yet endorsed); under ``"on-write"`` at
 least one registered participant must have signed every record, the head included. A
 record none of whose contributors holds a key cannot be endorsed: it is reported as
 ``keyless`` (its history rests on its writer alone), never refused. A run written
@@ -143,7 +144,8 @@ class RecordEndorsement:
         keyed: its contributors with a registered identity key.
         required: how many of them must have signed it (the policy).
         endorsers: who signed it, each checked against their registered key.
-        status: ``endorsed``; ``pending`` (the head of a ``"next-round"`` run: not yet);
+        status: ``endorsed``; ``pending`` (not yet: the head of a ``"next-round"`` run,
+            or a record none of whose keyed contributors took part in the next round);
             ``keyless`` (no contributor holds a key: nobody can endorse it);
             ``unendorsed`` (fewer than ``required``: refused); ``legacy`` (a run written
             before endorsements).
@@ -167,7 +169,7 @@ class RecordEndorsement:
         if self.status == "endorsed":
             return f"endorsed by {signed} ({len(self.endorsers)} of {len(self.keyed)} keyed)"
         if self.status == "pending":
-            return f"not yet endorsed (the head; signed by {signed})"
+            return f"not yet endorsed (no keyed contributor took part since; signed by {signed})"
         if self.status == "keyless":
             return "cannot be endorsed: no contributor holds an identity key"
         if self.status == "legacy":
@@ -283,9 +285,9 @@ def _status(
     if on_write:
         ok = bool(signers) and signed >= required
         return ("endorsed" if ok else "unendorsed"), max(required, 1)
-    if not keyed:
-        return "keyless", 0
-    return ("endorsed" if signed >= required else "unendorsed"), required
+    if required == 0 and not signed:  # none of them took part since: like the head
+        return "pending", 0
+    return ("endorsed" if signed >= max(required, 1) else "unendorsed"), max(required, 1)
 
 
 def check_endorsed(
@@ -359,7 +361,7 @@ def summary(policy: EndorsementPolicy | None, reviews: Sequence[RecordEndorsemen
         by_status.setdefault(review.status, []).append(review.round)
     words = {
         "endorsed": "endorsed",
-        "pending": "not yet endorsed (the head: pin it with --expect-head)",
+        "pending": "not yet endorsed (pin the head with --expect-head)",
         "keyless": "cannot be endorsed: no contributor holds an identity key (they rest "
         "on the writer alone)",
         "unendorsed": "UNENDORSED",

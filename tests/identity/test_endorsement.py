@@ -234,7 +234,8 @@ def test_a_record_needs_a_majority_of_its_keyed_contributors_that_took_part_agai
     tmp_path: Path,
 ) -> None:
     """Four keyed contributors, all in the next round: three signatures are enough, two
-    are not. Contributors that took no part in the next round are not waited for."""
+    are not. Contributors that took no part in the next round are not waited for; a
+    record none of them came back after is not yet endorsed (never "endorsed" by nobody)."""
     store = signed_run(tmp_path)
     records = Ledger(store).records()
     carried = dict(records[2].endorsements or {})
@@ -244,10 +245,12 @@ def test_a_record_needs_a_majority_of_its_keyed_contributors_that_took_part_agai
     )
     two = records[2].model_copy(update={"endorsements": {p: carried[p] for p in ("p02", "p03")}})
     away = two.model_copy(update={"contributors": ("p02", "p03")})  # p00, p01 sat out
+    gone = away.model_copy(update={"contributors": ("p09",), "endorsements": None})
     for following, status, required in [
         (three, "endorsed", 3),
         (two, "unendorsed", 3),
         (away, "endorsed", 2),
+        (gone, "pending", 0),  # none of them took part since: not yet, like the head
     ]:
         reviews, _ = endorsement_review(store, [records[1], following], policy)
         assert (reviews[0].status, reviews[0].required) == (status, required)
