@@ -47,6 +47,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import digest_record
 from lensemble_flwr.errors import ForgedMessage, LedgerError, StoreError
 from lensemble_flwr.identity.signing import IdentityKey, digest_signed_by
+from lensemble_flwr.protocol.messages import RoundClose
 from lensemble_flwr.provenance.ledger import (
     ENDORSED_ON_WRITE,
     MANIFEST_HEADER,
@@ -78,6 +79,16 @@ def endorsement_digest(record_hash: str) -> bytes:
 def endorse(key: IdentityKey, record_hash: str) -> str:
     """``key``'s endorsement (a signature, hex) of the record whose hash is ``record_hash``."""
     return key.sign_digest(endorsement_digest(record_hash))
+
+
+def endorsement_fields(key: IdentityKey | None, last_close: RoundClose | None) -> dict[str, str]:
+    """The endorsement fields of a participant's next Commitment or Update: its key's
+    signature of the record of the newest RoundClose it received (the record it checked
+    last); none without a key or a close."""
+    if key is None or last_close is None:
+        return {}
+    record = last_close.record_hash
+    return {"endorses": record, "endorsement": endorse(key, record)}
 
 
 def endorsed_by(public_key: str | None, record_hash: str, signature: str) -> bool:

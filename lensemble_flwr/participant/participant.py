@@ -26,7 +26,7 @@ from lensemble_flwr.gauge.runtime import (
     check_warm_start_of,
     require_setup,
 )
-from lensemble_flwr.identity.endorsement import endorse
+from lensemble_flwr.identity.endorsement import endorsement_fields
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
@@ -274,7 +274,7 @@ class Participant:
             num_examples=self.training.num_examples(),
             identity_key=self.identity.public_openssh if self.identity else None,
             **keys,
-            **self._endorsement(),
+            **endorsement_fields(self.identity, self.last_close),
         )
 
     def _refuse(self, msg: RoundOpen, common: dict[str, Any], exc: LensembleError) -> None:
@@ -301,17 +301,7 @@ class Participant:
             }
         else:
             fields |= {"l2_norm": meta["released_norm"], "scales": meta.get("scales")}
-        return Update(**common, **fields, **self._endorsement())
-
-    def _endorsement(self) -> dict[str, str]:
-        """The endorsement this participant's next Commitment or Update carries: its
-        identity key's signature of the record of the newest RoundClose it received (the
-        record it checked last; nothing without a key or a close). See
-        :mod:`lensemble_flwr.identity.endorsement`."""
-        if self.identity is None or self.last_close is None:
-            return {}
-        record = self.last_close.record_hash
-        return {"endorses": record, "endorsement": endorse(self.identity, record)}
+        return Update(**common, **fields, **endorsement_fields(self.identity, self.last_close))
 
     def _send(self, dest: str, message: ParticipantMessage) -> None:
         """Sign (when this participant has an identity) and send."""
@@ -437,16 +427,13 @@ class Participant:
             expect_head: the record hash the newest record must carry, held outside the
                 run directory (an operator's pin, another participant's RoundClose).
 
-        Every record before the newest must carry the endorsements its run's policy
-        requires (identity/endorsement.py): a chain rewritten and resealed by someone
-        without the participants' keys is refused. The newest record of a run endorsed by
-        the next round has none yet: without a RoundClose of it or ``expect_head`` it is
-        joined with a warning, as only as trustworthy as the run directory.
-
         The ledger is checked as a chain, not only its head: every record's hash and its
         links back to the manifest's θ_0 (a forged, resealed head would otherwise pass
         with a checkpoint to match), and the newest RoundClose this participant received
         — the head it trusts — must be in it, with the same record and global hash.
+        Records must carry the endorsements their policy requires (identity/endorsement.py);
+        an unendorsed newest record without a RoundClose or ``expect_head`` is joined with
+        a warning.
 
         Raises:
             CheckpointIntegrityError: the checkpoint's bytes or params do not match the
