@@ -148,6 +148,9 @@ class SharedFolderParticipant:
 
     _answer: tuple[tuple[int, int], list[WirePayload]] | None = None
     """The payloads this participant answered its last attempt (round, attempt) with."""
+    _endorsed_on_write = False
+    """The run endorses every record as it is written (set when joining it; a run started
+    by an earlier version, without endorsements, is read as it was)."""
 
     def __init__(
         self,
@@ -269,7 +272,9 @@ class SharedFolderParticipant:
                 f"the run was started with {list(genesis.participants)}, "
                 f"this process has {list(self.participants)}",
             )
-        self.config.check_recorded(RunManifest.load(self.store).config)
+        manifest = RunManifest.load(self.store)
+        self.config.check_recorded(manifest.config)
+        self._endorsed_on_write = manifest.endorsement == ENDORSED_ON_WRITE
         return genesis.first
 
     def _create(self) -> bytes:
@@ -377,13 +382,13 @@ class SharedFolderParticipant:
 
     def _check_endorsed(self, key: SittingKey) -> None:
         """The round's ledger record, if there is one, is endorsed by a participant (an
-        unauthenticated run has no keys to endorse with: nothing is checked).
+        unauthenticated run, or one started before endorsements, has none to check).
 
         Raises:
             LedgerError: it is endorsed by nobody (forged; the message names it).
             ForgedMessage: a deposited endorsement is forged.
         """
-        if self._seal.identities is not None:
+        if self._endorsed_on_write and self._seal.identities is not None:
             check_round_endorsed(self.store, key.round, self._seal.identities)
 
     def _endorse(self, key: SittingKey) -> None:

@@ -4,6 +4,7 @@ must): records and outcomes are signed by their authors and checked by every rea
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from shared_folder_worker import identities_of, identity_of
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint, encode_checkpoint
 from lensemble_flwr.artifacts.store import Store
-from lensemble_flwr.canonical import derive_seed, digest_arrays
+from lensemble_flwr.canonical import canonical_json, derive_seed, digest_arrays
 from lensemble_flwr.cli import main as cli_main
 from lensemble_flwr.cli.output import EXIT_FAILED
 from lensemble_flwr.coordinator.coordinator import Coordinator
@@ -243,3 +244,18 @@ def test_a_forged_endorsement_deposited_in_the_folder_stops_its_readers(tmp_path
         node(tmp_path, "p00").run(1)
     with pytest.raises(LedgerError, match="round 1: FORGED endorsement: endorsements/00000001/p01"):
         verify_run(store)
+
+
+def test_only_a_run_endorsed_on_write_asks_its_readers_for_endorsements(tmp_path: Path) -> None:
+    """A run started before endorsements existed has none to show: a process walking past
+    its published rounds reads them as before. One started now must show them."""
+    together([node(tmp_path, "p00"), node(tmp_path, "p01")], 1)
+    store = store_of(tmp_path)
+    for name in store.bound("endorsements"):  # nobody's endorsement of round 1 is left
+        (store.root / "names" / name).unlink()
+    with pytest.raises(LedgerError, match=r"round 1: ledger record \w+… is UNENDORSED"):
+        node(tmp_path, "p00").run(1)
+    header = json.loads(store.get(store.resolve("manifest/header")))
+    assert header.pop("endorsement") == "on-write"
+    store.bind("manifest/header", store.put(canonical_json(header)))  # as an older version
+    assert node(tmp_path, "p00").run(1).round == 1
