@@ -9,8 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lensemble_flwr.cli.output import EXIT_OK, stdout
-from lensemble_flwr.identity.endorsement import endorsements_json, review_run
-from lensemble_flwr.identity.endorsement import summary as endorsement_summary
+from lensemble_flwr.identity.endorsement_report import endorsements_json, review_run
+from lensemble_flwr.identity.endorsement_report import summary as endorsement_summary
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.summary import AttemptSummary, RunSummary, summarize_run

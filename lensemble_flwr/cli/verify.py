@@ -8,12 +8,8 @@ import json
 import re
 
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK, status, stdout
-from lensemble_flwr.identity.endorsement import (
-    RecordEndorsement,
-    endorsements_json,
-    review_run,
-    summary,
-)
+from lensemble_flwr.identity.endorsement import RecordEndorsement
+from lensemble_flwr.identity.endorsement_report import endorsements_json, review_run, summary
 from lensemble_flwr.provenance.audit import AuditReport, Finding, audit_run, open_run
 from lensemble_flwr.provenance.ledger import EndorsementPolicy
 from lensemble_flwr.provenance.verify import LinkBreak

@@ -23,11 +23,11 @@ Where endorsements come from (the run's policy, recorded in its manifest header)
 The policy (:func:`endorsement_review`): a record's *keyed contributors* are its
 contributors whose identity key the registry it used records. A record before the head
 is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed contributors signed its
-hash, where R counts those of them that contributed to the next record (a contributor
-that never took part again never heard of the next round, so it cannot have endorsed:
-requiring it would refuse every untouched run with a drop-out; with R = 0 the record is,
-like the head, not yet endorsed); under ``"on-write"`` at
-least one registered participant must have signed every record, the head included. A
+hash, where R counts those of them that contributed to the next record (one that took
+no part in it had no message to carry its endorsement in: requiring it would refuse every
+untouched run with a drop-out; with R = 0 the record is, like the head, not yet endorsed).
+Under ``"on-write"`` at least one registered participant must have signed every record,
+the head included. A
 record none of whose contributors holds a key cannot be endorsed: it is reported as
 ``keyless`` (its history rests on its writer alone), never refused. A run written
 before endorsements existed (no policy in its header) is reported as ``legacy``.
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from lensemble_flwr.artifacts.store import Store
@@ -50,10 +50,8 @@ from lensemble_flwr.identity.signing import IdentityKey, digest_signed_by
 from lensemble_flwr.protocol.messages import RoundClose
 from lensemble_flwr.provenance.ledger import (
     ENDORSED_ON_WRITE,
-    MANIFEST_HEADER,
     ContributionRecord,
     EndorsementPolicy,
-    Ledger,
     RunManifest,
 )
 from lensemble_flwr.provenance.verify import LinkBreak, verify
@@ -318,15 +316,6 @@ def check_endorsed(
     return reviews
 
 
-def endorsement_breaks(
-    store: Store,
-    records: Sequence[ContributionRecord],
-    policy: EndorsementPolicy | None,
-) -> Iterator[LinkBreak]:
-    """The broken links of :func:`endorsement_review`, for a walk that lists them all."""
-    yield from endorsement_review(store, records, policy)[1]
-
-
 def verify_run(store: Store, *, expect_head: str | None = None) -> list[RecordEndorsement]:
     """:func:`~lensemble_flwr.provenance.verify.verify`, then every record's endorsement
     under the run's policy, and the newest record against ``expect_head`` when given (a
@@ -346,65 +335,3 @@ def verify_run(store: Store, *, expect_head: str | None = None) -> list[RecordEn
     if expect_head is not None and found != expect_head:
         raise LedgerError(f"ledger head: record_hash: expected {expect_head}, found {found}")
     return reviews
-
-
-def review_run(
-    store: Store,
-) -> tuple[EndorsementPolicy | None, list[RecordEndorsement], list[LinkBreak]] | None:
-    """The run's policy, every record's endorsement and the broken links, for a report
-    (``lensemble-flwr verify`` and ``show``); None when the ledger or the manifest header
-    cannot be read (the report's own checks name why)."""
-    try:
-        policy = RunManifest.from_header(store.get(store.resolve(MANIFEST_HEADER))).endorsement
-        records = Ledger(store).records()
-    except (LedgerError, StoreError):
-        return None
-    reviews, breaks = endorsement_review(store, records, policy)
-    return policy, reviews, breaks
-
-
-def summary(policy: EndorsementPolicy | None, reviews: Sequence[RecordEndorsement]) -> str:
-    """One line on a run's endorsements (what ``verify`` and ``show`` print)."""
-    if policy is None:
-        return "none: the run was written before endorsements (its history rests on its writer)"
-    by_status: dict[str, list[int]] = {}
-    for review in reviews:
-        by_status.setdefault(review.status, []).append(review.round)
-    words = {
-        "endorsed": "endorsed",
-        "pending": "not yet endorsed (pin the head with --expect-head)",
-        "keyless": "cannot be endorsed: no contributor holds an identity key (they rest "
-        "on the writer alone)",
-        "unendorsed": "UNENDORSED",
-    }
-    parts = [
-        f"round{'s' if len(by_status[s]) > 1 else ''} {_spans(by_status[s])} {words[s]}"
-        for s in ("endorsed", "unendorsed", "keyless", "pending")
-        if s in by_status
-    ]
-    return f"policy {policy}; " + ("; ".join(parts) if parts else "no records yet")
-
-
-def _spans(rounds: Sequence[int]) -> str:
-    """``1-3, 5``: ascending rounds as ranges."""
-    spans: list[list[int]] = []
-    for r in rounds:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def endorsements_json(
-    policy: EndorsementPolicy | None,
-    reviews: Sequence[RecordEndorsement],
-    breaks: Sequence[LinkBreak],
-) -> dict[str, object]:
-    """The endorsement part of ``verify --json`` and ``show --json``."""
-    return {
-        "policy": policy,
-        "summary": summary(policy, reviews),
-        "records": [dataclasses.asdict(r) | {"missing": list(r.missing)} for r in reviews],
-        "broken": [b.message for b in breaks],
-    }

@@ -22,12 +22,8 @@ from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.endorsements import endorsements_of, take_endorsement
 from lensemble_flwr.errors import LedgerError, RoundError
-from lensemble_flwr.identity.endorsement import (
-    endorse,
-    endorsement_review,
-    review_run,
-    verify_run,
-)
+from lensemble_flwr.identity.endorsement import endorse, endorsement_review, verify_run
+from lensemble_flwr.identity.endorsement_report import review_run
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import from_wire
