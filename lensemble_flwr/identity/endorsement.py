@@ -183,10 +183,8 @@ class RecordEndorsement:
             return "cannot be endorsed: no contributor holds an identity key"
         if self.status == "legacy":
             return "not endorsed: the run was written before endorsements"
-        return (
-            f"UNENDORSED: needs {self.required} of {', '.join(self.keyed)}, "
-            f"signed by {signed}"
-        )
+        among = ", ".join(self.keyed) or "the registered participants"
+        return f"UNENDORSED: needs {self.required} of {among}, signed by {signed}"
 
 
 def _endorsers(

@@ -228,6 +228,10 @@ def test_a_round_claimed_by_a_keyless_writer_is_refused_by_everyone_naming_it(
     code = cli_main(["verify", str(store.root)])
     out = capsys.readouterr().out
     assert code == EXIT_FAILED and "BROKEN round 2: endorsements" in out
+    assert cli_main(["show", str(store.root)]) == 0  # show reads; it says, and fails nothing
+    shown = capsys.readouterr().out
+    assert "round 1: endorsed by p00, p01" in shown
+    assert "round 2: UNENDORSED: needs 1 of p00, p01, signed by nobody" in shown
     joiner = node(tmp_path, "p01").participant  # holds no RoundClose of round 2
     with pytest.raises(LedgerError, match=named):
         joiner.join(str(store.root))
