@@ -176,8 +176,7 @@ def write_commit(
                 [*(e for e in manifest.rounds if e.round == t), entry]
             ),
             registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
-            endorsements=endorsements_of(attempt, head_hash),
-            previous_record_hash=head_hash,
+            previous_record_hash=head_hash, endorsements=endorsements_of(attempt, head_hash),
             privacy=privacy,
         )
     )

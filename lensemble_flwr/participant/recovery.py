@@ -13,7 +13,7 @@ import logging
 from lensemble_flwr.artifacts.checkpoint import Checkpoint, decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
-from lensemble_flwr.identity.endorsement import check_endorsed
+from lensemble_flwr.identity.endorsement import RecordEndorsement, check_endorsed
 from lensemble_flwr.protocol.messages import RoundClose
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
@@ -67,19 +67,34 @@ def _check_trusted_head(
         )
 
 
-def _check_pinned_head(head: ContributionRecord | None, expect_head: str | None) -> None:
-    """The newest record is the pinned one.
+def _check_pinned_head(
+    head: ContributionRecord | None,
+    expect_head: str | None,
+    reviews: list[RecordEndorsement],
+    *,
+    pinned: bool,
+    by: str,
+) -> None:
+    """The newest record is the pinned one (``expect_head``); one that nothing pins
+    (neither ``expect_head`` nor a RoundClose: ``pinned``) and nobody endorsed yet is
+    joined with a warning naming it.
 
     Raises:
-        LedgerError: it is not (or there is none).
+        LedgerError: it is not the pinned one (or there is none).
     """
-    if expect_head is None:
-        return
     found = head.record_hash if head is not None else None
-    if found != expect_head:
+    if expect_head is not None and found != expect_head:
         raise LedgerError(
             f"ledger head: record_hash: expected {expect_head}, found {found} "
             "(the newest record is not the pinned one)"
+        )
+    if head is not None and expect_head is None and not pinned and reviews[-1].status == "pending":
+        log.warning(
+            "%s: joins at round %d, whose record %s… is not yet endorsed: only as "
+            "trustworthy as the run directory (pin it with expect_head)",
+            by,
+            head.round,
+            head.record_hash[:12],
         )
 
 
@@ -120,16 +135,7 @@ def recover_checkpoint(
         verify_chain(records, manifest)
     reviews = check_endorsed(store, records, manifest.endorsement)
     head = records[-1] if records else None
-    _check_pinned_head(head, expect_head)
-    unpinned = trusted is None and expect_head is None
-    if head is not None and unpinned and reviews[-1].status == "pending":
-        log.warning(
-            "%s: joins at round %d, whose record %s… is not yet endorsed: only as "
-            "trustworthy as the run directory (pin it with expect_head)",
-            participant_id,
-            head.round,
-            head.record_hash[:12],
-        )
+    _check_pinned_head(head, expect_head, reviews, pinned=trusted is not None, by=participant_id)
     if head is None:
         digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
     else:

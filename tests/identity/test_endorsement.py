@@ -252,7 +252,9 @@ def test_a_record_needs_a_majority_of_its_keyed_contributors_that_took_part_agai
         assert (reviews[0].status, reviews[0].required) == (status, required)
 
 
-def test_a_joiner_pinned_to_another_head_refuses_it(tmp_path: Path) -> None:
+def test_a_joiner_pinned_to_another_head_refuses_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = signed_run(tmp_path, rounds=2)
     joiner = Participant(
         small_config(),
@@ -263,6 +265,10 @@ def test_a_joiner_pinned_to_another_head_refuses_it(tmp_path: Path) -> None:
     head = Ledger(store).head()
     assert head is not None
     assert joiner.join(str(store.root), expect_head=head.record_hash).round == 2
+    assert "not yet endorsed" not in caplog.text
+    caplog.set_level(logging.WARNING)
+    assert joiner.join(str(store.root)).round == 2  # unpinned: joined, and said so
+    assert f"p09: joins at round 2, whose record {head.record_hash[:12]}… is not yet" in caplog.text
     with pytest.raises(LedgerError, match="ledger head: record_hash: expected 00"):
         joiner.join(str(store.root), expect_head="00" * 32)
 
