@@ -9,7 +9,10 @@ from rich.table import Table
 from rich.text import Text
 
 from lensemble_flwr.cli.output import EXIT_OK, stdout
+from lensemble_flwr.identity.endorsement_report import endorsements_json, review_run
+from lensemble_flwr.identity.endorsement_report import summary as endorsement_summary
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.provenance.audit import open_run
 from lensemble_flwr.provenance.summary import AttemptSummary, RunSummary, summarize_run
 
 NONE = "–"
@@ -31,11 +34,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     """``show``: the run's attempts as a table (or ``--json``)."""
     summary = summarize_run(args.run_dir)
+    endorsed = review_run(open_run(args.run_dir))
     if args.json:
-        print(json.dumps(summary.to_json(), indent=2))
+        data = summary.to_json()
+        if endorsed is not None:
+            data["endorsements"] = endorsements_json(*endorsed)
+        print(json.dumps(data, indent=2))
     else:
         stdout().print(table(summary))
         _print_footer(summary)
+        if endorsed is not None:
+            policy, reviews, _ = endorsed
+            stdout().print(f"endorsements: {endorsement_summary(policy, reviews)}")
+            for review in reviews:
+                if review.status in ("endorsed", "unendorsed", "pending"):
+                    stdout().print(f"  round {review.round}: {review.describe()}")
     return EXIT_OK
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from lensemble_flwr.aggregation.fixed_point import Aggregator
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
+from lensemble_flwr.coordinator.endorsements import take_endorsement
 from lensemble_flwr.coordinator.envelope import (
     PARTICIPANT_MESSAGES,
     Ingress,
@@ -566,7 +567,10 @@ def admit(
             f"{msg.participant_id}: a {msg.kind} is not admitted while the round is "
             f"{attempt.phase.value}"
         )
-    return handler(attempt, msg, ingress, fields)
+    verdict = handler(attempt, msg, ingress, fields)
+    if verdict in (Verdict.BOUND, Verdict.ADMITTED):  # the message is in: so is what it endorses
+        take_endorsement(attempt, msg, ingress.registry)
+    return verdict
 
 def admission_table(tables: Mapping[str, Table]) -> str:
     """A markdown table of which state admits which message type, and with what handler,

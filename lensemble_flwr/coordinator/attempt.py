@@ -80,6 +80,8 @@ class Attempt:
     update_digests: dict[str, str] = dataclasses.field(default_factory=dict)
     late: set[str] = dataclasses.field(default_factory=set)
     rejected: int = 0
+    endorsements: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    """Participant -> (record hash, signature): the endorsements admitted with its messages."""
 
     @property
     def round(self) -> int:

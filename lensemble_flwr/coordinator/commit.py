@@ -44,6 +44,7 @@ from lensemble_flwr.canonical import HASH_ON_A_THREAD_MIN_BYTES, digest_arrays
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import Attempt
 from lensemble_flwr.coordinator.durable import save_closing
+from lensemble_flwr.coordinator.endorsements import endorsements_of
 from lensemble_flwr.coordinator.external_step import SteppedFrom
 from lensemble_flwr.coordinator.outer_optimizer import outer_step
 from lensemble_flwr.errors import LensembleError
@@ -181,7 +182,7 @@ def write_commit(
                 [*(e for e in manifest.rounds if e.round == t), entry]
             ),
             registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
-            previous_record_hash=head_hash,
+            previous_record_hash=head_hash, endorsements=endorsements_of(attempt, head_hash),
             privacy=privacy,
         )
     )

@@ -69,7 +69,12 @@ from lensemble_flwr.protocol.messages import RoundOpen, Update, WirePayload
 from lensemble_flwr.protocol.round import RoundMachine, RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.follow import LedgerFollower
-from lensemble_flwr.provenance.ledger import ExternalStep, RunManifest
+from lensemble_flwr.provenance.ledger import (
+    ENDORSED_BY_NEXT_ROUND,
+    EndorsementPolicy,
+    ExternalStep,
+    RunManifest,
+)
 from lensemble_flwr.transports.base import Transport
 
 __all__ = [
@@ -119,6 +124,11 @@ class Coordinator(Driver):
             transition — an
             observation point for tests and fault drills (also settable later, as the
             attribute of the same name). What it raises propagates: a drill's crash.
+        endorsement: how the run's records are endorsed by the participants they name,
+            recorded in the manifest header (docs/recovery.md): ``"next-round"`` (by
+            their Commitments and Updates of the round after, the default) or
+            ``"on-write"`` (a writer that is itself a participant endorses each record
+            as it writes it: the shared folder).
     """
 
     def __init__(
@@ -136,10 +146,11 @@ class Coordinator(Driver):
         identities: Mapping[str, str] | None = None,
         clock: Callable[[], float] | None = None,
         on_transition: Callable[[RoundMachine], None] | None = None,
+        endorsement: EndorsementPolicy = ENDORSED_BY_NEXT_ROUND,
     ) -> None:
         wiring = Wiring(
             config, store, aggregator_factory, update_transform, gauge, identities,
-            on_round, on_transition,
+            on_round, on_transition, endorsement,
         )  # fmt: skip
         self._compose(create_core(wiring, run_id, initial_params), transport, clock)
 

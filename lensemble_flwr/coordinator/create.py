@@ -42,7 +42,13 @@ from lensemble_flwr.privacy.guarantee import guarantee_of
 from lensemble_flwr.protocol.messages import Update
 from lensemble_flwr.protocol.round import RoundMachine
 from lensemble_flwr.provenance.follow import LedgerFollower
-from lensemble_flwr.provenance.ledger import GENESIS, Ledger, RunManifest
+from lensemble_flwr.provenance.ledger import (
+    ENDORSED_BY_NEXT_ROUND,
+    GENESIS,
+    EndorsementPolicy,
+    Ledger,
+    RunManifest,
+)
 
 # the coordinator's log: one name for the facade and the parts it is made of
 log = logging.getLogger("lensemble_flwr.coordinator.coordinator")
@@ -73,6 +79,7 @@ class Wiring:
     identities: Mapping[str, str] | None = None
     on_round: Callable[[RoundOutcome], None] | None = None
     on_transition: Callable[[RoundMachine], None] | None = None
+    endorsement: EndorsementPolicy = ENDORSED_BY_NEXT_ROUND  # recorded by a new run
 
 
 def create_core(wiring: Wiring, run_id: str, initial_params: Mapping[str, np.ndarray]) -> RoundCore:
@@ -109,6 +116,7 @@ def create_core(wiring: Wiring, run_id: str, initial_params: Mapping[str, np.nda
         root_seed=config.federation.root_seed,
         initial_params_hash=state.params_hash,
         initial_checkpoint=initial,
+        endorsement=wiring.endorsement,
     )
     core = _core(wiring, inputs, registry, HeldRun(RunHead(state, momentum, GENESIS), manifest))
     manifest.start(store)

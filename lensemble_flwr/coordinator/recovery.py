@@ -28,6 +28,7 @@ from lensemble_flwr.coordinator.durable import (
     started_from,
 )
 from lensemble_flwr.errors import LedgerError
+from lensemble_flwr.identity.endorsement import check_endorsed
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
@@ -85,6 +86,7 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
         verify_chain(records, manifest)
         verify_registry(store, records)
         verify_resumable(store, records, manifest)
+    check_endorsed(store, records, manifest.endorsement)  # a resealed chain is refused
     head = records[-1] if records else None
     return _resume_point(store, manifest, head)
 
@@ -98,11 +100,14 @@ def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
         LedgerError: the ledger, manifest or checkpoint is inconsistent.
     """
     header = follower.manifest_header()
+    before = follower.head
     records = follower.unchecked()
     if records:
         entries = follower.entries(records[-1].round)
         if not any(e.state is RoundState.CLOSED for e in entries):
             _complete_cut_commit(store, header, records[-1], entries)
+    window = [before, *records] if before is not None else records
+    check_endorsed(store, window, header.endorsement)  # before anything is followed
     follower.check(records)
     current = follower.entries(follower.through + 1)
     if any(e.state is RoundState.CLOSED for e in current):

@@ -159,6 +159,14 @@ class ParticipantRegistry:
             return
         verify_signature(msg, key, round_seed, fields)
 
+    def key_of(self, pid: str) -> str | None:
+        """``pid``'s identity key: the allow-list's, or the one bound with its commitment
+        (None: it has none)."""
+        if self.identities is not None:
+            return self.identities.get(pid)
+        bound = self.commitments.get(pid)
+        return bound.identity_key if bound is not None else None
+
     def has_key(self, pid: str) -> bool:
         """Whether ``pid`` has an identity key its messages can be checked against: named
         in the allow-list, or bound with its commitment."""

@@ -26,6 +26,7 @@ from lensemble_flwr.gauge.runtime import (
     check_warm_start_at_t0,
     require_setup,
 )
+from lensemble_flwr.identity.endorsement import endorsement_fields
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
@@ -277,6 +278,7 @@ class Participant:
             num_examples=self.training.num_examples(),
             identity_key=self.identity.public_openssh if self.identity else None,
             **keys,
+            **endorsement_fields(self.identity, self.last_close),
         )
 
     def _refuse(self, msg: RoundOpen, common: dict[str, Any], exc: LensembleError) -> None:
@@ -303,7 +305,7 @@ class Participant:
             }
         else:
             fields |= {"l2_norm": meta["released_norm"], "scales": meta.get("scales")}
-        return Update(**common, **fields)
+        return Update(**common, **fields, **endorsement_fields(self.identity, self.last_close))
 
     def _send(self, dest: str, message: ParticipantMessage) -> None:
         """Sign (when this participant has an identity) and send."""
@@ -446,27 +448,33 @@ class Participant:
                 f"{self.participant_id}: a release may carry only shared parameters, not {leaked}"
             )
 
-    def join(self, coordinator_endpoint: str) -> GlobalState:
+    def join(self, coordinator_endpoint: str, *, expect_head: str | None = None) -> GlobalState:
         """Recover the latest committed global state from the run directory and verify it.
 
         A rejoiner's stale local state (inner optimizer, last answered round) is discarded.
 
         Args:
             coordinator_endpoint: the coordinator's run directory (its artifact store).
+            expect_head: the record hash the newest record must carry, held outside the
+                run directory (an operator's pin, another participant's RoundClose).
 
         The ledger is checked as a chain, not only its head: every record's hash and its
         links back to the manifest's θ_0 (a forged, resealed head would otherwise pass
         with a checkpoint to match), and the newest RoundClose this participant received
         — the head it trusts — must be in it, with the same record and global hash.
+        Records must carry the endorsements their policy requires (identity/endorsement.py);
+        an unendorsed newest record without a RoundClose or ``expect_head`` is joined with
+        a warning.
 
         Raises:
             CheckpointIntegrityError: the checkpoint's bytes or params do not match the
                 hash the ledger (or manifest) records for it, or the ledger does not hold
                 the round this participant saw closed.
-            LedgerError: the ledger's chain is broken.
+            LedgerError: the ledger's chain is broken, a record lacks its endorsements,
+                or the newest record is not ``expect_head``.
         """
         checkpoint = recover_checkpoint(
-            Store(coordinator_endpoint), self.last_close, self.participant_id
+            Store(coordinator_endpoint), self.last_close, self.participant_id, expect_head
         )
         # a (re)joiner at θ_0 revalidates the warm start
         check_warm_start_at_t0(

@@ -8,9 +8,12 @@ trusts — must be in it, with the same record and global hash.
 
 from __future__ import annotations
 
+import logging
+
 from lensemble_flwr.artifacts.checkpoint import Checkpoint, decode_checkpoint
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import CheckpointIntegrityError, LedgerError
+from lensemble_flwr.identity.endorsement import RecordEndorsement, check_endorsed
 from lensemble_flwr.protocol.messages import RoundClose
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
@@ -21,6 +24,8 @@ from lensemble_flwr.provenance.ledger import (
     load_external_step,
 )
 from lensemble_flwr.provenance.verify import record_breaks, verify_chain
+
+log = logging.getLogger(__name__)
 
 
 def _check_last_link(records: list[ContributionRecord], manifest: RunManifest) -> None:
@@ -62,7 +67,43 @@ def _check_trusted_head(
         )
 
 
-def recover_checkpoint(store: Store, trusted: RoundClose | None, participant_id: str) -> Checkpoint:
+def _check_pinned_head(
+    head: ContributionRecord | None,
+    expect_head: str | None,
+    reviews: list[RecordEndorsement],
+    *,
+    pinned: bool,
+    by: str,
+) -> None:
+    """The newest record is the pinned one (``expect_head``); one that nothing pins
+    (neither ``expect_head`` nor a RoundClose: ``pinned``) and nobody endorsed yet is
+    joined with a warning naming it.
+
+    Raises:
+        LedgerError: it is not the pinned one (or there is none).
+    """
+    found = head.record_hash if head is not None else None
+    if expect_head is not None and found != expect_head:
+        raise LedgerError(
+            f"ledger head: record_hash: expected {expect_head}, found {found} "
+            "(the newest record is not the pinned one)"
+        )
+    if head is not None and expect_head is None and not pinned and reviews[-1].status == "pending":
+        log.warning(
+            "%s: joins at round %d, whose record %s… is not yet endorsed: only as "
+            "trustworthy as the run directory (pin it with expect_head)",
+            by,
+            head.round,
+            head.record_hash[:12],
+        )
+
+
+def recover_checkpoint(
+    store: Store,
+    trusted: RoundClose | None,
+    participant_id: str,
+    expect_head: str | None = None,
+) -> Checkpoint:
     """The checkpoint of the run's latest committed global state (or of the model an
     external step adopted in its place), verified against the ledger.
 
@@ -70,12 +111,15 @@ def recover_checkpoint(store: Store, trusted: RoundClose | None, participant_id:
         store: the coordinator's artifact store (its run directory).
         trusted: the newest RoundClose the participant received (None: none yet).
         participant_id: for the error messages.
+        expect_head: the record hash the newest record must carry (held outside the run
+            directory: an operator's pin); None: not pinned.
 
     Raises:
         CheckpointIntegrityError: the checkpoint's bytes or params do not match the hash
             the ledger (or manifest) records for it, or the ledger does not hold the
             round the participant saw closed.
-        LedgerError: the ledger's chain is broken.
+        LedgerError: the ledger's chain is broken, a record lacks the endorsements its
+            policy requires (identity/endorsement.py), or the head is not ``expect_head``.
     """
     records = Ledger(store).records()
     manifest = RunManifest.load(store)
@@ -89,7 +133,9 @@ def recover_checkpoint(store: Store, trusted: RoundClose | None, participant_id:
         _check_last_link(records, manifest)
     else:
         verify_chain(records, manifest)
+    reviews = check_endorsed(store, records, manifest.endorsement)
     head = records[-1] if records else None
+    _check_pinned_head(head, expect_head, reviews, pinned=trusted is not None, by=participant_id)
     if head is None:
         digest, expected = manifest.initial_checkpoint, manifest.initial_params_hash
     else:

@@ -180,7 +180,28 @@ class _FromParticipant(_Message):
     def _sender_is_participant(self) -> _FromParticipant:
         if self.sender != self.participant_id:
             raise ValueError("sender and participant_id differ")
+        if (getattr(self, "endorses", None) is None) != (
+            getattr(self, "endorsement", None) is None
+        ):
+            raise ValueError("endorses and endorsement come together (a record and its signature)")
         return self
+
+
+_ENDORSES = Field(
+    None,
+    pattern=_HEX64,
+    description="The ledger record (its record_hash) the sender checked last: the newest "
+    "round it saw close (identity/endorsement.py).",
+)
+_ENDORSEMENT = Field(
+    None,
+    pattern=r"^[0-9a-f]{16,512}$",
+    description="The sender's identity-key signature of ``endorses`` (an endorsement).",
+)
+ENDORSEMENT_FIELDS = ("endorses", "endorsement")
+"""Optional fields of Commitment and Update left out of the wire payload (and so of every
+digest and signature) while unset: a message without an endorsement hashes as it did
+before the fields existed."""
 
 
 class Commitment(_FromParticipant):
@@ -196,6 +217,8 @@ class Commitment(_FromParticipant):
         max_length=1024,
         description="OpenSSH ECDSA public key the sender signs with (registered at join).",
     )
+    endorses: str | None = _ENDORSES
+    endorsement: str | None = _ENDORSEMENT
 
 
 class Update(_FromParticipant):
@@ -233,6 +256,8 @@ class Update(_FromParticipant):
     sketch_fingerprint: str | None = Field(
         None, pattern=_HEX64, description="Gauge alignment: fingerprint of the sketch A used."
     )
+    endorses: str | None = _ENDORSES
+    endorsement: str | None = _ENDORSEMENT
     _max_abs: float = PrivateAttr(0.0)
 
     @model_validator(mode="after")
@@ -398,6 +423,9 @@ def to_wire(message: ControlMessage) -> dict[str, Any]:
     """The wire payload of a message (a shallow mapping; arrays are not copied). Its
     ``kind`` is the plain string (``"update"``), not the :class:`MessageKind`."""
     payload = {name: getattr(message, name) for name in type(message).model_fields}
+    for name in ENDORSEMENT_FIELDS:
+        if payload.get(name, 0) is None:  # unset: absent, as before the fields existed
+            del payload[name]
     payload["kind"] = MessageKind(message.kind).value  # also for an unvalidated model_construct
     return payload
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -160,6 +160,11 @@ class ContributionRecord(_Frozen):
     registry_digest: str | None = Field(
         description="Store digest of the participant registry the round used (None: none)."
     )
+    endorsements: dict[str, str] | None = _ONLY_WHEN_SET
+    """Participant -> its identity key's signature of the *previous* record's hash
+    (``previous_record_hash``), carried in its Commitment or Update of this round and
+    checked against its registered key when admitted (:mod:`lensemble_flwr.identity.
+    endorsement`). Hashed with the record, so the endorsements are chained too."""
     previous_record_hash: str
     record_hash: str = ""
 
@@ -201,12 +206,23 @@ class RoundEntry(_Frozen):
     external_step: ExternalStep | None = _ONLY_WHEN_SET  # the attempt's base was changed
 
 
+ENDORSED_BY_NEXT_ROUND = "next-round"
+"""Endorsement policy: a record is endorsed by its contributors' Commitments and Updates
+of the round after it (carried in the next record); the newest record is not yet."""
+ENDORSED_ON_WRITE = "on-write"
+"""Endorsement policy of a run whose writer is a participant (the shared folder): every
+record, the newest included, carries at least its writer's endorsement as soon as it is
+written, and the others' as they read it."""
+EndorsementPolicy = Literal["next-round", "on-write"]
+
+
 class _Header(_Frozen):
     run_id: str
     config: dict[str, Any]
     root_seed: int
     initial_params_hash: str
     initial_checkpoint: str
+    endorsement: EndorsementPolicy | None = _ONLY_WHEN_SET
 
 
 def header_digest(manifest: RunManifest) -> str:
@@ -228,6 +244,9 @@ class RunManifest(_Frozen):
     root_seed: int
     initial_params_hash: str
     initial_checkpoint: str
+    endorsement: EndorsementPolicy | None = _ONLY_WHEN_SET
+    """How the run's records are endorsed (None: a run written before endorsements,
+    whose history rests on its writer alone)."""
     rounds: tuple[RoundEntry, ...] = ()
 
     @property

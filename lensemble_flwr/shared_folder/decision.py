@@ -43,6 +43,7 @@ from lensemble_flwr.errors import (
     RoundIncomplete,
     response_to,
 )
+from lensemble_flwr.identity.endorsement import deposit_endorsement
 from lensemble_flwr.protocol.messages import RoundOpen, WirePayload
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.follow import LedgerFollower
@@ -210,6 +211,9 @@ class SittingDecider:
             head = self._committed_record(round)
             if head is None or head.new_global_hash != result.global_hash:
                 raise LedgerError(f"{key}: the ledger does not hold the closed round")
+            if self.seal.key is not None and self.seal.identities is not None:
+                # before the outcome: a record nobody endorsed is refused by every reader
+                deposit_endorsement(self.store, head, self.seal.author, self.seal.key)
             nxt = Announcement.of(
                 round_opens(coordinator, self.participants), sitting=1, checkpoint=head.checkpoint
             )

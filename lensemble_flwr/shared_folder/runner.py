@@ -62,14 +62,17 @@ from lensemble_flwr.errors import (
     LedgerError,
     RoundError,
 )
+from lensemble_flwr.identity.endorsement import deposit_endorsement
 from lensemble_flwr.identity.registry import ParticipantRegistry
 from lensemble_flwr.identity.signing import IdentityKey, parse_public_key
 from lensemble_flwr.participant.local_training import LocalTraining, Trainer
 from lensemble_flwr.participant.participant import Participant
-from lensemble_flwr.protocol.messages import WirePayload
+from lensemble_flwr.protocol.messages import RoundClose, WirePayload, to_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.protocol.state import GlobalState
 from lensemble_flwr.provenance.ledger import (
+    ENDORSED_BY_NEXT_ROUND,
+    ENDORSED_ON_WRITE,
     ContributionRecord,
     RunManifest,
     ledger_name,
@@ -83,6 +86,7 @@ from lensemble_flwr.shared_folder.decision import (
     rebuild_error,
     round_opens,
 )
+from lensemble_flwr.shared_folder.endorsing import check_round_endorsed, committed_record
 from lensemble_flwr.shared_folder.records import (
     Announcement,
     FolderRecord,
@@ -144,6 +148,9 @@ class SharedFolderParticipant:
 
     _answer: tuple[tuple[int, int], list[WirePayload]] | None = None
     """The payloads this participant answered its last attempt (round, attempt) with."""
+    _endorsed_on_write = False
+    """The run endorses every record as it is written (set when joining it; a run started
+    by an earlier version, without endorsements, is read as it was)."""
 
     def __init__(
         self,
@@ -238,7 +245,10 @@ class SharedFolderParticipant:
                 key.sitting,
             ):
                 raise LedgerError(f"{key}: the published outcome is about another sitting")
+            self._check_endorsed(key)
             self._check_outcome(key, outcome)
+            if outcome.state is RoundState.CLOSED:
+                self._endorse(key)
             if self._on_outcome is not None:
                 self._on_outcome(outcome)
             if outcome.next is None:
@@ -262,7 +272,9 @@ class SharedFolderParticipant:
                 f"the run was started with {list(genesis.participants)}, "
                 f"this process has {list(self.participants)}",
             )
-        self.config.check_recorded(RunManifest.load(self.store).config)
+        manifest = RunManifest.load(self.store)
+        self.config.check_recorded(manifest.config)
+        self._endorsed_on_write = manifest.endorsement == ENDORSED_ON_WRITE
         return genesis.first
 
     def _create(self) -> bytes:
@@ -274,6 +286,10 @@ class SharedFolderParticipant:
             run_id=self.run_id,
             aggregator_factory=self._aggregator_factory,
             identities=self.identities,
+            # its writer is a participant: every record is endorsed as it is written
+            endorsement=(
+                ENDORSED_ON_WRITE if self.identities is not None else ENDORSED_BY_NEXT_ROUND
+            ),
         )
         first = Announcement.of(
             round_opens(coordinator, self.participants),
@@ -363,6 +379,36 @@ class SharedFolderParticipant:
                 f"{key}: the published outcome says the round closed on "
                 f"{outcome.global_hash[:12]}…, which is not what the ledger records"
             )
+
+    def _check_endorsed(self, key: SittingKey) -> None:
+        """The round's ledger record, if there is one, is endorsed by a participant (an
+        unauthenticated run, or one started before endorsements, has none to check).
+
+        Raises:
+            LedgerError: it is endorsed by nobody (forged; the message names it).
+            ForgedMessage: a deposited endorsement is forged.
+        """
+        if self._endorsed_on_write and self._seal.identities is not None:
+            check_round_endorsed(self.store, key.round, self._seal.identities)
+
+    def _endorse(self, key: SittingKey) -> None:
+        """This participant checked the closed round's record (its endorsement and the
+        outcome): it deposits its endorsement, and its Participant hears the round's
+        close, so its next Commitment or Update endorses the record too."""
+        record = committed_record(self.store, key.round)
+        assert record is not None  # _check_outcome
+        if self._seal.key is not None and self._seal.identities is not None:
+            deposit_endorsement(self.store, record, self.participant_id, self._seal.key)
+        close = RoundClose(
+            run_id=self.run_id,
+            round=record.round,
+            sender="shared-folder",
+            previous_hash=record.previous_global_hash,
+            global_hash=record.new_global_hash,
+            count=record.count,
+            record_hash=record.record_hash,
+        )
+        self.participant.handle(to_wire(close))
 
     # -- state ---------------------------------------------------------------------------
     def _checkpoint_params(self, announcement: Announcement) -> dict[str, np.ndarray]:

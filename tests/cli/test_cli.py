@@ -44,7 +44,9 @@ def test_verify_passes_an_untouched_run(run: Path, capsys: pytest.CaptureFixture
     code, out, _ = cli(capsys, "verify", run)
     assert code == EXIT_OK
     assert "rounds closed      3" in out and "attempts aborted   1" in out
-    assert "verified: hash chain, checkpoints and manifest agree" in out
+    assert "verified: hash chain, checkpoints, manifest and endorsements agree" in out
+    # the fixture's participants hold no identity keys: nothing can be endorsed, and says so
+    assert "rounds 1-3 cannot be endorsed: no contributor holds an identity key" in out
 
 
 def test_verify_names_the_first_broken_link(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

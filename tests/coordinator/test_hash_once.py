@@ -216,23 +216,24 @@ def _unbound_run(store: Store, rounds: int) -> Coordinator:
 # a record links to its manifest entry, whose mean_delta_l2 diagnostic is a norm. The
 # checkpoints are the recording's. The record hashes were re-pinned when
 # ``max-abs-update`` became unset (0) by default (the header records 0.0; the checkpoints
-# are unchanged).
+# are unchanged). They were re-pinned when the manifest header began to record the run's
+# endorsement policy (``"next-round"``; the checkpoints are unchanged).
 RECORDED_INITIAL = "6505982ac231245b481079d8b2bb9c255fadd9bb35529cb5cf7c774f28d7dfa3"
 RECORDED = [  # (round, checkpoint blob, record hash)
     (
         1,
         "0bd0add2fa4becdf283b2d659fe83fe837938e055781880f04f2de0ee2b36b3f",
-        "3f35269a4db6e35d641ac869b1b30889e41d43f1e9870370a627c60fbe6234ed",
+        "77fc7692c27f74634a5322e1cf0ac6a6708a6c35f29312a62cb5ac304876240f",
     ),
     (
         2,
         "e0cf57bd1ce92fef3518496d534cb4e76d69aeb941c205c8c849d96803d9bb21",
-        "1cf1397a1e4ac97bc727a692a9520a776ff5960a39ac71e7990032f945b2b49e",
+        "10e0c22687d4381dc8fc04d7fe66c32013b686db0bd1b6861f180d7efc7eff43",
     ),
     (
         3,
         "af4ba6047b12e26a38e78ba63dc53d4f3d23a969e36fc492cfdf5f94ceefee56",
-        "5b80a12b9ac2e952ca0f63c3ec48c14c07e1f6fd972e6e3069c988ce32981d73",
+        "040ecaea52e85f5fb5184ad04607284b598ca83bbef6bfae9f105d943455f0af",
     ),
 ]
 # The in-process federation of tests/federation_helpers with PortableTrainer participants

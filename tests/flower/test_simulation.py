@@ -31,6 +31,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.clients import make_client_app, wrap_numpy_client
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.identity.endorsement import verify_run
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.ownership import BudgetOwner
 from lensemble_flwr.protocol.round import RoundState
@@ -170,6 +171,8 @@ def test_elastic_completion_with_a_participant_past_the_deadline(tmp_path: Path)
     assert any(slow in o.contributors for o in later)  # and it contributes again
     records = verify(Store(tmp_path / "run"))
     assert slow not in records[1].contributors
+    # the nodes hold no identity keys: nothing can be endorsed, and that is no finding
+    assert [r.status for r in verify_run(Store(tmp_path / "run"))] == ["keyless"] * 5
     metrics = box["result"].train_metrics_clientapp
     assert metrics[2]["lensemble.C_t"] == 2.0 and metrics[2]["lensemble.exchanges"] == 1.0
     # it waited for the deadline (the sleeper was released only after the round closed)

@@ -44,6 +44,7 @@ from lensemble_flwr.errors import (
     RoundError,
     StoreError,
 )
+from lensemble_flwr.identity.endorsement import verify_run
 from lensemble_flwr.protocol.messages import (
     Commitment,
     MessageKind,
@@ -203,12 +204,15 @@ def violations(
     if [closed[t] for t in range(1, rounds + 1)] != [1] * rounds:  # rounds from 1
         found.append(f"aggregations per round: {dict(closed)}")
     try:
+        reviews = verify_run(Store(folder / "runs" / "run"))  # endorsements included
         records = verify(Store(folder / "runs" / "run"))
     except LensembleError as exc:
         found.append(f"ledger does not verify: {exc}")
-    else:
-        if [r.contributors for r in records] != [tuple(participants)] * rounds:
-            found.append(f"ledger contributors: {[r.contributors for r in records]}")
+        return found
+    if [r.status for r in reviews] != ["endorsed"] * len(records):
+        found.append(f"endorsements: {[r.describe() for r in reviews]}")
+    if [r.contributors for r in records] != [tuple(participants)] * rounds:
+        found.append(f"ledger contributors: {[r.contributors for r in records]}")
     return found
 
 
@@ -558,9 +562,14 @@ def test_a_config_error_while_deciding_reaches_everyone_with_its_field(
 
 
 def test_a_closed_round_missing_from_the_ledger_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """The decider refuses to announce a closed round it cannot read back from the ledger
+    (and so endorses nothing); the reader then refuses the record nobody endorsed."""
     monkeypatch.setattr(SittingDecider, "_committed_record", lambda self, r: None)
-    with pytest.raises(LedgerError, match="does not hold the closed round"):
+    with pytest.raises(LedgerError, match=r"round 1: ledger record \w+… is UNENDORSED"):
         node(tmp_path, "p00", ["p00"]).run(1)
+    outcome = (tmp_path / "runs" / "run" / "names" / "barrier" / "00000001.001" / "outcome")
+    published = Store(tmp_path / "runs" / "run").get(outcome.read_text().strip())
+    assert b"does not hold the closed round" in published
 
 
 # -- guards ----------------------------------------------------------------------------
