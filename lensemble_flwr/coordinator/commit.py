@@ -170,23 +170,40 @@ def write_commit(
     )
     save_closing(store, entry)
     record = ledger.append(
-        ContributionRecord(
-            **entry.model_dump(include=_RECORDED_FROM_ENTRY),
-            previous_global_hash=entry.prior_global_hash,
-            frame_drift=entry.diagnostics.get("frame_drift"),
-            dataset_roots={p: attempt.roots[p] for p in entry.contributors},
-            epsilon={p: attempt.epsilon.get(p) for p in entry.contributors},
-            checkpoint=digest,
-            header_digest=header_digest(manifest),
-            entries_digest=entries_digest(
-                [*(e for e in manifest.rounds if e.round == t), entry]
-            ),
-            registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
-            previous_record_hash=head_hash, endorsements=endorsements_of(attempt, head_hash),
-            privacy=privacy,
-        )
+        _record_of(store, attempt, entry, digest, manifest, head_hash=head_hash, privacy=privacy)
     )
     return Committed(state=new_state, momentum=momentum, entry=entry, record=record)
+
+
+def _record_of(
+    store: Store,
+    attempt: Attempt,
+    entry: RoundEntry,
+    checkpoint: str,
+    manifest: RunManifest,
+    *,
+    head_hash: str,
+    privacy: PrivacyGuarantee | None,
+) -> ContributionRecord:
+    """The ledger record of ``attempt``'s closing ``entry``: what it commits to (the
+    header, its round's entries, the registry, the record before it and that record's
+    endorsements, the checkpoint)."""
+    return ContributionRecord(
+        **entry.model_dump(include=_RECORDED_FROM_ENTRY),
+        previous_global_hash=entry.prior_global_hash,
+        frame_drift=entry.diagnostics.get("frame_drift"),
+        dataset_roots={p: attempt.roots[p] for p in entry.contributors},
+        epsilon={p: attempt.epsilon.get(p) for p in entry.contributors},
+        checkpoint=checkpoint,
+        header_digest=header_digest(manifest),
+        entries_digest=entries_digest(
+            [*(e for e in manifest.rounds if e.round == attempt.round), entry]
+        ),
+        registry_digest=store.resolve(REGISTRY) if store.bound(REGISTRY) else None,
+        previous_record_hash=head_hash,
+        endorsements=endorsements_of(attempt, head_hash),
+        privacy=privacy,
+    )
 
 
 def _pinned(
@@ -292,11 +309,9 @@ def commit_round(
     # the closed round's entries stay in the store only: memory does not grow
     manifest, next_round = run.manifest, committed.state.next_round
     entry, failure = after_commit_point(
-        attempt.round,
-        "its manifest entry",
-        lambda: manifest.with_round(ctx.store, committed.entry).since(next_round),
-        Exception,
-    )
+        attempt.round, "its manifest entry",
+        lambda: manifest.with_round(ctx.store, committed.entry).since(next_round), Exception,
+    )  # fmt: skip
     if entry is None:  # the evidence is incomplete: keep every checkpoint for now
         return committed, failure
     run.manifest, retention = entry, ctx.config.retention

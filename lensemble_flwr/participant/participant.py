@@ -46,10 +46,8 @@ from lensemble_flwr.protocol.messages import (
     Refusal,
     RoundClose,
     RoundOpen,
-    SurvivorAttestation,
     SurvivorCheck,
     UnmaskRequest,
-    UnmaskResponse,
     Update,
     WirePayload,
     from_wire,
@@ -61,7 +59,7 @@ from lensemble_flwr.provenance.merkle import merkle_root
 from lensemble_flwr.release import Release, ReleaseContext, ReleaseTransform
 from lensemble_flwr.release.quantize import dequantize
 from lensemble_flwr.release.state_codec import export_release_state, import_release_state
-from lensemble_flwr.secagg.participant_role import MaskingRole, MaskRound
+from lensemble_flwr.secagg.participant_role import MaskingRole, MaskRound, masked_answer
 from lensemble_flwr.transports.base import Transport
 
 __all__ = [
@@ -182,10 +180,8 @@ class Participant:
             return
         if isinstance(message, RoundOpen):
             self._on_round_open(message)
-        elif isinstance(message, UnmaskRequest):
-            self._on_unmask(message)
-        elif isinstance(message, SurvivorCheck):
-            self._on_survivor_check(message)
+        elif isinstance(message, (UnmaskRequest, SurvivorCheck)):
+            self._on_masked_request(message)
         elif isinstance(message, RoundClose):
             if self.last_close is None or message.round >= self.last_close.round:
                 self.last_close = message  # the newest close: the head join trusts
@@ -314,46 +310,16 @@ class Participant:
             message = self.identity.sign(message, seed)
         self.transport.send(dest, message)
 
-    def _on_unmask(self, request: UnmaskRequest) -> None:
+    def _on_masked_request(self, request: UnmaskRequest | SurvivorCheck) -> None:
+        """Disclose (an UnmaskRequest) or attest the survivor set to the other survivors
+        (a SurvivorCheck: a masked round with drops); a refused request gets no answer."""
         try:
-            shares = self.masking.disclose(request)
+            answer = masked_answer(self.masking, request)
         except LensembleError as exc:
-            log.warning(
-                "%s: no disclosure for round %d: %r", self.participant_id, request.round, exc
-            )
+            what = "attestation" if isinstance(request, SurvivorCheck) else "disclosure"
+            log.warning("%s: no %s for round %d: %r", self.participant_id, what, request.round, exc)
             return
-        self._send(
-            request.sender,
-            UnmaskResponse(
-                run_id=request.run_id,
-                round=request.round,
-                attempt=request.attempt,
-                sender=self.participant_id,
-                participant_id=self.participant_id,
-                **shares,
-            ),
-        )
-
-    def _on_survivor_check(self, check: SurvivorCheck) -> None:
-        """Attest the survivor set to the other survivors (a masked round with drops)."""
-        try:
-            tags = self.masking.attest(check)
-        except LensembleError as exc:
-            log.warning(
-                "%s: no attestation for round %d: %r", self.participant_id, check.round, exc
-            )
-            return
-        self._send(
-            check.sender,
-            SurvivorAttestation(
-                run_id=check.run_id,
-                round=check.round,
-                attempt=check.attempt,
-                sender=self.participant_id,
-                participant_id=self.participant_id,
-                tags=tags,
-            ),
-        )
+        self._send(request.sender, answer)
 
     # -- the spec's surface ------------------------------------------------------------
     def local_round(self, global_state: GlobalState, round_seed: int) -> PseudoGradient:

@@ -20,7 +20,13 @@ from typing import Any
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import SecureAggregationError
-from lensemble_flwr.protocol.messages import RoundOpen, SurvivorCheck, UnmaskRequest
+from lensemble_flwr.protocol.messages import (
+    RoundOpen,
+    SurvivorAttestation,
+    SurvivorCheck,
+    UnmaskRequest,
+    UnmaskResponse,
+)
 from lensemble_flwr.secagg import consistency, prg
 from lensemble_flwr.secagg.keys import BoxKeys, SecAggKeys, new_private_key, public_key
 from lensemble_flwr.secagg.protocol import (
@@ -417,3 +423,27 @@ class MaskingRole:
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))
         self.threshold = int(meta.get("threshold", 0))
+
+
+def masked_answer(
+    role: MaskingRole, request: UnmaskRequest | SurvivorCheck
+) -> UnmaskResponse | SurvivorAttestation:
+    """``role``'s participant's reply to a masked round's request: its attestation of a
+    SurvivorCheck's survivor set, or its disclosure for an UnmaskRequest (unsigned: the
+    participant signs what it sends).
+
+    Raises:
+        SecureAggregationError: what :meth:`MaskingRole.attest` or
+            :meth:`MaskingRole.disclose` refuses (nothing is answered).
+    """
+    me = role.participant_id
+    common: dict[str, Any] = {
+        "run_id": request.run_id,
+        "round": request.round,
+        "attempt": request.attempt,
+        "sender": me,
+        "participant_id": me,
+    }
+    if isinstance(request, SurvivorCheck):
+        return SurvivorAttestation(**common, tags=role.attest(request))
+    return UnmaskResponse(**common, **role.disclose(request))

@@ -194,11 +194,8 @@ class GridTransport:
         """Queue a RoundOpen, SurvivorCheck or UnmaskRequest for ``peer_id`` (pushed by
         the next recv)."""
         payload = to_wire(message)
-        if isinstance(message, UnmaskRequest):
-            self._queue_message(peer_id, records.encode_unmask(payload), MessageType.TRAIN, payload)
-            return
-        if isinstance(message, SurvivorCheck):
-            content = records.encode_survivor_check(payload)
+        if isinstance(message, (UnmaskRequest, SurvivorCheck)):  # an exchange's request
+            content = records.encode_exchange(payload)
             self._queue_message(peer_id, content, MessageType.TRAIN, payload)
             return
         if not isinstance(message, RoundOpen):

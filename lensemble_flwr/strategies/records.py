@@ -166,14 +166,11 @@ def encode_instruction(
     return RecordDict({arrays_key: arrays, config_key: reuse if same else ConfigRecord(config)})
 
 
-def encode_unmask(request: WirePayload) -> RecordDict:
-    """An UnmaskRequest (a masked round's disclosure exchange) as a train instruction."""
-    return RecordDict({UNMASK_RECORD: ConfigRecord(_fields_to_config(request, skip=None))})
-
-
-def encode_survivor_check(check: WirePayload) -> RecordDict:
-    """A SurvivorCheck (a masked round's consistency exchange) as a train instruction."""
-    return RecordDict({CHECK_RECORD: ConfigRecord(_fields_to_config(check, skip=None))})
+def encode_exchange(request: WirePayload) -> RecordDict:
+    """A masked round's request as a train instruction: an UnmaskRequest (the disclosure
+    exchange) or a SurvivorCheck (the consistency exchange), by its ``kind``."""
+    name = CHECK_RECORD if request["kind"] == MessageKind.SURVIVOR_CHECK.value else UNMASK_RECORD
+    return RecordDict({name: ConfigRecord(_fields_to_config(request, skip=None))})
 
 
 def encode_close(round_close: WirePayload) -> dict[str, Any]:

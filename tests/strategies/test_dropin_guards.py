@@ -188,7 +188,7 @@ def test_an_unmask_request_does_not_call_the_trainers_configure() -> None:
         def configure(self, config: dict) -> None:
             raise AssertionError(f"configure called with {config}")
 
-    content = records.encode_unmask(
+    content = records.encode_exchange(
         {"kind": "unmask_request", "run_id": "r", "round": 1, "attempt": 1,
          "sender": "coordinator", "survivors": ["a"], "dropped": [], "sealed": {}}
     )  # fmt: skip
