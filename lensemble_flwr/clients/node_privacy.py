@@ -80,9 +80,7 @@ def bounded_by_node_config(owner: BudgetOwner, node_config: Mapping[str, Any]) -
         decided.add("epsilon_cap")
     if "release_metrics" in given and not node.release_metrics:
         decided.add("release_metrics")
-    settings = {
-        field: getattr(node if field in decided else owner, field) for field in OWNER_KEYS
-    }
+    settings = {field: getattr(node if field in decided else owner, field) for field in OWNER_KEYS}
     return dataclasses.replace(
         owner, **settings, from_node_config=owner.from_node_config | frozenset(decided)
     )
