@@ -10,9 +10,9 @@ keyed run. Two things close that:
   changes a key: :func:`~lensemble_flwr.provenance.verify.registry_breaks`) and the
   allow-list the reader holds from outside the run (the coordinator's ``identities``, a
   shared folder's). A record cannot shed its contributors' keys by naming no registry.
-* Which keyless contributors an honest run can have is decided by the run's config
-  (the manifest header, which a resume checks against the operator's own config) and
-  the allow-list (:func:`keyless_breaks`).
+* Which keyless or unbound contributors an honest run can have is decided by the run's
+  config (the manifest header, which a resume checks against the operator's own
+  config): :func:`keyless_breaks`.
 """
 
 from __future__ import annotations
@@ -56,15 +56,18 @@ def run_keys(
     records: Sequence[ContributionRecord],
     identities: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Participant → identity key, from the allow-list ``identities`` when given, then
-    from every registry of the run: those the records name and the current one (a key
-    never changes once registered, so any registry of the run is as good as the
-    record's own). A registry that cannot be read adds nothing (``verify`` names it)."""
-    keys = {pid: key.strip() for pid, key in (identities or {}).items()}
+    """Participant → identity key, from every registry of the run: those the records name
+    and the current one (a key never changes once registered, so any registry of the run
+    is as good as the record's own), then the allow-list ``identities`` for participants
+    no registry holds a key of. A registry that cannot be read adds nothing (``verify``
+    names it)."""
+    keys: dict[str, str] = {}
     for digest in _digests(store, records):
         for pid, key in _registry_keys(store, digest).items():
             if key is not None:
                 keys.setdefault(pid, key)
+    for pid, key in (identities or {}).items():
+        keys.setdefault(pid, key.strip())
     return keys
 
 
@@ -81,12 +84,13 @@ def keyless_breaks(
        dataset root) or holds a key in the run, or although an earlier record named one
        (the registry is stored before the first record that depends on it and is never
        removed);
-    2. a contributor holds no identity key in the run while keyless contributors cannot
-       take part: ``require-signatures`` is set, or the reader holds an allow-list (the
-       coordinator refuses every message from a participant not on it);
+    2. a contributor holds no identity key in the run while ``require-signatures`` is
+       set (the coordinator admits no message without a registered key's signature);
     3. a contributor is unbound (no dataset root) while ``require-binding`` is set.
 
-    ``config``: the manifest header's recorded config (run_config keys).
+    ``config``: the manifest header's recorded config (run_config keys); ``identities``:
+    the reader's allow-list, a source of keys only (a coordinator may be given one when
+    it resumes a run that admitted keyless contributors before, so it decides no rule).
     """
     keys = run_keys(store, records, identities)
     breaks: list[LinkBreak] = []
@@ -94,7 +98,7 @@ def keyless_breaks(
     for rec in records:
         breaks += _registry_named(rec, keys, named)
         named = named or rec.registry_digest is not None
-        breaks += _admitted(rec, keys, config, identities)
+        breaks += _admitted(rec, keys, config)
     return breaks
 
 
@@ -108,7 +112,7 @@ def _registry_named(
     if not (keyed or bound or named):
         return []
     why = (
-        f"its contributors {', '.join(keyed)} hold identity keys in the run's registry"
+        f"its contributors {', '.join(keyed)} hold identity keys in the run"
         if keyed
         else f"its contributors {', '.join(bound)} are bound to dataset roots"
         if bound
@@ -130,23 +134,17 @@ def _admitted(
     rec: ContributionRecord,
     keys: Mapping[str, str],
     config: Mapping[str, Any],
-    identities: Mapping[str, str] | None,
 ) -> Iterator[LinkBreak]:
     keyless = [p for p in rec.contributors if p not in keys]
-    if keyless and (config.get("require-signatures") or identities is not None):
-        rule = (
-            "require-signatures is set"
-            if config.get("require-signatures")
-            else ("only the identity allow-list's participants take part")
-        )
+    if keyless and config.get("require-signatures"):
         yield LinkBreak(
             rec.round,
             "contributors",
             "contributors with an identity key",
             keyless,
             f"round {rec.round}: ledger record {rec.record_hash[:12]}… names contributors "
-            f"{', '.join(keyless)} that hold no identity key in the run, yet {rule}: FORGED "
-            "(refused)",
+            f"{', '.join(keyless)} that hold no identity key in the run, yet require-signatures "
+            "is set: FORGED (refused)",
         )
     unbound = rec.unbound
     if unbound and config.get("require-binding"):

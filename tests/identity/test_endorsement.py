@@ -5,6 +5,7 @@ runs, signed or not, in process and over Flower's Grid, verify with no finding."
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ from lensemble_flwr.protocol.messages import from_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
+    REGISTRY,
     ContributionRecord,
     Ledger,
     RunManifest,
@@ -277,30 +279,29 @@ def test_a_round_renamed_to_unknown_keyless_contributors_is_refused_where_the_ru
     assert code == EXIT_FAILED and "BROKEN round 2" in out, out
 
 
-def test_a_round_renamed_to_strangers_is_refused_by_a_coordinator_holding_an_allow_list(
-    tmp_path: Path,
-) -> None:
-    """Attack A in a run that admits unbound, unsigned contributors (so ``verify`` alone
-    reports round 2 keyless): a coordinator resumed with its allow-list admits nobody off
-    it, so a record naming strangers is refused."""
-    store = signed_run(tmp_path)
-    _renamed_to_strangers(store, 2)
-    assert [r.status for r in verify_run(store)] == ["endorsed", "keyless", "pending"]
-    identities = {pid: key.public_openssh for pid, key in KEYS.items()}
-    with pytest.raises(
-        LedgerError, match=r"round 2: .* x00, x01, x02, x03 that hold no identity key in the "
-        r"run, yet only the identity allow-list's participants take part"
-    ):  # fmt: skip
-        Coordinator.resume(small_config(), store=store, identities=identities)
-
-
 def test_a_keyed_history_resealed_without_its_registry_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Attack B: every record resealed naming no registry, its roots unbound and its
-    endorsements dropped, contributors and header untouched (policy next-round), round 2
-    with other updates: the current registry still holds p00-p03's keys."""
+    """Attack B (header untouched: policy next-round): the current registry still holds
+    p00-p03's keys, so the records cannot pass as keyless."""
     store = signed_run(tmp_path)
+    _strip_registry(store)
+    verify(store)  # the chain, and no record binds anyone: the registry is not compared
+    complaint = (
+        r"round 1: ledger record \w+… names no participant registry, yet its contributors "
+        r"p00, p01, p02, p03 hold identity keys in the run: FORGED"
+    )
+    with pytest.raises(LedgerError, match=complaint):
+        verify_run(store)
+    with pytest.raises(LedgerError, match=complaint):
+        Coordinator.resume(small_config(), store=store)
+    code, out = run_cli(capsys, "verify", store.root)
+    assert code == EXIT_FAILED and "BROKEN round 1" in out, out
+
+
+def _strip_registry(store: Store) -> None:
+    """Attack B: every record resealed naming no registry, its roots unbound and its
+    endorsements dropped, contributors and header untouched, round 2 with other updates."""
     for round in (1, 2, 3):
         rec = Ledger(store).records()[round - 1]
         change: dict[str, Any] = {
@@ -314,17 +315,28 @@ def test_a_keyed_history_resealed_without_its_registry_is_refused(
             store, round, record=change, entry=entry and {"update_digests": entry},
             endorsements={2: None, 3: None},
         )  # fmt: skip
-    verify(store)  # the chain, and no record binds anyone: the registry is not compared
-    complaint = (
-        r"round 1: ledger record \w+… names no participant registry, yet its contributors "
-        r"p00, p01, p02, p03 hold identity keys in the run's registry: FORGED"
-    )
-    with pytest.raises(LedgerError, match=complaint):
-        verify_run(store)
-    with pytest.raises(LedgerError, match=complaint):
-        Coordinator.resume(small_config(), store=store)
-    code, out = run_cli(capsys, "verify", store.root)
-    assert code == EXIT_FAILED and "BROKEN round 1" in out, out
+
+
+def test_a_history_rewritten_with_its_registry_is_refused_by_a_coordinator_with_an_allow_list(
+    tmp_path: Path,
+) -> None:
+    """Attack B, and the current registry rebound to a copy without identity keys: the
+    run directory no longer says anyone held a key (``verify`` reports every round
+    keyless: the whole-run rewrite), but the coordinator's allow-list, held outside the
+    directory, does."""
+    store = signed_run(tmp_path)
+    _strip_registry(store)
+    registry = json.loads(store.get(store.resolve(REGISTRY)))
+    for commitment in registry["commitments"].values():
+        commitment["identity_key"] = None
+    store.bind(REGISTRY, store.put(canonical_json(registry)))
+    assert [r.status for r in verify_run(store)] == ["keyless"] * 3
+    identities = {pid: key.public_openssh for pid, key in KEYS.items()}
+    with pytest.raises(
+        LedgerError, match=r"round 1: ledger record \w+… names no participant registry, yet "
+        r"its contributors p00, p01, p02, p03 hold identity keys in the run: FORGED"
+    ):  # fmt: skip
+        Coordinator.resume(small_config(), store=store, identities=identities)
 
 
 @pytest.mark.parametrize(
