@@ -21,16 +21,20 @@ Where endorsements come from (the run's policy, recorded in its manifest header)
   deposits its own before it announces the record, so the head is endorsed too.
 
 The policy (:func:`endorsement_review`): a record's *keyed contributors* are its
-contributors whose identity key the registry it used records. A record before the head
-is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed contributors signed its
-hash, where R counts those of them that contributed to the next record (one that took
-no part in it had no message to carry its endorsement in: requiring it would refuse every
-untouched run with a drop-out; with R = 0 the record is, like the head, not yet endorsed).
-Under ``"on-write"`` at least one registered participant must have signed every record,
-the head included. A
-record none of whose contributors holds a key cannot be endorsed: it is reported as
-``keyless`` (its history rests on its writer alone), never refused. A run written
-before endorsements existed (no policy in its header) is reported as ``legacy``.
+contributors that hold an identity key anywhere in the run: any registry a record names,
+the current registry, the reader's allow-list (:func:`.keyless.run_keys`). A record
+before the head is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed
+contributors signed its hash, where R counts those of them that contributed to the next
+record (one that took no part in it had no message to carry its endorsement in:
+requiring it would refuse every untouched run with a drop-out; with R = 0 the record is,
+like the head, not yet endorsed). Under ``"on-write"`` at least one registered
+participant must have signed every record, the head included. A record none of whose
+contributors holds a key cannot be endorsed: it is reported as ``keyless`` (its history
+rests on its writer alone), and refused only where an honest run could not have written
+it (:func:`.keyless.keyless_breaks`: no registry named though its contributors hold keys
+or are bound, keyless contributors under ``require-signatures``, unbound ones under
+``require-binding``). A run written before endorsements existed (no policy in its
+header) is reported as ``legacy``.
 
 Every endorsement found is checked: one that is not its participant's signature of that
 record is a broken link, whether it is carried in a record or deposited.
