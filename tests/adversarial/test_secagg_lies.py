@@ -33,6 +33,7 @@ from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import (
     MessageKind,
+    Refusal,
     RoundOpen,
     SurvivorAttestation,
     SurvivorCheck,
@@ -556,3 +557,153 @@ def test_an_honest_round_with_a_drop_reveals_the_plaintext_sum_in_three_exchange
     checks = [p for p in runs["masked"][2].payloads() if p["kind"] == "survivor-attestation"]
     assert {p["round"] for p in checks} == {2}
     assert {p["participant_id"] for p in checks} == {"p00", "p01", "p03"}
+
+
+# -- (g) the same round attempt opened twice ---------------------------------------------------
+def _reopening(made: MaskedRound, holder: str, victim: str) -> RoundOpen:
+    """Round 1 attempt 1 again, with three members (another count than the first
+    opening's: a new message to the participant), ``holder`` listed with the mask key it
+    announced with its update (the only one it still holds)."""
+    state = GlobalState.create(0, initial_params(), sketch_seed=3, h_steps=made.config.inner.steps)
+    other = next(p for p in made.ids if p not in (holder, victim))
+    by_id = {m.pid: m for m in made.members}
+    fresh = bytes.fromhex(made.updates[holder].next_mask_key or "")
+    listed = [by_id[victim], Member(holder, fresh, by_id[holder].enc_public), by_id[other]]
+    fed = made.config.federation
+    return RoundOpen(
+        run_id=RUN, round=1, attempt=1, sender=COORDINATOR, global_hash=state.params_hash,
+        params=state.params, sketch_seed=3, h_steps=made.config.inner.steps,
+        needs_commitment=False, secagg_threshold=fed.secagg_threshold,
+        secagg_neighbours=fed.secagg_neighbours, secagg_prg=prg.PRG_ID,
+        secagg_members=tuple(encode_member(m) for m in listed),
+    )  # fmt: skip
+
+
+def reopen_lie(made: MaskedRound, victim: str) -> tuple[dict[str, UnmaskResponse], list[Any]]:
+    """The reviewer's attack on the full graph (C = 4, t = 3): the other members are
+    told, consistently, that the victim dropped (they attest it to each other and
+    disclose their seeds with it); then the same attempt is opened again for each of them
+    and it is asked, dropping nobody, to open the victim's shares sealed in the first
+    opening. The disclosures merged per member, and what the re-openings got back."""
+    holders = tuple(p for p in made.ids if p != victim)
+    split = (holders, (victim,))
+    first = lie(made, checks=dict.fromkeys(holders, split), requests=dict.fromkeys(holders, split))
+    assert all(set(first[h].pair_seeds) == {victim} for h in holders)
+    merged, answers = dict(first), []
+    for holder in holders:
+        reopening = _reopening(made, holder, victim)
+        answers += made.tell(holder, reopening)
+        survivors = tuple(m.split(":", 1)[0] for m in reopening.secagg_members)
+        request = UnmaskRequest(
+            run_id=RUN, round=1, attempt=1, sender=COORDINATOR, survivors=survivors,
+            dropped=(), sealed={s: made.updates[s].sealed_shares[holder] for s in survivors},  # type: ignore[index]
+        )  # fmt: skip
+        for reply in made.tell(holder, request):
+            if isinstance(reply, UnmaskResponse):
+                merged[holder] = first[holder].model_copy(update={"b_shares": reply.b_shares})
+    return merged, answers
+
+
+def test_reopening_an_attempt_is_refused_and_recovers_nothing(full_round: MaskedRound) -> None:
+    made = full_round
+    disclosed, answers = reopen_lie(made, "p0")
+    assert answers and all(isinstance(a, Refusal) for a in answers)
+    assert all(a.error == "SecureAggregationError" for a in answers)  # type: ignore[attr-defined]
+    assert not any(r.b_shares.get("p0") for r in disclosed.values())
+    assert not any(recovered(made, pid, disclosed) for pid in made.ids)
+
+
+@pytest.fixture
+def forgetful(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Roles as before the guard: they do not remember the attempt they opened, and a
+    new opening resets what they answered (the positive control of the re-opening)."""
+    original = participant_role.MaskingRole.open_round
+
+    def before(self: participant_role.MaskingRole, msg: RoundOpen, config: Any) -> Any:
+        self.opened, self.context = None, b""
+        return original(self, msg, config)
+
+    monkeypatch.setattr(participant_role.MaskingRole, "open_round", before)
+    yield
+
+
+def test_without_the_guard_reopening_an_attempt_recovers_the_release(
+    full_round: MaskedRound, forgetful: None
+) -> None:
+    made = full_round
+    disclosed, answers = reopen_lie(made, "p0")
+    assert not any(isinstance(a, Refusal) for a in answers)
+    assert recovered(made, "p0", disclosed)  # bit for bit: the harness can fail
+
+
+def test_a_second_opening_of_an_attempt_is_refused_and_changes_nothing(
+    full_round: MaskedRound,
+) -> None:
+    made = full_round
+    role = made.nodes["p1"].masking
+    split = (("p1", "p2", "p3"), ("p0",))
+    lie(made, checks=dict.fromkeys(("p1", "p2", "p3"), split), requests={"p1": split})
+    before = role.export()
+    reopening = _reopening(made, "p1", "p0")
+    earlier = reopening.model_copy(update={"round": 0, "attempt": 7})
+    for message in (reopening, earlier):
+        with pytest.raises(SecureAggregationError, match="opened once"):
+            role.open_round(message, made.config)
+        assert role.export() == before  # the key listed is still announced, unused
+    # through the participant: refused, nothing sent but the refusal, nothing changed
+    (refusal,) = made.tell("p1", reopening)
+    assert isinstance(refusal, Refusal) and "opened once" in refusal.reason
+    assert role.export() == before
+    assert made.tell("p1", reopening) == []  # the identical message again: a duplicate
+    # a later attempt of the run, or another run, opens
+    later = reopening.model_copy(update={"attempt": 2})
+    assert role.open_round(later, made.config) is not None
+    assert role.opened == (RUN, 1, 2) and role.answered is None
+    role.restore(before)
+    other_run = reopening.model_copy(update={"run_id": "another run"})
+    assert role.open_round(other_run, made.config) is not None
+
+
+def test_the_opened_attempt_survives_a_restore(full_round: MaskedRound) -> None:
+    made = full_round
+    role = made.nodes["p1"].masking
+    saved = role.export()
+    assert saved["opened"] == [RUN, 1, 1]
+    fresh = participant_role.MaskingRole("p1")
+    fresh.restore(saved)
+    with pytest.raises(SecureAggregationError, match="opened once"):
+        fresh.open_round(_reopening(made, "p1", "p0"), made.config)
+    older = {k: v for k, v in saved.items() if k != "opened"}  # saved before the field
+    fresh.restore(older)
+    assert fresh.opened is None
+    for bad in (["run", "1", 1], ["run", 1], [1, 1, 1], "run|1|1", ["run", 1, True]):
+        with pytest.raises(SecureAggregationError, match="not \\(run, round, attempt\\)"):
+            fresh.restore({**saved, "opened": bad})
+        assert fresh.opened is None  # nothing restored
+
+
+# -- (h) a reordered survivor set is the same set ----------------------------------------------
+def test_a_reordered_partition_is_the_one_attested_and_another_is_refused(
+    full_round: MaskedRound,
+) -> None:
+    made = full_round
+    attested = (("p0", "p1", "p2"), ("p3",))
+    reordered = (("p2", "p0", "p1"), ("p3",))
+    views = dict.fromkeys(("p0", "p1", "p2"), attested)
+    disclosed = lie(made, checks=views, requests=dict.fromkeys(views, reordered))
+    assert set(disclosed) == {"p0", "p1", "p2"}
+    assert all(set(r.pair_seeds) == {"p3"} for r in disclosed.values())
+    role = made.nodes["p0"].masking
+    again = UnmaskRequest(
+        run_id=RUN, round=1, attempt=1, sender=COORDINATOR, survivors=("p1", "p2", "p0"),
+        dropped=("p3",), sealed={},
+    )  # fmt: skip
+    assert role.disclose(again) == {
+        "b_shares": disclosed["p0"].b_shares,
+        "pair_seeds": disclosed["p0"].pair_seeds,
+    }  # the answer already made, not a new one
+    other = again.model_copy(update={"survivors": ("p0", "p1", "p3"), "dropped": ("p2",)})
+    with pytest.raises(SecureAggregationError, match="another partition"):
+        role.disclose(other)
+    with pytest.raises(SecureAggregationError, match="attested already"):
+        role.attest(_check((other.survivors, other.dropped)))
