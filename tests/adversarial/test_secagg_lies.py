@@ -17,6 +17,7 @@ there it does recover the release bit for bit: the harness can fail.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -707,3 +708,162 @@ def test_a_reordered_partition_is_the_one_attested_and_another_is_refused(
         role.disclose(other)
     with pytest.raises(SecureAggregationError, match="attested already"):
         role.attest(_check((other.survivors, other.dropped)))
+
+
+# -- (i) group sums: how small a sum a lying coordinator can reveal ----------------------------
+def group_sum(
+    made: MaskedRound, group: Sequence[str], disclosed: Mapping[str, UnmaskResponse]
+) -> np.ndarray | None:
+    """The sum of ``group``'s releases from their masked updates and the disclosures (the
+    pairwise masks inside the group cancel; each member's self mask and its seeds with
+    the neighbours outside the group must be disclosed); None when something is missing."""
+    graph = graph_of(made.members, made.degree, CONTEXT)
+    total = np.zeros(made.masked_values[made.ids[0]].size, np.int64)
+    streams = []
+    for member in group:
+        points, need, _, _ = exposure(made, member, disclosed)
+        if len(points) < need:
+            return None
+        streams.append((shamir.combine_points(points, need), -1))
+        for peer in sorted(graph.near(member) - set(group)):
+            mine, theirs = disclosed.get(member), disclosed.get(peer)
+            if theirs is not None and member in theirs.pair_seeds:
+                seed = bytes.fromhex(theirs.pair_seeds[member])
+            elif mine is not None and peer in mine.pair_seeds:
+                seed = bytes.fromhex(mine.pair_seeds[peer])
+            else:
+                return None
+            streams.append((seed, -1 if member < peer else +1))
+        update = made.updates[member]
+        with np.errstate(over="ignore"):
+            total += np.concatenate(
+                [np.asarray(update.delta[n], np.int64).reshape(-1) for n in sorted(update.delta)]
+            )
+    prg.add_streams(streams, total)
+    return total
+
+
+def revealed_groups(
+    made: MaskedRound, disclosed: Mapping[str, UnmaskResponse], largest: int
+) -> list[tuple[str, ...]]:
+    """Every group of at most ``largest`` members whose sum the disclosures reveal, bit
+    for bit."""
+    found = []
+    for size in range(1, largest + 1):
+        for group in itertools.combinations(made.ids, size):
+            got = group_sum(made, group, disclosed)
+            with np.errstate(over="ignore"):
+                truth = sum(made.masked_values[p] for p in group)
+            if got is not None and np.array_equal(got, truth):
+                found.append(group)
+    return found
+
+
+def camp_lie(made: MaskedRound, camp: Sequence[str], camp_told: str) -> dict[str, UnmaskResponse]:
+    """The rest R is told, consistently, that ``camp`` B dropped (R attests it and
+    discloses for it); B is told nobody dropped ("none"), that R dropped ("split"), or
+    nothing. R's self masks come out of R's answers, B's out of B's, and the seeds
+    between the camps out of R's."""
+    rest = tuple(p for p in made.ids if p not in camp)
+    views: dict[str, Partition] = dict.fromkeys(rest, (rest, tuple(camp)))
+    requests = dict(views)
+    if camp_told == "none":
+        requests |= dict.fromkeys(camp, everybody(made))
+    elif camp_told == "split":
+        views |= dict.fromkeys(camp, (tuple(camp), rest))
+        requests |= dict.fromkeys(camp, (tuple(camp), rest))
+    made.rewind()
+    return lie(made, checks=views, requests=requests)
+
+
+@pytest.mark.parametrize("count", [5, 6])
+def test_on_the_full_graph_every_revealed_sum_covers_t_members(
+    count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t = 3: every camp of the members, told any of the camp lies; no sum of fewer than
+    t members comes out. With C = 6 (t <= C/2) two disjoint camps of t are revealed."""
+    made = masked_round(masked_config(3), count, monkeypatch)
+    for size in range(1, count):
+        for camp in itertools.combinations(made.ids, size):
+            for camp_told in ("none", "split", "nothing"):
+                disclosed = camp_lie(made, camp, camp_told)
+                assert revealed_groups(made, disclosed, 2) == [], (camp, camp_told)
+    both = camp_lie(made, ("p0", "p1", "p2"), "split")
+    rest = tuple(p for p in made.ids if p not in ("p0", "p1", "p2"))
+    sums = [g for g in (("p0", "p1", "p2"), rest) if group_sum(made, g, both) is not None]
+    assert len(sums) == (2 if count == 6 else 1)  # C = 5: a camp of 2 is refused
+
+
+FIVE = ["p0", "p1", "p2", "p3", "p4"]
+full5 = st.sampled_from([()] + [c for n in (1, 2) for c in itertools.combinations(FIVE, n)])
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    common=full5,
+    requests=st.lists(st.one_of(st.none(), full5), min_size=5, max_size=5),
+    checks=st.lists(st.one_of(st.none(), full5), min_size=5, max_size=5),
+)
+def test_no_lie_on_the_full_graph_reveals_a_sum_of_fewer_than_t(
+    five: MaskedRound,
+    common: tuple[str, ...],
+    requests: list[tuple[str, ...] | None],
+    checks: list[tuple[str, ...] | None],
+) -> None:
+    """C = 5, t = 3: each member is told a common partition (None) or any partition it
+    could accept (or one it refuses), checked on it (None), on another; every
+    attestation is relayed."""
+    made = five
+    made.rewind()
+    ids = made.ids
+    sent = {p: _split(ids, common if d is None else d) for p, d in zip(ids, requests, strict=True)}
+    sent_checks = {
+        p: sent[p] if c is None else _split(ids, c) for p, c in zip(ids, checks, strict=True)
+    }
+    disclosed = lie(made, checks=sent_checks, requests=sent)
+    assert revealed_groups(made, disclosed, 2) == [], sent
+
+
+@pytest.fixture
+def five(monkeypatch: pytest.MonkeyPatch) -> MaskedRound:
+    return masked_round(masked_config(3), 5, monkeypatch)
+
+
+def test_without_the_checks_a_camp_lie_reveals_a_sum_below_t(
+    five: MaskedRound, bypassed: None
+) -> None:
+    """The group-sum harness can fail: members that neither count the survivors nor
+    want attestations disclose for a camp of two, whose sum then comes out."""
+    disclosed = camp_lie(five, ("p0", "p1", "p2"), "none")
+    assert ("p3", "p4") in revealed_groups(five, disclosed, 2)
+
+
+@pytest.mark.parametrize(("degree", "smallest"), [(2, 2), (4, 3)])
+def test_on_a_sparse_graph_a_lie_reveals_a_sum_of_t_k_plus_one_and_no_individual(
+    degree: int, smallest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C = 10, t = 5: t_k = 1 (k = 2) or 2 (k = 4). A camp B told nobody dropped, whose
+    every member the others (told B dropped) leave with t_k surviving neighbours inside
+    B, has its sum revealed: the attestation rule asks only for t_k attesters, and they
+    may all be in B. No camp of t_k or fewer comes out, and no individual release."""
+    made = masked_round(masked_config(5, degree), 10, monkeypatch)
+    need = share_threshold(10, degree, 5)
+    assert need + 1 == smallest
+    graph = graph_of(made.members, degree, CONTEXT)
+    reached = []
+    for size in range(1, smallest + 1):
+        for camp in itertools.combinations(made.ids, size):
+            rest = tuple(p for p in made.ids if p not in camp)
+            if not all(_passes(made, p, (rest, camp)) for p in rest):
+                continue  # the rest refuse this split: nothing to reveal
+            if size == smallest and reached:
+                continue
+            disclosed = camp_lie(made, camp, "none")
+            assert revealed_groups(made, disclosed, need) == [], camp
+            assert not any(recovered(made, pid, disclosed) for pid in made.ids)
+            if size == smallest and group_sum(made, camp, disclosed) is not None:
+                reached.append(camp)
+    assert reached, "the bound is reached: some camp of t_k + 1 is revealed"
+    assert all(len(graph.near(p) & set(reached[0])) >= need for p in reached[0])
