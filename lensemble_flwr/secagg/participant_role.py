@@ -171,7 +171,6 @@ class MaskingRole:
         me, fed = self.participant_id, config.federation
         if self.enc_private is None:
             raise SecureAggregationError(f"{me}: no keys for a masked round")
-        self._check_forward(msg)
         if msg.secagg_neighbours != fed.secagg_neighbours:
             raise SecureAggregationError(
                 f"{me}: the round asks for a neighbour graph of degree "
@@ -221,6 +220,7 @@ class MaskingRole:
             raise SecureAggregationError(
                 f"{me}: the round lists members it deals a share to without their keys: {bare[:3]}"
             )
+        self._check_forward(msg)
         return members
 
     def _check_forward(self, msg: RoundOpen) -> None:
