@@ -12,7 +12,12 @@ and answer what they are sent.
 from its masked update and compares the result with the integers the victim masked. Every
 attack is also run against members whose consistency checks are bypassed (the checks as
 they were before: no attestations, the survivor count checked on sparse graphs only), and
-there it does recover the release bit for bit: the harness can fail.
+there it does recover the release bit for bit: the harness can fail (the re-opening of
+an attempt against roles that forget the attempt they opened, as before).
+
+Sums of groups are computed the same way (:func:`group_sum`): the tests pin how small a
+group a lying coordinator can reveal the sum of (at least t members with the full graph,
+t_k + 1 in a sparse graph), and show that the bound is reached.
 """
 
 from __future__ import annotations
