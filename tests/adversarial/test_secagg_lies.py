@@ -672,20 +672,25 @@ def test_a_second_opening_of_an_attempt_is_refused_and_changes_nothing(
 
 def test_the_opened_attempt_survives_a_restore(full_round: MaskedRound) -> None:
     made = full_round
+    split = (("p1", "p2", "p3"), ("p0",))
+    lie(made, checks=dict.fromkeys(("p1", "p2", "p3"), split), requests={"p1": split})
     role = made.nodes["p1"].masking
     saved = role.export()
-    assert saved["opened"] == [RUN, 1, 1]
+    assert saved["opened"] == [RUN, 1, 1] and saved["answered"] is not None
     fresh = participant_role.MaskingRole("p1")
     fresh.restore(saved)
     with pytest.raises(SecureAggregationError, match="opened once"):
         fresh.open_round(_reopening(made, "p1", "p0"), made.config)
-    older = {k: v for k, v in saved.items() if k != "opened"}  # saved before the field
-    fresh.restore(older)
-    assert fresh.opened is None
     for bad in (["run", "1", 1], ["run", 1], [1, 1, 1], "run|1|1", ["run", 1, True]):
         with pytest.raises(SecureAggregationError, match="not \\(run, round, attempt\\)"):
             fresh.restore({**saved, "opened": bad})
-        assert fresh.opened is None  # nothing restored
+        assert fresh.export() == saved  # nothing restored
+    older = {k: v for k, v in saved.items() if k != "opened"}  # saved before the field
+    fresh.restore(older)
+    assert fresh.opened is None
+    # such a role opens the attempt again, but keeps what it answered in it
+    assert fresh.open_round(_reopening(made, "p1", "p0"), made.config) is not None
+    assert fresh.answered == saved["answered"]
 
 
 # -- (h) a reordered survivor set is the same set ----------------------------------------------
