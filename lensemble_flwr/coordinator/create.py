@@ -142,10 +142,10 @@ def resume_core(
     inputs = _checked_inputs(wiring, manifest.run_id)
     registry = ParticipantRegistry(wiring.config, store, wiring.identities)
     if follower is not None:
-        recovered = recover_following(store, follower)
+        recovered = recover_following(store, follower, wiring.identities)
         ledger = Ledger(store, head=follower.head)
     else:
-        recovered = recover(store, manifest, check)
+        recovered = recover(store, manifest, check, wiring.identities)
         ledger = Ledger(store)
     state = inputs.pin(recovered.round, recovered.params, copy=False)
     head = RunHead(state, recovered.momentum, recovered.head_hash)

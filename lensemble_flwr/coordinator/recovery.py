@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
@@ -69,8 +69,14 @@ class Recovered:
     external_step: ExternalStep | None = None  # how ``params`` replaced the head's model
 
 
-def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]) -> Recovered:
-    """Complete a cut-short commit, verify the run, and load the checkpoint to resume from.
+def recover(
+    store: Store,
+    manifest: RunManifest,
+    check: Literal["full", "chain"],
+    identities: Mapping[str, str] | None = None,
+) -> Recovered:
+    """Complete a cut-short commit, verify the run, and load the checkpoint to resume from
+    (``identities``: the coordinator's allow-list, if it has one).
 
     Raises:
         LedgerError: the ledger, manifest or checkpoint is inconsistent.
@@ -86,12 +92,17 @@ def recover(store: Store, manifest: RunManifest, check: Literal["full", "chain"]
         verify_chain(records, manifest)
         verify_registry(store, records)
         verify_resumable(store, records, manifest)
-    check_endorsed(store, records, manifest.endorsement)  # a resealed chain is refused
+    # a resealed chain is refused, and so is one rewritten to pass as keyless
+    check_endorsed(
+        store, records, manifest.endorsement, config=manifest.config, identities=identities
+    )
     head = records[-1] if records else None
     return _resume_point(store, manifest, head)
 
 
-def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
+def recover_following(
+    store: Store, follower: LedgerFollower, identities: Mapping[str, str] | None = None
+) -> Recovered:
     """:func:`recover` with ``check="chain"`` for a process that resumes the run again and
     again: only what was stored since ``follower`` last checked is read and checked (the
     same link rules), so a resume costs the same in round 1000 as in round 2.
@@ -107,7 +118,9 @@ def recover_following(store: Store, follower: LedgerFollower) -> Recovered:
         if not any(e.state is RoundState.CLOSED for e in entries):
             _complete_cut_commit(store, header, records[-1], entries)
     window = [before, *records] if before is not None else records
-    check_endorsed(store, window, header.endorsement)  # before anything is followed
+    check_endorsed(  # before anything is followed
+        store, window, header.endorsement, config=header.config, identities=identities
+    )
     follower.check(records)
     current = follower.entries(follower.through + 1)
     if any(e.state is RoundState.CLOSED for e in current):
@@ -144,9 +157,7 @@ def _complete_cut_commit(
             "manifest entry kept before its commit is missing or is another round's"
         )
     before = [e for e in entries if e.round == rec.round and e.attempt < rec.attempt]
-    if entries_digest([*before, kept]) != rec.entries_digest or any(
-        agreement_breaks(rec, kept)
-    ):
+    if entries_digest([*before, kept]) != rec.entries_digest or any(agreement_breaks(rec, kept)):
         raise LedgerError(
             f"round {rec.round} is in the ledger but not in the manifest, and the entry "
             f"kept before its commit ({closing_name(rec.round, rec.attempt)}) is not the "

@@ -21,16 +21,20 @@ Where endorsements come from (the run's policy, recorded in its manifest header)
   deposits its own before it announces the record, so the head is endorsed too.
 
 The policy (:func:`endorsement_review`): a record's *keyed contributors* are its
-contributors whose identity key the registry it used records. A record before the head
-is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed contributors signed its
-hash, where R counts those of them that contributed to the next record (one that took
-no part in it had no message to carry its endorsement in: requiring it would refuse every
-untouched run with a drop-out; with R = 0 the record is, like the head, not yet endorsed).
-Under ``"on-write"`` at least one registered participant must have signed every record,
-the head included. A
-record none of whose contributors holds a key cannot be endorsed: it is reported as
-``keyless`` (its history rests on its writer alone), never refused. A run written
-before endorsements existed (no policy in its header) is reported as ``legacy``.
+contributors that hold an identity key anywhere in the run: any registry a record names,
+the current registry, the reader's allow-list (:func:`.keyless.run_keys`). A record
+before the head is endorsed when at least ``min(K // 2 + 1, R)`` of its K keyed
+contributors signed its hash, where R counts those of them that contributed to the next
+record (one that took no part in it had no message to carry its endorsement in:
+requiring it would refuse every untouched run with a drop-out; with R = 0 the record is,
+like the head, not yet endorsed). Under ``"on-write"`` at least one registered
+participant must have signed every record, the head included. A record none of whose
+contributors holds a key cannot be endorsed: it is reported as ``keyless`` (its history
+rests on its writer alone), and refused only where an honest run could not have written
+it (:func:`.keyless.keyless_breaks`: no registry named though its contributors hold keys
+or are bound, keyless contributors under ``require-signatures``, unbound ones under
+``require-binding``). A run written before endorsements existed (no policy in its
+header) is reported as ``legacy``.
 
 Every endorsement found is checked: one that is not its participant's signature of that
 record is a broken link, whether it is carried in a record or deposited.
@@ -39,13 +43,13 @@ record is a broken link, whether it is carried in a record or deposited.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import digest_record
 from lensemble_flwr.errors import ForgedMessage, LedgerError, StoreError
+from lensemble_flwr.identity.keyless import keyless_breaks, run_keys
 from lensemble_flwr.identity.signing import IdentityKey, digest_signed_by
 from lensemble_flwr.protocol.messages import RoundClose
 from lensemble_flwr.provenance.ledger import (
@@ -123,24 +127,6 @@ def deposited_endorsements(store: Store, round: int) -> dict[str, str]:
         except (StoreError, UnicodeDecodeError):
             found[participant] = ""
     return found
-
-
-def registered_keys(store: Store, records: Sequence[ContributionRecord]) -> dict[str, str]:
-    """Participant → identity key, as the registries the records used record them (a key
-    never changes once registered: :func:`~lensemble_flwr.provenance.verify.verify`
-    refuses a registry that changes one). A registry that cannot be read adds nothing
-    (verify names it)."""
-    keys: dict[str, str] = {}
-    for digest in dict.fromkeys(r.registry_digest for r in records if r.registry_digest):
-        try:
-            commitments = json.loads(store.get(digest))["commitments"]
-            for pid, commitment in commitments.items():
-                key = commitment.get("identity_key") if isinstance(commitment, dict) else None
-                if isinstance(key, str):
-                    keys.setdefault(pid, key.strip())
-        except (StoreError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,19 +212,28 @@ def endorsement_review(
     store: Store,
     records: Sequence[ContributionRecord],
     policy: EndorsementPolicy | None,
+    *,
+    config: Mapping[str, Any] | None = None,
+    identities: Mapping[str, str] | None = None,
 ) -> tuple[list[RecordEndorsement], list[LinkBreak]]:
     """Every record's endorsement under the run's ``policy`` (see the module docstring),
-    and the broken links: forged endorsements and records endorsed by fewer than the
-    policy requires.
+    and the broken links: records forged to pass as keyless
+    (:func:`~lensemble_flwr.identity.keyless.keyless_breaks`), forged endorsements and
+    records endorsed by fewer than the policy requires.
 
     Args:
         store: the run's store (registries and deposited endorsements).
         records: the run's ledger records, in round order, already checked as a chain.
         policy: the manifest header's ``endorsement`` (None: a run written before them).
+        config: the manifest header's recorded config (``require-signatures``,
+            ``require-binding``; None: neither).
+        identities: the allow-list the reader holds from outside the run, if any.
     """
-    keys = registered_keys(store, records)
+    keys = run_keys(store, records, identities)
     reviews: list[RecordEndorsement] = []
     breaks: list[LinkBreak] = []
+    if policy is not None:
+        breaks += keyless_breaks(store, records, config or {}, identities)
     for i, rec in enumerate(records):
         following = records[i + 1] if i + 1 < len(records) else None
         carried = (following.endorsements or {}) if following is not None else {}
@@ -301,14 +296,20 @@ def check_endorsed(
     store: Store,
     records: Sequence[ContributionRecord],
     policy: EndorsementPolicy | None,
+    *,
+    config: Mapping[str, Any] | None = None,
+    identities: Mapping[str, str] | None = None,
 ) -> list[RecordEndorsement]:
     """:func:`endorsement_review`, raising on the first broken link (what a resume, a
     joining participant and a shared-folder reader run).
 
     Raises:
-        LedgerError: naming the record and the endorsements it lacks, or a forged one.
+        LedgerError: naming the record and the endorsements it lacks, a forged one, or
+            what makes a record that passes as keyless a forgery.
     """
-    reviews, breaks = endorsement_review(store, records, policy)
+    reviews, breaks = endorsement_review(
+        store, records, policy, config=config, identities=identities
+    )
     for broken in breaks:
         raise LedgerError(broken.message)
     return reviews
@@ -328,7 +329,8 @@ def verify_run(store: Store, *, expect_head: str | None = None) -> list[RecordEn
             missing), or a head that is not ``expect_head``.
     """
     records = verify(store)
-    reviews = check_endorsed(store, records, RunManifest.load(store).endorsement)
+    header = RunManifest.load(store)
+    reviews = check_endorsed(store, records, header.endorsement, config=header.config)
     found = records[-1].record_hash if records else None
     if expect_head is not None and found != expect_head:
         raise LedgerError(f"ledger head: record_hash: expected {expect_head}, found {found}")

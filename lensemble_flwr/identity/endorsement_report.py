@@ -28,11 +28,12 @@ def review_run(
     (``lensemble-flwr verify`` and ``show``); None when the ledger or the manifest header
     cannot be read (the report's own checks name why)."""
     try:
-        policy = RunManifest.from_header(store.get(store.resolve(MANIFEST_HEADER))).endorsement
+        header = RunManifest.from_header(store.get(store.resolve(MANIFEST_HEADER)))
         records = Ledger(store).records()
     except (LedgerError, StoreError):
         return None
-    reviews, breaks = endorsement_review(store, records, policy)
+    policy = header.endorsement
+    reviews, breaks = endorsement_review(store, records, policy, config=header.config)
     return policy, reviews, breaks
 
 

@@ -133,7 +133,7 @@ def recover_checkpoint(
         _check_last_link(records, manifest)
     else:
         verify_chain(records, manifest)
-    reviews = check_endorsed(store, records, manifest.endorsement)
+    reviews = check_endorsed(store, records, manifest.endorsement, config=manifest.config)
     head = records[-1] if records else None
     _check_pinned_head(head, expect_head, reviews, pinned=trusted is not None, by=participant_id)
     if head is None:

@@ -7,7 +7,10 @@ key that serves this one round attempt. The stage masks; the role keeps what the
 round's unmask request will need. With the masked update the participant announces the
 public half of the key its next round will use; the private halves of announced keys
 stay with the participant; a key is deleted once its round's unmask request is answered
-(one answer per attempt). When somebody dropped, the member first attests the survivor
+(one answer per attempt). A role opens each round attempt once, and only attempts after
+the last one it opened (a run's rounds and attempts only move forward): a second opening
+of an attempt would let a coordinator ask again for what was answered in the first, with
+the sealed shares of the first. When somebody dropped, the member first attests the survivor
 set to the other survivors and discloses only for a set enough of them attested
 (:mod:`~lensemble_flwr.secagg.consistency`). Its sealing key is long-lived: it only ever
 encrypts shares for one peer.
@@ -16,6 +19,7 @@ encrypts shares for one peer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from lensemble_flwr.config import LensembleConfig
@@ -93,6 +97,14 @@ class MaskRound:
     before: dict[str, Any]
 
 
+def _canonical(partition: Sequence[Sequence[str]]) -> list[list[str]]:
+    """A partition (survivors, dropped) as the set it names: each part sorted, so that
+    the same set listed in another order compares equal (what an attestation covers,
+    :func:`~.consistency.survivor_set`)."""
+    survivors, dropped = partition
+    return [sorted(survivors), sorted(dropped)]
+
+
 def _keyed(member: Member) -> bool:
     return len(member.mask_public) == 32 and len(member.enc_public) == 32
 
@@ -111,6 +123,7 @@ class MaskingRole:
         self.context = b""
         self.degree = 0  # the round's neighbour graph (0: every other member)
         self.threshold = 0  # the round's threshold t (0: no round masked)
+        self.opened: tuple[str, int, int] | None = None  # (run, round, attempt) opened last
         self._boxes: BoxKeys | None = None  # the sealing key's boxes (memory only)
         self._round_keys: SecAggKeys | None = None  # the round's agreements (memory only)
         self._members_read: tuple[tuple[str, ...] | None, list[Member]] = (None, [])
@@ -151,7 +164,9 @@ class MaskingRole:
                 the threshold; a member list that does not parse or names this
                 participant with a mask key it never announced or already used, or with
                 another sealing key; a member it deals a share to (every member; in a
-                sparse graph, its neighbours) listed without keys.
+                sparse graph, its neighbours) listed without keys; a round attempt of
+                this run that is not after the last one this role opened
+                (:meth:`_check_forward`).
         """
         me, fed = self.participant_id, config.federation
         if self.enc_private is None:
@@ -205,7 +220,28 @@ class MaskingRole:
             raise SecureAggregationError(
                 f"{me}: the round lists members it deals a share to without their keys: {bare[:3]}"
             )
+        self._check_forward(msg)
         return members
+
+    def _check_forward(self, msg: RoundOpen) -> None:
+        """``msg``'s round attempt must come after the last one this role opened in the
+        same run (another run starts afresh). Opening one attempt twice would reset what
+        the role answered for it, while the sealed self-mask shares of the first opening
+        (bound to the attempt, not to the opening) still open: a coordinator could
+        collect a member's pairwise seeds in the first and its self mask in the second.
+
+        Raises:
+            SecureAggregationError: the attempt was opened already, or an earlier one.
+        """
+        last = self.opened
+        if last is None or last[0] != msg.run_id:
+            return
+        if (msg.round, msg.attempt) <= (last[1], last[2]):
+            raise SecureAggregationError(
+                f"{self.participant_id}: round {msg.round} attempt {msg.attempt} opened "
+                f"after round {last[1]} attempt {last[2]} of the same run: an attempt is "
+                "opened once, and a retry is a new attempt; nothing is masked"
+            )
 
     def open_round(self, msg: RoundOpen, config: LensembleConfig) -> MaskRound | None:
         """The mask stage's inputs for ``msg`` (None when the round does not list this
@@ -226,9 +262,12 @@ class MaskingRole:
         listed = next(m for m in members if m.pid == self.participant_id).mask_public.hex()
         self.round_key = self.announced.pop(listed)
         self.members = members
-        self.answered = None
-        self.attested = None
-        self.context = context_of(msg.run_id, msg.round, msg.attempt)
+        context = context_of(msg.run_id, msg.round, msg.attempt)
+        if context != self.context:  # never forget an attempt's answers while in it
+            self.answered = None
+            self.attested = None
+        self.context = context
+        self.opened = (msg.run_id, msg.round, msg.attempt)
         self.degree = msg.secagg_neighbours
         self.threshold = msg.secagg_threshold
         return MaskRound(
@@ -267,7 +306,7 @@ class MaskingRole:
             raise SecureAggregationError(f"{me}: no masked round to unmask")
         if context_of(msg.run_id, msg.round, msg.attempt) != self.context:
             raise SecureAggregationError(f"{me}: unmask request for another round")
-        return [list(msg.survivors), list(msg.dropped)]
+        return _canonical([msg.survivors, msg.dropped])
 
     def _check_partition(self, survivors: tuple[str, ...], dropped: tuple[str, ...]) -> None:
         check_partition(
@@ -290,7 +329,7 @@ class MaskingRole:
         """
         me, partition = self.participant_id, self._partition_of(check)
         if self.attested is not None:
-            if self.attested["partition"] != partition:
+            if _canonical(self.attested["partition"]) != partition:
                 raise SecureAggregationError(
                     f"{me}: this attempt's survivor set was attested already; refusing "
                     "to attest another"
@@ -318,7 +357,7 @@ class MaskingRole:
             SecureAggregationError: it is not, or it does not.
         """
         me = self.participant_id
-        if self.attested is not None and self.attested["partition"] != partition:
+        if self.attested is not None and _canonical(self.attested["partition"]) != partition:
             raise SecureAggregationError(
                 f"{me}: the unmask request names another survivor set than the one this "
                 "participant attested; refusing to disclose"
@@ -357,7 +396,7 @@ class MaskingRole:
         """
         me, partition = self.participant_id, self._partition_of(request)
         if self.answered is not None:
-            if self.answered["partition"] != partition:
+            if _canonical(self.answered["partition"]) != partition:
                 raise SecureAggregationError(
                     f"{me}: this attempt's unmask request was answered for another "
                     "partition of the members; refusing a second one"
@@ -404,10 +443,18 @@ class MaskingRole:
             "context": self.context.decode(),
             "degree": self.degree,
             "threshold": self.threshold,
+            "opened": None if self.opened is None else list(self.opened),
         }
 
     def restore(self, meta: dict[str, Any]) -> None:
-        """Restore what :meth:`export` returned."""
+        """Restore what :meth:`export` returned (a state saved before roles kept the
+        attempt they opened restores as none opened).
+
+        Raises:
+            SecureAggregationError: the attempt opened last is not (run, round, attempt)
+                (nothing is restored).
+        """
+        opened = _opened_of(meta.get("opened"))
         enc, round_key = meta.get("enc_private"), meta.get("round_key")
         self.enc_private = bytes.fromhex(enc) if enc else None
         self.announced = {
@@ -423,6 +470,23 @@ class MaskingRole:
         self.context = str(meta.get("context", "")).encode()
         self.degree = int(meta.get("degree", 0))
         self.threshold = int(meta.get("threshold", 0))
+        self.opened = opened
+
+
+def _opened_of(saved: Any) -> tuple[str, int, int] | None:
+    """:meth:`MaskingRole.export`'s ``opened`` back as (run, round, attempt).
+
+    Raises:
+        SecureAggregationError: it is neither None nor a run id and two integers.
+    """
+    if saved is None:
+        return None
+    ok = isinstance(saved, (list, tuple)) and len(saved) == 3
+    if ok and isinstance(saved[0], str) and all(type(v) is int for v in saved[1:]):
+        return (saved[0], saved[1], saved[2])
+    raise SecureAggregationError(
+        f"a saved masking state opened {saved!r}: not (run, round, attempt)"
+    )
 
 
 def masked_answer(

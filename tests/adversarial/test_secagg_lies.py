@@ -12,11 +12,17 @@ and answer what they are sent.
 from its masked update and compares the result with the integers the victim masked. Every
 attack is also run against members whose consistency checks are bypassed (the checks as
 they were before: no attestations, the survivor count checked on sparse graphs only), and
-there it does recover the release bit for bit: the harness can fail.
+there it does recover the release bit for bit: the harness can fail (the re-opening of
+an attempt against roles that forget the attempt they opened, as before).
+
+Sums of groups are computed the same way (:func:`group_sum`): the tests pin how small a
+group a lying coordinator can reveal the sum of (at least t members with the full graph,
+t_k + 1 in a sparse graph), and show that the bound is reached.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +39,7 @@ from lensemble_flwr.errors import SecureAggregationError
 from lensemble_flwr.participant.participant import Participant
 from lensemble_flwr.protocol.messages import (
     MessageKind,
+    Refusal,
     RoundOpen,
     SurvivorAttestation,
     SurvivorCheck,
@@ -556,3 +563,317 @@ def test_an_honest_round_with_a_drop_reveals_the_plaintext_sum_in_three_exchange
     checks = [p for p in runs["masked"][2].payloads() if p["kind"] == "survivor-attestation"]
     assert {p["round"] for p in checks} == {2}
     assert {p["participant_id"] for p in checks} == {"p00", "p01", "p03"}
+
+
+# -- (g) the same round attempt opened twice ---------------------------------------------------
+def _reopening(made: MaskedRound, holder: str, victim: str) -> RoundOpen:
+    """Round 1 attempt 1 again, with three members (another count than the first
+    opening's: a new message to the participant), ``holder`` listed with the mask key it
+    announced with its update (the only one it still holds)."""
+    state = GlobalState.create(0, initial_params(), sketch_seed=3, h_steps=made.config.inner.steps)
+    other = next(p for p in made.ids if p not in (holder, victim))
+    by_id = {m.pid: m for m in made.members}
+    fresh = bytes.fromhex(made.updates[holder].next_mask_key or "")
+    listed = [by_id[victim], Member(holder, fresh, by_id[holder].enc_public), by_id[other]]
+    fed = made.config.federation
+    return RoundOpen(
+        run_id=RUN, round=1, attempt=1, sender=COORDINATOR, global_hash=state.params_hash,
+        params=state.params, sketch_seed=3, h_steps=made.config.inner.steps,
+        needs_commitment=False, secagg_threshold=fed.secagg_threshold,
+        secagg_neighbours=fed.secagg_neighbours, secagg_prg=prg.PRG_ID,
+        secagg_members=tuple(encode_member(m) for m in listed),
+    )  # fmt: skip
+
+
+def reopen_lie(made: MaskedRound, victim: str) -> tuple[dict[str, UnmaskResponse], list[Any]]:
+    """The reviewer's attack on the full graph (C = 4, t = 3): the other members are
+    told, consistently, that the victim dropped (they attest it to each other and
+    disclose their seeds with it); then the same attempt is opened again for each of them
+    and it is asked, dropping nobody, to open the victim's shares sealed in the first
+    opening. The disclosures merged per member, and what the re-openings got back."""
+    holders = tuple(p for p in made.ids if p != victim)
+    split = (holders, (victim,))
+    first = lie(made, checks=dict.fromkeys(holders, split), requests=dict.fromkeys(holders, split))
+    assert all(set(first[h].pair_seeds) == {victim} for h in holders)
+    merged, answers = dict(first), []
+    for holder in holders:
+        reopening = _reopening(made, holder, victim)
+        answers += made.tell(holder, reopening)
+        survivors = tuple(m.split(":", 1)[0] for m in reopening.secagg_members)
+        request = UnmaskRequest(
+            run_id=RUN, round=1, attempt=1, sender=COORDINATOR, survivors=survivors,
+            dropped=(), sealed={s: made.updates[s].sealed_shares[holder] for s in survivors},  # type: ignore[index]
+        )  # fmt: skip
+        for reply in made.tell(holder, request):
+            if isinstance(reply, UnmaskResponse):
+                merged[holder] = first[holder].model_copy(update={"b_shares": reply.b_shares})
+    return merged, answers
+
+
+def test_reopening_an_attempt_is_refused_and_recovers_nothing(full_round: MaskedRound) -> None:
+    made = full_round
+    disclosed, answers = reopen_lie(made, "p0")
+    assert answers and all(isinstance(a, Refusal) for a in answers)
+    assert all(a.error == "SecureAggregationError" for a in answers)  # type: ignore[attr-defined]
+    assert not any(r.b_shares.get("p0") for r in disclosed.values())
+    assert not any(recovered(made, pid, disclosed) for pid in made.ids)
+
+
+@pytest.fixture
+def forgetful(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Roles as before the guard: they do not remember the attempt they opened, and a
+    new opening resets what they answered (the positive control of the re-opening)."""
+    original = participant_role.MaskingRole.open_round
+
+    def before(self: participant_role.MaskingRole, msg: RoundOpen, config: Any) -> Any:
+        self.opened, self.context = None, b""
+        return original(self, msg, config)
+
+    monkeypatch.setattr(participant_role.MaskingRole, "open_round", before)
+    yield
+
+
+def test_without_the_guard_reopening_an_attempt_recovers_the_release(
+    full_round: MaskedRound, forgetful: None
+) -> None:
+    made = full_round
+    disclosed, answers = reopen_lie(made, "p0")
+    assert not any(isinstance(a, Refusal) for a in answers)
+    assert recovered(made, "p0", disclosed)  # bit for bit: the harness can fail
+
+
+def test_a_second_opening_of_an_attempt_is_refused_and_changes_nothing(
+    full_round: MaskedRound,
+) -> None:
+    made = full_round
+    role = made.nodes["p1"].masking
+    split = (("p1", "p2", "p3"), ("p0",))
+    lie(made, checks=dict.fromkeys(("p1", "p2", "p3"), split), requests={"p1": split})
+    before = role.export()
+    reopening = _reopening(made, "p1", "p0")
+    earlier = reopening.model_copy(update={"round": 0, "attempt": 7})
+    for message in (reopening, earlier):
+        with pytest.raises(SecureAggregationError, match="opened once"):
+            role.open_round(message, made.config)
+        assert role.export() == before  # the key listed is still announced, unused
+    # through the participant: refused, nothing sent but the refusal, nothing changed
+    (refusal,) = made.tell("p1", reopening)
+    assert isinstance(refusal, Refusal) and "opened once" in refusal.reason
+    assert role.export() == before
+    assert made.tell("p1", reopening) == []  # the identical message again: a duplicate
+    # a later attempt of the run, or another run, opens
+    later = reopening.model_copy(update={"attempt": 2})
+    assert role.open_round(later, made.config) is not None
+    assert role.opened == (RUN, 1, 2) and role.answered is None
+    role.restore(before)
+    other_run = reopening.model_copy(update={"run_id": "another run"})
+    assert role.open_round(other_run, made.config) is not None
+
+
+def test_the_opened_attempt_survives_a_restore(full_round: MaskedRound) -> None:
+    made = full_round
+    split = (("p1", "p2", "p3"), ("p0",))
+    lie(made, checks=dict.fromkeys(("p1", "p2", "p3"), split), requests={"p1": split})
+    role = made.nodes["p1"].masking
+    saved = role.export()
+    assert saved["opened"] == [RUN, 1, 1] and saved["answered"] is not None
+    fresh = participant_role.MaskingRole("p1")
+    fresh.restore(saved)
+    with pytest.raises(SecureAggregationError, match="opened once"):
+        fresh.open_round(_reopening(made, "p1", "p0"), made.config)
+    for bad in (["run", "1", 1], ["run", 1], [1, 1, 1], "run|1|1", ["run", 1, True]):
+        with pytest.raises(SecureAggregationError, match="not \\(run, round, attempt\\)"):
+            fresh.restore({**saved, "opened": bad})
+        assert fresh.export() == saved  # nothing restored
+    older = {k: v for k, v in saved.items() if k != "opened"}  # saved before the field
+    fresh.restore(older)
+    assert fresh.opened is None
+    # such a role opens the attempt again, but keeps what it answered in it
+    assert fresh.open_round(_reopening(made, "p1", "p0"), made.config) is not None
+    assert fresh.answered == saved["answered"]
+
+
+# -- (h) a reordered survivor set is the same set ----------------------------------------------
+def test_a_reordered_partition_is_the_one_attested_and_another_is_refused(
+    full_round: MaskedRound,
+) -> None:
+    made = full_round
+    attested = (("p0", "p1", "p2"), ("p3",))
+    reordered = (("p2", "p0", "p1"), ("p3",))
+    views = dict.fromkeys(("p0", "p1", "p2"), attested)
+    disclosed = lie(made, checks=views, requests=dict.fromkeys(views, reordered))
+    assert set(disclosed) == {"p0", "p1", "p2"}
+    assert all(set(r.pair_seeds) == {"p3"} for r in disclosed.values())
+    role = made.nodes["p0"].masking
+    again = UnmaskRequest(
+        run_id=RUN, round=1, attempt=1, sender=COORDINATOR, survivors=("p1", "p2", "p0"),
+        dropped=("p3",), sealed={},
+    )  # fmt: skip
+    assert role.disclose(again) == {
+        "b_shares": disclosed["p0"].b_shares,
+        "pair_seeds": disclosed["p0"].pair_seeds,
+    }  # the answer already made, not a new one
+    other = again.model_copy(update={"survivors": ("p0", "p1", "p3"), "dropped": ("p2",)})
+    with pytest.raises(SecureAggregationError, match="another partition"):
+        role.disclose(other)
+    with pytest.raises(SecureAggregationError, match="attested already"):
+        role.attest(_check((other.survivors, other.dropped)))
+
+
+# -- (i) group sums: how small a sum a lying coordinator can reveal ----------------------------
+def group_sum(
+    made: MaskedRound, group: Sequence[str], disclosed: Mapping[str, UnmaskResponse]
+) -> np.ndarray | None:
+    """The sum of ``group``'s releases from their masked updates and the disclosures (the
+    pairwise masks inside the group cancel; each member's self mask and its seeds with
+    the neighbours outside the group must be disclosed); None when something is missing."""
+    graph = graph_of(made.members, made.degree, CONTEXT)
+    total = np.zeros(made.masked_values[made.ids[0]].size, np.int64)
+    streams = []
+    for member in group:
+        points, need, _, _ = exposure(made, member, disclosed)
+        if len(points) < need:
+            return None
+        streams.append((shamir.combine_points(points, need), -1))
+        for peer in sorted(graph.near(member) - set(group)):
+            mine, theirs = disclosed.get(member), disclosed.get(peer)
+            if theirs is not None and member in theirs.pair_seeds:
+                seed = bytes.fromhex(theirs.pair_seeds[member])
+            elif mine is not None and peer in mine.pair_seeds:
+                seed = bytes.fromhex(mine.pair_seeds[peer])
+            else:
+                return None
+            streams.append((seed, -1 if member < peer else +1))
+        update = made.updates[member]
+        with np.errstate(over="ignore"):
+            total += np.concatenate(
+                [np.asarray(update.delta[n], np.int64).reshape(-1) for n in sorted(update.delta)]
+            )
+    prg.add_streams(streams, total)
+    return total
+
+
+def revealed_groups(
+    made: MaskedRound, disclosed: Mapping[str, UnmaskResponse], largest: int
+) -> list[tuple[str, ...]]:
+    """Every group of at most ``largest`` members whose sum the disclosures reveal, bit
+    for bit."""
+    found = []
+    for size in range(1, largest + 1):
+        for group in itertools.combinations(made.ids, size):
+            got = group_sum(made, group, disclosed)
+            with np.errstate(over="ignore"):
+                truth = sum(made.masked_values[p] for p in group)
+            if got is not None and np.array_equal(got, truth):
+                found.append(group)
+    return found
+
+
+def camp_lie(made: MaskedRound, camp: Sequence[str], camp_told: str) -> dict[str, UnmaskResponse]:
+    """The rest R is told, consistently, that ``camp`` B dropped (R attests it and
+    discloses for it); B is told nobody dropped ("none"), that R dropped ("split"), or
+    nothing. R's self masks come out of R's answers, B's out of B's, and the seeds
+    between the camps out of R's."""
+    rest = tuple(p for p in made.ids if p not in camp)
+    views: dict[str, Partition] = dict.fromkeys(rest, (rest, tuple(camp)))
+    requests = dict(views)
+    if camp_told == "none":
+        requests |= dict.fromkeys(camp, everybody(made))
+    elif camp_told == "split":
+        views |= dict.fromkeys(camp, (tuple(camp), rest))
+        requests |= dict.fromkeys(camp, (tuple(camp), rest))
+    made.rewind()
+    return lie(made, checks=views, requests=requests)
+
+
+@pytest.mark.parametrize("count", [5, 6])
+def test_on_the_full_graph_every_revealed_sum_covers_t_members(
+    count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t = 3: every camp of the members, told any of the camp lies; no sum of fewer than
+    t members comes out. With C = 6 (t <= C/2) two disjoint camps of t are revealed."""
+    made = masked_round(masked_config(3), count, monkeypatch)
+    for size in range(1, count):
+        for camp in itertools.combinations(made.ids, size):
+            for camp_told in ("none", "split", "nothing"):
+                disclosed = camp_lie(made, camp, camp_told)
+                assert revealed_groups(made, disclosed, 2) == [], (camp, camp_told)
+    both = camp_lie(made, ("p0", "p1", "p2"), "split")
+    rest = tuple(p for p in made.ids if p not in ("p0", "p1", "p2"))
+    sums = [g for g in (("p0", "p1", "p2"), rest) if group_sum(made, g, both) is not None]
+    assert len(sums) == (2 if count == 6 else 1)  # C = 5: a camp of 2 is refused
+
+
+FIVE = ["p0", "p1", "p2", "p3", "p4"]
+full5 = st.sampled_from([()] + [c for n in (1, 2) for c in itertools.combinations(FIVE, n)])
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    common=full5,
+    requests=st.lists(st.one_of(st.none(), full5), min_size=5, max_size=5),
+    checks=st.lists(st.one_of(st.none(), full5), min_size=5, max_size=5),
+)
+def test_no_lie_on_the_full_graph_reveals_a_sum_of_fewer_than_t(
+    five: MaskedRound,
+    common: tuple[str, ...],
+    requests: list[tuple[str, ...] | None],
+    checks: list[tuple[str, ...] | None],
+) -> None:
+    """C = 5, t = 3: each member is told a common partition (None) or any partition it
+    could accept (or one it refuses), checked on it (None), on another; every
+    attestation is relayed."""
+    made = five
+    made.rewind()
+    ids = made.ids
+    sent = {p: _split(ids, common if d is None else d) for p, d in zip(ids, requests, strict=True)}
+    sent_checks = {
+        p: sent[p] if c is None else _split(ids, c) for p, c in zip(ids, checks, strict=True)
+    }
+    disclosed = lie(made, checks=sent_checks, requests=sent)
+    assert revealed_groups(made, disclosed, 2) == [], sent
+
+
+@pytest.fixture
+def five(monkeypatch: pytest.MonkeyPatch) -> MaskedRound:
+    return masked_round(masked_config(3), 5, monkeypatch)
+
+
+def test_without_the_checks_a_camp_lie_reveals_a_sum_below_t(
+    five: MaskedRound, bypassed: None
+) -> None:
+    """The group-sum harness can fail: members that neither count the survivors nor
+    want attestations disclose for a camp of two, whose sum then comes out."""
+    disclosed = camp_lie(five, ("p0", "p1", "p2"), "none")
+    assert ("p3", "p4") in revealed_groups(five, disclosed, 2)
+
+
+@pytest.mark.parametrize(("degree", "smallest"), [(2, 2), (4, 3)])
+def test_on_a_sparse_graph_a_lie_reveals_a_sum_of_t_k_plus_one_and_no_individual(
+    degree: int, smallest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C = 10, t = 5: t_k = 1 (k = 2) or 2 (k = 4). A camp B told nobody dropped, whose
+    every member the others (told B dropped) leave with t_k surviving neighbours inside
+    B, has its sum revealed: the attestation rule asks only for t_k attesters, and they
+    may all be in B. No camp of t_k or fewer comes out, and no individual release."""
+    made = masked_round(masked_config(5, degree), 10, monkeypatch)
+    need = share_threshold(10, degree, 5)
+    assert need + 1 == smallest
+    graph = graph_of(made.members, degree, CONTEXT)
+    reached = []
+    for size in range(1, smallest + 1):
+        for camp in itertools.combinations(made.ids, size):
+            rest = tuple(p for p in made.ids if p not in camp)
+            if not all(_passes(made, p, (rest, camp)) for p in rest):
+                continue  # the rest refuse this split: nothing to reveal
+            if size == smallest and reached:
+                continue
+            disclosed = camp_lie(made, camp, "none")
+            assert revealed_groups(made, disclosed, need) == [], camp
+            assert not any(recovered(made, pid, disclosed) for pid in made.ids)
+            if size == smallest and group_sum(made, camp, disclosed) is not None:
+                reached.append(camp)
+    assert reached, "the bound is reached: some camp of t_k + 1 is revealed"
+    assert all(len(graph.near(p) & set(reached[0])) >= need for p in reached[0])

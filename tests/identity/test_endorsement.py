@@ -5,6 +5,7 @@ runs, signed or not, in process and over Flower's Grid, verify with no finding."
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.canonical import canonical_json
 from lensemble_flwr.cli import main
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK
+from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.coordinator.endorsements import endorsements_of, take_endorsement
 from lensemble_flwr.errors import LedgerError, RoundError
@@ -30,6 +32,7 @@ from lensemble_flwr.protocol.messages import from_wire
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.ledger import (
     GENESIS,
+    REGISTRY,
     ContributionRecord,
     Ledger,
     RunManifest,
@@ -46,8 +49,8 @@ KEYS = {pid: IdentityKey.generate() for pid in PIDS}
 OUTSIDER = IdentityKey.generate()
 
 
-def signed_run(tmp_path: Path, rounds: int = 3) -> Store:
-    coordinator, network, _ = signed_federation(tmp_path, KEYS)
+def signed_run(tmp_path: Path, rounds: int = 3, config: LensembleConfig | None = None) -> Store:
+    coordinator, network, _ = signed_federation(tmp_path, KEYS, config=config)
     coordinator.run(rounds)
     network.flush()
     return coordinator.store
@@ -167,14 +170,199 @@ def test_an_untouched_run_over_flowers_grid_with_signing_clientapps_is_endorsed(
     assert [r.status for r in verify_run(store)] == ["endorsed", "endorsed", "pending"]
     rewrite_from(store, 2, record={"epsilon": {}}, endorsements={3: None})
     verify(store)  # every hash and link holds again
-    again = LensembleStrategy(
-        config, run_dir=tmp_path / "run", fraction_evaluate=0.0, resume=True
-    )
+    again = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0.0, resume=True)
     with pytest.raises(LedgerError, match=r"round 2: ledger record \w+… is UNENDORSED"):
         again.start(grid=grid(), initial_arrays=arrays_to_record(initial_params()), num_rounds=4)
 
 
+def test_an_untouched_mixed_run_of_signing_and_stock_clientapps_over_flowers_grid_verifies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two signing ClientApps and two stock ones (unbound, no key, in no registry) in a run
+    whose registry holds keys: the stock contributors are what the run admits (neither
+    require-binding nor require-signatures), so nothing is refused."""
+    from flwr.app import Context, RecordDict
+
+    from lensemble_flwr.simulations.toy import initial_params
+    from lensemble_flwr.strategies import LensembleStrategy
+    from lensemble_flwr.strategies.records import arrays_to_record
+    from tests.strategies.test_grid_transport import (
+        NODES,
+        FakeClock,
+        FakeGrid,
+        _serverapp_identity,
+        clientapp_node,
+        quickstart_node,
+    )
+
+    _serverapp_identity.__wrapped__(monkeypatch)
+    config = small_config(min_participants=3)
+    signing, stock = NODES[:2], NODES[2:]
+    contexts = {
+        n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+        for n in signing
+    }
+    nodes = {
+        **{n: clientapp_node(i, contexts[n], config, IdentityKey.generate()) for i, n in
+           enumerate(signing)},
+        **dict.fromkeys(stock, quickstart_node),
+    }  # fmt: skip
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", fraction_evaluate=0.0)
+    grid = FakeGrid(FakeClock(), nodes)
+    strategy.start(grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=3)
+    store = Store(tmp_path / "run")
+    records = Ledger(store).records()
+    assert all(len(r.unbound) == 2 and len(r.contributors) == 4 for r in records)
+    reviews = verify_run(store)
+    assert [r.status for r in reviews] == ["endorsed", "endorsed", "pending"]
+    assert all(len(r.keyed) == 2 for r in reviews)
+
+
+def test_an_untouched_keyed_run_verifies_under_every_admission_rule_and_its_allow_list(
+    tmp_path: Path,
+) -> None:
+    """0 false positives for the keyless rules: a signed run with require-binding and
+    require-signatures, resumed with and without the allow-list its coordinator held."""
+    config = small_config(require_binding=True, require_signatures=True)
+    store = signed_run(tmp_path, config=config)
+    assert [r.status for r in verify_run(store)] == ["endorsed", "endorsed", "pending"]
+    Coordinator.resume(config, store=store)
+    identities = {pid: key.public_openssh for pid, key in KEYS.items()}
+    Coordinator.resume(config, store=store, identities=identities)
+    coordinator, _, _ = federation(tmp_path / "unsigned", config=small_config(require_binding=True))
+    coordinator.run(2)  # bound, keyless participants: keyless, as before
+    assert [r.status for r in verify_run(coordinator.store)] == ["keyless", "keyless"]
+
+
 # -- forgeries ------------------------------------------------------------------------------
+def _renamed_to_strangers(store: Store, round: int) -> None:
+    """Round ``round`` rewritten as if unknown, unbound, keyless contributors (``x00``…)
+    had sent other updates, and resealed from there (the reviewer's attack A)."""
+    rec = Ledger(store).records()[round - 1]
+    renamed = {p: "x" + p[1:] for p in rec.contributors}
+    contributors = tuple(renamed[p] for p in rec.contributors)
+    digests = dict.fromkeys(contributors, "ab" * 32)
+    record = {
+        "contributors": contributors,
+        "update_digests": digests,
+        "dataset_roots": dict.fromkeys(contributors),
+        "epsilon": {renamed.get(p, p): e for p, e in rec.epsilon.items()},
+    }
+    entry = {"contributors": contributors, "update_digests": digests}
+    rewrite_from(store, round, record=record, entry=entry, endorsements={round + 1: None})
+
+
+@pytest.mark.parametrize(
+    ("flag", "complaint"),
+    [
+        ("require_binding", r"round 2: ledger record \w+… names unbound contributors "
+         r"x00, x01, x02, x03, yet require-binding is set: FORGED"),
+        ("require_signatures", r"round 2: ledger record \w+… names contributors x00, x01, "
+         r"x02, x03 that hold no identity key in the run, yet require-signatures is set"),
+    ],
+)  # fmt: skip
+def test_a_round_renamed_to_unknown_keyless_contributors_is_refused_where_the_run_admits_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, complaint: str
+) -> None:
+    """Attack A: between an endorsed round 1 and round 3, round 2 is rewritten with
+    contributors nobody registered, so that it would pass as keyless (nobody could have
+    endorsed it). The run's config says such contributors cannot take part: refused."""
+    config = small_config(**{flag: True})
+    store = signed_run(tmp_path, config=config)
+    _renamed_to_strangers(store, 2)
+    verify(store)  # every hash and link holds
+    with pytest.raises(LedgerError, match=complaint):
+        verify_run(store)
+    with pytest.raises(LedgerError, match=complaint):
+        Coordinator.resume(config, store=store)
+    code, out = run_cli(capsys, "verify", store.root)
+    assert code == EXIT_FAILED and "BROKEN round 2" in out, out
+
+
+def test_a_keyed_history_resealed_without_its_registry_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Attack B (header untouched: policy next-round): the current registry still holds
+    p00-p03's keys, so the records cannot pass as keyless."""
+    store = signed_run(tmp_path)
+    _strip_registry(store)
+    verify(store)  # the chain, and no record binds anyone: the registry is not compared
+    complaint = (
+        r"round 1: ledger record \w+… names no participant registry, yet its contributors "
+        r"p00, p01, p02, p03 hold identity keys in the run: FORGED"
+    )
+    with pytest.raises(LedgerError, match=complaint):
+        verify_run(store)
+    with pytest.raises(LedgerError, match=complaint):
+        Coordinator.resume(small_config(), store=store)
+    code, out = run_cli(capsys, "verify", store.root)
+    assert code == EXIT_FAILED and "BROKEN round 1" in out, out
+
+
+def _strip_registry(store: Store) -> None:
+    """Attack B: every record resealed naming no registry, its roots unbound and its
+    endorsements dropped, contributors and header untouched, round 2 with other updates."""
+    for round in (1, 2, 3):
+        rec = Ledger(store).records()[round - 1]
+        change: dict[str, Any] = {
+            "registry_digest": None,
+            "dataset_roots": dict.fromkeys(rec.dataset_roots),
+        }
+        entry = None
+        if round == 2:
+            change["update_digests"] = entry = dict.fromkeys(rec.update_digests, "ab" * 32)
+        rewrite_from(
+            store, round, record=change, entry=entry and {"update_digests": entry},
+            endorsements={2: None, 3: None},
+        )  # fmt: skip
+
+
+def test_a_history_rewritten_with_its_registry_is_refused_by_a_coordinator_with_an_allow_list(
+    tmp_path: Path,
+) -> None:
+    """Attack B, and the current registry rebound to a copy without identity keys: the
+    run directory no longer says anyone held a key (``verify`` reports every round
+    keyless: the whole-run rewrite), but the coordinator's allow-list, held outside the
+    directory, does."""
+    store = signed_run(tmp_path)
+    _strip_registry(store)
+    registry = json.loads(store.get(store.resolve(REGISTRY)))
+    for commitment in registry["commitments"].values():
+        commitment["identity_key"] = None
+    store.bind(REGISTRY, store.put(canonical_json(registry)))
+    assert [r.status for r in verify_run(store)] == ["keyless"] * 3
+    identities = {pid: key.public_openssh for pid, key in KEYS.items()}
+    with pytest.raises(
+        LedgerError, match=r"round 1: ledger record \w+… names no participant registry, yet "
+        r"its contributors p00, p01, p02, p03 hold identity keys in the run: FORGED"
+    ):  # fmt: skip
+        Coordinator.resume(small_config(), store=store, identities=identities)
+
+
+@pytest.mark.parametrize(
+    ("unbind", "why"),
+    [
+        (False, "its contributors p00, p01, p02, p03 are bound to dataset roots"),
+        (True, r"an earlier record named one \(a registry is never removed\)"),
+    ],
+)
+def test_a_keyless_run_record_that_drops_its_registry_is_refused(
+    tmp_path: Path, unbind: bool, why: str
+) -> None:
+    """In a run with no key at all, round 2 resealed naming no registry: with its roots
+    kept (bound contributors need one), or unbound too (round 1 named one)."""
+    coordinator, _, _ = federation(tmp_path)
+    coordinator.run(2)
+    store = coordinator.store
+    rec = Ledger(store).records()[1]
+    change: dict[str, Any] = {"registry_digest": None}
+    if unbind:
+        change["dataset_roots"] = dict.fromkeys(rec.dataset_roots)
+    rewrite_from(store, 2, record=change)
+    with pytest.raises(LedgerError, match=rf"round 2: ledger record \w+… names no .*, yet {why}"):
+        verify_run(store)
+
+
 @pytest.mark.parametrize(
     ("carried", "complaint"),
     [

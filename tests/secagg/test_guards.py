@@ -302,8 +302,9 @@ def test_a_participant_refuses_to_mask_an_out_of_range_release_or_unmask_another
     fine = dataclasses.replace(huge, delta={"w": np.full(6, 0.5, np.float32)})
     fields = mask_release(role, fine, opened, config)
     assert fields["next_mask_key"] in role.announced  # the next round's, announced
-    with pytest.raises(SecureAggregationError, match="already used"):  # a key masks once
-        mask_release(role, fine, opened, config)
+    for again in (opened, opened.model_copy(update={"attempt": 2})):  # a key masks once
+        with pytest.raises(SecureAggregationError, match="already used"):
+            mask_release(role, fine, again, config)
     other = UnmaskRequest(
         run_id="run",
         round=8,
