@@ -181,7 +181,7 @@ def owned_config(config: LensembleConfig, owner: BudgetOwner) -> LensembleConfig
             "lensemble.dp-release-metrics",
             "the run asks for this participant's un-noised train loss and evaluation "
             f"metrics (dp-release-metrics = true), but its owner does not release them "
-            f"({owner.named('release_metrics')} = false): refused, nothing released",
+            f"({owner.named('release_metrics')} is false): refused, nothing released",
         )
     placed = privacy.model_copy(update={"dp_state_dir": str(home)})
     return config.model_copy(update={"privacy": placed})

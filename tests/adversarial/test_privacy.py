@@ -170,7 +170,7 @@ def test_a_run_cannot_turn_on_a_nodes_metrics(tmp_path: Path) -> None:
     assert replies and all(r.has_error() for r in replies)
     for reply in replies:
         assert "lensemble.dp-release-metrics" in reply.error.reason
-        assert "node config dp-release-metrics = false" in reply.error.reason
+        assert "node config dp-release-metrics is false" in reply.error.reason
     assert not list(tmp_path.glob("*.json"))  # nothing charged
 
 
@@ -199,7 +199,7 @@ def test_under_dp_a_node_refuses_to_evaluate_and_the_strategy_does_not_ask(tmp_p
     opted = dp_config(tmp_path, dp_release_metrics=True)
     reply = handle_evaluate(evaluate_message(), node, Evaluating(0), default_evaluate, opted)
     assert reply.has_error()  # the run asks, the node does not allow it
-    assert "node config dp-release-metrics = false" in reply.error.reason
+    assert "node config dp-release-metrics is false" in reply.error.reason
     reply = handle_evaluate(evaluate_message(), allowing, Evaluating(0), default_evaluate, opted)
     assert not reply.has_error()
     grid = FakeGrid(FakeClock(), {n: lambda m: None for n in NODES})

@@ -225,7 +225,7 @@ def test_a_run_cannot_turn_on_un_noised_metrics_the_node_does_not_release(
     keys = {**federation, **privacy, "dp-release-metrics": True}
     asks = LensembleConfig.from_run_config({f"lensemble.{k}": v for k, v in keys.items()})
     node = owner_from_node_config({"dp-budget-dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match="node config dp-release-metrics = false") as caught:
+    with pytest.raises(ConfigError, match="node config dp-release-metrics is false") as caught:
         owned_config(asks, node)
     assert caught.value.field == "lensemble.dp-release-metrics"
     assert "dp-release-metrics = true" in str(caught.value)
