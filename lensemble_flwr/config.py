@@ -303,7 +303,8 @@ class PrivacyConfig(_Section):
         description="What epsilon protects: substitution, any change to a participant's "
         "whole dataset (sensitivity 2C); zero-out, its update against a zero update "
         "(sensitivity C: DP-FedAvg's user-level adjacency, half the noise at the same "
-        "epsilon; that it took part stays public).",
+        "epsilon; that it took part stays public). On a Flower node: must be the node's "
+        "dp-adjacency.",
     )
     dp_mode: Literal["local", "distributed"] = Field(
         "local",
@@ -338,7 +339,9 @@ class PrivacyConfig(_Section):
     dp_release_metrics: bool = Field(
         False,
         description="Under DP or secure aggregation, also send each node's train loss and "
-        "evaluation metrics (un-noised, per node); off: they never leave a participant.",
+        "evaluation metrics (un-noised, per node); off: they never leave a participant. "
+        "On a Flower node a request: a node whose own dp-release-metrics is not true "
+        "refuses the run.",
     )
 
     @model_validator(mode="after")

@@ -482,7 +482,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             self._said_no_evaluation = True
             log.info(
                 "no federated evaluation: under DP or secure aggregation the participants "
-                "release no per-node metrics (set dp-release-metrics = true to opt in)"
+                "release no per-node metrics (set dp-release-metrics = true to ask, on "
+                "nodes whose node config allows it: dp-release-metrics=true)"
             )
         return False
 

@@ -511,10 +511,11 @@ def test_every_private_run_config_in_the_docs_can_release(
         accountant=privacy.dp_accountant,
     )  # fmt: skip
     assert 0 < budget.charge(noise) <= privacy.dp_epsilon
-    # and a node that sets nothing itself (its default cap, delta, accountant) runs it
+    # and a node that sets nothing itself (its default cap, delta, accountant) runs it,
+    # given the example's adjacency, which is the node's to choose (privacy.md says so)
     from lensemble_flwr.privacy.ownership import BudgetOwner, owned_config
 
-    owned_config(config, BudgetOwner(budget_dir=str(tmp_path)))
+    owned_config(config, BudgetOwner(budget_dir=str(tmp_path), adjacency=privacy.dp_adjacency))
 
 
 def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
@@ -526,6 +527,7 @@ def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
     from lensemble_flwr.clients.app import build_participant
     from lensemble_flwr.clients.node_privacy import owner_from_node_config
     from lensemble_flwr.config import LensembleConfig
+    from lensemble_flwr.errors import ConfigError
     from lensemble_flwr.participant.participant import Participant
     from lensemble_flwr.privacy.ownership import OWNER_KEYS, owned_config
     from lensemble_flwr.protocol.state import GlobalState
@@ -538,8 +540,16 @@ def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
     owner = owner_from_node_config(node_config)
     runs = [c for w, c in private_run_configs() if w.startswith("privacy.md")]
     assert runs
+    zero_out = owner_from_node_config(node_config | {"dp-adjacency": "zero-out"})
     for run_config in runs:
-        owned_config(LensembleConfig.from_run_config(run_config), owner)
+        config = LensembleConfig.from_run_config(run_config)
+        if config.privacy.dp_adjacency == "substitution":
+            owned_config(config, owner)
+            continue
+        # the page's zero-out example runs on a node that chose zero-out, not on this one
+        with pytest.raises(ConfigError, match="node config dp-adjacency"):
+            owned_config(config, owner)
+        owned_config(config, zero_out)
 
     def built(run_config: dict[str, Any]) -> Any:
         context = Context(
