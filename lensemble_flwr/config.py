@@ -654,7 +654,8 @@ class LensembleConfig(_Section):
             raise ConfigError(
                 "dp-mode",
                 "distributed noise is calibrated to a sum of clipped updates of weight "
-                "1; weighting by num-examples would scale one participant's influence",
+                "1; weighting by num-examples would scale one participant's influence: "
+                'set lensemble.weighting = "uniform" (federation.weighting in Python)',
             )
         if self.release.quantize != "none":
             raise ConfigError(

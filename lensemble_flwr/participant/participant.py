@@ -30,6 +30,7 @@ from lensemble_flwr.identity.endorsement import endorsement_fields
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
+from lensemble_flwr.participant.budget_check import check_budget_affords_release
 from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
@@ -138,6 +139,8 @@ class Participant:
             state_dir = config.privacy.dp_state_dir or default_state_dir()
             secret = commitment_secret(state_dir, self.stable_id)
             self.dataset_root = merkle_root(records, secret)
+        # the default chain's budget is looked at before training (budget_check)
+        self._checks_budget = pipeline is None
         if pipeline is None:
             pipeline = release_pipeline(
                 config,
@@ -225,6 +228,8 @@ class Participant:
             return
         if msg.needs_commitment and self.dataset_root is not None:
             self._send(msg.sender, self._commitment(common, masked_round))
+        if self._budget_refuses(msg, common, state):  # found before the inner loop runs
+            return
         try:  # before training: a round it will refuse spends no budget
             mask_round = self.masking.open_round(msg, self.config) if masked_round else None
         except LensembleError as exc:
@@ -244,6 +249,19 @@ class Participant:
             self._refuse(msg, common, exc)
             return
         self._send(msg.sender, self._update_of(common, release))
+
+    def _budget_refuses(self, msg: RoundOpen, common: dict[str, Any], state: GlobalState) -> bool:
+        """Refuse the round (True) when the default chain's budget cannot pay for its
+        release: before training, saying where the budget lives and what is left."""
+        if not self._checks_budget:
+            return False
+        try:
+            check_budget_affords_release(self.config, self.stable_id, state.params)
+        except LensembleError as exc:
+            log.warning("%s: releases nothing in round %d: %s", self.participant_id, msg.round, exc)
+            self._refuse(msg, common, exc)
+            return True
+        return False
 
     def _global_state_of(self, msg: RoundOpen) -> GlobalState | None:
         """The global state ``msg`` broadcasts, verified (None, logged, if it does not
