@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import DP_OUTER_STEP, LensembleConfig
 from lensemble_flwr.params import is_shared
 from lensemble_flwr.privacy.budget import sensitivity_factor
 from lensemble_flwr.privacy.calibration import noise_multiplier_of, planned_epsilon, releases_of
@@ -61,6 +61,7 @@ class PrivacyPlan:
         threshold: t, the fewest shares a distributed sum carries (0 under local DP).
         dim: P, the shared parameters a release carries.
         weighting: ``uniform`` or ``num-examples``.
+        outer_lr, outer_momentum: the run's outer step.
     """
 
     mode: str
@@ -76,6 +77,8 @@ class PrivacyPlan:
     threshold: int
     dim: int
     weighting: str
+    outer_lr: float = DP_OUTER_STEP["lr"]
+    outer_momentum: float = DP_OUTER_STEP["momentum"]
 
     @property
     def noise_to_signal(self) -> float:
@@ -103,6 +106,12 @@ class PrivacyPlan:
         bound = " (at least: num-examples weighting adds to it)" if (
             self.mode == "local" and self.weighting == "num-examples"
         ) else ""
+        dp_step = (DP_OUTER_STEP["lr"], DP_OUTER_STEP["momentum"])
+        outer = (
+            "the default under DP, measured on the digits app"
+            if (self.outer_lr, self.outer_momentum) == dp_step
+            else f"as set; the default under DP is lr {dp_step[0]:g}, momentum {dp_step[1]:g}"
+        )
         planned = (
             f"{self.rounds} rounds"
             if self.releases == self.rounds
@@ -116,6 +125,7 @@ class PrivacyPlan:
             f"forecast: noise on the mean update {self.noise_to_signal:.3g} x the clip norm"
             f"{bound} = {formula}, N = {self.participants} contributors, P = {self.dim} "
             f"shared parameters; the model learns below about {LEARNS_BELOW:g}",
+            f"outer step: lr {self.outer_lr:g}, momentum {self.outer_momentum:g} ({outer})",
         ]
 
     def _epsilon_for(self, shrink: float) -> str:
@@ -197,4 +207,6 @@ def privacy_plan(
         threshold=fed.secagg_threshold if privacy.distributed else 0,
         dim=dim,
         weighting=fed.weighting,
+        outer_lr=config.outer.lr,
+        outer_momentum=config.outer.momentum,
     )

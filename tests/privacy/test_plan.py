@@ -69,8 +69,17 @@ def test_a_plan_that_cannot_learn_warns_naming_what_would_fix_it() -> None:
     lines = "\n".join(plan.lines())
     for shown in ("local Gaussian", "noise multiplier 8.066", "clip norm 1", "epsilon 8",
                   "delta 1e-05", "40 rounds", "accountant rdp", "substitution adjacency",
-                  "125 x the clip norm"):  # fmt: skip
+                  "125 x the clip norm",
+                  "outer step: lr 0.7, momentum 0.5 (the default under DP"):  # fmt: skip
         assert shown in lines
+    explicit = privacy_plan(
+        LensembleConfig.from_flat({**_config().to_flat(), "outer-momentum": 0.9}),
+        rounds=5, participants=10, dim=2410,
+    )  # fmt: skip
+    assert explicit is not None
+    assert "momentum 0.9 (as set; the default under DP is lr 0.7, momentum 0.5)" in "\n".join(
+        explicit.lines()
+    )
 
 
 def test_a_plan_under_the_threshold_says_nothing_more() -> None:
