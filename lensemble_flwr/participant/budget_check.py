@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from lensemble_flwr.config import LensembleConfig, default_state_dir
-from lensemble_flwr.errors import PrivacyBudgetExceeded
+from lensemble_flwr.errors import LensembleError, PrivacyBudgetExceeded
 from lensemble_flwr.participant.release_chain import budget_name
 from lensemble_flwr.privacy.budget import PrivacyBudget
 from lensemble_flwr.privacy.calibration import noise_multiplier_of, planned_epsilon, releases_of
@@ -80,3 +80,17 @@ def check_budget_affords_release(
         f"left; one more release would bring it to {after:.4g}{plan}: refused before "
         "training, nothing released"
     )
+
+
+def budget_refusal(
+    config: LensembleConfig, budget_key: str | None, params: Mapping[str, np.ndarray]
+) -> LensembleError | None:
+    """What :func:`check_budget_affords_release` raises, as a value (None: it fits, or
+    ``budget_key`` is None: a custom release chain keeps its budget its own way)."""
+    if budget_key is None:
+        return None
+    try:
+        check_budget_affords_release(config, budget_key, params)
+    except LensembleError as exc:
+        return exc
+    return None

@@ -30,7 +30,7 @@ from lensemble_flwr.identity.endorsement import endorsement_fields
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
-from lensemble_flwr.participant.budget_check import check_budget_affords_release
+from lensemble_flwr.participant.budget_check import budget_refusal
 from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
@@ -140,7 +140,7 @@ class Participant:
             secret = commitment_secret(state_dir, self.stable_id)
             self.dataset_root = merkle_root(records, secret)
         # the default chain's budget is looked at before training (budget_check)
-        self._checks_budget = pipeline is None
+        self._budget_key = self.stable_id if pipeline is None else None
         if pipeline is None:
             pipeline = release_pipeline(
                 config,
@@ -251,17 +251,12 @@ class Participant:
         self._send(msg.sender, self._update_of(common, release))
 
     def _budget_refuses(self, msg: RoundOpen, common: dict[str, Any], state: GlobalState) -> bool:
-        """Refuse the round (True) when the default chain's budget cannot pay for its
-        release: before training, saying where the budget lives and what is left."""
-        if not self._checks_budget:
-            return False
-        try:
-            check_budget_affords_release(self.config, self.stable_id, state.params)
-        except LensembleError as exc:
-            log.warning("%s: releases nothing in round %d: %s", self.participant_id, msg.round, exc)
-            self._refuse(msg, common, exc)
-            return True
-        return False
+        """Refuse the round (True) when the default chain's budget cannot pay for it."""
+        error = budget_refusal(self.config, self._budget_key, state.params)
+        if error is not None:
+            log.warning("%s: refuses round %d: %s", self.participant_id, msg.round, error)
+            self._refuse(msg, common, error)
+        return error is not None
 
     def _global_state_of(self, msg: RoundOpen) -> GlobalState | None:
         """The global state ``msg`` broadcasts, verified (None, logged, if it does not

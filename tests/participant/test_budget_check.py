@@ -55,3 +55,14 @@ def test_a_distributed_share_is_checked_as_it_is_charged(tmp_path: Path) -> None
     roomy = LensembleConfig.from_flat({**config.to_flat(), "dp-epsilon": 50.0})
     check_budget_affords_release(roomy, "p00", params)  # fits: nothing raised
     assert not list(tmp_path.glob("*.json"))  # and nothing was charged either way
+
+
+def test_a_custom_release_chain_is_not_looked_at_before_training(tmp_path: Path) -> None:
+    """A participant given its own chain keeps its budget its own way: no look (its noise
+    stage, if any, still charges at the release); the default chain's budget is."""
+    from lensemble_flwr.participant.budget_check import budget_refusal
+
+    config = dp_config(tmp_path, dp_epsilon=0.01)  # one release would not fit
+    params = {"w": np.zeros(4, np.float32)}
+    assert budget_refusal(config, None, params) is None
+    assert isinstance(budget_refusal(config, "p00", params), PrivacyBudgetExceeded)
