@@ -66,6 +66,7 @@ class AttemptDriver:
         """Drive ``attempt`` from now on (:meth:`push` does it first)."""
         if attempt is not self._attempt:
             self._attempt, self._outcome, self._reply_ids = attempt, None, frozenset()
+        self._transport.awaited = (attempt.round, attempt.number)
 
     def push(self, messages: Iterable[Message], attempt: Attempt) -> None:
         """Send ``messages`` as ``attempt``'s instructions, then make the files its commit
@@ -102,6 +103,7 @@ class AttemptDriver:
     def abort(self, error: LensembleError) -> RoundOutcome:
         """End the driven attempt ABORTED with ``error``."""
         self._outcome = self._coordinator.abort(error)
+        self._transport.awaited = None  # its replies are no longer waited for
         return self._outcome
 
     def collect(self) -> None:
@@ -135,6 +137,7 @@ class AttemptDriver:
         if self._outcome is not None:
             return self._outcome
         outcome = self._outcome = self._coordinator.conclude(exchange=self._exchange)
+        self._transport.awaited = None  # its replies are no longer waited for
         on_closed, self.on_closed = self.on_closed, None
         if on_closed is not None and outcome.state is RoundState.CLOSED:
             on_closed(outcome)  # it may push the next attempt: this driver drives that one
