@@ -375,10 +375,10 @@ class GridTransport:
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
     def request_messages(self, messages: Iterable[Message], *, timeout_s: float) -> list[Message]:
         """Send ``messages`` (made by a hook such as ``configure_evaluate``; each gets the
-        instructions' TTL) and wait for their replies (at most ``timeout_s``); replies
-        that come later are pulled and dropped by later calls."""
-        for message in messages:
-            message.metadata.ttl = self.ttl
+        instructions' TTL, or ``timeout_s`` if longer) and wait for their replies (at most
+        ``timeout_s``); replies that come later are pulled and dropped by later calls."""
+        for message in messages:  # they live at least as long as they are waited for
+            message.metadata.ttl = max(self.ttl, timeout_s)
             if not message.metadata.group_id:
                 message.metadata.group_id = "-1"  # what belongs to no round
             self._queue.append(message)

@@ -139,3 +139,12 @@ def test_once_its_driver_ended_an_attempt_its_unavailable_replies_are_only_count
     transport.awaited = None  # what AttemptDriver does as the attempt ends
     assert transport.recv(timeout_s=6.0) is None
     assert transport.expired.unavailable == 1 and transport.expired.total == 1
+
+
+def test_an_evaluation_message_lives_as_long_as_it_is_waited_for() -> None:
+    clock = FakeClock()
+    grid = FakeGrid(clock, {12: silent})
+    transport = make_transport(grid, clock, message_ttl=20.0)
+    transport.request_messages([Message(RecordDict(), 12, "evaluate")], timeout_s=90.0)
+    assert [m.metadata.ttl for m in grid.pushed()] == [90.0]
+    assert clock.t == pytest.approx(90.0, abs=0.1)  # waited its timeout, not its old TTL
