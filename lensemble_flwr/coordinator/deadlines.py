@@ -67,6 +67,7 @@ class PhaseDeadlines:
     basis: str = ""
 
     def seconds(self, phase: Phase) -> float:
+        """``phase``'s deadline in seconds."""
         return self.open if phase == "open" else self.collect
 
     def key(self, phase: Phase) -> str:

@@ -172,3 +172,11 @@ def test_an_adaptive_deadline_aborts_naming_what_it_was_computed_from(tmp_path: 
     assert "by the collect deadline (30" in message
     assert "lensemble.deadline-mode = adaptive: 2 x 15" in message
     assert "no answer from p03" in message and message.endswith("quorum 4")
+
+
+def test_the_apps_evaluation_waits_for_the_cap_under_adaptive_deadlines() -> None:
+    from lensemble_flwr.simulations.flower_app import evaluation_timeout
+
+    assert evaluation_timeout(LensembleConfig.from_flat({"collect-timeout": 45.0})) == 45.0
+    adaptive = LensembleConfig.from_flat({"deadline-mode": "adaptive", "deadline-cap": 300.0})
+    assert evaluation_timeout(adaptive) == 300.0
