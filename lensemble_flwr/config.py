@@ -119,7 +119,7 @@ class FederationConfig(_Section):
         description="fixed: every attempt waits open-timeout in OPEN and collect-timeout in "
         "COLLECTING; adaptive: each phase waits deadline-margin x the longest of the last 5 "
         "round times (start of the wait to the last admitted update), within deadline-floor "
-        "and deadline-cap (deadline-cap until a round closed).",
+        "and deadline-cap (deadline-cap until a round closed, and in a retry).",
     )
     deadline_floor: float = Field(
         10.0, gt=0, description="Adaptive deadlines: the shortest a phase waits (seconds)."

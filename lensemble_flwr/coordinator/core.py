@@ -440,6 +440,7 @@ class RoundCore:
         attempt = self.current()
         reason = f"{type(error).__name__}: {error}"
         self.fire(attempt, RoundEvent.ABORT, reason=reason)
+        self.deadlines.aborted()  # its retry waits the cap (adaptive deadlines)
         log.warning("round %d attempt %d ABORTED: %s", attempt.round, attempt.number, reason)
         # kept in the outcome without its traceback: its frames hold the attempt, the sum
         # and the model (kept outcomes would pin them, and the sum's buffers, for good)

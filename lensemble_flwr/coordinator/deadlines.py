@@ -11,8 +11,9 @@ seconds in OPEN and ``collect-timeout`` seconds in COLLECTING, as before.
 seconds, where a round's time is what its closing attempt took from the start of its
 wait to its last admitted update (the time its contributors needed, however long the
 attempt went on waiting for a silent one afterwards). Until a round has closed in this
-coordinator (round 1, or the first round after a resume), both phases wait
-``deadline-cap``. The value depends only on the observed times, so on a simulated clock
+coordinator (round 1, or the first round after a resume), and in the attempt after an
+aborted one (a retry: the federation may have slowed down past the margin), both phases
+wait ``deadline-cap``. The value depends only on the observed times, so on a simulated clock
 a run is the same every time.
 
 Every attempt carries the :class:`PhaseDeadlines` it used (its outcome too), and an
@@ -92,6 +93,7 @@ class DeadlineTracker:
     def __init__(self, federation: FederationConfig) -> None:
         self._fed = federation
         self._times: deque[float] = deque(maxlen=ADAPTIVE_WINDOW)
+        self._retrying = False  # the last attempt aborted: the next one waits the cap
 
     @property
     def observed(self) -> tuple[float, ...]:
@@ -107,17 +109,25 @@ class DeadlineTracker:
         if seconds < 0:
             raise ValueError(f"a round time cannot be negative: {seconds}")
         self._times.append(float(seconds))
+        self._retrying = False
+
+    def aborted(self) -> None:
+        """An attempt aborted: the next one (its retry) waits ``deadline-cap``."""
+        self._retrying = True
 
     def next(self) -> PhaseDeadlines:
         """The deadlines the next attempt waits for."""
         fed = self._fed
         if fed.deadline_mode == "fixed":
             return PhaseDeadlines(fed.open_timeout, fed.collect_timeout, "fixed")
+        times = () if self._retrying else tuple(self._times)
         value = adaptive_deadline(
-            self._times, floor=fed.deadline_floor, cap=fed.deadline_cap, margin=fed.deadline_margin
+            times, floor=fed.deadline_floor, cap=fed.deadline_cap, margin=fed.deadline_margin
         )
         bounds = f"within [{_seconds(fed.deadline_floor)}, {_seconds(fed.deadline_cap)}] s"
-        if not self._times:
+        if self._retrying:
+            basis = f"a retry after an aborted attempt: deadline-cap ({bounds})"
+        elif not self._times:
             basis = f"no round observed yet: deadline-cap ({bounds})"
         else:
             basis = (

@@ -61,6 +61,11 @@ def test_the_tracker_follows_only_the_last_rounds_and_says_what_it_computed_from
         "8 s, lensemble.deadline-mode = adaptive: 2 x 4 s, the longest of the last 5 round "
         "times, within [5, 200] s"
     )
+    tracker.aborted()  # a retry waits the cap, until the next round closes
+    retry = tracker.next()
+    assert retry.collect == 200.0 and "a retry after an aborted attempt" in retry.basis
+    tracker.observe(5.0)
+    assert tracker.next().collect == 10.0
     with pytest.raises(ValueError):
         tracker.observe(-0.5)
 
@@ -172,6 +177,39 @@ def test_an_adaptive_deadline_aborts_naming_what_it_was_computed_from(tmp_path: 
     assert "by the collect deadline (30" in message
     assert "lensemble.deadline-mode = adaptive: 2 x 15" in message
     assert "no answer from p03" in message and message.endswith("quorum 4")
+
+
+def test_after_an_abort_at_an_adaptive_deadline_the_retry_waits_the_cap(tmp_path: Path) -> None:
+    """A federation that slowed down past the margin: the attempt aborts at the adaptive
+    deadline, its retry waits deadline-cap and closes, and the next round follows the
+    slower times."""
+    config = small_config(
+        deadline_mode="adaptive",
+        deadline_floor=5.0,
+        deadline_cap=100.0,
+        deadline_margin=2.0,
+        max_round_attempts=2,
+        min_participants=4,
+    )
+    coordinator, network, _ = federation(tmp_path, config=config)
+    network.compute_s = SLOW
+    coordinator.run(1)
+    network.compute_s = 40.0  # the machine got busier: every node now takes 40 s
+    coordinator.run(2)
+    states = [(o.round, o.attempt, o.state) for o in coordinator.outcomes]
+    assert states == [
+        (1, 1, RoundState.CLOSED),
+        (2, 1, RoundState.ABORTED),
+        (2, 2, RoundState.CLOSED),
+        (3, 1, RoundState.CLOSED),
+    ]
+    outcomes = coordinator.outcomes
+    collects = [o.deadlines.collect for o in outcomes if o.deadlines]
+    assert len(collects) == 4 and collects[0] == 100.0  # round 1: the cap
+    assert collects[1] == pytest.approx(2 * outcomes[0].round_time)  # 2 x 15 s: too short
+    assert collects[2] == 100.0  # the retry: the cap
+    assert outcomes[2].round_time is not None and outcomes[2].round_time >= 40.0
+    assert collects[3] == pytest.approx(2 * outcomes[2].round_time)  # 2 x 40 s
 
 
 def test_the_apps_evaluation_waits_for_the_cap_under_adaptive_deadlines() -> None:
