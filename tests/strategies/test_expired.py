@@ -11,6 +11,7 @@ import pytest
 from flwr.app import Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.logger import FLOWER_LOGGER
+from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
 from flwr.server.utils.validator import validate_message
 from flwr.supercore.date import now
 
@@ -52,39 +53,45 @@ def test_no_instruction_is_sent_with_a_ttl_flower_refuses(ttl: float) -> None:
     assert {m.metadata.ttl for m in pushed} == {MIN_MESSAGE_TTL}
 
 
-def _spent_reply_errors() -> list[str]:
-    """What Flower's SuperLink logs (at ERROR, as a list) for a reply created after its
-    instruction's TTL passed: its own validator's verdict on such a reply."""
+def _spent_reply() -> Message:
+    """A node's reply created after its instruction's TTL passed (its own TTL is spent)."""
     instruction = Message(RecordDict(), 11, "train", ttl=1.0)
     instruction.metadata.__dict__["_message_id"] = "ins-1"
     instruction.metadata.created_at = now().timestamp() - 10.0  # expired 9 s ago
     instruction.metadata.__dict__["_dst_node_id"] = 11
     reply = Message(RecordDict(), reply_to=instruction)
     reply.metadata.__dict__["_message_id"] = "res-1"
-    errors = validate_message(reply, is_reply_message=True)
-    assert errors and set(errors) <= {
-        "`metadata.ttl` must be higher than zero",
-        "Message TTL has expired",
-    }
-    return errors
+    return reply
+
+
+def _store_as_the_superlink_does(reply: Message) -> None:
+    """Flower's in-memory SuperLink (the simulation engine's) storing ``reply``: it
+    validates it first, and logs the errors at ERROR (nothing else of it is needed)."""
+    state = InMemoryLinkState.__new__(InMemoryLinkState)
+    assert state.store_message_res(reply) is None  # refused
 
 
 def test_flowers_errors_for_spent_replies_become_one_info_line_per_attempt(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    errors = _spent_reply_errors()
+    reply = _spent_reply()
+    errors = validate_message(reply, is_reply_message=True)
+    assert errors and set(errors) <= {
+        "`metadata.ttl` must be higher than zero",
+        "Message TTL has expired",
+    }
     expired = ExpiredReplies()
     caplog.set_level(logging.DEBUG)
     FLOWER_LOGGER.propagate, propagated = True, FLOWER_LOGGER.propagate
     try:
         with expired.counting():
-            for _ in range(9):  # as Flower's linkstate logs each one
-                FLOWER_LOGGER.log(logging.ERROR, errors)
+            for _ in range(9):  # Flower's own code path, nine late replies
+                _store_as_the_superlink_does(reply)
             FLOWER_LOGGER.log(logging.ERROR, ["`metadata.run_id` is not set."])  # genuine
             FLOWER_LOGGER.log(logging.ERROR, [*errors, "empty `metadata.message_id`"])
             expired.say(2, 1)
             expired.say(2, 2)  # nothing new: no line
-        FLOWER_LOGGER.log(logging.ERROR, errors)  # the run is over: not held back any more
+        _store_as_the_superlink_does(reply)  # the run is over: not held back any more
     finally:
         FLOWER_LOGGER.propagate = propagated
     flower = [r for r in caplog.records if r.name == "flwr"]
