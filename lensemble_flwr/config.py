@@ -600,6 +600,8 @@ def protects(key: str) -> bool:
 def _error_from(exc: ValidationError, owner: str) -> ConfigError:
     first = exc.errors()[0]
     field = ".".join([owner, *(str(p) for p in first["loc"])])
+    if not first["loc"]:  # a check across the section's fields: its message names them
+        return ConfigError(field, first["msg"].removeprefix("Value error, "))
     return ConfigError(field, f"{first['msg']} (got {first.get('input')!r})")
 
 

@@ -93,6 +93,27 @@ def parse_run_config(values: Sequence[str]) -> dict[str, Any]:
         raise ConfigError("--run-config", str(exc)) from None
 
 
+def dropped_by_flower(values: Sequence[str]) -> list[ConfigError]:
+    """An error for each override Flower would drop: it merges ``--run-config`` values
+    table by table, so a later value that sets a key of the ``lensemble`` table replaces
+    every ``lensemble.`` key an earlier value set."""
+    if len(values) < 2:
+        return []
+    kept = parse_run_config(values)
+    given: dict[str, Any] = {}
+    for value in values:
+        given.update(parse_run_config([value]))
+    return [
+        ConfigError(
+            key,
+            "Flower drops this override: a later --run-config value sets other keys of "
+            "its table, which replaces the whole table; give them in one --run-config value",
+        )
+        for key in given
+        if key not in kept
+    ]
+
+
 def undeclared(overrides: Mapping[str, Any], declared: Mapping[str, Any]) -> list[ConfigError]:
     """An error for each override the app does not declare, with the key it most likely
     meant (among the declared keys and lensemble's)."""
@@ -139,9 +160,10 @@ def check_run_config(app_dir: Path, run_config_args: Sequence[str]) -> RunConfig
     declared = declared_config(app_dir)
     try:
         overrides = parse_run_config(run_config_args) if run_config_args else {}
+        errors = dropped_by_flower(run_config_args)
     except ConfigError as exc:
         return RunConfigCheck(dict(declared), (exc,), ())
-    errors = undeclared(overrides, declared)
+    errors += undeclared(overrides, declared)
     fused = fuse_dicts(declared, overrides, check_keys=False)  # what Flower merges
     try:
         LensembleConfig.from_run_config(fused)

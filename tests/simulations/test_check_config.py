@@ -157,3 +157,27 @@ def test_python_dash_m_runs_it() -> None:
     )  # fmt: skip
     assert done.returncode == EXIT_FAILED
     assert "did you mean 'lensemble.outer-lr'?" in done.stderr
+
+
+def test_an_override_flower_would_drop_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """Flower merges --run-config values table by table: a second value with a lensemble
+    key replaces the lensemble keys of the first, silently."""
+    code, err = run(
+        capsys, str(DIGITS), "-c", "lensemble.outer-lr=0.5", "-c", "lensemble.inner-lr=0.1"
+    )
+    assert code == EXIT_FAILED
+    assert "check-config: lensemble.outer-lr: Flower drops this override" in err
+    assert "lensemble.inner-lr" not in err
+    together = check_run_config(DIGITS, ["lensemble.outer-lr=0.5 lensemble.inner-lr=0.1"])
+    assert together.ok and together.run_config["lensemble.outer-lr"] == 0.5
+    apart = check_run_config(DIGITS, ["num-server-rounds=2", "lensemble.inner-lr=0.1"])
+    assert apart.ok and apart.run_config["num-server-rounds"] == 2  # other tables are kept
+
+
+def test_a_check_across_lensemble_keys_is_said_without_the_whole_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, err = run(capsys, str(DIGITS), "-c", "lensemble.noise-multiplier=1.0")
+    assert code == EXIT_FAILED
+    assert "PrivacyConfig: noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated" in err
+    assert "got {" not in err
