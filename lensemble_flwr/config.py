@@ -716,7 +716,7 @@ class LensembleConfig(_Section):
 
         lensemble's keys are the ones under the ``lensemble.`` namespace (an app's
         ``[tool.flwr.app.config.lensemble]`` table); every other key belongs to the app
-        is neither read nor checked, even where its name is also one of lensemble's keys
+        and is neither read nor checked, even where its name is also one of lensemble's keys
         (Flower's fl-dp-sa app declares its own ``noise-multiplier``; an info line says
         which ``lensemble.`` key applies instead). Keys missing from the namespace keep
         their defaults.

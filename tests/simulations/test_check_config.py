@@ -181,3 +181,18 @@ def test_a_check_across_lensemble_keys_is_said_without_the_whole_section(
     assert code == EXIT_FAILED
     assert "PrivacyConfig: noise-multiplier > 0 needs clip-norm > 0 (noise is calibrated" in err
     assert "got {" not in err
+
+
+def test_a_typo_in_the_apps_own_lensemble_table_is_found_without_overrides(
+    app: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flower takes it (the app declares it), and the ServerApp stopped on it only after
+    the engine's start-up: the check names it before."""
+    pyproject = app / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("outer-lr = 0.7", "outer_lr = 0.7"))
+    code, err = run(capsys, str(app))
+    assert code == EXIT_FAILED
+    assert (
+        "check-config: lensemble.outer_lr: unknown lensemble run_config key; "
+        "did you mean 'lensemble.outer-lr'?"
+    ) in err
