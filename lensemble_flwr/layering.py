@@ -61,7 +61,13 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("__main__", "python -m lensemble_flwr: the lensemble-flwr command"),),
     (("strategies", "the coordinator as a Flower Strategy; Flower's Grid as a Transport"),),
     (("clients", "Flower ClientApps (and NumPyClient code) as lensemble Participants"),),
-    (("simulations", "runnable apps and drills: digits, world model, in-process, crash drill"),),
+    (
+        (
+            "simulations",
+            "runnable apps and drills: digits, world model, in-process, crash drill; "
+            "the apps' run-config check",
+        ),
+    ),
     ((ROOT_PART, "the package root: lazily re-exports the core names (no flwr)"),),
 )
 

@@ -1,6 +1,7 @@
 """Every Python snippet of docs/flower.md, docs/configuration.md, docs/user-guide.md,
 docs/recovery.md and the README's "Using it" runs as written: extracted from the pages and
-executed (recovery.md's given the names it says it needs).
+executed (recovery.md's given the names it says it needs); so does every documented run of
+the run-config check, which must print what the page shows.
 
 docs/flower.md's snippets make one Flower App (step 1's ServerApp and ``Net``, step 2's
 Trainer ClientApp, step 3's NumPyClient): its ServerApp is driven over a fake SuperLink
@@ -127,6 +128,38 @@ def test_the_readme_in_process_snippet_runs_as_written(capsys: pytest.CaptureFix
 def test_the_configuration_md_snippets_run_as_written() -> None:
     for i, block in enumerate(python_blocks(REPO / "docs" / "configuration.md")):
         exec(compile(block, f"docs/configuration.md[{i}]", "exec"), {"__name__": "configuration"})
+
+
+def check_config_examples() -> list[tuple[str, str]]:
+    """Every documented run of the run-config check: a ```bash block holding one
+    ``python -m lensemble_flwr.simulations.check_config`` command, and the ```text block
+    right after it (what it prints)."""
+    command = r"python -m lensemble_flwr\.simulations\.check_config [^\n]*"
+    pattern = rf"```bash\n({command})\n```\s*```text\n(.*?)```"
+    found = []
+    for page in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]:
+        found += re.findall(pattern, page.read_text(), re.S)
+    return found
+
+
+@pytest.mark.parametrize(("command", "printed"), check_config_examples())
+def test_the_documented_run_config_checks_print_what_the_docs_say(
+    command: str, printed: str
+) -> None:
+    import shlex
+    import subprocess
+
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert done.stderr == printed
+    assert done.returncode == (1 if "is refused" in printed else 0)
+
+
+def test_the_run_config_check_is_documented() -> None:
+    assert check_config_examples(), "docs/configuration.md shows the run-config check"
 
 
 def flower_md_server_app() -> Any:
