@@ -185,7 +185,8 @@ def render_figure(summary: RunSummary, metrics: RoundMetrics | None = None) -> A
     aborted = sorted({a.round for a in summary.aborted})
     for ax, panel in zip(axes, panels, strict=False):
         _draw(ax, panel, aborted)
-    _mark_aborted_attempts(axes[[p.title for p in panels].index(CONTRIBUTORS[0])], summary)
+    c_t = next(i for i, p in enumerate(panels) if "ledger:C_t" in p.curves[0].draws)
+    _mark_aborted_attempts(axes[c_t], summary)
     fig.suptitle(_suptitle(summary), fontsize=11)
     return fig
 
