@@ -62,6 +62,8 @@ ABORTED = "aborted-attempt"
 
 @dataclasses.dataclass
 class Curve:
+    """One line: its legend label, its points, and the recorded series it draws."""
+
     label: str
     rounds: list[int]
     values: list[float]
@@ -70,6 +72,8 @@ class Curve:
 
 @dataclasses.dataclass
 class Panel:
+    """One axes: its title, its y label (with the unit), its lines."""
+
     title: str
     ylabel: str
     curves: list[Curve]

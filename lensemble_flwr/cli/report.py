@@ -1,5 +1,5 @@
-"""``lensemble-flwr report RUN_DIR``: per-round curves as a PNG (:mod:`.figure`) and a short
-markdown summary."""
+"""``lensemble-flwr report RUN_DIR``: every per-round series of a run as a PNG, and a short
+markdown summary (the figure is drawn by ``lensemble_flwr.cli.figure``)."""
 
 from __future__ import annotations
 
