@@ -1,6 +1,6 @@
 """Every Python snippet of docs/flower.md, docs/configuration.md, docs/user-guide.md,
-docs/recovery.md, docs/cli.md and the README's "Using it" runs as written: extracted from
-the pages and executed (recovery.md's and cli.md's given the names they say they need).
+docs/recovery.md and the README's "Using it" runs as written: extracted from the pages and
+executed (recovery.md's given the names it says it needs).
 
 docs/flower.md's snippets make one Flower App (step 1's ServerApp and ``Net``, step 2's
 Trainer ClientApp, step 3's NumPyClient): its ServerApp is driven over a fake SuperLink
