@@ -57,7 +57,13 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     ),
     (("shared_folder", "no coordinator process: rounds that meet in a folder all nodes mount"),),
     (("testing", "scripted faults for tests and drills: fault plans, delivery log, clock"),),
-    (("cli", "the lensemble-flwr command: verify, show, report, average, prove, check-proof"),),
+    (
+        (
+            "cli",
+            "the lensemble-flwr command: verify, show, report, average, export, prove, "
+            "check-proof",
+        ),
+    ),
     (("__main__", "python -m lensemble_flwr: the lensemble-flwr command"),),
     (("strategies", "the coordinator as a Flower Strategy; Flower's Grid as a Transport"),),
     (("clients", "Flower ClientApps (and NumPyClient code) as lensemble Participants"),),

@@ -501,11 +501,17 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         return self._layout.to_record(params)
 
     def _keep_metrics(
-        self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
+        self,
+        server_round: int,
+        metrics: MetricRecord,
+        evaluation: MetricRecord | None,
+        server: MetricRecord | None = None,
     ) -> None:
         coordinator = self._place.coordinator
         durable = coordinator is None or coordinator.store.sync
-        reporting.keep_metrics(self._place.path, server_round, metrics, evaluation, durable=durable)
+        reporting.keep_metrics(
+            self._place.path, server_round, metrics, evaluation, durable=durable, server=server
+        )
 
 
 def _refuse_in_flowers_loop(

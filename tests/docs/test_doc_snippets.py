@@ -603,3 +603,42 @@ def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
     quoted = re.search(r"e\.g\. `(lensemble\.dp-epsilon: the run asks .*?)`", page, re.S)
     assert quoted is not None
     assert refused.reason == " ".join(quoted.group(1).split())
+
+
+def test_the_cli_md_export_snippet_loads_the_exported_model_into_the_apps_net(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/cli.md's ``export`` snippet, on a run of docs/flower.md's app (its ``Net``,
+    with a BatchNorm): the commands the page shows write both files, and the snippet
+    loads them into a fresh ``Net`` whose state is then the run's final model, every
+    array by name (the integer buffer, not exported, as the run carried it)."""
+    from lensemble_flwr.cli import main
+    from lensemble_flwr.strategies import LensembleStrategy
+
+    results: list[Any] = []
+    start = LensembleStrategy.start
+
+    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
+        results.append(start(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
+    namespace, (trainer_app, _) = flower_md_apps()
+    run_server(namespace, trainer_app, {"num-server-rounds": 2})
+    (result,) = results
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(result.run_dir), "model.safetensors"]) == 0
+    assert main(["export", str(result.run_dir), "model.pt", "--format", "torch"]) == 0
+    (block,) = python_blocks(REPO / "docs" / "cli.md", "`export`")
+    page = {"Net": namespace["Net"], "__name__": "cli_md"}
+    exec(compile(block, "docs/cli.md[export]", "exec"), page)
+    assert "not in the file, left as they were: []" in capsys.readouterr().out
+    final = result.arrays.to_torch_state_dict()
+    loaded = page["model"].state_dict()
+    assert list(loaded) == list(final)
+    for name, tensor in final.items():
+        assert torch_equal(loaded[name], tensor), name
+
+
+def torch_equal(left: Any, right: Any) -> bool:
+    return left.dtype == right.dtype and bool((left == right).all())
