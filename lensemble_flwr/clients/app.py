@@ -184,8 +184,9 @@ def build_participant(
 
     ``config`` is what the run asks for; the privacy budget is the node's (``owner``,
     default: its node config): a run that asks for more epsilon than the node's cap,
-    another delta or accountant, or another budget directory gets an Error naming both,
-    and nothing is trained or released (:func:`~lensemble_flwr.privacy.ownership.owned_config`)."""
+    another delta, accountant or adjacency, another budget directory, or per-node
+    metrics the node does not release gets an Error naming both, and nothing is trained
+    or released (:func:`~lensemble_flwr.privacy.ownership.owned_config`)."""
     try:
         owned = owned_config(config, node_privacy(context) if owner is None else owner)
         participant = Participant(
@@ -260,15 +261,25 @@ def handle_evaluate(
     trainer: Any,
     evaluate_fn: EvaluateFn,
     config: LensembleConfig | None = None,
+    *,
+    owner: BudgetOwner | None = None,
 ) -> Message:
     """Evaluate the instruction's global arrays on the participant's local data (refused
-    under DP unless ``dp-release-metrics`` opts in: the metrics are not noised)."""
-    if config is not None and not releases_metrics(config):
-        return refusal(
-            message,
-            "under DP or secure aggregation, evaluation metrics are not released "
-            "(dp-release-metrics is off: they are per node and not noised)",
-        )
+    under DP or secure aggregation unless the run's ``dp-release-metrics`` asks for the
+    metrics and the node's own ``dp-release-metrics`` allows it: they are not noised).
+    ``config``: the run's request, checked against ``owner`` (None: the node config's
+    settings) as a train instruction's is."""
+    if config is not None:
+        try:
+            config = owned_config(config, node_privacy(context) if owner is None else owner)
+        except ConfigError as exc:  # e.g. metrics asked for that the node does not release
+            return refusal(message, str(exc))
+        if not releases_metrics(config):
+            return refusal(
+                message,
+                "under DP or secure aggregation, evaluation metrics are not released "
+                "(dp-release-metrics is off: they are per node and not noised)",
+            )
     arrays = records.named_or_only(message.content.array_records, records.ARRAYS)
     if arrays is None:
         return refusal(message, "evaluate without arrays")
@@ -279,6 +290,22 @@ def handle_evaluate(
     return Message(
         content=RecordDict({records.METRICS: MetricRecord(dict(metrics))}), reply_to=message
     )
+
+
+def node_owner(
+    context: Context, node_privacy_fn: Callable[[Context], BudgetOwner] = node_privacy
+) -> BudgetOwner:
+    """This node's budget settings: ``node_privacy_fn``'s, within what the SuperNode's
+    node config sets when the function is an app's own
+    (:func:`~lensemble_flwr.clients.node_privacy.bounded_by_node_config`).
+
+    Raises:
+        ConfigError: the node config, or the function, gives settings that are not valid.
+    """
+    owner = node_privacy_fn(context)
+    if node_privacy_fn is not node_privacy:  # the operator's keys still bind
+        owner = bounded_by_node_config(owner, context.node_config)
+    return owner
 
 
 def make_client_app(
@@ -328,9 +355,11 @@ def make_client_app(
             here: Flower fixes a handler's mods when the handler is registered.
         node_privacy_fn: this node's privacy budget settings, which a run's config may
             only ask within (default: the SuperNode's node config ``dp-epsilon-cap``,
-            ``dp-delta``, ``dp-accountant``, ``dp-budget-dir``; see docs/privacy.md). What
-            the node config sets still binds a function given here: the smaller cap,
-            and the node config's delta, accountant and directory where it sets them.
+            ``dp-delta``, ``dp-accountant``, ``dp-adjacency``, ``dp-release-metrics``,
+            ``dp-budget-dir``; see docs/privacy.md). What the node config sets still
+            binds a function given here: the smaller cap, metrics only if both allow
+            them, and the node config's delta, accountant, adjacency and directory where
+            it sets them.
     """
     app = ClientApp(mods=list(mods or []))
     process_participants(keep_live_bytes)  # a negative size fails here, not per message
@@ -348,9 +377,7 @@ def make_client_app(
             participant = refreshed(participant, context)
         if participant is None:
             try:
-                owner = node_privacy_fn(context)
-                if node_privacy_fn is not node_privacy:  # the operator's keys still bind
-                    owner = bounded_by_node_config(owner, context.node_config)
+                owner = node_owner(context, node_privacy_fn)
             except ConfigError as exc:  # the node's own settings are bad: nothing trains
                 return refusal(message, str(exc))
             built = build_participant(
@@ -374,8 +401,12 @@ def make_client_app(
         if evaluate_fn is None:
             return refusal(message, "no evaluate_fn")
         use_torch_threads()
+        try:
+            owner = node_owner(context, node_privacy_fn)
+        except ConfigError as exc:  # the node's own settings are bad: nothing is evaluated
+            return refusal(message, str(exc))
         return handle_evaluate(
-            message, context, trainer_fn(context), evaluate_fn, config_fn(context)
+            message, context, trainer_fn(context), evaluate_fn, config_fn(context), owner=owner
         )
 
     @app.query()

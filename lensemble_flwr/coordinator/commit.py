@@ -123,7 +123,14 @@ def entry_of(
         secure_sum=closed and secure_sum,
         diagnostics=dict(diagnostics),
         external_step=attempt.external_step,
+        epsilon=claimed_epsilon(attempt),
     )
+
+
+def claimed_epsilon(attempt: Attempt) -> dict[str, float] | None:
+    """The cumulative epsilon each update ``attempt`` admitted claimed (None: none did)."""
+    claimed = {p: e for p, e in sorted(attempt.epsilon.items()) if e is not None}
+    return claimed or None
 
 
 def write_commit(

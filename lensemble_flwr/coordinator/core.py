@@ -130,7 +130,9 @@ class RoundCore:
         self._commit, self.run = commit, run
         self.outcomes, self.observers = outcomes, observers
         self.attempt: Attempt | None = None
-        self.spent = SpentBudgets(commit.ledger.records)  # read on first DP update
+        self.spent = SpentBudgets(  # read on first DP update
+            commit.ledger.records, lambda: RunManifest.load(store).rounds
+        )
         self.ingress = Ingress(
             config=self.config,
             run_id=inputs.run_id,
@@ -422,6 +424,7 @@ class RoundCore:
                 raise  # an observer of the commit raised it: the round stays committed
             return exc
         self.spent.committed(committed.record)
+        self.spent.ended(committed.entry)  # updates it admitted beyond the contributors
         if attempt.round_time is not None:  # what the next adaptive deadlines follow
             self.deadlines.observe(attempt.round_time)
         close = RoundClose(
@@ -447,6 +450,7 @@ class RoundCore:
         outcome = self.outcome(attempt, None, {}, error.with_traceback(None), now=now)
         entry = entry_of(attempt, None, {}, reason, secure_sum=self.mode.secure_sum)
         self.run.manifest = self.run.manifest.with_round(self.store, entry)
+        self.spent.ended(entry)  # what its admitted updates claimed: charged all the same
         self.report(outcome)
         return outcome
 

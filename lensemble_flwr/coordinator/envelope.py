@@ -72,8 +72,9 @@ class Ingress:
         admitted_digests: ``(round, attempt)`` → the update digests the manifest records
             as admitted in that attempt (None for an attempt it does not hold): how a
             late exact copy of an admitted update is recognised as a replay.
-        spent_before: participant → its cumulative epsilon in the run's newest ledger
-            record that has one (None: none), which its next update must exceed
+        spent_before: participant → the largest cumulative epsilon seen from it in
+            the run's ledger records and in the updates its attempts admitted, aborted
+            ones included (None: none), which its next update must exceed
             (:mod:`.spent`).
     """
 

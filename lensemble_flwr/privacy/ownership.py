@@ -18,19 +18,25 @@ already charged, and one that asks for more is refused before it trains.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lensemble_flwr.config import LensembleConfig, default_state_dir
+from lensemble_flwr.config import Adjacency, LensembleConfig, default_state_dir
 from lensemble_flwr.errors import ConfigError
-from lensemble_flwr.privacy.budget import MECHANISMS, Mechanism
+from lensemble_flwr.privacy.budget import MECHANISMS, SENSITIVITY_FACTORS, Mechanism
 
 DEFAULT_EPSILON_CAP = 10.0
 """The cap of an owner that sets none: epsilon 10 over everything it ever releases."""
 DEFAULT_DELTA = 1e-5
 """The delta of an owner that sets none (the run config's default ``dp-delta`` too)."""
+NODE_CONFIG = "node config"
+"""The :attr:`BudgetOwner.source` of settings read from a SuperNode's node config."""
+APP_SETTINGS = "the app's node_privacy_fn"
+"""The :attr:`BudgetOwner.source` of settings built in code (by default: an app's
+``node_privacy_fn``, which comes with the run's app bundle)."""
 
 
 @dataclass(frozen=True)
@@ -44,19 +50,30 @@ class BudgetOwner:
         accountant: the accountant the budget is composed with ("rdp" or "prv").
         budget_dir: the directory of the budget files and commitment secrets ('' : the
             default, ``$LENSEMBLE_PRIVACY_DIR`` or ``~/.local/share/lensemble-flwr/privacy``).
-        source: what the settings are called where the owner wrote them, for messages
-            (e.g. "node config" with keys ``dp-epsilon-cap``, ...).
+        adjacency: what every epsilon of the budget protects ("substitution", the
+            default, or "zero-out", which needs half the noise for the same epsilon).
+        release_metrics: whether this participant may send per-node train loss and
+            evaluation metrics (un-noised) when a run under DP or secure aggregation
+            asks for them (default: never).
+        source: where the settings were written, for messages: :data:`NODE_CONFIG` (keys
+            ``dp-epsilon-cap``, ...) or, by default, :data:`APP_SETTINGS`.
+        from_node_config: the fields whose value a node config decided over ``source``'s
+            (:func:`~lensemble_flwr.clients.node_privacy.bounded_by_node_config`), so
+            that a message names where each value came from.
 
     Raises:
-        ConfigError: a cap that is not a positive finite number, a delta outside (0, 1)
-            or an unknown accountant, naming the owner's key.
+        ConfigError: a cap that is not a positive finite number, a delta outside (0, 1),
+            an unknown accountant or adjacency, naming the owner's key.
     """
 
     epsilon_cap: float = DEFAULT_EPSILON_CAP
     delta: float = DEFAULT_DELTA
     accountant: Mechanism = "rdp"
     budget_dir: str = ""
-    source: str = "node config"
+    adjacency: Adjacency = "substitution"
+    release_metrics: bool = False
+    source: str = dataclasses.field(default=APP_SETTINGS, compare=False)  # labels, not settings
+    from_node_config: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epsilon_cap) and self.epsilon_cap > 0):
@@ -70,6 +87,11 @@ class BudgetOwner:
                 self.named("accountant"),
                 f"unknown accountant {self.accountant!r}: one of {list(MECHANISMS)}",
             )
+        if self.adjacency not in SENSITIVITY_FACTORS:
+            raise ConfigError(
+                self.named("adjacency"),
+                f"unknown adjacency {self.adjacency!r}: one of {sorted(SENSITIVITY_FACTORS)}",
+            )
 
     @staticmethod
     def key(field: str) -> str:
@@ -81,8 +103,12 @@ class BudgetOwner:
         return Path(self.budget_dir) if self.budget_dir else default_state_dir()
 
     def named(self, field: str) -> str:
-        """``field``'s key as the owner writes it, for messages ("node config dp-delta")."""
-        return f"{self.source} {self.key(field)}"
+        """Where ``field``'s value was set, for messages: "node config dp-delta", or
+        "delta from the app's node_privacy_fn" for a value set in code."""
+        source = NODE_CONFIG if field in self.from_node_config else self.source
+        if source == NODE_CONFIG:
+            return f"{NODE_CONFIG} {self.key(field)}"
+        return f"{field} from {source}"
 
 
 OWNER_KEYS: dict[str, str] = {
@@ -90,6 +116,8 @@ OWNER_KEYS: dict[str, str] = {
     "delta": "dp-delta",
     "accountant": "dp-accountant",
     "budget_dir": "dp-budget-dir",
+    "adjacency": "dp-adjacency",
+    "release_metrics": "dp-release-metrics",
 }
 """The owner's keys (a SuperNode's ``--node-config``), by :class:`BudgetOwner` field."""
 
@@ -99,12 +127,15 @@ def owned_config(config: LensembleConfig, owner: BudgetOwner) -> LensembleConfig
     ``owner``'s settings.
 
     The directory rule holds with or without noise (the directory also keeps the
-    commitment secret); the others only when the run's releases are noised.
+    commitment secret); the metrics rule wherever the run's per-node metrics would be
+    withheld otherwise (under DP or secure aggregation); the others when the run's
+    releases are noised.
 
     Raises:
-        ConfigError: the run asks for an epsilon above the owner's cap, another delta or
-            accountant, or another budget directory (a run cannot move the budget); the
-            message names the run's value and the owner's.
+        ConfigError: the run asks for an epsilon above the owner's cap, another delta,
+            accountant or adjacency, another budget directory (a run cannot move the
+            budget), or per-node metrics the owner does not release; the message names
+            the run's value and the owner's.
     """
     privacy = config.privacy
     home = owner.directory()
@@ -137,6 +168,21 @@ def owned_config(config: LensembleConfig, owner: BudgetOwner) -> LensembleConfig
                 f"participant's budget is composed with {owner.accountant!r} "
                 f"({owner.named('accountant')})",
             )
+        if privacy.dp_adjacency != owner.adjacency:
+            raise ConfigError(
+                "lensemble.dp-adjacency",
+                f"the run asks for {privacy.dp_adjacency!r} adjacency, but this "
+                f"participant's budget is kept under {owner.adjacency!r} "
+                f"({owner.named('adjacency')}): a run cannot change what its epsilon protects",
+            )
+    private = privacy.noised or config.federation.masked
+    if private and privacy.dp_release_metrics and not owner.release_metrics:
+        raise ConfigError(
+            "lensemble.dp-release-metrics",
+            "the run asks for this participant's un-noised train loss and evaluation "
+            f"metrics (dp-release-metrics = true), but its owner does not release them "
+            f"({owner.named('release_metrics')} is false): refused, nothing released",
+        )
     placed = privacy.model_copy(update={"dp_state_dir": str(home)})
     return config.model_copy(update={"privacy": placed})
 

@@ -204,6 +204,11 @@ class RoundEntry(_Frozen):
     secure_sum: bool = False  # the outer step consumed a revealed masked sum
     diagnostics: dict[str, float] = {}
     external_step: ExternalStep | None = _ONLY_WHEN_SET  # the attempt's base was changed
+    epsilon: dict[str, float] | None = _ONLY_WHEN_SET
+    """Participant -> the cumulative epsilon its update admitted in this attempt claimed
+    (set when an admitted update claimed one; aborted attempts too): what the coordinator
+    saw spent beyond the ledger's records, which a resumed coordinator reads back
+    (:mod:`lensemble_flwr.coordinator.spent`)."""
 
 
 ENDORSED_BY_NEXT_ROUND = "next-round"

@@ -488,7 +488,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             self._said_no_evaluation = True
             log.info(
                 "no federated evaluation: under DP or secure aggregation the participants "
-                "release no per-node metrics (set dp-release-metrics = true to opt in)"
+                "release no per-node metrics (set dp-release-metrics = true to ask, on "
+                "nodes whose node config allows it: dp-release-metrics=true)"
             )
         return False
 
@@ -506,11 +507,17 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         return self._layout.to_record(params)
 
     def _keep_metrics(
-        self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
+        self,
+        server_round: int,
+        metrics: MetricRecord,
+        evaluation: MetricRecord | None,
+        server: MetricRecord | None = None,
     ) -> None:
         coordinator = self._place.coordinator
         durable = coordinator is None or coordinator.store.sync
-        reporting.keep_metrics(self._place.path, server_round, metrics, evaluation, durable=durable)
+        reporting.keep_metrics(
+            self._place.path, server_round, metrics, evaluation, durable=durable, server=server
+        )
 
 
 def _refuse_in_flowers_loop(

@@ -151,13 +151,20 @@ def keep_metrics(
     evaluation: MetricRecord | None,
     *,
     durable: bool,
+    server: MetricRecord | None = None,
 ) -> None:
     """Append this round's metrics to ``RUN_DIR/round-metrics.jsonl`` (the curves of
-    ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
+    ``lensemble-flwr report``): the train replies' (``metrics``), the federated
+    evaluation's (``evaluation``) and the server-side ``evaluate_fn``'s (``server``); a
+    failure to write it is logged, never fatal."""
     if run_dir is None:
         return
     try:
-        kinds = {"train": dict(metrics), "evaluate": dict(evaluation or {})}
+        kinds = {
+            "train": dict(metrics),
+            "evaluate": dict(evaluation or {}),
+            "server": dict(server or {}),
+        }
         append_round_metrics(run_dir, server_round, kinds, durable=durable)
     except OSError as exc:
         log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)

@@ -31,7 +31,9 @@ What a subclass's override changes:
   its external step; after the last round they are ``result.arrays`` only (logged).
 
 Before round 1 the run is opened, the nodes are warmed up and the initial model is
-evaluated; if any of it fails, the run is taken back (:mod:`.run_dir`).
+evaluated; if any of it fails, the run is taken back (:mod:`.run_dir`). Each round's
+train, federated-evaluation and ``evaluate_fn`` metrics (and the initial model's, as
+round 0) go to ``RUN_DIR/round-metrics.jsonl`` once the round is reported.
 """
 
 from __future__ import annotations
@@ -155,6 +157,8 @@ class RoundLoop:
             coordinator.grant_grace(grace)
             transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next(), grace)
             self._evaluate_initial(coordinator, initial_arrays, result)
+        if 0 in result.evaluate_metrics_serverapp:  # the initial model's, once the run stays
+            strategy._keep_metrics(0, MetricRecord(), None, result.evaluate_metrics_serverapp[0])
         self._arrays = initial_arrays
         if done > 0:  # resumed: the run's model, whether or not a round is left to run
             self._arrays = result.arrays = strategy._user_arrays(coordinator.global_state().params)
@@ -200,7 +204,8 @@ class RoundLoop:
             not_opened = self._evaluate_round(coordinator, driver, r, num_rounds, metrics, result)
             evaluation = result.evaluate_metrics_clientapp.get(r)
             reporting.report(outcomes[-1], metrics, evaluation, aborted, strategy._on_round)
-            strategy._keep_metrics(r, metrics, evaluation)
+            server = result.evaluate_metrics_serverapp.get(r)
+            strategy._keep_metrics(r, metrics, evaluation, server)
             transport.traffic.forget_through(r)  # reported: its bookkeeping is no longer needed
             if not_opened is not None:
                 raise not_opened

@@ -118,13 +118,14 @@ def test_a_flower_nodes_budget_is_keyed_by_a_name_that_survives_the_run(tmp_path
 
 
 # -- un-noised metrics -------------------------------------------------------------------
-def train_round(config: LensembleConfig) -> list[Message]:
+def train_round(config: LensembleConfig, *, nodes_release_metrics: bool = False) -> list[Message]:
     """One round of the strategy's train instruction to four ClientApp nodes; their
-    replies."""
+    replies. ``nodes_release_metrics``: the nodes' own ``dp-release-metrics``."""
     clock = FakeClock()
     budget = {  # the nodes' own settings: a cap that covers the run's, their directory
         "dp-epsilon-cap": config.privacy.dp_epsilon,
         "dp-budget-dir": config.privacy.dp_state_dir,
+        "dp-release-metrics": nodes_release_metrics,
     }
     contexts = {
         n: Context(
@@ -143,14 +144,34 @@ def train_round(config: LensembleConfig) -> list[Message]:
     return list(grid.send_and_receive(messages, timeout=60))
 
 
-@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "dp-release-metrics"])
-def test_under_dp_no_train_loss_leaves_a_node_unless_opted_in(tmp_path: Path, opt_in: bool) -> None:
-    """Each reply used to carry its node's un-noised train loss next to a DP release."""
-    replies = train_round(dp_config(tmp_path, dp_release_metrics=opt_in))
+@pytest.mark.parametrize(
+    ("asked", "allowed"), [(False, False), (False, True), (True, True)],
+    ids=["default", "node-allows-run-does-not-ask", "dp-release-metrics"],
+)  # fmt: skip
+def test_under_dp_no_train_loss_leaves_a_node_unless_opted_in(
+    tmp_path: Path, asked: bool, allowed: bool
+) -> None:
+    """Each reply used to carry its node's un-noised train loss next to a DP release. Now
+    it does only when the run asks and the node's own dp-release-metrics allows it."""
+    config = dp_config(tmp_path, dp_release_metrics=asked)
+    replies = train_round(config, nodes_release_metrics=allowed)
     assert replies and not any(r.has_error() for r in replies)
     metrics = [dict(r.content.metric_records[records.METRICS]) for r in replies]
     assert all("num-examples" in m for m in metrics)
-    assert all(("last-batch-loss" in m) is opt_in for m in metrics)
+    assert all(("last-batch-loss" in m) is asked for m in metrics)
+
+
+def test_a_run_cannot_turn_on_a_nodes_metrics(tmp_path: Path) -> None:
+    """A run's dp-release-metrics = true used to send every node's un-noised train loss
+    under DP, whatever the node's operator wanted. Now a node that does not allow it
+    refuses the run before it trains: every reply is an error naming both settings, and
+    no budget is charged."""
+    replies = train_round(dp_config(tmp_path, dp_release_metrics=True))
+    assert replies and all(r.has_error() for r in replies)
+    for reply in replies:
+        assert "lensemble.dp-release-metrics" in reply.error.reason
+        assert "node config dp-release-metrics is false" in reply.error.reason
+    assert not list(tmp_path.glob("*.json"))  # nothing charged
 
 
 def evaluate_message() -> Message:
@@ -164,17 +185,22 @@ def test_under_dp_a_node_refuses_to_evaluate_and_the_strategy_does_not_ask(tmp_p
     """fraction_evaluate defaults to 1.0, so every node used to send its un-noised
     evaluation loss every round."""
     config = dp_config(tmp_path)
-    node = context({})
+    own = {"dp-budget-dir": str(tmp_path), "dp-epsilon-cap": config.privacy.dp_epsilon}
+    node = context(own)
+    allowing = context(own | {"dp-release-metrics": True})
 
     class Evaluating(ToyTrainer):
         def evaluate(self, params):
             return 0.25, 0.5, 64
 
-
-    reply = handle_evaluate(evaluate_message(), node, Evaluating(0), default_evaluate, config)
-    assert reply.has_error() and "dp-release-metrics" in reply.error.reason
+    for where in (node, allowing):  # the run does not ask
+        reply = handle_evaluate(evaluate_message(), where, Evaluating(0), default_evaluate, config)
+        assert reply.has_error() and "dp-release-metrics is off" in reply.error.reason
     opted = dp_config(tmp_path, dp_release_metrics=True)
     reply = handle_evaluate(evaluate_message(), node, Evaluating(0), default_evaluate, opted)
+    assert reply.has_error()  # the run asks, the node does not allow it
+    assert "node config dp-release-metrics is false" in reply.error.reason
+    reply = handle_evaluate(evaluate_message(), allowing, Evaluating(0), default_evaluate, opted)
     assert not reply.has_error()
     grid = FakeGrid(FakeClock(), {n: lambda m: None for n in NODES})
     strategy = LensembleStrategy(config, run_dir=tmp_path / "run")

@@ -184,3 +184,124 @@ def test_an_apps_node_privacy_fn_cannot_raise_what_the_node_config_sets() -> Non
     assert bounded_by_node_config(stricter, node).epsilon_cap == 2.0
     with pytest.raises(ConfigError, match="dp-epsilon-cap"):
         bounded_by_node_config(generous, {"dp-epsilon-cap": "lots"})
+
+
+# -- the adjacency and per-node metrics are the node's too ------------------------------
+def test_a_run_cannot_halve_the_noise_by_choosing_zero_out(tmp_path: Path) -> None:
+    """A run's dp-adjacency = 'zero-out' used to be taken as asked: the first run on a
+    node fixed its budget file's adjacency, so a run could halve the noise per epsilon of
+    that node for good. Now the adjacency is the node's: a run asking another is refused
+    before anything is charged, naming both; a node that chose zero-out keeps it."""
+    budgets = tmp_path / "node-budgets"
+    zero_out = run_config(**{"dp-adjacency": "zero-out"})
+    refused = build(context(budgets, 1, zero_out))
+    assert isinstance(refused, Error)
+    for text in ("lensemble.dp-adjacency", "'zero-out'", "'substitution'",
+                 "node config dp-adjacency"):  # fmt: skip
+        assert text in refused.reason, refused.reason
+    assert not budgets.exists()  # nothing charged, no file that fixes an adjacency
+    chosen = build(context(budgets, 2, zero_out, **{"dp-adjacency": "zero-out"}))
+    assert isinstance(chosen, Participant)
+    release(chosen)
+    path = budgets / "participant-lensemble-id-hospital-a.json"
+    assert '"adjacency": "zero-out"' in path.read_text()
+    back = build(context(budgets, 3, run_config(), **{"dp-adjacency": "zero-out"}))
+    assert isinstance(back, Error) and "asks for 'substitution' adjacency" in back.reason
+
+
+@pytest.mark.parametrize(
+    ("federation", "privacy"),
+    [({}, {"clip-norm": 0.5, "noise-multiplier": NOISE, "dp-epsilon": 6.0}),
+     ({"secagg-threshold": 2, "min-participants": 2}, {})],
+    ids=["noised", "masked"],
+)  # fmt: skip
+def test_a_run_cannot_turn_on_un_noised_metrics_the_node_does_not_release(
+    tmp_path: Path, federation: dict[str, Any], privacy: dict[str, Any]
+) -> None:
+    """A run's dp-release-metrics = true used to turn on sending each node's un-noised
+    train loss and evaluation metrics under DP (or in masked rounds). Now the node's own
+    dp-release-metrics must allow it: a run that asks on a node that does not is refused,
+    naming both; one that does not ask, or a node that allows it, goes on."""
+    keys = {**federation, **privacy, "dp-release-metrics": True}
+    asks = LensembleConfig.from_run_config({f"lensemble.{k}": v for k, v in keys.items()})
+    node = owner_from_node_config({"dp-budget-dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="node config dp-release-metrics is false") as caught:
+        owned_config(asks, node)
+    assert caught.value.field == "lensemble.dp-release-metrics"
+    assert "dp-release-metrics = true" in str(caught.value)
+    allowing = owner_from_node_config({"dp-budget-dir": str(tmp_path), "dp-release-metrics": True})
+    assert owned_config(asks, allowing).privacy.dp_release_metrics
+    quiet = asks.model_copy(update={"privacy": asks.privacy.model_copy(
+        update={"dp_release_metrics": False})})  # fmt: skip
+    owned_config(quiet, node)
+
+
+def test_without_dp_or_masking_the_metrics_setting_asks_nothing_of_the_node(tmp_path: Path) -> None:
+    """Per-node metrics are sent anyway in a plain run: the flag changes nothing there."""
+    plain = LensembleConfig.from_run_config({"lensemble.dp-release-metrics": True})
+    owned_config(plain, BudgetOwner(budget_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("node", "key", "match"),
+    [
+        ({"dp-adjacency": "add-remove"}, "dp-adjacency", "unknown adjacency 'add-remove'"),
+        ({"dp-adjacency": 1}, "dp-adjacency", "is not text"),
+        ({"dp-release-metrics": "yes"}, "dp-release-metrics", "is not true or false"),
+        ({"dp-release-metrics": 1}, "dp-release-metrics", "is not true or false"),
+        ({"dp-release-metric": True}, "dp-release-metric", "did you mean 'dp-release-metrics'"),
+    ],
+)
+def test_a_bad_adjacency_or_metrics_setting_is_refused_naming_its_key(
+    node: dict[str, Any], key: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        owner_from_node_config(node)
+    assert caught.value.field == f"node config {key}"
+
+
+def test_the_node_config_bounds_an_apps_adjacency_and_metrics() -> None:
+    from lensemble_flwr.clients.node_privacy import bounded_by_node_config
+
+    app = BudgetOwner(adjacency="zero-out", release_metrics=True)
+    assert bounded_by_node_config(app, {"partition-id": 1}) == app  # nothing set: the app's
+    bounded = bounded_by_node_config(
+        app, {"dp-adjacency": "substitution", "dp-release-metrics": False}
+    )
+    assert (bounded.adjacency, bounded.release_metrics) == ("substitution", False)
+    assert bounded.named("adjacency") == "node config dp-adjacency"
+    assert bounded.named("release_metrics") == "node config dp-release-metrics"
+    # a node that allows metrics cannot make an app that does not release them
+    quiet = bounded_by_node_config(BudgetOwner(), {"dp-release-metrics": True})
+    assert not quiet.release_metrics
+    assert quiet.named("release_metrics") == "release_metrics from the app's node_privacy_fn"
+
+
+def test_messages_name_where_each_setting_came_from(tmp_path: Path) -> None:
+    """A value an app's node_privacy_fn set used to be called 'node config ...' in the
+    refusal, sending the operator to a node config that set nothing. Now each value is
+    named by where it was set: the node config's keys, or the app's function."""
+    from lensemble_flwr.clients.app import node_owner
+    from lensemble_flwr.clients.node_privacy import bounded_by_node_config
+
+    app = BudgetOwner(epsilon_cap=5.0, budget_dir=str(tmp_path))
+    asks = LensembleConfig.from_run_config(run_config(**{"dp-epsilon": 6.0, "dp-delta": 1e-6}))
+    for node_config, named in [
+        ({}, "cap 5 (epsilon_cap from the app's node_privacy_fn)"),
+        ({"dp-epsilon-cap": 100.0}, "cap 5 (epsilon_cap from the app's node_privacy_fn)"),
+        ({"dp-epsilon-cap": 4.0}, "cap 4 (node config dp-epsilon-cap)"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            owned_config(asks, bounded_by_node_config(app, node_config))
+        assert named in str(caught.value), str(caught.value)
+    wide = BudgetOwner(epsilon_cap=50.0, budget_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"delta 1e-05 \(delta from the app's node_privacy_fn\)"):
+        owned_config(asks, bounded_by_node_config(wide, {}))
+    with pytest.raises(ConfigError, match=r"delta 1e-05 \(node config dp-delta\)"):
+        owned_config(asks, bounded_by_node_config(wide, {"dp-delta": 1e-5}))
+    ctx = context(tmp_path, 1, {}, **{"dp-epsilon-cap": 4.0})
+    through_app = node_owner(ctx, lambda _: app)  # what make_client_app's handlers use
+    assert through_app.epsilon_cap == 4.0 and through_app.budget_dir == str(tmp_path)
+    assert through_app.named("epsilon_cap") == "node config dp-epsilon-cap"
+    with pytest.raises(ConfigError, match="epsilon_cap from the app's node_privacy_fn"):
+        BudgetOwner(epsilon_cap=-1.0)
