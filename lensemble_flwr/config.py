@@ -114,6 +114,25 @@ class FederationConfig(_Section):
     collect_timeout: float = Field(
         300.0, gt=0, description="Seconds COLLECTING waits for updates before completing."
     )
+    deadline_mode: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: every attempt waits open-timeout in OPEN and collect-timeout in "
+        "COLLECTING; adaptive: each phase waits deadline-margin x the longest of the last 5 "
+        "round times (start of the wait to the last admitted update), within deadline-floor "
+        "and deadline-cap (deadline-cap until a round closed, and in a retry).",
+    )
+    deadline_floor: float = Field(
+        10.0, gt=0, description="Adaptive deadlines: the shortest a phase waits (seconds)."
+    )
+    deadline_cap: float = Field(
+        600.0,
+        gt=0,
+        description="Adaptive deadlines: the longest a phase waits, and what it waits before "
+        "any round closed (seconds; at least deadline-floor).",
+    )
+    deadline_margin: float = Field(
+        3.0, ge=1, le=100, description="Adaptive deadlines: the multiple of the round time."
+    )
     root_seed: int = Field(0, ge=0, description="Root of every reproducible seed (s_t).")
     sample_fraction: float = Field(
         1.0,
@@ -155,6 +174,14 @@ class FederationConfig(_Section):
     weighting: Literal["uniform", "num-examples"] = Field(
         "uniform", description="Per-update weight in the mean: 1, or the update's example count."
     )
+
+    @field_validator("deadline_cap")
+    @classmethod
+    def _cap_above_floor(cls, value: float, info: ValidationInfo) -> float:
+        floor = info.data.get("deadline_floor")
+        if floor is not None and value < floor:
+            raise ValueError(f"deadline-cap must be at least deadline-floor ({floor})")
+        return value
 
     @field_validator("secagg_neighbours")
     @classmethod
@@ -578,7 +605,13 @@ def _unrecorded_keys() -> set[str]:
     return {k for k, (section, _) in run_config_keys().items() if section in UNRECORDED_SECTIONS}
 
 
-RECORDED_UNLESS_DEFAULT = {"dp-adjacency": "substitution"}
+RECORDED_UNLESS_DEFAULT = {
+    "dp-adjacency": "substitution",
+    "deadline-mode": "fixed",
+    "deadline-floor": 10.0,
+    "deadline-cap": 600.0,
+    "deadline-margin": 3.0,
+}
 """Keys added after runs were recorded without them, whose default is what those runs
 did: the manifest records them only when they are set to something else, so a run of the
 default keeps the manifest header (and every ledger hash after it) it had, and a run

@@ -82,6 +82,13 @@ def last_metrics(by_round: Mapping[int, MetricRecord]) -> dict[str, Any] | None:
     return dict(final) if final else None
 
 
+def evaluation_timeout(config: LensembleConfig) -> float:
+    """How long a round's federated evaluation waits for the nodes: the collect timeout,
+    or under adaptive deadlines their cap (what a round may wait at most)."""
+    fed = config.federation
+    return fed.deadline_cap if fed.deadline_mode == "adaptive" else fed.collect_timeout
+
+
 def start_and_report(
     strategy: LensembleStrategy,
     grid: Grid,
@@ -99,7 +106,7 @@ def start_and_report(
         grid=grid,
         initial_arrays=initial_arrays,
         num_rounds=int(context.run_config.get("num-server-rounds", 5)),
-        timeout=config.federation.collect_timeout,
+        timeout=evaluation_timeout(config),
         evaluate_fn=evaluate_fn,
     )
     print(f"run directory: {result.run_dir}", flush=True)

@@ -4,13 +4,16 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
 
 * ``send`` queues an instruction for a node; the next ``recv`` pushes every queued
   instruction in one ``push_messages`` call. Each instruction's TTL is set from the
-  round's deadlines, so an unanswered one expires in the SuperLink instead of lingering
-  for Flower's default 12 hours.
+  attempt's deadlines (:func:`instruction_ttl`), never below :data:`MIN_MESSAGE_TTL`, so
+  an unanswered one expires in the SuperLink instead of lingering for Flower's default
+  12 hours, and none is sent with a TTL Flower would refuse.
 * ``recv`` pulls replies for every outstanding instruction — including those of earlier
   rounds, so a late reply is pulled (which also deletes it from the SuperLink), decoded,
   and handed to the coordinator, which logs it with its round and drops it. An error reply
   to a RoundOpen (a ClientApp exception, an expired TTL) becomes that node's Refusal of
   the attempt, so the round does not wait for it; other error replies are logged, dropped.
+  A "Message Unavailable" reply to an instruction of an attempt no longer awaited is only
+  counted (:mod:`.expired`: one INFO line per attempt).
 * ``broadcast(RoundClose)`` costs no exchange: the close rides on the next instruction
   to each node.
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
@@ -40,6 +43,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
+from lensemble_flwr.coordinator.deadlines import PhaseDeadlines
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -53,6 +57,7 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.expired import UNAVAILABLE, ExpiredReplies
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.name_claims import bind_claim, claim_proven
 from lensemble_flwr.strategies.node_names import NodeNames
@@ -69,6 +74,16 @@ log = logging.getLogger(__name__)
 
 
 _IN_MEMORY_GRID = "flwr.superlink.grid.inmemory_grid"
+
+MIN_MESSAGE_TTL = 5.0
+"""The shortest TTL an instruction is sent with (seconds): Flower refuses a message whose
+TTL is not above zero, and a node's reply inherits what is left of its instruction's."""
+
+
+def instruction_ttl(deadlines: PhaseDeadlines, grace: float = 0.0) -> float:
+    """The TTL of an attempt's instructions: its open and collect deadlines and its
+    warm-up grace (a reply after them is not waited for), at least :data:`MIN_MESSAGE_TTL`."""
+    return max(MIN_MESSAGE_TTL, deadlines.open + deadlines.collect + grace)
 
 
 def is_simulation_grid(grid: Grid) -> bool:
@@ -97,8 +112,9 @@ class GridTransport:
 
     Args:
         grid: the ServerApp's Grid (in-memory in simulation, HTTP in deployment).
-        message_ttl: seconds an instruction may wait in the SuperLink (set it to the open
-            plus collect timeout, so it expires with the round that sent it).
+        message_ttl: seconds an instruction may wait in the SuperLink (the attempt's
+            deadlines, :func:`instruction_ttl`, so it expires with the attempt that sent
+            it); an instruction is sent with at least :data:`MIN_MESSAGE_TTL`.
         user_config: the train config every instruction carries (as FedAvg would).
         layout: the user's array names, order and carried arrays: instructions carry the
             global arrays in that order (carried ones included), and a stock reply's
@@ -159,6 +175,11 @@ class GridTransport:
         self._peers_at = -float("inf")
         self.traffic = RoundTraffic()  # per-round counts the strategy reports
         self.dropped: list[tuple[str, int, str]] = []
+        # the (round, attempt) whose replies are awaited: the last one sent a RoundOpen
+        # (None once its driver ended it); the "Message Unavailable" replies of any other
+        # are counted in `expired`
+        self.awaited: tuple[int, int] | None = None
+        self.expired = ExpiredReplies()
         # Flower's round hooks: the instructions handed out by take_queued until pushed,
         # and (while keep_train_replies) each attempt's raw train replies until taken
         self._handed_out: dict[int, tuple[Message, SentInstruction]] = {}
@@ -166,6 +187,12 @@ class GridTransport:
         self._train_replies: list[tuple[int, int, Message]] = []
 
     # -- Transport ---------------------------------------------------------------------
+    @property
+    def ttl(self) -> float:
+        """The TTL instructions are sent with: :attr:`message_ttl`, at least
+        :data:`MIN_MESSAGE_TTL` (never zero or less, which Flower refuses)."""
+        return max(MIN_MESSAGE_TTL, self.message_ttl)
+
     def now(self) -> float:
         """Seconds on the transport's clock."""
         return self._clock()
@@ -308,7 +335,7 @@ class GridTransport:
                     if replaced is not None
                     else _instruction_of(template, self.names.name_of(message.metadata.dst_node_id))
                 )
-                message.metadata.ttl = self.message_ttl
+                message.metadata.ttl = self.ttl
                 message.metadata.group_id = str(template.round)
                 if replaced is None:  # (a replaced one was counted when it was queued)
                     self.traffic.count_sent(info.peer, info.round)
@@ -348,10 +375,10 @@ class GridTransport:
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
     def request_messages(self, messages: Iterable[Message], *, timeout_s: float) -> list[Message]:
         """Send ``messages`` (made by a hook such as ``configure_evaluate``; each gets the
-        instructions' TTL) and wait for their replies (at most ``timeout_s``); replies
-        that come later are pulled and dropped by later calls."""
-        for message in messages:
-            message.metadata.ttl = self.message_ttl
+        instructions' TTL, or ``timeout_s`` if longer) and wait for their replies (at most
+        ``timeout_s``); replies that come later are pulled and dropped by later calls."""
+        for message in messages:  # they live at least as long as they are waited for
+            message.metadata.ttl = max(self.ttl, timeout_s)
             if not message.metadata.group_id:
                 message.metadata.group_id = "-1"  # what belongs to no round
             self._queue.append(message)
@@ -396,7 +423,7 @@ class GridTransport:
             content=content,
             dst_node_id=self.names.node_of(peer),
             message_type=message_type,
-            ttl=self.message_ttl,
+            ttl=self.ttl,
             group_id=str(rnd),
         )
         self._queue.append(message)
@@ -413,6 +440,8 @@ class GridTransport:
         )
         if payload is not None:
             self.traffic.count_sent(peer, rnd)
+        if kind_of(payload) is MessageKind.ROUND_OPEN:  # the attempt awaited from now on
+            self.awaited = (rnd, int(payload["attempt"]) if payload else 0)
 
     def _flush(self) -> list[Message]:
         if not self._queue:
@@ -439,7 +468,7 @@ class GridTransport:
         instructions whose TTL passed long ago (no reply will ever match them)."""
         if not self._outstanding:
             return []
-        horizon = self.now() - 2 * self.message_ttl
+        horizon = self.now() - 2 * self.ttl
         for message_id, info in list(self._outstanding.items()):
             if info.pushed_at < horizon:
                 del self._outstanding[message_id]
@@ -473,6 +502,9 @@ class GridTransport:
         source = self.names.name_of(reply.metadata.src_node_id)
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
+            if reply.error.code in UNAVAILABLE and (info.round, info.attempt) != self.awaited:
+                self.expired.count_unavailable()  # expired, and no longer waited for
+                return []
             refusal = error_refusal(reply, info, self._node_of(info.peer))
             if refusal is not None:  # the round stops waiting for this node
                 return [refusal]

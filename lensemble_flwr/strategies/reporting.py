@@ -82,6 +82,11 @@ def round_metrics(
         "rejected": float(outcome.rejected),
         "refused": float(len(outcome.refused)),
     }
+    if outcome.deadlines is not None:  # what the closing attempt waited for
+        book["open-deadline"] = float(outcome.deadlines.open)
+        book["collect-deadline"] = float(outcome.deadlines.collect)
+    if outcome.round_time is not None:  # what adaptive deadlines follow
+        book["round-time"] = float(outcome.round_time)
     if "frame_drift" in outcome.diagnostics:
         book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
     if exchanges:
@@ -206,15 +211,21 @@ def aggregated(
 def log_summary(config: LensembleConfig) -> None:
     """The federation's settings, through Flower's logger (as FedAvg's summary)."""
     fed, outer = config.federation, config.outer
+    if fed.deadline_mode == "adaptive":
+        deadlines = (
+            f"adaptive deadlines: {fed.deadline_margin:g} x the recent round times, within "
+            f"[{fed.deadline_floor:.0f}s, {fed.deadline_cap:.0f}s]"
+        )
+    else:
+        deadlines = f"open {fed.open_timeout:.0f}s, collect {fed.collect_timeout:.0f}s"
     say(
         INFO,
         "\t├──> LensembleStrategy: quorum K=%d (min-participants %d, secagg-threshold "
-        "%d), open %.0fs, collect %.0fs",
+        "%d), %s",
         fed.quorum,
         fed.min_participants,
         fed.secagg_threshold,
-        fed.open_timeout,
-        fed.collect_timeout,
+        deadlines,
     )
     say(
         INFO,

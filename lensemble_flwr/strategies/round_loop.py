@@ -60,7 +60,9 @@ from lensemble_flwr.privacy.calibration import noise_multiplier_of
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import reporting
 from lensemble_flwr.strategies.attempt_driver import AttemptDriver
+from lensemble_flwr.strategies.expired import ExpiredReplies
 from lensemble_flwr.strategies.flower_logs import lensemble_logs_through_flower
+from lensemble_flwr.strategies.grid_transport import instruction_ttl
 from lensemble_flwr.strategies.reporting import LensembleResult
 from lensemble_flwr.strategies.warm_up import warm_up
 
@@ -98,11 +100,12 @@ class RoundLoop:
         self._opened_on_close = False
         self._not_opened: Exception | None = None
         self._closed: RoundOutcome | None = None  # the outcome the driver closed with
+        self._expired = ExpiredReplies()  # late replies of attempts no longer awaited
 
     def run(self, initial_arrays: ArrayRecord, num_rounds: int) -> LensembleResult:
         """The rounds up to ``num_rounds`` (see :meth:`LensembleStrategy.start`)."""
         strategy = self._strategy
-        with lensemble_logs_through_flower():
+        with lensemble_logs_through_flower(), self._expired.counting():
             noise_multiplier_of(strategy._config, rounds=num_rounds)  # a plan that fits
             say(INFO, "Starting %s strategy:", type(strategy).__name__)
             log_strategy_start_info(num_rounds, initial_arrays, *self._logged_configs)
@@ -133,6 +136,7 @@ class RoundLoop:
             self._grid, initial_arrays, fed.open_timeout + fed.collect_timeout
         )
         transport.user_config = dict(self._train_config)
+        transport.expired = self._expired
         with strategy._place.undone_if_it_fails():  # before round 1: a failure leaves no run
             coordinator = strategy._open_run(self._grid, initial_arrays, transport)
             result = LensembleResult(arrays=initial_arrays, run_dir=strategy._place.path)
@@ -151,7 +155,7 @@ class RoundLoop:
             # before a cold ClientApp picked it up would lose the node the round
             grace = max(0.0, strategy._warmup_timeout - waited)
             coordinator.grant_grace(grace)
-            transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
+            transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next(), grace)
             self._evaluate_initial(coordinator, initial_arrays, result)
         if 0 in result.evaluate_metrics_serverapp:  # the initial model's, once the run stays
             strategy._keep_metrics(0, MetricRecord(), None, result.evaluate_metrics_serverapp[0])
@@ -185,14 +189,13 @@ class RoundLoop:
         strategy = self._strategy
         transport = strategy._transport
         assert transport is not None
-        fed = strategy._config.federation
         while (r := coordinator.global_state().next_round) <= num_rounds:
             say(INFO, "")
             say(INFO, "[ROUND %s/%s]", r, num_rounds)
             try:
                 outcomes, metrics = self._train_round(coordinator, driver, r, num_rounds)
-            finally:
-                transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+            finally:  # (evaluation's instructions): grace is spent
+                transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next())
             result.outcomes.extend(outcomes)
             aborted = [o.reason or "" for o in outcomes if o.state is RoundState.ABORTED]
             if aborted:
@@ -302,8 +305,8 @@ class RoundLoop:
             self._closed = closed
             transport = self._strategy._transport
             assert transport is not None
-            fed = self._strategy._config.federation
-            transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+            # grace is spent
+            transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next())
             self._opened_on_close = True
             try:
                 self._open_attempt(coordinator, driver, r + 1, ahead=True)
@@ -342,6 +345,7 @@ class RoundLoop:
                 returned = ours[0] if returned is None else returned
                 metrics = ours[1] if metrics is None else metrics
             outcomes.append(outcome)
+            self._expired.say(outcome.round, outcome.attempt)  # one line, if any
             if outcome.state is RoundState.CLOSED:
                 if returned is not None:
                     self._arrays = returned

@@ -1390,3 +1390,34 @@ def test_fedavgs_attributes_read_as_in_fedavg(tmp_path: Path) -> None:
     assert (strategy.weighted_by_key, strategy.arrayrecord_key) == ("n", "w")
     assert strategy.configrecord_key == "c" and strategy.on_round is print
     assert strategy.train_metrics_aggr_fn is metrics is strategy.evaluate_metrics_aggr_fn
+
+
+def test_adaptive_deadlines_in_start_set_each_attempts_ttl_and_are_reported(
+    tmp_path: Path,
+) -> None:
+    """Round 1 waits (and its instructions live) for the cap; round 2 for the margin times
+    round 1's time, within the floor and cap: each round's metrics say what it waited
+    for, and its instructions' TTL is those deadlines."""
+    config = small_config(
+        min_participants=3,
+        deadline_mode="adaptive",
+        deadline_floor=6.0,
+        deadline_cap=40.0,
+        deadline_margin=2.0,
+    )
+    grid = clientapp_grid(config)
+    strategy = LensembleStrategy(
+        config, run_dir=tmp_path / "run", fraction_evaluate=0.0, warmup_timeout=5.0
+    )
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    one, two = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
+    assert one["lensemble.open-deadline"] == one["lensemble.collect-deadline"] == 40.0
+    expected = min(40.0, max(6.0, 2.0 * one["lensemble.round-time"]))
+    assert two["lensemble.collect-deadline"] == pytest.approx(expected)
+    ttls = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
+    assert ttls[:4] == [(1, pytest.approx(80.0 + 5.0, abs=1.0))] * 4  # + the warm-up's grace
+    assert ttls[4:] == [(2, pytest.approx(2 * expected))] * 4
+    outcomes = result.outcomes
+    assert [o.deadlines.mode for o in outcomes if o.deadlines] == ["adaptive"] * 2
