@@ -428,14 +428,10 @@ class RoundCore:
         if attempt.round_time is not None:  # what the next adaptive deadlines follow
             self.deadlines.observe(attempt.round_time)
         close = RoundClose(
-            run_id=self.inputs.run_id,
-            round=attempt.round,
-            sender=COORDINATOR,
-            previous_hash=attempt.state.params_hash,
-            global_hash=committed.state.params_hash,
-            count=len(result.contributors),
-            record_hash=committed.record.record_hash,
-        )
+            run_id=self.inputs.run_id, round=attempt.round, sender=COORDINATOR,
+            previous_hash=attempt.state.params_hash, global_hash=committed.state.params_hash,
+            count=len(result.contributors), record_hash=committed.record.record_hash,
+        )  # fmt: skip
         return Concluded(attempt, result, diagnostics, close, failure)
 
     def abort(self, error: LensembleError, *, now: float) -> RoundOutcome:

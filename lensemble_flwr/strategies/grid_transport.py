@@ -61,6 +61,7 @@ from lensemble_flwr.strategies.expired import UNAVAILABLE, ExpiredReplies
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.name_claims import bind_claim, claim_proven
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.open_encoding import OpenEncoder
 from lensemble_flwr.strategies.traffic import RoundTraffic
 from lensemble_flwr.transports.base import (
     CLIENT_APP_ERROR,
@@ -157,14 +158,7 @@ class GridTransport:
         self._outstanding: dict[str, SentInstruction] = {}
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
-        self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
-        self._config_record: ConfigRecord | None = None  # the last instruction's, to share
-        # the contents encoded for the RoundOpens sent since the close or the user config
-        # last changed, by the RoundOpen's id (the RoundOpen is kept, so the id is its
-        # own): the coordinator hands every bound recipient of an attempt the same frozen
-        # RoundOpen, and they share one content, as FedAvg's nodes share one RecordDict
-        self._encoded: dict[int, tuple[RoundOpen, RecordDict]] = {}
-        self._encoded_with: tuple[WirePayload | None, dict[str, Any]] | None = None
+        self._opens = OpenEncoder()  # a RoundOpen's content, encoded once and shared
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -192,6 +186,16 @@ class GridTransport:
         """The TTL instructions are sent with: :attr:`message_ttl`, at least
         :data:`MIN_MESSAGE_TTL` (never zero or less, which Flower refuses)."""
         return max(MIN_MESSAGE_TTL, self.message_ttl)
+
+    def open_attempt(
+        self, user_config: Mapping[str, Any], deadlines: PhaseDeadlines | None, grace: float
+    ) -> None:
+        """What an attempt's instructions carry from now on: ``user_config`` (the train
+        config), and a TTL that expires with the attempt's ``deadlines`` (when it has
+        its own) and warm-up ``grace``."""
+        self.user_config = dict(user_config)
+        if deadlines is not None:
+            self.message_ttl = instruction_ttl(deadlines, grace)
 
     def now(self) -> float:
         """Seconds on the transport's clock."""
@@ -227,48 +231,11 @@ class GridTransport:
             return
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
-        content = self._encoded_content(message)
-        if content is not None:
-            self._queue_message(peer_id, content, MessageType.TRAIN, payload)
-            return
-        params = payload["params"]
-        layout = self.layout
-        if self._params_record is None or self._params_record[0] is not params:
-            record = layout.to_record(params) if layout else records.arrays_to_record(params)
-            self._params_record = (params, record)
-        content = records.encode_instruction(
-            payload,
-            server_round=message.round,  # one numbering: Flower's
-            user_config=self.user_config,
-            round_close=self._close,
-            params_record=self._params_record[1],
-            carried=layout.carried_names if layout else None,
-            arrays_key=self.arrays_key,
-            config_key=self.config_key,
-            reuse=self._config_record,
-        )
-        shared = content[self.config_key]
-        self._config_record = shared if isinstance(shared, ConfigRecord) else None
-        if len(self._encoded) >= _ENCODED_KEPT:
-            self._encoded.clear()
-        self._encoded[id(message)] = (message, content)
+        content = self._opens.content(
+            message, payload, user_config=self.user_config, round_close=self._close,
+            layout=self.layout, arrays_key=self.arrays_key, config_key=self.config_key,
+        )  # fmt: skip
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
-
-    def _encoded_content(self, message: RoundOpen) -> RecordDict | None:
-        """The content already encoded for ``message``, if the close it carries and the
-        user config are still the ones it was encoded with (compared by value: a config
-        changed in place is noticed); None if it was not kept, or if the close or the
-        config changed (then every kept content is forgotten)."""
-        if (
-            self._encoded_with is None
-            or self._encoded_with[0] is not self._close
-            or (self._encoded_with[1] != self.user_config)
-        ):
-            self._encoded.clear()
-            self._encoded_with = (self._close, dict(self.user_config))
-            return None
-        held = self._encoded.get(id(message))
-        return held[1] if held is not None and held[0] is message else None
 
     def broadcast(self, message: ControlMessage) -> None:
         """Keep a RoundClose to ride on the next instruction to each node."""
@@ -523,28 +490,30 @@ class GridTransport:
         log.debug("dropped a late %s reply from %s", info.kind, info.peer)
         return []
 
+    def _settle_claim(
+        self, content: RecordDict, info: SentInstruction, source: str
+    ) -> tuple[SentInstruction, str, tuple[SentInstruction, str] | None]:
+        """The reply's instruction and sender once the name it claims is settled
+        (:mod:`.name_claims`), and, for a claim not proven, what its payloads must name."""
+        claimed = records.claimed_sender(content)
+        if claimed is None or claimed == source or info.peer != source:
+            return info, source, None
+        if not claim_proven(content, source, claimed, self.proves_name, self._unproven):
+            return info, source, (dataclasses.replace(info, peer=claimed), claimed)
+        if bind_claim(
+            self.names, source, claimed, connected=self.grid.get_node_ids(),
+            allowed=self.allowed, on_rename=self.on_rename,
+        ):  # fmt: skip  # the node named itself: it is that participant
+            self._peers_at = -float("inf")
+            return dataclasses.replace(info, peer=claimed), claimed, None
+        return info, source, None
+
     def _unpack_train_reply(
         self, content: RecordDict, info: SentInstruction, source: str
     ) -> list[WirePayload]:
         try:
-            claimed = records.claimed_sender(content)
-            unproven = False
-            if claimed is not None and claimed != source and info.peer == source:
-                unproven = not claim_proven(
-                    content, source, claimed, self.proves_name, self._unproven
-                )
-                if not unproven and bind_claim(
-                    self.names,
-                    source,
-                    claimed,
-                    connected=self.grid.get_node_ids(),
-                    allowed=self.allowed,
-                    on_rename=self.on_rename,
-                ):  # the node named itself: it is that participant
-                    self._peers_at = -float("inf")
-                    info, source = dataclasses.replace(info, peer=claimed), claimed
+            info, source, as_sent = self._settle_claim(content, info, source)
             carried = self.layout.carried if self.layout else ()
-            as_sent = (dataclasses.replace(info, peer=claimed), claimed) if unproven else None
             payloads = train_reply_payloads(
                 content, *(as_sent or (info, source)), carried=carried, weight_key=self.weight_key
             )  # (a claim not proven: every payload must name the claimed sender)
@@ -559,13 +528,8 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
             # node the instruction names now: a renamed participant's old node is not it)
-            refusal = (
-                malformed_refusal(info, str(exc), self._node_of(source))
-                if source == info.peer
-                else None
-            )
-            if refusal is not None:
-                return [refusal]  # the coordinator logs it, with the reason
+            if source == info.peer:  # the coordinator logs the refusal, with the reason
+                return [malformed_refusal(info, str(exc), self._node_of(source))]
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return []
         metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
@@ -575,10 +539,6 @@ class GridTransport:
             }
         return list(payloads)
 
-
-_ENCODED_KEPT = 8
-"""Encoded RoundOpen contents a GridTransport keeps (an attempt has two at most: for
-recipients that are bound and for those asked for a commitment)."""
 
 
 def _instruction_of(template: RoundOpen, peer: str) -> SentInstruction:

@@ -46,11 +46,7 @@ from lensemble_flwr.strategies.evaluation import (
     evaluation_sample,
     usable_evaluations,
 )
-from lensemble_flwr.strategies.grid_transport import (
-    GridTransport,
-    instruction_ttl,
-    is_simulation_grid,
-)
+from lensemble_flwr.strategies.grid_transport import GridTransport, is_simulation_grid
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.model_changes import ModelChanges
 from lensemble_flwr.strategies.node_names import NodeNames
@@ -244,9 +240,7 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         attempt = coordinator.begin_attempt()
         transport = self._transport
         assert transport is not None  # made with the coordinator
-        transport.user_config = dict(config)
-        if attempt.deadlines is not None:  # its instructions expire with its deadlines
-            transport.message_ttl = instruction_ttl(attempt.deadlines, attempt.grace)
+        transport.open_attempt(config, attempt.deadlines, attempt.grace)
         for peer, round_open in coordinator.invite(transport.peers(fresh=True)):
             transport.send(peer, round_open)
         return transport.take_queued()
