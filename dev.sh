@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtualenv (once, and again when pyproject.toml changes), then run a job.
 #   ./dev.sh main        the main job: `flwr run .` on Flower's local simulation engine
+#                        (its run config checked first; extra arguments go to `flwr run`)
 #   ./dev.sh inprocess   the same runtime in one process, on a simulated clock
 #   ./dev.sh test        the test suite
 #   ./dev.sh api [OUT]   the API reference, from the docstrings, into OUT (docs/api/)
@@ -30,6 +31,10 @@ flower_env() {
 }
 
 run_flower_app() {
+  # Check the app's run config and the --run-config overrides first (under a second):
+  # Flower says only "Invalid run configuration", or stops the ServerApp after its start-up.
+  "$VENV/bin/python" -m lensemble_flwr.simulations.check_config "${APP:-.}" \
+    --flwr-run-args "$@" || exit 1
   # Start the local simulation SuperLink ourselves, so that we know its PID and stop it
   # afterwards (a SuperLink that `flwr run` starts on its own keeps running).
   local port="${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-39091}" control="${FLWR_LOCAL_CONTROL_API_PORT:-39093}"

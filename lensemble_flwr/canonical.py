@@ -63,7 +63,7 @@ def little_endian(array: np.ndarray) -> np.ndarray:
     """Return ``array`` as a C-contiguous little-endian array (a copy only if needed)."""
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(array)
+    return np.asarray(array, order="C")  # a 0-d array stays 0-d
 
 
 def arrays_header(arrays: Mapping[str, np.ndarray]) -> list[list[Any]]:

@@ -21,7 +21,7 @@ import fnmatch
 import logging
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -114,6 +114,25 @@ class FederationConfig(_Section):
     collect_timeout: float = Field(
         300.0, gt=0, description="Seconds COLLECTING waits for updates before completing."
     )
+    deadline_mode: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: every attempt waits open-timeout in OPEN and collect-timeout in "
+        "COLLECTING; adaptive: each phase waits deadline-margin x the longest of the last 5 "
+        "round times (start of the wait to the last admitted update), within deadline-floor "
+        "and deadline-cap (deadline-cap until a round closed, and in a retry).",
+    )
+    deadline_floor: float = Field(
+        10.0, gt=0, description="Adaptive deadlines: the shortest a phase waits (seconds)."
+    )
+    deadline_cap: float = Field(
+        600.0,
+        gt=0,
+        description="Adaptive deadlines: the longest a phase waits, and what it waits before "
+        "any round closed (seconds; at least deadline-floor).",
+    )
+    deadline_margin: float = Field(
+        3.0, ge=1, le=100, description="Adaptive deadlines: the multiple of the round time."
+    )
     root_seed: int = Field(0, ge=0, description="Root of every reproducible seed (s_t).")
     sample_fraction: float = Field(
         1.0,
@@ -156,6 +175,14 @@ class FederationConfig(_Section):
         "uniform", description="Per-update weight in the mean: 1, or the update's example count."
     )
 
+    @field_validator("deadline_cap")
+    @classmethod
+    def _cap_above_floor(cls, value: float, info: ValidationInfo) -> float:
+        floor = info.data.get("deadline_floor")
+        if floor is not None and value < floor:
+            raise ValueError(f"deadline-cap must be at least deadline-floor ({floor})")
+        return value
+
     @field_validator("secagg_neighbours")
     @classmethod
     def _even_degree(cls, value: int) -> int:
@@ -172,6 +199,30 @@ class FederationConfig(_Section):
     def quorum(self) -> int:
         """K = max(min_participants, secagg_threshold)."""
         return max(self.min_participants, self.secagg_threshold)
+
+    @property
+    def quorum_set_by(self) -> tuple[str, ...]:
+        """The run_config keys that set K: the larger of ``min-participants`` and
+        ``secagg-threshold``, or both when they are equal (lowering the other one alone
+        does not lower K)."""
+        keys = (
+            ("min-participants", self.min_participants),
+            ("secagg-threshold", self.secagg_threshold),
+        )
+        return tuple(key for key, value in keys if value == self.quorum)
+
+    def quorum_reason(self, namespace: str = "") -> str:
+        """Which key sets K, in words: ``K = 3 is set by lensemble.secagg-threshold
+        (min-participants is 2)`` (each key written with ``namespace`` in front)."""
+        named = [namespace + key for key in self.quorum_set_by]
+        if len(named) == 2:
+            return f"K = {self.quorum} is set by both {named[0]} and {named[1]}"
+        other = (
+            f"secagg-threshold is {self.secagg_threshold}"
+            if self.quorum_set_by == ("min-participants",)
+            else f"min-participants is {self.min_participants}"
+        )
+        return f"K = {self.quorum} is set by {named[0]} ({other})"
 
     @property
     def masked(self) -> bool:
@@ -598,11 +649,25 @@ def run_config_keys() -> dict[str, tuple[str, str]]:
     return keys
 
 
+def closest_key(key: str, known: Iterable[str]) -> str | None:
+    """The known key ``key`` most likely meant to be, or None: compared with ``_`` read
+    as ``-`` and case ignored, so ``lensemble.outer_lr`` finds ``lensemble.outer-lr``."""
+    by_form = {k.lower().replace("_", "-"): k for k in known}
+    close = difflib.get_close_matches(key.lower().replace("_", "-"), list(by_form), n=1)
+    return by_form[close[0]] if close else None
+
+
 def _unrecorded_keys() -> set[str]:
     return {k for k, (section, _) in run_config_keys().items() if section in UNRECORDED_SECTIONS}
 
 
-RECORDED_UNLESS_DEFAULT = {"dp-adjacency": "substitution"}
+RECORDED_UNLESS_DEFAULT = {
+    "dp-adjacency": "substitution",
+    "deadline-mode": "fixed",
+    "deadline-floor": 10.0,
+    "deadline-cap": 600.0,
+    "deadline-margin": 3.0,
+}
 """Keys added after runs were recorded without them, whose default is what those runs
 did: the manifest records them only when they are set to something else, so a run of the
 default keeps the manifest header (and every ledger hash after it) it had, and a run
@@ -617,7 +682,7 @@ _PROTECTIVE_FIELDS = {
 }
 
 
-def _protects(key: str) -> bool:
+def protects(key: str) -> bool:
     """Whether a run_config key changes how participants protect what they release
     (privacy, encoding, masking, binding, which arrays leave a node)."""
     section, field = run_config_keys()[key]
@@ -627,6 +692,8 @@ def _protects(key: str) -> bool:
 def _error_from(exc: ValidationError, owner: str) -> ConfigError:
     first = exc.errors()[0]
     field = ".".join([owner, *(str(p) for p in first["loc"])])
+    if not first["loc"]:  # a check across the section's fields: its message names them
+        return ConfigError(field, first["msg"].removeprefix("Value error, "))
     return ConfigError(field, f"{first['msg']} (got {first.get('input')!r})")
 
 
@@ -747,35 +814,23 @@ class LensembleConfig(_Section):
 
         lensemble's keys are the ones under the ``lensemble.`` namespace (an app's
         ``[tool.flwr.app.config.lensemble]`` table); every other key belongs to the app
-        and is left alone. Keys missing from the namespace keep their defaults. An
-        un-namespaced key that is also a lensemble key (``outer-lr`` instead of
-        ``lensemble.outer-lr``) is not read: a warning says so.
+        and is neither read nor checked, even where its name is also one of lensemble's keys
+        (Flower's fl-dp-sa app declares its own ``noise-multiplier``; an info line says
+        which ``lensemble.`` key applies instead). Keys missing from the namespace keep
+        their defaults.
 
         Raises:
             ConfigError: an unknown key in the namespace (the message suggests the
-                closest known one), a bad value, or a protective lensemble key outside the
-                namespace; the message names the run_config key.
+                closest known one) or a bad value; the message names the run_config key.
         """
-        flat: dict[str, Any] = {}
-        for key, value in run_config.items():
-            if key.startswith(NAMESPACE):
-                flat[key[len(NAMESPACE) :]] = value
-        strays = sorted(k for k in run_config if k in run_config_keys())
-        protective = [k for k in strays if _protects(k)]
-        if protective:  # e.g. clip-norm at the top level: the run would have no DP at all
-            key = protective[0]
-            raise ConfigError(
-                key,
-                f"a lensemble key outside its namespace is not read, and this one protects "
-                f"what participants release: set it as {NAMESPACE}{key} (in a "
+        flat = {k[len(NAMESPACE) :]: v for k, v in run_config.items() if k.startswith(NAMESPACE)}
+        same_names = sorted(k for k in run_config if k in run_config_keys())
+        if same_names:  # the app's own keys (fl-dp-sa's noise-multiplier): said, never read
+            log.info(
+                "run_config keys %s are the app's own: lensemble reads only %s (a "
                 "[tool.flwr.app.config.lensemble] table)",
-            )
-        if strays:
-            log.warning(
-                "run_config keys %s are lensemble keys outside its namespace and are not "
-                "read; set them as %s (a [tool.flwr.app.config.lensemble] table)",
-                strays,
-                [NAMESPACE + k for k in strays],
+                same_names,
+                [NAMESPACE + k for k in same_names],
             )
         try:
             return cls.from_flat(flat)
@@ -798,8 +853,8 @@ class LensembleConfig(_Section):
         nested: dict[str, dict[str, Any]] = {}
         for key, value in flat.items():
             if key not in keys:
-                close = difflib.get_close_matches(key, list(keys), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                close = closest_key(key, keys)
+                hint = f"; did you mean {close!r}?" if close else ""
                 raise ConfigError(key, f"unknown lensemble run_config key{hint}")
             section, field = keys[key]
             nested.setdefault(section, {})[field] = value

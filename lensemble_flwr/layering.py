@@ -57,11 +57,23 @@ LAYERS: tuple[tuple[tuple[str, str], ...], ...] = (
     ),
     (("shared_folder", "no coordinator process: rounds that meet in a folder all nodes mount"),),
     (("testing", "scripted faults for tests and drills: fault plans, delivery log, clock"),),
-    (("cli", "the lensemble-flwr command: verify, show, report, average, prove, check-proof"),),
+    (
+        (
+            "cli",
+            "the lensemble-flwr command: verify, show, report, average, export, prove, "
+            "check-proof",
+        ),
+    ),
     (("__main__", "python -m lensemble_flwr: the lensemble-flwr command"),),
     (("strategies", "the coordinator as a Flower Strategy; Flower's Grid as a Transport"),),
     (("clients", "Flower ClientApps (and NumPyClient code) as lensemble Participants"),),
-    (("simulations", "runnable apps and drills: digits, world model, in-process, crash drill"),),
+    (
+        (
+            "simulations",
+            "runnable apps and drills: digits, world model, in-process, crash drill; "
+            "the apps' run-config check",
+        ),
+    ),
     ((ROOT_PART, "the package root: lazily re-exports the core names (no flwr)"),),
 )
 

@@ -99,10 +99,46 @@ def test_an_unknown_key_in_the_namespace_is_refused_with_a_suggestion() -> None:
 def test_a_lensemble_key_outside_the_namespace_is_not_read_and_is_named(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level("WARNING", logger="lensemble_flwr.config"):
+    with caplog.at_level("INFO", logger="lensemble_flwr.config"):
         cfg = LensembleConfig.from_run_config({"outer-lr": 0.5})
     assert cfg == LensembleConfig()
     assert "lensemble.outer-lr" in caplog.text
+
+
+@pytest.mark.parametrize("app_value", [0.5, -1.0, "text", True])
+def test_an_app_key_that_shares_a_lensemble_name_is_neither_read_nor_checked(
+    app_value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Flower's fl-dp-sa declares noise-multiplier for its own DP wrapper: only
+    lensemble.noise-multiplier is lensemble's, and the app's value (even one lensemble
+    would refuse) stops nothing."""
+    with caplog.at_level("INFO", logger="lensemble_flwr.config"):
+        cfg = LensembleConfig.from_run_config(
+            {"noise-multiplier": app_value, "lensemble.noise-multiplier": 0, "clip-norm": 2.0}
+        )
+    assert cfg.privacy.noise_multiplier == 0 and cfg.privacy.clip_norm == 0
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    with pytest.raises(ConfigError, match=r"^lensemble\.noise-multiplier: "):
+        LensembleConfig.from_run_config({"noise-multiplier": 0.5, "lensemble.noise-multiplier": -1})
+
+
+@pytest.mark.parametrize(
+    ("min_participants", "secagg_threshold", "set_by", "reason"),
+    [
+        (2, 3, ("secagg-threshold",), "K = 3 is set by lensemble.secagg-threshold "
+         "(min-participants is 2)"),
+        (4, 3, ("min-participants",), "K = 4 is set by lensemble.min-participants "
+         "(secagg-threshold is 3)"),
+        (3, 3, ("min-participants", "secagg-threshold"), "K = 3 is set by both "
+         "lensemble.min-participants and lensemble.secagg-threshold"),
+    ],
+)  # fmt: skip
+def test_the_quorum_names_the_key_that_sets_it(
+    min_participants: int, secagg_threshold: int, set_by: tuple[str, ...], reason: str
+) -> None:
+    fed = FederationConfig(min_participants=min_participants, secagg_threshold=secagg_threshold)
+    assert fed.quorum_set_by == set_by
+    assert fed.quorum_reason("lensemble.") == reason
 
 
 def test_the_namespaced_run_config_round_trips() -> None:

@@ -78,8 +78,8 @@ def _layout(
     params_hash: str | None,
     momentum_hash: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, object]]:
-    tensors = {f"params/{n}": np.ascontiguousarray(params[n]) for n in sorted(params)}
-    tensors |= {f"momentum/{n}": np.ascontiguousarray(momentum[n]) for n in sorted(momentum)}
+    tensors = {f"params/{n}": np.asarray(params[n], order="C") for n in sorted(params)}
+    tensors |= {f"momentum/{n}": np.asarray(momentum[n], order="C") for n in sorted(momentum)}
     info = {
         "format": FORMAT,
         "round": round,

@@ -4,6 +4,7 @@
     lensemble-flwr show RUN_DIR [--json]   round attempts: state, C_t, epsilon, frame drift
     lensemble-flwr report RUN_DIR          per-round curves (PNG) and a markdown summary
     lensemble-flwr average RUN_DIR --out MODEL.safetensors   a weighted average of the models
+    lensemble-flwr export RUN_DIR OUT [--round N] [--format safetensors|torch]   the model
     lensemble-flwr prove ...               participant: an inclusion proof for one record
     lensemble-flwr check-proof RUN_DIR PROOF.json --participant ID
     lensemble-flwr --version
@@ -22,7 +23,7 @@ import argparse
 from collections.abc import Sequence
 from importlib import metadata
 
-from lensemble_flwr.cli import average, proof, report, show, verify
+from lensemble_flwr.cli import average, export, proof, report, show, verify
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_USAGE, UsageError, stderr
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.provenance.audit import NotARunDirectory
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_parser(commands)
     report.add_parser(commands)
     average.add_parser(commands)
+    export.add_parser(commands)
     proof.add_parsers(commands)
     return parser
 

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from lensemble_flwr.aggregation.fixed_point import Aggregator
+from lensemble_flwr.coordinator.deadlines import Phase, PhaseDeadlines
 from lensemble_flwr.errors import LensembleError
 from lensemble_flwr.protocol.messages import RoundOpen, Update
 from lensemble_flwr.protocol.round import RoundMachine, RoundState, TerminalState
@@ -42,6 +43,12 @@ class RoundOutcome:
     """Invited participants that answered without contributing (a refusal, an error
     reply, a reply that is no update, an update rejected at ingress), or that the
     SuperLink reported unavailable."""
+    deadlines: PhaseDeadlines | None = None
+    """The open and collect deadlines the attempt waited for (None: a feeder that hands
+    in collected batches waits for none of its own)."""
+    round_time: float | None = None
+    """Seconds from the start of its wait to its last admitted update (None: none was
+    admitted while it waited); what adaptive deadlines follow."""
 
     @property
     def reason(self) -> str | None:
@@ -66,6 +73,9 @@ class Attempt:
     round_open: RoundOpen  # the attempt's RoundOpen, before per-recipient changes
     started: float  # on the coordinator's clock
     grace: float = 0.0  # extra seconds on the open and collect deadlines (a cold start)
+    deadlines: PhaseDeadlines | None = None  # what it waits for (fixed or adaptive)
+    waiting_since: float | None = None  # when its wait began, on the coordinator's clock
+    round_time: float | None = None  # seconds from then to its last admitted update
     aggregator: Aggregator | None = None  # None until the mode can build it
     transform: Callable[[Update], Update] | None = None  # the research harness, if any
     sketch_fingerprint: str | None = None  # gauge alignment: the round's sketch
@@ -95,6 +105,24 @@ class Attempt:
     @property
     def phase(self) -> RoundState:
         return self.machine.state
+
+    def start_waiting(self, now: float) -> PhaseDeadlines:
+        """Its wait begins at ``now`` (its deadlines run from here): its deadlines."""
+        self.waiting_since = now
+        if self.deadlines is None:
+            raise ValueError("an attempt that waits needs its deadlines")
+        return self.deadlines
+
+    def note_admitted(self, now: float) -> None:
+        """An update was admitted at ``now``: the round's time so far."""
+        if self.waiting_since is not None:
+            self.round_time = max(0.0, now - self.waiting_since)
+
+    def deadline_of(self, phase: Phase) -> str:
+        """``phase``'s deadline, for a reason: seconds, key, grace (see PhaseDeadlines)."""
+        if self.deadlines is None:
+            return "no deadline of its own"
+        return self.deadlines.describe(phase, self.grace)
 
     def path(self) -> tuple[RoundState, ...]:
         """Every state the attempt has been in, in order."""

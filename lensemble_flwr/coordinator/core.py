@@ -40,6 +40,7 @@ from lensemble_flwr.coordinator.commit import (
     commit_round,
     entry_of,
 )
+from lensemble_flwr.coordinator.deadlines import DeadlineTracker
 from lensemble_flwr.coordinator.durable import mark_started
 from lensemble_flwr.coordinator.envelope import Ingress
 from lensemble_flwr.coordinator.exits import Look
@@ -140,6 +141,7 @@ class RoundCore:
             spent_before=self.spent.before,
         )
         self.grace = 0.0  # extra seconds on the next attempt's deadlines
+        self.deadlines = DeadlineTracker(self.config.federation)  # fixed or adaptive
         self._reach = ReachMemo()  # what invite and advance derived from the peers
         self._signed_from: dict[str, int] = {}  # participant -> the node it last signed from
         self._older_digests: dict[tuple[int, int], Mapping[str, str] | None] = {}
@@ -190,6 +192,7 @@ class RoundCore:
             round_open=self.round_open(number),
             started=now,
             grace=self.grace,
+            deadlines=self.deadlines.next(),
             transform=self.inputs.transform(state),
             sketch_fingerprint=self.inputs.fingerprint(state),
         )
@@ -422,15 +425,13 @@ class RoundCore:
             return exc
         self.spent.committed(committed.record)
         self.spent.ended(committed.entry)  # updates it admitted beyond the contributors
+        if attempt.round_time is not None:  # what the next adaptive deadlines follow
+            self.deadlines.observe(attempt.round_time)
         close = RoundClose(
-            run_id=self.inputs.run_id,
-            round=attempt.round,
-            sender=COORDINATOR,
-            previous_hash=attempt.state.params_hash,
-            global_hash=committed.state.params_hash,
-            count=len(result.contributors),
-            record_hash=committed.record.record_hash,
-        )
+            run_id=self.inputs.run_id, round=attempt.round, sender=COORDINATOR,
+            previous_hash=attempt.state.params_hash, global_hash=committed.state.params_hash,
+            count=len(result.contributors), record_hash=committed.record.record_hash,
+        )  # fmt: skip
         return Concluded(attempt, result, diagnostics, close, failure)
 
     def abort(self, error: LensembleError, *, now: float) -> RoundOutcome:
@@ -438,6 +439,7 @@ class RoundCore:
         attempt = self.current()
         reason = f"{type(error).__name__}: {error}"
         self.fire(attempt, RoundEvent.ABORT, reason=reason)
+        self.deadlines.aborted()  # its retry waits the cap (adaptive deadlines)
         log.warning("round %d attempt %d ABORTED: %s", attempt.round, attempt.number, reason)
         # kept in the outcome without its traceback: its frames hold the attempt, the sum
         # and the model (kept outcomes would pin them, and the sum's buffers, for good)
@@ -525,6 +527,8 @@ class RoundCore:
             elapsed=now - attempt.started,
             path=attempt.path(),
             refused=tuple(sorted(set(attempt.refused) & attempt.invited - attempt.admitted)),
+            deadlines=attempt.deadlines if attempt.waiting_since is not None else None,
+            round_time=attempt.round_time,
         )
 
     def report(self, outcome: RoundOutcome) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.core import RoundCore
 from lensemble_flwr.coordinator.modes import Exchange, require_exchange
@@ -225,8 +226,9 @@ class Driver:
     def _wait_out_phases(self, attempt: Attempt) -> None:
         """OPEN, then COLLECTING: invite, look whether the phase is over, wait for a
         message (in OPEN, at most a discovery interval: new peers are looked for)."""
-        transport, fed = self._require_transport(), self.core.config.federation
-        phases = ((fed.open_timeout, _DISCOVERY_INTERVAL), (fed.collect_timeout, None))
+        transport = self._require_transport()
+        deadlines = attempt.start_waiting(self._clock())
+        phases = ((deadlines.open, _DISCOVERY_INTERVAL), (deadlines.collect, None))
         for timeout, poll in phases:
             deadline = self._clock() + timeout + attempt.grace
             while True:
@@ -237,7 +239,8 @@ class Driver:
                 if self.core.advance(transport.peers(), deadline_passed=remaining <= 0):
                     break
                 wait = remaining if poll is None else min(remaining, poll)
-                self.core.receive(transport.recv(timeout_s=wait))
+                if self.core.receive(transport.recv(timeout_s=wait)) is Verdict.ADMITTED:
+                    attempt.note_admitted(self._clock())
 
     def open_attempt(self) -> None:
         """Begin the next attempt and deliver its RoundOpens now, without waiting for a
@@ -341,7 +344,9 @@ class Driver:
         passed."""
         transport = self._require_transport()
         self._send_all(requests.items())
-        deadline = self._clock() + self.core.config.federation.collect_timeout
+        attempt = self.core.current()
+        deadlines = attempt.deadlines or self.core.deadlines.next()
+        deadline = self._clock() + deadlines.collect
         while not done() and (remaining := deadline - self._clock()) > 0:
             self.core.receive(transport.recv(timeout_s=remaining))
 

@@ -77,14 +77,16 @@ def quorum_reached(look: Look) -> bool:
     wanted = fed.min_available
     if look.deadline_passed and fed.sampled and attempt.sample is None and look.available < wanted:
         raise FaultToleranceExceeded(
-            f"{look.available} participants reachable by the open timeout, and a sampled "
+            f"{look.available} participants reachable by the open deadline "
+            f"({attempt.deadline_of('open')}), and a sampled "
             f"attempt draws none before min-available = {wanted} are (FedAvg's "
             "min_available_nodes)"
         )
     if look.deadline_passed:
         raise FaultToleranceExceeded(
-            f"{len(ready)} of quorum {fed.quorum} participants ready by the open timeout "
-            f"({look.mode.readiness}), of {look.available} reachable"
+            f"{len(ready)} of quorum {fed.quorum} participants ready by the open deadline "
+            f"({attempt.deadline_of('open')}; {look.mode.readiness}), of {look.available} "
+            "reachable"
         )
     return False
 
@@ -112,7 +114,10 @@ def collection_closed(look: Look) -> bool:
         if outstanding:  # name who kept the round waiting
             silent = sorted(outstanding)
             more = f" and {len(silent) - 3} more" if len(silent) > 3 else ""
-            when = f"by the collect deadline (no answer from {', '.join(silent[:3])}{more})"
+            when = (
+                f"by the collect deadline ({attempt.deadline_of('collect')}; no answer from "
+                f"{', '.join(silent[:3])}{more})"
+            )
         raise FaultToleranceExceeded(
             f"{len(attempt.admitted)} updates {when}, quorum {quorum}{shortfall(attempt)}"
         )

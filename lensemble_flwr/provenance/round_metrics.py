@@ -2,7 +2,9 @@
 
 The ledger records what the federation committed; it holds no losses. A Flower run's
 strategy also keeps, per closed round, the aggregated metrics of the train replies
-(``train``) and of the evaluation (``evaluate``): one JSON line per round, appended as
+(``train``), of the federated evaluation (``evaluate``) and of the server-side
+``evaluate_fn`` on the round's global model (``server``; round 0 is the initial model's,
+when ``evaluate_fn`` evaluated it): one JSON line per round, appended as
 the round is reported, so that a round costs the same however many came before it
 (rewriting one JSON document every round made a run of R rounds cost O(R²)). The line
 and the file are fsynced when the run's store writes durably (everywhere but on the
@@ -28,10 +30,13 @@ from lensemble_flwr.atomic_write import fsync_folder, write_atomically
 from lensemble_flwr.errors import ConfigError
 
 METRICS_NAME = "round-metrics.jsonl"
-KINDS = ("train", "evaluate")
+KINDS = ("train", "evaluate", "server")
+ALWAYS = ("train", "evaluate")
+"""The kinds every line holds (empty or not); ``server`` is written only when it holds a
+metric, so a run without an ``evaluate_fn`` writes the lines it always wrote."""
 
 RoundMetrics = dict[int, dict[str, dict[str, float]]]
-"""round → kind (``train`` / ``evaluate``) → metric name → value."""
+"""round → kind (``train`` / ``evaluate`` / ``server``) → metric name → value."""
 
 
 def _line(server_round: int, kinds: Mapping[str, Mapping[str, Any]]) -> bytes:
@@ -39,6 +44,8 @@ def _line(server_round: int, kinds: Mapping[str, Mapping[str, Any]]) -> bytes:
     clean: dict[str, Any] = {"round": int(server_round)}
     for kind in KINDS:
         metrics = kinds.get(kind) or {}
+        if kind not in ALWAYS and not metrics:
+            continue
         clean[kind] = {
             str(k): float(v)
             for k, v in metrics.items()
@@ -55,10 +62,10 @@ def append_round_metrics(
     *,
     durable: bool = True,
 ) -> Path:
-    """Append round ``server_round``'s metrics (``kinds``: ``train`` / ``evaluate`` →
-    name → value) as one line, in one write. A last line a killed writer left without its
-    newline is cut off first. ``durable``: fsync the file (and its folder when the file
-    is new); off, a power loss may lose the last rounds' lines.
+    """Append round ``server_round``'s metrics (``kinds``: ``train`` / ``evaluate`` /
+    ``server`` → name → value) as one line, in one write. A last line a killed writer
+    left without its newline is cut off first. ``durable``: fsync the file (and its
+    folder when the file is new); off, a power loss may lose the last rounds' lines.
 
     Raises:
         OSError: the file cannot be written (the caller decides whether that matters).

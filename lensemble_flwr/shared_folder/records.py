@@ -103,7 +103,7 @@ def encode_record(record: FolderRecord) -> bytes:
             if _is_arrays(value):
                 array_fields.append(field)
                 for name, array in value.items():
-                    tensors[f"{i}/{field}/{name}"] = np.ascontiguousarray(array)
+                    tensors[f"{i}/{field}/{name}"] = np.asarray(array, order="C")  # 0-d stays 0-d
             else:
                 fields[field] = list(value) if isinstance(value, tuple) else value
         payloads.append(fields)

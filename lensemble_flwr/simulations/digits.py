@@ -20,6 +20,7 @@ from lensemble_flwr.simulations.digits_data import (
     load_partition,
 )
 from lensemble_flwr.simulations.flower_app import (
+    checked_config,
     partition_of,
     start_and_report,
     strategy_from_context,
@@ -42,9 +43,10 @@ server_app = ServerApp()
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger)."""
+    config = checked_config(context)  # first: a bad value stops the run in seconds
     use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     run_config = dict(context.run_config)
-    config, strategy = strategy_from_context(context)
+    config, strategy = strategy_from_context(context, config)
     seed = int(run_config.get("data-seed", 0))
     count = int(run_config.get("num-partitions", 10))
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from logging import ERROR
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common import log as say
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.config import NAMESPACE, LensembleConfig, run_config_keys
+from lensemble_flwr.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where a strategy is built: not in a ClientApp process
     from lensemble_flwr.strategies import LensembleStrategy
@@ -27,16 +30,40 @@ def partition_of(context: Context, default_count: int) -> tuple[int, int]:
     return int(node.get("partition-id", 0)) % count, count
 
 
+def checked_config(
+    context: Context, *checks: Callable[[LensembleConfig], None]
+) -> LensembleConfig:
+    """The run's federation config (the run config's ``lensemble.`` keys), checked by
+    lensemble and by the app's own ``checks``: the first thing the example ServerApps do,
+    before they build anything or ask the Grid anything, so that a bad value stops the
+    run in seconds. A refused config is logged as one error line naming the run_config
+    key (``lensemble.<key>``), then raised.
+
+    Raises:
+        ConfigError: the key and why it is refused.
+    """
+    try:
+        config = LensembleConfig.from_run_config(context.run_config)
+        for check in checks:
+            check(config)
+    except ConfigError as exc:
+        if exc.field in run_config_keys():  # an app's check names the un-namespaced key
+            exc = ConfigError(NAMESPACE + exc.field, exc.reason)
+        say(ERROR, "the run config is refused, nothing was started: %s", exc)
+        raise exc from None
+    return config
+
+
 def strategy_from_context(
-    context: Context, **strategy_args: Any
+    context: Context, config: LensembleConfig | None = None, **strategy_args: Any
 ) -> tuple[LensembleConfig, LensembleStrategy]:
-    """The federation config (the run config's ``lensemble.`` keys) and a strategy that
-    writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` (its per-round
-    lines go through Flower's logger)."""
+    """The federation config (``config``, else :func:`checked_config`) and a strategy
+    that writes to ``run-dir`` (or ``$LENSEMBLE_RUN_DIR``) / ``flwr-<run id>`` (its
+    per-round lines go through Flower's logger)."""
     from lensemble_flwr.strategies import LensembleStrategy
 
     run_config = dict(context.run_config)
-    config = LensembleConfig.from_run_config(run_config)
+    config = config if config is not None else checked_config(context)
     run_dir = str(run_config.get("run-dir", "")) or os.environ.get("LENSEMBLE_RUN_DIR", "")
     strategy = LensembleStrategy(
         config,
@@ -53,6 +80,13 @@ def last_metrics(by_round: Mapping[int, MetricRecord]) -> dict[str, Any] | None:
     empty)."""
     final = by_round.get(max(by_round, default=0))
     return dict(final) if final else None
+
+
+def evaluation_timeout(config: LensembleConfig) -> float:
+    """How long a round's federated evaluation waits for the nodes: the collect timeout,
+    or under adaptive deadlines their cap (what a round may wait at most)."""
+    fed = config.federation
+    return fed.deadline_cap if fed.deadline_mode == "adaptive" else fed.collect_timeout
 
 
 def start_and_report(
@@ -72,7 +106,7 @@ def start_and_report(
         grid=grid,
         initial_arrays=initial_arrays,
         num_rounds=int(context.run_config.get("num-server-rounds", 5)),
-        timeout=config.federation.collect_timeout,
+        timeout=evaluation_timeout(config),
         evaluate_fn=evaluate_fn,
     )
     print(f"run directory: {result.run_dir}", flush=True)

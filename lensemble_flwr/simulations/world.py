@@ -276,14 +276,14 @@ def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger), then print the
     per-node table of the last round."""
+    config = flower_app.checked_config(context, check_groups)  # first: refused in seconds
     use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)
     per_node = PerNodeEvaluation()
     config, strategy = flower_app.strategy_from_context(
-        context, gauge=gauge, evaluate_metrics_aggr_fn=per_node
+        context, config, gauge=gauge, evaluate_metrics_aggr_fn=per_node
     )
-    check_groups(config)
 
     def server_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         return MetricRecord({"probe-moment-gap": probe_moment_gap(gauge, record_to_arrays(arrays))})

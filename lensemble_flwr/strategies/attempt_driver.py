@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from flwr.app import Message
 
+from lensemble_flwr.coordinator.admission import Verdict
 from lensemble_flwr.coordinator.attempt import Attempt, RoundOutcome
 from lensemble_flwr.coordinator.coordinator import WRITES_PREPARED, Coordinator
 from lensemble_flwr.errors import LensembleError, StoreError
@@ -65,6 +66,7 @@ class AttemptDriver:
         """Drive ``attempt`` from now on (:meth:`push` does it first)."""
         if attempt is not self._attempt:
             self._attempt, self._outcome, self._reply_ids = attempt, None, frozenset()
+        self._transport.awaited = (attempt.round, attempt.number)
 
     def push(self, messages: Iterable[Message], attempt: Attempt) -> None:
         """Send ``messages`` as ``attempt``'s instructions, then make the files its commit
@@ -101,6 +103,7 @@ class AttemptDriver:
     def abort(self, error: LensembleError) -> RoundOutcome:
         """End the driven attempt ABORTED with ``error``."""
         self._outcome = self._coordinator.abort(error)
+        self._transport.awaited = None  # its replies are no longer waited for
         return self._outcome
 
     def collect(self) -> None:
@@ -110,9 +113,9 @@ class AttemptDriver:
         attempt = self._attempt
         if attempt is None or self._outcome is not None:
             return
-        fed = coordinator.config.federation
         try:
-            phases = ((fed.open_timeout, DISCOVERY_INTERVAL), (fed.collect_timeout, None))
+            deadlines = attempt.start_waiting(transport.now())
+            phases = ((deadlines.open, DISCOVERY_INTERVAL), (deadlines.collect, None))
             for timeout, poll in phases:
                 deadline = transport.now() + timeout + attempt.grace
                 while True:
@@ -122,7 +125,9 @@ class AttemptDriver:
                     if coordinator.advance(transport.peers(), deadline_passed=remaining <= 0):
                         break
                     wait = remaining if poll is None else min(remaining, poll)
-                    coordinator.receive(transport.recv(timeout_s=wait))
+                    payload = transport.recv(timeout_s=wait)
+                    if coordinator.receive(payload) is Verdict.ADMITTED:
+                        attempt.note_admitted(transport.now())
         except LensembleError as exc:
             self.abort(exc)
 
@@ -132,6 +137,7 @@ class AttemptDriver:
         if self._outcome is not None:
             return self._outcome
         outcome = self._outcome = self._coordinator.conclude(exchange=self._exchange)
+        self._transport.awaited = None  # its replies are no longer waited for
         on_closed, self.on_closed = self.on_closed, None
         if on_closed is not None and outcome.state is RoundState.CLOSED:
             on_closed(outcome)  # it may push the next attempt: this driver drives that one
@@ -143,7 +149,9 @@ class AttemptDriver:
         coordinator, transport = self._coordinator, self._transport
         for peer, request in requests.items():
             transport.send(peer, request)
-        deadline = transport.now() + coordinator.config.federation.collect_timeout
+        attempt = coordinator.core.current()
+        deadlines = attempt.deadlines or coordinator.core.deadlines.next()
+        deadline = transport.now() + deadlines.collect
         while not done() and (remaining := deadline - transport.now()) > 0:
             coordinator.receive(transport.recv(timeout_s=remaining))
 

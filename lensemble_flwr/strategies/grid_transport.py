@@ -4,13 +4,16 @@ The coordinator's state machine runs unchanged; this class only moves payloads:
 
 * ``send`` queues an instruction for a node; the next ``recv`` pushes every queued
   instruction in one ``push_messages`` call. Each instruction's TTL is set from the
-  round's deadlines, so an unanswered one expires in the SuperLink instead of lingering
-  for Flower's default 12 hours.
+  attempt's deadlines (:func:`instruction_ttl`), never below :data:`MIN_MESSAGE_TTL`, so
+  an unanswered one expires in the SuperLink instead of lingering for Flower's default
+  12 hours, and none is sent with a TTL Flower would refuse.
 * ``recv`` pulls replies for every outstanding instruction — including those of earlier
   rounds, so a late reply is pulled (which also deletes it from the SuperLink), decoded,
   and handed to the coordinator, which logs it with its round and drops it. An error reply
   to a RoundOpen (a ClientApp exception, an expired TTL) becomes that node's Refusal of
   the attempt, so the round does not wait for it; other error replies are logged, dropped.
+  A "Message Unavailable" reply to an instruction of an attempt no longer awaited is only
+  counted (:mod:`.expired`: one INFO line per attempt).
 * ``broadcast(RoundClose)`` costs no exchange: the close rides on the next instruction
   to each node.
 * A stock Message-API ClientApp's reply (``arrays`` + ``num-examples``) becomes an
@@ -40,6 +43,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 
+from lensemble_flwr.coordinator.deadlines import PhaseDeadlines
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
@@ -53,9 +57,11 @@ from lensemble_flwr.protocol.messages import (
     to_wire,
 )
 from lensemble_flwr.strategies import records
+from lensemble_flwr.strategies.expired import UNAVAILABLE, ExpiredReplies
 from lensemble_flwr.strategies.layout import ArrayLayout
 from lensemble_flwr.strategies.name_claims import bind_claim, claim_proven
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.open_encoding import OpenEncoder
 from lensemble_flwr.strategies.traffic import RoundTraffic
 from lensemble_flwr.transports.base import (
     CLIENT_APP_ERROR,
@@ -69,6 +75,16 @@ log = logging.getLogger(__name__)
 
 
 _IN_MEMORY_GRID = "flwr.superlink.grid.inmemory_grid"
+
+MIN_MESSAGE_TTL = 5.0
+"""The shortest TTL an instruction is sent with (seconds): Flower refuses a message whose
+TTL is not above zero, and a node's reply inherits what is left of its instruction's."""
+
+
+def instruction_ttl(deadlines: PhaseDeadlines, grace: float = 0.0) -> float:
+    """The TTL of an attempt's instructions: its open and collect deadlines and its
+    warm-up grace (a reply after them is not waited for), at least :data:`MIN_MESSAGE_TTL`."""
+    return max(MIN_MESSAGE_TTL, deadlines.open + deadlines.collect + grace)
 
 
 def is_simulation_grid(grid: Grid) -> bool:
@@ -97,8 +113,9 @@ class GridTransport:
 
     Args:
         grid: the ServerApp's Grid (in-memory in simulation, HTTP in deployment).
-        message_ttl: seconds an instruction may wait in the SuperLink (set it to the open
-            plus collect timeout, so it expires with the round that sent it).
+        message_ttl: seconds an instruction may wait in the SuperLink (the attempt's
+            deadlines, :func:`instruction_ttl`, so it expires with the attempt that sent
+            it); an instruction is sent with at least :data:`MIN_MESSAGE_TTL`.
         user_config: the train config every instruction carries (as FedAvg would).
         layout: the user's array names, order and carried arrays: instructions carry the
             global arrays in that order (carried ones included), and a stock reply's
@@ -141,14 +158,7 @@ class GridTransport:
         self._outstanding: dict[str, SentInstruction] = {}
         self._inbox: deque[WirePayload] = deque()
         self._close: WirePayload | None = None
-        self._params_record: tuple[Any, Any] | None = None  # (params mapping, its ArrayRecord)
-        self._config_record: ConfigRecord | None = None  # the last instruction's, to share
-        # the contents encoded for the RoundOpens sent since the close or the user config
-        # last changed, by the RoundOpen's id (the RoundOpen is kept, so the id is its
-        # own): the coordinator hands every bound recipient of an attempt the same frozen
-        # RoundOpen, and they share one content, as FedAvg's nodes share one RecordDict
-        self._encoded: dict[int, tuple[RoundOpen, RecordDict]] = {}
-        self._encoded_with: tuple[WirePayload | None, dict[str, Any]] | None = None
+        self._opens = OpenEncoder()  # a RoundOpen's content, encoded once and shared
         self.names = names if names is not None else NodeNames()
         self.on_rename: Callable[[str, str], bool] | None = None  # (address, participant)
         self.allowed: Collection[str] | None = None  # the identity allow-list's names
@@ -159,6 +169,11 @@ class GridTransport:
         self._peers_at = -float("inf")
         self.traffic = RoundTraffic()  # per-round counts the strategy reports
         self.dropped: list[tuple[str, int, str]] = []
+        # the (round, attempt) whose replies are awaited: the last one sent a RoundOpen
+        # (None once its driver ended it); the "Message Unavailable" replies of any other
+        # are counted in `expired`
+        self.awaited: tuple[int, int] | None = None
+        self.expired = ExpiredReplies()
         # Flower's round hooks: the instructions handed out by take_queued until pushed,
         # and (while keep_train_replies) each attempt's raw train replies until taken
         self._handed_out: dict[int, tuple[Message, SentInstruction]] = {}
@@ -166,6 +181,22 @@ class GridTransport:
         self._train_replies: list[tuple[int, int, Message]] = []
 
     # -- Transport ---------------------------------------------------------------------
+    @property
+    def ttl(self) -> float:
+        """The TTL instructions are sent with: :attr:`message_ttl`, at least
+        :data:`MIN_MESSAGE_TTL` (never zero or less, which Flower refuses)."""
+        return max(MIN_MESSAGE_TTL, self.message_ttl)
+
+    def open_attempt(
+        self, user_config: Mapping[str, Any], deadlines: PhaseDeadlines | None, grace: float
+    ) -> None:
+        """What an attempt's instructions carry from now on: ``user_config`` (the train
+        config), and a TTL that expires with the attempt's ``deadlines`` (when it has
+        its own) and warm-up ``grace``."""
+        self.user_config = dict(user_config)
+        if deadlines is not None:
+            self.message_ttl = instruction_ttl(deadlines, grace)
+
     def now(self) -> float:
         """Seconds on the transport's clock."""
         return self._clock()
@@ -200,48 +231,11 @@ class GridTransport:
             return
         if not isinstance(message, RoundOpen):
             raise ValueError(f"the coordinator sends RoundOpen over a Grid, not {message.kind}")
-        content = self._encoded_content(message)
-        if content is not None:
-            self._queue_message(peer_id, content, MessageType.TRAIN, payload)
-            return
-        params = payload["params"]
-        layout = self.layout
-        if self._params_record is None or self._params_record[0] is not params:
-            record = layout.to_record(params) if layout else records.arrays_to_record(params)
-            self._params_record = (params, record)
-        content = records.encode_instruction(
-            payload,
-            server_round=message.round,  # one numbering: Flower's
-            user_config=self.user_config,
-            round_close=self._close,
-            params_record=self._params_record[1],
-            carried=layout.carried_names if layout else None,
-            arrays_key=self.arrays_key,
-            config_key=self.config_key,
-            reuse=self._config_record,
-        )
-        shared = content[self.config_key]
-        self._config_record = shared if isinstance(shared, ConfigRecord) else None
-        if len(self._encoded) >= _ENCODED_KEPT:
-            self._encoded.clear()
-        self._encoded[id(message)] = (message, content)
+        content = self._opens.content(
+            message, payload, user_config=self.user_config, round_close=self._close,
+            layout=self.layout, arrays_key=self.arrays_key, config_key=self.config_key,
+        )  # fmt: skip
         self._queue_message(peer_id, content, MessageType.TRAIN, payload)
-
-    def _encoded_content(self, message: RoundOpen) -> RecordDict | None:
-        """The content already encoded for ``message``, if the close it carries and the
-        user config are still the ones it was encoded with (compared by value: a config
-        changed in place is noticed); None if it was not kept, or if the close or the
-        config changed (then every kept content is forgotten)."""
-        if (
-            self._encoded_with is None
-            or self._encoded_with[0] is not self._close
-            or (self._encoded_with[1] != self.user_config)
-        ):
-            self._encoded.clear()
-            self._encoded_with = (self._close, dict(self.user_config))
-            return None
-        held = self._encoded.get(id(message))
-        return held[1] if held is not None and held[0] is message else None
 
     def broadcast(self, message: ControlMessage) -> None:
         """Keep a RoundClose to ride on the next instruction to each node."""
@@ -308,7 +302,7 @@ class GridTransport:
                     if replaced is not None
                     else _instruction_of(template, self.names.name_of(message.metadata.dst_node_id))
                 )
-                message.metadata.ttl = self.message_ttl
+                message.metadata.ttl = self.ttl
                 message.metadata.group_id = str(template.round)
                 if replaced is None:  # (a replaced one was counted when it was queued)
                     self.traffic.count_sent(info.peer, info.round)
@@ -348,10 +342,10 @@ class GridTransport:
     # -- beyond the protocol: warm-up, evaluation, bookkeeping ---------------------------
     def request_messages(self, messages: Iterable[Message], *, timeout_s: float) -> list[Message]:
         """Send ``messages`` (made by a hook such as ``configure_evaluate``; each gets the
-        instructions' TTL) and wait for their replies (at most ``timeout_s``); replies
-        that come later are pulled and dropped by later calls."""
-        for message in messages:
-            message.metadata.ttl = self.message_ttl
+        instructions' TTL, or ``timeout_s`` if longer) and wait for their replies (at most
+        ``timeout_s``); replies that come later are pulled and dropped by later calls."""
+        for message in messages:  # they live at least as long as they are waited for
+            message.metadata.ttl = max(self.ttl, timeout_s)
             if not message.metadata.group_id:
                 message.metadata.group_id = "-1"  # what belongs to no round
             self._queue.append(message)
@@ -396,7 +390,7 @@ class GridTransport:
             content=content,
             dst_node_id=self.names.node_of(peer),
             message_type=message_type,
-            ttl=self.message_ttl,
+            ttl=self.ttl,
             group_id=str(rnd),
         )
         self._queue.append(message)
@@ -413,6 +407,8 @@ class GridTransport:
         )
         if payload is not None:
             self.traffic.count_sent(peer, rnd)
+        if kind_of(payload) is MessageKind.ROUND_OPEN:  # the attempt awaited from now on
+            self.awaited = (rnd, int(payload["attempt"]) if payload else 0)
 
     def _flush(self) -> list[Message]:
         if not self._queue:
@@ -439,7 +435,7 @@ class GridTransport:
         instructions whose TTL passed long ago (no reply will ever match them)."""
         if not self._outstanding:
             return []
-        horizon = self.now() - 2 * self.message_ttl
+        horizon = self.now() - 2 * self.ttl
         for message_id, info in list(self._outstanding.items()):
             if info.pushed_at < horizon:
                 del self._outstanding[message_id]
@@ -473,6 +469,9 @@ class GridTransport:
         source = self.names.name_of(reply.metadata.src_node_id)
         if reply.has_error():
             self.dropped.append((info.peer, info.round, f"error {reply.error.code}"))
+            if reply.error.code in UNAVAILABLE and (info.round, info.attempt) != self.awaited:
+                self.expired.count_unavailable()  # expired, and no longer waited for
+                return []
             refusal = error_refusal(reply, info, self._node_of(info.peer))
             if refusal is not None:  # the round stops waiting for this node
                 return [refusal]
@@ -491,28 +490,30 @@ class GridTransport:
         log.debug("dropped a late %s reply from %s", info.kind, info.peer)
         return []
 
+    def _settle_claim(
+        self, content: RecordDict, info: SentInstruction, source: str
+    ) -> tuple[SentInstruction, str, tuple[SentInstruction, str] | None]:
+        """The reply's instruction and sender once the name it claims is settled
+        (:mod:`.name_claims`), and, for a claim not proven, what its payloads must name."""
+        claimed = records.claimed_sender(content)
+        if claimed is None or claimed == source or info.peer != source:
+            return info, source, None
+        if not claim_proven(content, source, claimed, self.proves_name, self._unproven):
+            return info, source, (dataclasses.replace(info, peer=claimed), claimed)
+        if bind_claim(
+            self.names, source, claimed, connected=self.grid.get_node_ids(),
+            allowed=self.allowed, on_rename=self.on_rename,
+        ):  # fmt: skip  # the node named itself: it is that participant
+            self._peers_at = -float("inf")
+            return dataclasses.replace(info, peer=claimed), claimed, None
+        return info, source, None
+
     def _unpack_train_reply(
         self, content: RecordDict, info: SentInstruction, source: str
     ) -> list[WirePayload]:
         try:
-            claimed = records.claimed_sender(content)
-            unproven = False
-            if claimed is not None and claimed != source and info.peer == source:
-                unproven = not claim_proven(
-                    content, source, claimed, self.proves_name, self._unproven
-                )
-                if not unproven and bind_claim(
-                    self.names,
-                    source,
-                    claimed,
-                    connected=self.grid.get_node_ids(),
-                    allowed=self.allowed,
-                    on_rename=self.on_rename,
-                ):  # the node named itself: it is that participant
-                    self._peers_at = -float("inf")
-                    info, source = dataclasses.replace(info, peer=claimed), claimed
+            info, source, as_sent = self._settle_claim(content, info, source)
             carried = self.layout.carried if self.layout else ()
-            as_sent = (dataclasses.replace(info, peer=claimed), claimed) if unproven else None
             payloads = train_reply_payloads(
                 content, *(as_sent or (info, source)), carried=carried, weight_key=self.weight_key
             )  # (a claim not proven: every payload must name the claimed sender)
@@ -527,13 +528,8 @@ class GridTransport:
             self.dropped.append((info.peer, info.round, str(exc)))
             # it answered, badly: the round stops waiting for it (only for a reply from the
             # node the instruction names now: a renamed participant's old node is not it)
-            refusal = (
-                malformed_refusal(info, str(exc), self._node_of(source))
-                if source == info.peer
-                else None
-            )
-            if refusal is not None:
-                return [refusal]  # the coordinator logs it, with the reason
+            if source == info.peer:  # the coordinator logs the refusal, with the reason
+                return [malformed_refusal(info, str(exc), self._node_of(source))]
             log.warning("round %d: train reply from %s dropped: %s", info.round, source, exc)
             return []
         metrics = records.named_or_only(records.records_of(content, MetricRecord), records.METRICS)
@@ -543,10 +539,6 @@ class GridTransport:
             }
         return list(payloads)
 
-
-_ENCODED_KEPT = 8
-"""Encoded RoundOpen contents a GridTransport keeps (an attempt has two at most: for
-recipients that are bound and for those asked for a commitment)."""
 
 
 def _instruction_of(template: RoundOpen, peer: str) -> SentInstruction:

@@ -240,10 +240,10 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
                     "called again before aggregate_train had the attempt's replies"
                 )
             )
-        coordinator.begin_attempt()
+        attempt = coordinator.begin_attempt()
         transport = self._transport
         assert transport is not None  # made with the coordinator
-        transport.user_config = dict(config)
+        transport.open_attempt(config, attempt.deadlines, attempt.grace)
         for peer, round_open in coordinator.invite(transport.peers(fresh=True)):
             transport.send(peer, round_open)
         return transport.take_queued()
@@ -439,8 +439,7 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             attempts=len(self._round_outcomes),
             exchanges=looping,  # Flower's own loop moves the messages: it counts none
             weighted_by_key=self._weighted_by_key,
-            aggregate=self._train_metrics_aggr_fn,
-            epsilon=_spent_epsilon(coordinator, outcome),
+            aggregate=self._train_metrics_aggr_fn, epsilon=_spent_epsilon(coordinator, outcome),
         )
         closed = outcome.state is RoundState.CLOSED
         if not looping:
@@ -484,9 +483,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             return True
         if not self._said_no_evaluation:
             self._said_no_evaluation = True
-            say(  # Flower's stream, where the round lines are: lensemble's INFO is not
-                INFO,
-                "no federated evaluation: under DP or secure aggregation the participants "
+            say(  # in Flower's stream, with the round lines
+                INFO, "no federated evaluation: under DP or secure aggregation the participants "
                 "release no per-node metrics (set dp-release-metrics = true to ask, on "
                 "nodes whose node config allows it: dp-release-metrics=true)"
             )
@@ -506,11 +504,17 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         return self._layout.to_record(params)
 
     def _keep_metrics(
-        self, server_round: int, metrics: MetricRecord, evaluation: MetricRecord | None
+        self,
+        server_round: int,
+        metrics: MetricRecord,
+        evaluation: MetricRecord | None,
+        server: MetricRecord | None = None,
     ) -> None:
         coordinator = self._place.coordinator
         durable = coordinator is None or coordinator.store.sync
-        reporting.keep_metrics(self._place.path, server_round, metrics, evaluation, durable=durable)
+        reporting.keep_metrics(
+            self._place.path, server_round, metrics, evaluation, durable=durable, server=server
+        )
 
 
 def _refuse_in_flowers_loop(

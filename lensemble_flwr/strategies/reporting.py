@@ -87,6 +87,11 @@ def round_metrics(
     }
     if epsilon is not None:
         book["epsilon"] = float(epsilon)
+    if outcome.deadlines is not None:  # what the closing attempt waited for
+        book["open-deadline"] = float(outcome.deadlines.open)
+        book["collect-deadline"] = float(outcome.deadlines.collect)
+    if outcome.round_time is not None:  # what adaptive deadlines follow
+        book["round-time"] = float(outcome.round_time)
     if "frame_drift" in outcome.diagnostics:
         book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
     if exchanges:
@@ -157,13 +162,20 @@ def keep_metrics(
     evaluation: MetricRecord | None,
     *,
     durable: bool,
+    server: MetricRecord | None = None,
 ) -> None:
     """Append this round's metrics to ``RUN_DIR/round-metrics.jsonl`` (the curves of
-    ``lensemble-flwr report``); a failure to write it is logged, never fatal."""
+    ``lensemble-flwr report``): the train replies' (``metrics``), the federated
+    evaluation's (``evaluation``) and the server-side ``evaluate_fn``'s (``server``); a
+    failure to write it is logged, never fatal."""
     if run_dir is None:
         return
     try:
-        kinds = {"train": dict(metrics), "evaluate": dict(evaluation or {})}
+        kinds = {
+            "train": dict(metrics),
+            "evaluate": dict(evaluation or {}),
+            "server": dict(server or {}),
+        }
         append_round_metrics(run_dir, server_round, kinds, durable=durable)
     except OSError as exc:
         log.warning("round %d: %s not written: %s", server_round, METRICS_NAME, exc)
@@ -210,15 +222,21 @@ def aggregated(
 def log_summary(config: LensembleConfig) -> None:
     """The federation's settings, through Flower's logger (as FedAvg's summary)."""
     fed, outer = config.federation, config.outer
+    if fed.deadline_mode == "adaptive":
+        deadlines = (
+            f"adaptive deadlines: {fed.deadline_margin:g} x the recent round times, within "
+            f"[{fed.deadline_floor:.0f}s, {fed.deadline_cap:.0f}s]"
+        )
+    else:
+        deadlines = f"open {fed.open_timeout:.0f}s, collect {fed.collect_timeout:.0f}s"
     say(
         INFO,
         "\t├──> LensembleStrategy: quorum K=%d (min-participants %d, secagg-threshold "
-        "%d), open %.0fs, collect %.0fs",
+        "%d), %s",
         fed.quorum,
         fed.min_participants,
         fed.secagg_threshold,
-        fed.open_timeout,
-        fed.collect_timeout,
+        deadlines,
     )
     say(
         INFO,

@@ -31,7 +31,9 @@ What a subclass's override changes:
   its external step; after the last round they are ``result.arrays`` only (logged).
 
 Before round 1 the run is opened, the nodes are warmed up and the initial model is
-evaluated; if any of it fails, the run is taken back (:mod:`.run_dir`).
+evaluated; if any of it fails, the run is taken back (:mod:`.run_dir`). Each round's
+train, federated-evaluation and ``evaluate_fn`` metrics (and the initial model's, as
+round 0) go to ``RUN_DIR/round-metrics.jsonl`` once the round is reported.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ from lensemble_flwr.privacy.plan import privacy_plan, shared_dim
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import reporting
 from lensemble_flwr.strategies.attempt_driver import AttemptDriver
+from lensemble_flwr.strategies.expired import ExpiredReplies
 from lensemble_flwr.strategies.flower_logs import lensemble_logs_through_flower
+from lensemble_flwr.strategies.grid_transport import instruction_ttl
 from lensemble_flwr.strategies.reporting import LensembleResult
 from lensemble_flwr.strategies.warm_up import warm_up
 
@@ -97,11 +101,12 @@ class RoundLoop:
         self._opened_on_close = False
         self._not_opened: Exception | None = None
         self._closed: RoundOutcome | None = None  # the outcome the driver closed with
+        self._expired = ExpiredReplies()  # late replies of attempts no longer awaited
 
     def run(self, initial_arrays: ArrayRecord, num_rounds: int) -> LensembleResult:
         """The rounds up to ``num_rounds`` (see :meth:`LensembleStrategy.start`)."""
         strategy = self._strategy
-        with lensemble_logs_through_flower():
+        with lensemble_logs_through_flower(), self._expired.counting():
             noise_multiplier_of(strategy._config, rounds=num_rounds)  # a plan that fits
             say(INFO, "Starting %s strategy:", type(strategy).__name__)
             log_strategy_start_info(num_rounds, initial_arrays, *self._logged_configs)
@@ -132,6 +137,7 @@ class RoundLoop:
             self._grid, initial_arrays, fed.open_timeout + fed.collect_timeout
         )
         transport.user_config = dict(self._train_config)
+        transport.expired = self._expired
         with strategy._place.undone_if_it_fails():  # before round 1: a failure leaves no run
             coordinator = strategy._open_run(self._grid, initial_arrays, transport)
             result = LensembleResult(arrays=initial_arrays, run_dir=strategy._place.path)
@@ -151,8 +157,10 @@ class RoundLoop:
             self._say_plan(coordinator, num_rounds, done)
             grace = max(0.0, strategy._warmup_timeout - waited)
             coordinator.grant_grace(grace)
-            transport.message_ttl = fed.open_timeout + fed.collect_timeout + grace
+            transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next(), grace)
             self._evaluate_initial(coordinator, initial_arrays, result)
+        if 0 in result.evaluate_metrics_serverapp:  # the initial model's, once the run stays
+            strategy._keep_metrics(0, MetricRecord(), None, result.evaluate_metrics_serverapp[0])
         self._arrays = initial_arrays
         if done > 0:  # resumed: the run's model, whether or not a round is left to run
             self._arrays = result.arrays = strategy._user_arrays(coordinator.global_state().params)
@@ -201,14 +209,13 @@ class RoundLoop:
         strategy = self._strategy
         transport = strategy._transport
         assert transport is not None
-        fed = strategy._config.federation
         while (r := coordinator.global_state().next_round) <= num_rounds:
             say(INFO, "")
             say(INFO, "[ROUND %s/%s]", r, num_rounds)
             try:
                 outcomes, metrics = self._train_round(coordinator, driver, r, num_rounds)
-            finally:
-                transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+            finally:  # (evaluation's instructions): grace is spent
+                transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next())
             result.outcomes.extend(outcomes)
             aborted = [o.reason or "" for o in outcomes if o.state is RoundState.ABORTED]
             if aborted:
@@ -220,7 +227,7 @@ class RoundLoop:
             reporting.report(
                 outcomes[-1], metrics, evaluation, aborted, strategy._on_round, server=server
             )
-            strategy._keep_metrics(r, metrics, evaluation)
+            strategy._keep_metrics(r, metrics, evaluation, server)
             transport.traffic.forget_through(r)  # reported: its bookkeeping is no longer needed
             if not_opened is not None:
                 raise not_opened
@@ -320,8 +327,8 @@ class RoundLoop:
             self._closed = closed
             transport = self._strategy._transport
             assert transport is not None
-            fed = self._strategy._config.federation
-            transport.message_ttl = fed.open_timeout + fed.collect_timeout  # grace is spent
+            # grace is spent
+            transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next())
             self._opened_on_close = True
             try:
                 self._open_attempt(coordinator, driver, r + 1, ahead=True)
@@ -360,6 +367,7 @@ class RoundLoop:
                 returned = ours[0] if returned is None else returned
                 metrics = ours[1] if metrics is None else metrics
             outcomes.append(outcome)
+            self._expired.say(outcome.round, outcome.attempt)  # one line, if any
             if outcome.state is RoundState.CLOSED:
                 if returned is not None:
                     self._arrays = returned

@@ -115,12 +115,15 @@ def _refuse_too_few(
             f"lensemble.{key} when the argument is not given)",
         )
     if connected < fed.quorum:
+        lower = " and ".join(f"lensemble.{key}" for key in fed.quorum_set_by)
+        lower = f"; or lower {lower} to at most {connected}" if connected else ""
         raise ConfigError(
-            "min-participants",
-            f"{said}, and every round needs K = {fed.quorum}. On Flower's "
-            f"simulation engine give the run at least {fed.quorum} SuperNodes "
-            "(`flwr run <app> --stream "
+            fed.quorum_set_by[-1],
+            f"{said}, and every round needs K = {fed.quorum} participants; "
+            f"{fed.quorum_reason('lensemble.')}, as K = max(min-participants, "
+            f"secagg-threshold). On Flower's simulation engine give the run at least "
+            f"{fed.quorum} SuperNodes (`flwr run <app> --stream "
             f'--federation-config "num-supernodes={fed.quorum}"`; Flower\'s default local '
             f"federation has 2); on a deployment, start at least {fed.quorum} SuperNodes "
-            "(or raise the warm-up timeout); or lower lensemble.min-participants",
+            f"(or raise the warm-up timeout){lower}",
         )

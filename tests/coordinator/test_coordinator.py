@@ -91,7 +91,9 @@ def test_quorum_not_reached_by_open_timeout_aborts_then_stops(tmp_path: Path) ->
     cfg = small_config(min_participants=5, max_round_attempts=2)
     coordinator, _network, _ = federation(tmp_path, participants=4, config=cfg)
     before = coordinator.global_state().params_hash
-    with pytest.raises(FaultToleranceExceeded, match="open timeout"):
+    with pytest.raises(
+        FaultToleranceExceeded, match=r"open deadline \(10 s, lensemble\.open-timeout;"
+    ):
         coordinator.run(1)
     assert_aborted_unchanged(coordinator, before, FaultToleranceExceeded)
     assert [o.attempt for o in coordinator.outcomes] == [1, 2]  # retried once, then stopped

@@ -258,5 +258,6 @@ def test_a_round_short_at_its_collect_deadline_names_who_did_not_answer(
     with pytest.raises(FaultToleranceExceeded) as raised:
         coordinator.run(1)
     assert str(raised.value) == (
-        "2 updates by the collect deadline (no answer from p02, p03), quorum 3"
+        "2 updates by the collect deadline (10 s, lensemble.collect-timeout; no answer "
+        "from p02, p03), quorum 3"
     )

@@ -1,6 +1,7 @@
 """Every Python snippet of docs/flower.md, docs/configuration.md, docs/user-guide.md,
 docs/recovery.md and the README's "Using it" runs as written: extracted from the pages and
-executed (recovery.md's given the names it says it needs).
+executed (recovery.md's given the names it says it needs); so does every documented run of
+the run-config check, which must print what the page shows.
 
 docs/flower.md's snippets make one Flower App (step 1's ServerApp and ``Net``, step 2's
 Trainer ClientApp, step 3's NumPyClient): its ServerApp is driven over a fake SuperLink
@@ -127,6 +128,38 @@ def test_the_readme_in_process_snippet_runs_as_written(capsys: pytest.CaptureFix
 def test_the_configuration_md_snippets_run_as_written() -> None:
     for i, block in enumerate(python_blocks(REPO / "docs" / "configuration.md")):
         exec(compile(block, f"docs/configuration.md[{i}]", "exec"), {"__name__": "configuration"})
+
+
+def check_config_examples() -> list[tuple[str, str]]:
+    """Every documented run of the run-config check: a ```bash block holding one
+    ``python -m lensemble_flwr.simulations.check_config`` command, and the ```text block
+    right after it (what it prints)."""
+    command = r"python -m lensemble_flwr\.simulations\.check_config [^\n]*"
+    pattern = rf"```bash\n({command})\n```\s*```text\n(.*?)```"
+    found = []
+    for page in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]:
+        found += re.findall(pattern, page.read_text(), re.S)
+    return found
+
+
+@pytest.mark.parametrize(("command", "printed"), check_config_examples())
+def test_the_documented_run_config_checks_print_what_the_docs_say(
+    command: str, printed: str
+) -> None:
+    import shlex
+    import subprocess
+
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert done.stderr == printed
+    assert done.returncode == (1 if "is refused" in printed else 0)
+
+
+def test_the_run_config_check_is_documented() -> None:
+    assert check_config_examples(), "docs/configuration.md shows the run-config check"
 
 
 def flower_md_server_app() -> Any:
@@ -570,3 +603,42 @@ def test_the_privacy_md_node_config_runs_as_written(tmp_path: Path) -> None:
     quoted = re.search(r"e\.g\. `(lensemble\.dp-epsilon: the run asks .*?)`", page, re.S)
     assert quoted is not None
     assert refused.reason == " ".join(quoted.group(1).split())
+
+
+def test_the_cli_md_export_snippet_loads_the_exported_model_into_the_apps_net(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/cli.md's ``export`` snippet, on a run of docs/flower.md's app (its ``Net``,
+    with a BatchNorm): the commands the page shows write both files, and the snippet
+    loads them into a fresh ``Net`` whose state is then the run's final model, every
+    array by name (the integer buffer, not exported, as the run carried it)."""
+    from lensemble_flwr.cli import main
+    from lensemble_flwr.strategies import LensembleStrategy
+
+    results: list[Any] = []
+    start = LensembleStrategy.start
+
+    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
+        results.append(start(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
+    namespace, (trainer_app, _) = flower_md_apps()
+    run_server(namespace, trainer_app, {"num-server-rounds": 2})
+    (result,) = results
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(result.run_dir), "model.safetensors"]) == 0
+    assert main(["export", str(result.run_dir), "model.pt", "--format", "torch"]) == 0
+    (block,) = python_blocks(REPO / "docs" / "cli.md", "`export`")
+    page = {"Net": namespace["Net"], "__name__": "cli_md"}
+    exec(compile(block, "docs/cli.md[export]", "exec"), page)
+    assert "not in the file, left as they were: []" in capsys.readouterr().out
+    final = result.arrays.to_torch_state_dict()
+    loaded = page["model"].state_dict()
+    assert list(loaded) == list(final)
+    for name, tensor in final.items():
+        assert torch_equal(loaded[name], tensor), name
+
+
+def torch_equal(left: Any, right: Any) -> bool:
+    return left.dtype == right.dtype and bool((left == right).all())

@@ -1,9 +1,12 @@
-"""``./dev.sh main`` decides the run's status from ``flwr ls --format json``: the newest run
-(by ``pending-at``), its details when it failed, exit code 1 unless it completed."""
+"""``./dev.sh main`` checks the run config before it starts anything, and decides the run's
+status from ``flwr ls --format json``: the newest run (by ``pending-at``), its details when
+it failed, exit code 1 unless it completed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -67,3 +70,37 @@ def test_dev_sh_reports_the_newest_runs_status(runs: list[dict], printed: str, c
 
 def test_dev_sh_is_valid_bash() -> None:
     assert subprocess.run(["bash", "-n", str(DEV_SH)], check=False).returncode == 0
+
+
+def test_dev_sh_main_stops_on_a_bad_run_config_before_starting_anything(tmp_path: Path) -> None:
+    """``./dev.sh main --run-config ...`` checks the run config first: a typo is named
+    with the key it meant, in about a second, and no SuperLink or ``flwr`` is started.
+    (A virtualenv of shims: this interpreter as its python, Flower's commands recording
+    that they ran.)"""
+    repo = DEV_SH.parent
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    digest = hashlib.sha256((repo / "pyproject.toml").read_bytes()).hexdigest()
+    (venv / ".lensemble-installed").write_text(digest)  # setup() has nothing to do
+    started = tmp_path / "started"
+    shims = {"python": f'exec {sys.executable} "$@"'}
+    for name in ("flower-superlink", "flwr"):
+        shims[name] = f"echo {name} >> {started}; exit 1"
+    for name, body in shims.items():
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "LENSEMBLE_VENV": str(venv),
+        "PYTHONPATH": str(repo),  # this tree's package
+        "TMPDIR": str(tmp_path),  # dev.sh's Flower home
+        "APP": "apps/digits",
+    }
+    done = subprocess.run(
+        ["bash", str(DEV_SH), "main", "--stream", "--run-config", "lensemble.outer_lr=0.5"],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "lensemble.outer_lr: not a key of this app's" in done.stderr
+    assert "did you mean 'lensemble.outer-lr'?" in done.stderr
+    assert not started.exists()

@@ -100,7 +100,7 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
     assert len(list((tmp_path / "c" / "world-local-only").glob("*.json"))) == 3  # one per node
     # the strategy keeps the round's metrics for `lensemble-flwr report`'s curves
     kept = read_round_metrics(tmp_path / "flwr-7")
-    assert sorted(kept) == [1, 2] and "global-val-loss" in kept[2]["evaluate"]
+    assert sorted(kept) == [0, 1, 2] and "global-val-loss" in kept[2]["evaluate"]
     assert "last-batch-loss" in kept[2]["train"]
     # the server evaluates the probe moment gap of the initial and every committed model
     gaps = result.evaluate_metrics_serverapp
@@ -108,6 +108,8 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
     assert all(
         math.isfinite(m["probe-moment-gap"]) and m["probe-moment-gap"] >= 0 for m in gaps.values()
     )
+    # and keeps them too, round 0 (the initial model) included
+    assert {r: kept[r]["server"] for r in kept} == {r: dict(m) for r, m in gaps.items()}
     ledger = verify(Store(tmp_path / "flwr-7"))
     assert [r.count for r in ledger] == [3, 3]
     assert all(r.frame_drift is not None and 0 <= r.frame_drift <= 1 for r in ledger)

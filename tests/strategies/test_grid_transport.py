@@ -60,6 +60,7 @@ from lensemble_flwr.strategies.grid_transport import (
     malformed_refusal,
 )
 from lensemble_flwr.strategies.node_names import NodeNames
+from lensemble_flwr.strategies.open_encoding import ENCODED_KEPT
 from lensemble_flwr.strategies.records import participant_id
 from lensemble_flwr.transports.base import (
     COORDINATOR,
@@ -1180,4 +1181,4 @@ def test_the_encoded_contents_a_transport_keeps_are_bounded() -> None:
     pushed = grid.pushes[-1]
     assert pushed[10].content is not pushed[0].content
     assert pushed[11].content is pushed[9].content
-    assert len(transport._encoded) <= 8
+    assert len(transport._opens._encoded) <= ENCODED_KEPT

@@ -29,6 +29,7 @@ from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, StoreError
 from lensemble_flwr.protocol.messages import RoundOpen
 from lensemble_flwr.protocol.round import RoundState
+from lensemble_flwr.provenance.round_metrics import read_round_metrics
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.toy import initial_params
@@ -840,6 +841,95 @@ def test_start_asks_no_node_to_evaluate_in_masked_rounds(tmp_path: Path) -> None
     assert result.evaluate_metrics_clientapp == {}
 
 
+def _server_evaluation(seen: list[int]) -> Any:
+    """An evaluate_fn whose metrics name the round it evaluated."""
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        seen.append(server_round)
+        return MetricRecord({"loss": 1.0 / (server_round + 1), "accuracy": 0.1 * server_round})
+
+    return evaluate
+
+
+def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "round-metrics.jsonl").read_text().splitlines()]
+
+
+def test_start_writes_the_server_and_federated_evaluation_into_the_round_metrics(
+    tmp_path: Path,
+) -> None:
+    """round-metrics.jsonl holds evaluate_fn's metrics under ``server`` (round 0: the
+    initial model's) and the aggregated federated evaluation under ``evaluate``, beside
+    the train replies' metrics: what ``lensemble-flwr report`` draws."""
+    config = small_config(min_participants=3)
+    grid = _evaluating_federation(config)
+    seen: list[int] = []
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id="evaluated")
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=arrays_to_record(initial_params()),
+        num_rounds=2,
+        evaluate_fn=_server_evaluation(seen),
+    )
+    assert seen == [0, 1, 2]
+    lines = _metrics_lines(tmp_path / "run")
+    assert [line["round"] for line in lines] == [0, 1, 2]
+    assert lines[0] == {
+        "round": 0,
+        "train": {},
+        "evaluate": {},
+        "server": {"loss": 1.0, "accuracy": 0.0},
+    }
+    mean = (0.5 + 0.6 + 0.7 + 0.8) / 4
+    for r, line in zip((1, 2), lines[1:], strict=True):
+        assert line["server"] == {"loss": pytest.approx(1.0 / (r + 1)), "accuracy": 0.1 * r}
+        assert line["evaluate"]["accuracy"] == pytest.approx(mean)
+        assert line["train"]["lensemble.C_t"] == 4.0
+        assert dict(result.evaluate_metrics_serverapp[r]) == line["server"]
+    back = read_round_metrics(tmp_path / "run")
+    assert sorted(back) == [0, 1, 2] and back[0]["server"]["loss"] == 1.0
+
+
+@pytest.mark.parametrize("private", ["masked", "dp"])
+def test_a_masked_or_private_run_records_its_server_evaluation(
+    tmp_path: Path, private: str
+) -> None:
+    """Under secure aggregation or DP no node evaluates (nothing new leaves a node), and
+    the server's evaluate_fn, which sees only the global model, is still recorded."""
+    config = (
+        small_config(min_participants=3, secagg_threshold=3)
+        if private == "masked"
+        else dp_config(tmp_path, dp_state_dir="", dp_epsilon=9.0, noise_multiplier=3.0)
+    )
+    contexts = {  # a budget needs a stable identity: names of this test's own
+        n: Context(
+            run_id=1,
+            node_id=n,
+            node_config={"lensemble-id": f"evaluated-{private}-{i}"},
+            state=RecordDict(),
+            run_config={},
+        )
+        for i, n in enumerate(NODES)
+    }
+    grid = FakeGrid(
+        FakeClock(), {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    )
+    seen: list[int] = []
+    strategy = LensembleStrategy(config, run_dir=tmp_path / "run", run_id=private)
+    strategy.start(
+        grid=grid,
+        initial_arrays=arrays_to_record(initial_params()),
+        num_rounds=2,
+        evaluate_fn=_server_evaluation(seen),
+    )
+    assert {m.metadata.message_type for m in grid.pushed()} == {MessageType.TRAIN}
+    lines = _metrics_lines(tmp_path / "run")
+    assert [(line["round"], sorted(line["server"])) for line in lines] == [
+        (r, ["accuracy", "loss"]) for r in (0, 1, 2)
+    ]
+    assert all(line["evaluate"] == {} for line in lines)
+
+
 def _train_rounds_pushed(grid: FakeGrid) -> list[int]:
     """The round of each train instruction pushed so far, in push order."""
     return [
@@ -1353,3 +1443,34 @@ def test_a_dp_run_says_its_plan_before_round_1_and_keeps_its_round_metrics(
     assert len(said) == 2
     for line in said:
         assert "server-accuracy=0.5000" in line and "epsilon=" in line
+
+
+def test_adaptive_deadlines_in_start_set_each_attempts_ttl_and_are_reported(
+    tmp_path: Path,
+) -> None:
+    """Round 1 waits (and its instructions live) for the cap; round 2 for the margin times
+    round 1's time, within the floor and cap: each round's metrics say what it waited
+    for, and its instructions' TTL is those deadlines."""
+    config = small_config(
+        min_participants=3,
+        deadline_mode="adaptive",
+        deadline_floor=6.0,
+        deadline_cap=40.0,
+        deadline_margin=2.0,
+    )
+    grid = clientapp_grid(config)
+    strategy = LensembleStrategy(
+        config, run_dir=tmp_path / "run", fraction_evaluate=0.0, warmup_timeout=5.0
+    )
+    result = strategy.start(
+        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+    )
+    one, two = result.train_metrics_clientapp[1], result.train_metrics_clientapp[2]
+    assert one["lensemble.open-deadline"] == one["lensemble.collect-deadline"] == 40.0
+    expected = min(40.0, max(6.0, 2.0 * one["lensemble.round-time"]))
+    assert two["lensemble.collect-deadline"] == pytest.approx(expected)
+    ttls = [(int(m.metadata.group_id), m.metadata.ttl) for m in grid.pushed()]
+    assert ttls[:4] == [(1, pytest.approx(80.0 + 5.0, abs=1.0))] * 4  # + the warm-up's grace
+    assert ttls[4:] == [(2, pytest.approx(2 * expected))] * 4
+    outcomes = result.outcomes
+    assert [o.deadlines.mode for o in outcomes if o.deadlines] == ["adaptive"] * 2

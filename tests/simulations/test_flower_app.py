@@ -1,0 +1,99 @@
+"""flower_app.py: the example ServerApps check their run config before anything else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+
+from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.simulations import digits, flower_app, world
+from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
+    FakeClock,
+    FakeGrid,
+    _serverapp_identity,
+    silent,
+)
+
+
+class RecordingGrid(FakeGrid):
+    """A FakeGrid that records every Grid call made of it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeClock(), {11: silent, 12: silent})
+        self.calls: list[str] = []
+
+    def get_node_ids(self) -> list[int]:
+        self.calls.append("get_node_ids")
+        return super().get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        self.calls.append("push_messages")
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        self.calls.append("pull_messages")
+        return super().pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        self.calls.append("send_and_receive")
+        return super().send_and_receive(messages, timeout=timeout)
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        self.calls.append("create_message")
+        return super().create_message(*args, **kwargs)
+
+
+def server_context(run_config: dict[str, Any]) -> Context:
+    return Context(run_id=3, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+
+
+def test_the_digits_serverapp_refuses_a_bad_value_before_any_grid_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    grid = RecordingGrid()
+    context = server_context({"num-server-rounds": 2, "lensemble.collect-timeout": -5})
+    with caplog.at_level("ERROR", logger="flwr"), pytest.raises(ConfigError) as raised:
+        digits.main(grid, context)
+    assert raised.value.field == "lensemble.collect-timeout"
+    assert grid.calls == []
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line == (
+        "the run config is refused, nothing was started: lensemble.collect-timeout: "
+        "Input should be greater than 0 (got -5)"
+    )
+
+
+def test_the_world_serverapp_checks_before_building_its_gauge_or_asking_the_grid(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The world app's own check (its action heads stay local) runs with lensemble's,
+    first: before the gauge is built or the Grid is asked anything; the key is named as
+    the run config writes it."""
+    built: list[int] = []
+    monkeypatch.setattr(world, "world_gauge", lambda seed: built.append(seed))
+    grid = RecordingGrid()
+    context = server_context({"lensemble.shared-groups": "*", "lensemble.local-groups": ""})
+    with caplog.at_level("ERROR", logger="flwr"), pytest.raises(ConfigError) as raised:
+        world.main(grid, context)
+    assert raised.value.field == "lensemble.local-groups"
+    assert (grid.calls, built) == ([], [])
+    assert "nothing was started: lensemble.local-groups: the world model keeps" in caplog.text
+    grid = RecordingGrid()
+    with pytest.raises(ConfigError, match=r"^lensemble\.outer_lr: unknown .*'lensemble\.outer-lr'"):
+        world.main(grid, server_context({"lensemble.outer_lr": 0.5}))
+    assert (grid.calls, built) == ([], [])
+
+
+def test_the_apps_own_noise_multiplier_does_not_stop_the_serverapp() -> None:
+    """Flower's fl-dp-sa declares noise-multiplier for its DP wrapper: the app's key is
+    not lensemble's, and lensemble.noise-multiplier alone sets lensemble's noise."""
+    context = server_context({"noise-multiplier": 0.5, "lensemble.noise-multiplier": 0})
+    config = flower_app.checked_config(context)
+    assert config.privacy.noise_multiplier == 0
+    config, strategy = flower_app.strategy_from_context(context, config)
+    assert strategy.config is config
