@@ -318,9 +318,65 @@ class InnerLoopConfig(_Section):
 class OuterOptimizerConfig(_Section):
     """The DiLoCo outer step on the mean pseudo-gradient."""
 
-    lr: float = Field(0.7, gt=0, description="Outer learning rate η.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum μ.")
+    lr: float = Field(
+        0.7,
+        gt=0,
+        description='Outer learning rate η. Unset or "auto": 0.7, under DP too '
+        "(docs/privacy.md, *The outer step under DP*).",
+    )
+    momentum: float = Field(
+        0.9,
+        ge=0,
+        lt=1,
+        description='Outer momentum μ. Unset or "auto": 0.9, and 0.5 under DP (noised '
+        "releases; docs/privacy.md, *The outer step under DP*).",
+    )
     nesterov: bool = Field(True, description="Nesterov momentum (else heavy ball).")
+
+
+AUTO = "auto"
+"""An ``outer-lr`` or ``outer-momentum`` left to lensemble: its default, or under DP
+:data:`DP_OUTER_STEP`'s (a Flower app must list a key to let ``--run-config`` set it, so
+"unset" needs a value)."""
+DP_OUTER_STEP = {"lr": 0.7, "momentum": 0.5}
+"""The outer step under DP, where the user did not set it: the best mean accuracy, and
+never the worst, of the steps measured on the digits app under noise (FedAvg's lr 1,
+momentum 0 was the worst on average; ``benchmarks/bench_dp_outer.py``, docs/privacy.md)."""
+
+
+def _noised(privacy: Any) -> bool:
+    """Whether raw privacy settings (a dict, a PrivacyConfig or None) add noise; a value
+    that does not validate counts as not (its own section refuses it)."""
+    if isinstance(privacy, PrivacyConfig):
+        return privacy.noised
+    if not isinstance(privacy, Mapping):
+        return False
+    try:
+        return PrivacyConfig(**privacy).noised
+    except (ConfigError, TypeError):
+        return False
+
+
+def resolve_outer_step(data: Any) -> Any:
+    """LensembleConfig's raw ``data`` with every outer lr and momentum the user left to
+    lensemble (unset, or ``"auto"``) set: the DP step (:data:`DP_OUTER_STEP`) when the
+    privacy settings add noise, else the field's default. Explicit values are kept."""
+    if not isinstance(data, Mapping):
+        return data
+    outer = data.get("outer", {})
+    if isinstance(outer, OuterOptimizerConfig):
+        given = {k: getattr(outer, k) for k in outer.model_fields_set}
+    elif isinstance(outer, Mapping):
+        given = {k: v for k, v in outer.items() if not (isinstance(v, str) and v == AUTO)}
+    else:
+        return data
+    left = [k for k in DP_OUTER_STEP if k not in given]
+    if not left:
+        return data
+    noised = _noised(data.get("privacy"))
+    fields = OuterOptimizerConfig.model_fields
+    chosen = {k: DP_OUTER_STEP[k] if noised else fields[k].default for k in left}
+    return {**data, "outer": {**given, **chosen}}
 
 
 class PrivacyConfig(_Section):
@@ -700,6 +756,11 @@ class LensembleConfig(_Section):
             if on
         ]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _outer_step_under_dp(cls, data: Any) -> Any:
+        return resolve_outer_step(data)
+
     @model_validator(mode="after")
     def _distributed_noise_needs_masked_sums(self) -> LensembleConfig:
         if not self.privacy.distributed:
@@ -721,7 +782,8 @@ class LensembleConfig(_Section):
             raise ConfigError(
                 "dp-mode",
                 "distributed noise is calibrated to a sum of clipped updates of weight "
-                "1; weighting by num-examples would scale one participant's influence",
+                "1; weighting by num-examples would scale one participant's influence: "
+                'set lensemble.weighting = "uniform" (federation.weighting in Python)',
             )
         if self.release.quantize != "none":
             raise ConfigError(

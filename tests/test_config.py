@@ -271,3 +271,39 @@ def test_whole_floats_and_ints_for_floats_are_numbers() -> None:
         {"min-participants": 3.0, "open-timeout": 30, "require-binding": True}
     )
     assert config.federation.min_participants == 3 and config.federation.open_timeout == 30.0
+
+
+_NOISED = {"clip_norm": 1.0, "noise_multiplier": 1.0, "dp_epsilon": 8.0}
+
+
+def test_the_outer_step_left_to_lensemble_is_the_measured_one_under_dp() -> None:
+    """docs/privacy.md, *The outer step under DP*: an outer step nobody set is 0.7 / 0.9
+    without noise and 0.7 / 0.5 with it; one the user set is kept, under DP too."""
+    from lensemble_flwr.config import DP_OUTER_STEP, LensembleConfig
+
+    assert (LensembleConfig().outer.lr, LensembleConfig().outer.momentum) == (0.7, 0.9)
+    private = LensembleConfig(privacy=_NOISED)
+    assert (private.outer.lr, private.outer.momentum) == (DP_OUTER_STEP["lr"], 0.5)
+    kept = LensembleConfig(outer={"lr": 1.0, "momentum": 0.0}, privacy=_NOISED)
+    assert (kept.outer.lr, kept.outer.momentum) == (1.0, 0.0)
+    half = LensembleConfig(outer={"momentum": 0.9}, privacy=_NOISED)
+    assert half.outer.momentum == 0.9  # set: kept
+    calibrated = LensembleConfig(privacy={"clip_norm": 1.0, "dp_epsilon": 8.0, "dp_rounds": 5})
+    assert calibrated.outer.momentum == 0.5  # a calibrated plan is noised too
+    assert LensembleConfig(privacy={"clip_norm": 1.0}).outer.momentum == 0.9  # clip only
+    assert LensembleConfig.from_flat(private.to_flat()) == private
+
+
+def test_auto_in_a_run_config_is_the_step_left_to_lensemble() -> None:
+    """A Flower app lists every key (so that --run-config can set it): "auto" says unset."""
+    from lensemble_flwr.config import LensembleConfig
+
+    auto = {"lensemble.outer-lr": "auto", "lensemble.outer-momentum": "auto"}
+    assert LensembleConfig.from_run_config(auto).outer.momentum == 0.9
+    private = LensembleConfig.from_run_config(
+        {**auto, "lensemble.clip-norm": 1.0, "lensemble.dp-epsilon": 8.0,
+         "lensemble.dp-rounds": 5}
+    )  # fmt: skip
+    assert (private.outer.lr, private.outer.momentum) == (0.7, 0.5)
+    with pytest.raises(ConfigError, match=r"lensemble\.outer-momentum"):
+        LensembleConfig.from_run_config({"lensemble.outer-momentum": "automatic"})

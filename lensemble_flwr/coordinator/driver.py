@@ -31,6 +31,7 @@ from lensemble_flwr.errors import (
     response_to,
 )
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.plan import privacy_plan, shared_dim
 from lensemble_flwr.protocol.messages import (
     ControlMessage,
     RoundClose,
@@ -87,6 +88,7 @@ class Driver:
         self._clock = clock
         self._opened: Opened = None
         self.last_close: RoundClose | None = None
+        self._plan_said = False  # the privacy plan is said once, before the first round
 
     # -- the steps that need the clock (or tell the participants) ----------------------
     def begin_attempt(self) -> Attempt:
@@ -179,6 +181,9 @@ class Driver:
             raise ValueError("num_rounds must be >= 0")
         target = self.core.run.head.state.round + num_rounds
         noise_multiplier_of(self.core.config, rounds=target)
+        if not self._plan_said and self.transport is not None:
+            self._plan_said = True
+            self._say_plan(target)
         while self.core.run.head.state.round < target:
             outcome = self.run_attempt()
             if outcome.state is RoundState.CLOSED:
@@ -263,6 +268,29 @@ class Driver:
         attempt = self.begin_attempt()
         failed = self._deliver_invitations(attempt)
         self._opened = EndedOnDelivery(failed) if failed is not None else Delivered(attempt)
+
+    def _say_plan(self, rounds: int) -> None:
+        """Log a noised run's privacy plan and forecast (:mod:`..privacy.plan`), with a
+        warning when the forecast says the model cannot learn, before its first round."""
+        config = self.core.config
+        if not config.privacy.noised:
+            return
+        reachable = len(self._require_transport().peers())
+        fed = config.federation
+        contributors = fed.sample_size(reachable) if fed.sampled else reachable
+        state = self.core.run.head.state
+        plan = privacy_plan(
+            config,
+            rounds=rounds,
+            participants=max(contributors, fed.quorum),
+            dim=shared_dim(state.params, config),
+        )
+        assert plan is not None  # noised
+        for line in plan.lines():
+            log.info("%s", line)
+        warning = plan.warning()
+        if warning is not None:
+            log.warning("%s", warning)
 
     # -- transport calls ---------------------------------------------------------------
     def _require_transport(self) -> Transport:

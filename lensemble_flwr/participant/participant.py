@@ -30,6 +30,7 @@ from lensemble_flwr.identity.endorsement import endorsement_fields
 from lensemble_flwr.identity.signing import IdentityKey
 from lensemble_flwr.norms import l2_norm
 from lensemble_flwr.params import NamedArrays, is_shared
+from lensemble_flwr.participant.budget_check import budget_refusal
 from lensemble_flwr.participant.local_training import (
     LocalTraining,
     PortableState,
@@ -138,6 +139,8 @@ class Participant:
             state_dir = config.privacy.dp_state_dir or default_state_dir()
             secret = commitment_secret(state_dir, self.stable_id)
             self.dataset_root = merkle_root(records, secret)
+        # the default chain's budget is looked at before training (budget_check)
+        self._budget_key = self.stable_id if pipeline is None else None
         if pipeline is None:
             pipeline = release_pipeline(
                 config,
@@ -225,6 +228,8 @@ class Participant:
             return
         if msg.needs_commitment and self.dataset_root is not None:
             self._send(msg.sender, self._commitment(common, masked_round))
+        if self._budget_refuses(msg, common, state):  # found before the inner loop runs
+            return
         try:  # before training: a round it will refuse spends no budget
             mask_round = self.masking.open_round(msg, self.config) if masked_round else None
         except LensembleError as exc:
@@ -244,6 +249,14 @@ class Participant:
             self._refuse(msg, common, exc)
             return
         self._send(msg.sender, self._update_of(common, release))
+
+    def _budget_refuses(self, msg: RoundOpen, common: dict[str, Any], state: GlobalState) -> bool:
+        """Refuse the round (True) when the default chain's budget cannot pay for it."""
+        error = budget_refusal(self.config, self._budget_key, state.params)
+        if error is not None:
+            log.warning("%s: refuses round %d: %s", self.participant_id, msg.round, error)
+            self._refuse(msg, common, error)
+        return error is not None
 
     def _global_state_of(self, msg: RoundOpen) -> GlobalState | None:
         """The global state ``msg`` broadcasts, verified (None, logged, if it does not

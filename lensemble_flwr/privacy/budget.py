@@ -205,6 +205,19 @@ class PrivacyBudget:
         """How many releases the budget has recorded."""
         return sum(steps for _, _, steps in self.history)
 
+    def would_spend(
+        self, noise_multiplier: float, *, sensitivity_factor: float | None = None
+    ) -> float:
+        """The epsilon one more release (as :meth:`charge` counts it) would bring the
+        file's total to, re-read now; nothing is recorded.
+
+        Raises:
+            PrivacyBudgetUnreadable: the file cannot be read.
+        """
+        factor = self.sensitivity_factor if sensitivity_factor is None else sensitivity_factor
+        self.history = self._load()
+        return self._epsilon(_merged(self.history, (noise_multiplier / factor, 1.0)))
+
     def charge(
         self,
         noise_multiplier: float,

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.app.constants import DEFAULT_TTL
+from flwr.common import log as say
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -35,9 +37,10 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from lensemble_flwr.config import LensembleConfig, metrics_released
 from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.coordinator import Coordinator
-from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded
+from lensemble_flwr.errors import ConfigError, FaultToleranceExceeded, LensembleError
 from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
+from lensemble_flwr.provenance.ledger import RunManifest
 from lensemble_flwr.strategies import records, reporting
 from lensemble_flwr.strategies.arguments import check_arguments, with_sampling
 from lensemble_flwr.strategies.attempt_driver import AttemptDriver
@@ -436,7 +439,7 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             attempts=len(self._round_outcomes),
             exchanges=looping,  # Flower's own loop moves the messages: it counts none
             weighted_by_key=self._weighted_by_key,
-            aggregate=self._train_metrics_aggr_fn,
+            aggregate=self._train_metrics_aggr_fn, epsilon=_spent_epsilon(coordinator, outcome),
         )
         closed = outcome.state is RoundState.CLOSED
         if not looping:
@@ -480,8 +483,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
             return True
         if not self._said_no_evaluation:
             self._said_no_evaluation = True
-            log.info(
-                "no federated evaluation: under DP or secure aggregation the participants "
+            say(  # in Flower's stream, with the round lines
+                INFO, "no federated evaluation: under DP or secure aggregation the participants "
                 "release no per-node metrics (set dp-release-metrics = true to ask, on "
                 "nodes whose node config allows it: dp-release-metrics=true)"
             )
@@ -552,6 +555,20 @@ def _say_left_out(round: int, came: frozenset[int], replies: list[Message]) -> N
             len(came),
             len(missing),
         )
+
+
+def _spent_epsilon(coordinator: Coordinator, outcome: RoundOutcome) -> float | None:
+    """The largest cumulative ε the attempt's admitted updates claimed (its manifest
+    entry's; None without DP, or when the entry cannot be read: the line goes on)."""
+    if not coordinator.config.privacy.noised:
+        return None
+    try:
+        entry = RunManifest.entry(coordinator.store, outcome.round, outcome.attempt)
+    except LensembleError as exc:
+        log.warning("round %d: its manifest entry could not be read: %s", outcome.round, exc)
+        return None
+    spent = [e for e in ((entry.epsilon or {}).values() if entry else ()) if e is not None]
+    return max(spent) if spent else None
 
 
 def _flower_run_id(grid: Grid) -> str:

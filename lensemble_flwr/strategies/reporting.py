@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 from flwr.app import MetricRecord, RecordDict
@@ -26,6 +26,7 @@ from flwr.serverapp.strategy import Result
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.attempt import RoundOutcome
+from lensemble_flwr.privacy.plan import PrivacyPlan
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.provenance.round_metrics import METRICS_NAME, append_round_metrics
 from lensemble_flwr.strategies import records
@@ -68,11 +69,13 @@ def round_metrics(
     exchanges: bool,
     weighted_by_key: str,
     aggregate: MetricsAggregation,
+    epsilon: float | None = None,
 ) -> MetricRecord:
     """The round's metrics: the contributors' own metrics (as the transport counted them)
     aggregated by ``aggregate`` as FedAvg does, and lensemble's bookkeeping under
     ``lensemble.`` (with ``exchanges``: the round's exchanges and bytes, which only a loop
-    that moved the messages itself counts)."""
+    that moved the messages itself counts; with ``epsilon``, the largest cumulative ε a
+    contributor claimed, as ``lensemble.epsilon``)."""
     book: dict[str, float] = {
         "C_t": float(outcome.count),
         "attempts": float(attempts),
@@ -82,6 +85,8 @@ def round_metrics(
         "rejected": float(outcome.rejected),
         "refused": float(len(outcome.refused)),
     }
+    if epsilon is not None:
+        book["epsilon"] = float(epsilon)
     if outcome.deadlines is not None:  # what the closing attempt waited for
         book["open-deadline"] = float(outcome.deadlines.open)
         book["collect-deadline"] = float(outcome.deadlines.collect)
@@ -115,16 +120,22 @@ def report(
     evaluation: MetricRecord | None,
     aborted: list[str],
     on_round: Callable[[str], None] | None,
+    server: MetricRecord | None = None,
 ) -> None:
-    """Say the round's line through Flower's logger, and hand it to ``on_round``."""
+    """Say the round's line through Flower's logger, and hand it to ``on_round``: the
+    federated ``evaluation``'s metrics, else (under DP, where nodes release none) the
+    ServerApp's own evaluation's, as ``server-<key>``; the ε spent, under DP."""
     path = "→".join(s.value for s in outcome.path)
     parts = [f"round {outcome.round}: {path}", f"C_t={outcome.count}"]
-    if evaluation is not None:
+    shown, prefix = (evaluation, "") if evaluation is not None else (server, "server-")
+    if shown is not None:
         parts += [
-            f"{k}={float(v):.4f}"
-            for k, v in evaluation.items()
+            f"{prefix}{k}={float(v):.4f}"
+            for k, v in shown.items()
             if k != "num-examples" and isinstance(v, (int, float))
         ]
+    if BOOKKEEPING + "epsilon" in metrics:
+        parts.append(f"epsilon={float(metrics[BOOKKEEPING + 'epsilon']):.4g}")
     # a stock client's own train loss; lensemble participants report their last inner
     # mini-batch as last-batch-loss, which is not comparable with an evaluation, so
     # it stays out of the line (it is in the round's MetricRecord)
@@ -263,6 +274,20 @@ def log_summary(config: LensembleConfig) -> None:
             "are reachable)",
             reachable,
         )
+
+
+def log_privacy_plan(plan: PrivacyPlan | None) -> None:
+    """A noised run's privacy plan and forecast through Flower's logger, before round 1,
+    with a WARNING when the forecast says the model cannot learn (:mod:`..privacy.plan`)."""
+    if plan is None:
+        return
+    lines = plan.lines()
+    for line in lines[:-1]:
+        say(INFO, "\t├── %s", line)
+    say(INFO, "\t└── %s", lines[-1])
+    warning = plan.warning()
+    if warning is not None:
+        say(WARNING, "%s", warning)
 
 
 def log_final(result: LensembleResult, started: float) -> None:

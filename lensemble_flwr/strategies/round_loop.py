@@ -57,6 +57,7 @@ from lensemble_flwr.coordinator.attempt import RoundOutcome
 from lensemble_flwr.coordinator.coordinator import Coordinator
 from lensemble_flwr.errors import FaultToleranceExceeded, LensembleError
 from lensemble_flwr.privacy.calibration import noise_multiplier_of
+from lensemble_flwr.privacy.plan import privacy_plan, shared_dim
 from lensemble_flwr.protocol.round import TERMINAL_STATES, RoundState
 from lensemble_flwr.strategies import reporting
 from lensemble_flwr.strategies.attempt_driver import AttemptDriver
@@ -153,6 +154,7 @@ class RoundLoop:
             # round in which every invited node answered ends at once), and its
             # instructions may wait in the SuperLink as long: an instruction that expired
             # before a cold ClientApp picked it up would lose the node the round
+            self._say_plan(coordinator, num_rounds, done)
             grace = max(0.0, strategy._warmup_timeout - waited)
             coordinator.grant_grace(grace)
             transport.message_ttl = instruction_ttl(coordinator.core.deadlines.next(), grace)
@@ -165,6 +167,24 @@ class RoundLoop:
         strategy._returned = self._arrays
         transport.keep_train_replies = True
         return coordinator, AttemptDriver(coordinator, transport), result
+
+    def _say_plan(self, coordinator: Coordinator, num_rounds: int, done: int) -> None:
+        """The privacy plan and its forecast for the nodes the warm-up found (a round's
+        sample of them), before round 1 (:func:`reporting.log_privacy_plan`)."""
+        config = self._strategy._config
+        transport = self._strategy._transport
+        if not config.privacy.noised or done >= num_rounds or transport is None:
+            return
+        fed = config.federation
+        connected = len(transport.peers(fresh=True))
+        reporting.log_privacy_plan(
+            privacy_plan(
+                config,
+                rounds=num_rounds,
+                participants=max(fed.sample_size(connected), fed.quorum),
+                dim=shared_dim(coordinator.global_state().params, config),
+            )
+        )
 
     def _evaluate_initial(
         self, coordinator: Coordinator, initial_arrays: ArrayRecord, result: LensembleResult
@@ -203,8 +223,10 @@ class RoundLoop:
             result.arrays = self._arrays
             not_opened = self._evaluate_round(coordinator, driver, r, num_rounds, metrics, result)
             evaluation = result.evaluate_metrics_clientapp.get(r)
-            reporting.report(outcomes[-1], metrics, evaluation, aborted, strategy._on_round)
             server = result.evaluate_metrics_serverapp.get(r)
+            reporting.report(
+                outcomes[-1], metrics, evaluation, aborted, strategy._on_round, server=server
+            )
             strategy._keep_metrics(r, metrics, evaluation, server)
             transport.traffic.forget_through(r)  # reported: its bookkeeping is no longer needed
             if not_opened is not None:

@@ -127,7 +127,9 @@ def test_the_privacy_pages_examples_run_as_written(tmp_path: Path, index: int) -
         inner=base.inner.model_dump(),
         privacy={**config.privacy.model_dump(), "dp_state_dir": str(tmp_path / "budgets")},
     )  # fmt: skip
-    coordinator, network, _ = federation(tmp_path, config=federated)
+    # as many participants as the page's quorum (its distributed example has 80)
+    nodes = max(4, federated.federation.quorum)
+    coordinator, network, _ = federation(tmp_path, config=federated, participants=nodes)
     coordinator.run(planned)
     network.flush()
     final = Ledger(coordinator.store).records()[-1]

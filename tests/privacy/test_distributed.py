@@ -79,7 +79,8 @@ def shares(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     ("change", "complaint"),
     [
         ({"secagg_threshold": 0}, "plaintext rounds would reveal each under-noised update"),
-        ({"weighting": "num-examples"}, "weighting by num-examples"),
+        # the refusal names the exact key that fixes it
+        ({"weighting": "num-examples"}, 'num-examples.*set lensemble.weighting = "uniform"'),
     ],
     ids=["plaintext", "weighted"],
 )

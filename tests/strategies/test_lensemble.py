@@ -1392,6 +1392,59 @@ def test_fedavgs_attributes_read_as_in_fedavg(tmp_path: Path) -> None:
     assert strategy.train_metrics_aggr_fn is metrics is strategy.evaluate_metrics_aggr_fn
 
 
+class _FlowerLines(logging.Handler):
+    """Every line Flower's logger prints (its stream), in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+def test_a_dp_run_says_its_plan_before_round_1_and_keeps_its_round_metrics(
+    tmp_path: Path,
+) -> None:
+    """Under DP the stream says the privacy plan (and the forecast's warning) before round
+    1, says once that no node evaluates, and each round's line keeps the ServerApp's own
+    evaluation and the epsilon spent (nodes release no metrics under DP)."""
+    from flwr.common.logger import FLOWER_LOGGER
+
+    # the nodes keep their budgets where their owner does (the tests' default directory)
+    config = dp_config(tmp_path, noise_multiplier=5.0, dp_epsilon=10.0, dp_state_dir="")
+    contexts = {  # a DP node keeps its budget under a stable identity: its partition id
+        n: Context(run_id=1, node_id=n, node_config={"partition-id": i}, state=RecordDict(),
+                   run_config={})
+        for i, n in enumerate(NODES)
+    }  # fmt: skip
+    nodes = {n: clientapp_node(i, contexts[n], config) for i, n in enumerate(NODES)}
+    grid = FakeGrid(FakeClock(), nodes)
+    said: list[str] = []
+    strategy = LensembleStrategy(
+        config, run_dir=tmp_path / "run", run_id="dp", on_round=said.append
+    )
+    stream = _FlowerLines()
+    FLOWER_LOGGER.addHandler(stream)
+    try:
+        strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2,
+            evaluate_fn=lambda r, arrays: MetricRecord({"accuracy": 0.5}),
+        )  # fmt: skip
+    finally:
+        FLOWER_LOGGER.removeHandler(stream)
+    messages = [m for _, m in stream.lines]
+    plan = next(i for i, m in enumerate(messages) if "privacy plan: local Gaussian" in m)
+    warned = next(i for i, m in enumerate(messages) if "not expected to learn" in m)
+    first_round = messages.index("[ROUND 1/2]")
+    assert plan < warned < first_round
+    assert stream.lines[warned][0] == logging.WARNING
+    assert sum("no federated evaluation" in m for m in messages) == 1
+    assert len(said) == 2
+    for line in said:
+        assert "server-accuracy=0.5000" in line and "epsilon=" in line
+
+
 def test_adaptive_deadlines_in_start_set_each_attempts_ttl_and_are_reported(
     tmp_path: Path,
 ) -> None:
