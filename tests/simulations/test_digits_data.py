@@ -191,7 +191,7 @@ def test_the_apps_model_key_names_a_digits_model_and_refuses_another() -> None:
     assert model_class_of("net") is DigitsNet
     assert model_class_of("linear") is DigitsLinear
     for bad in ("mlp", "", None, 3):
-        with pytest.raises(ConfigError, match="model: .* is not a digits model"):
+        with pytest.raises(ConfigError, match=r"model: .* is not a digits model"):
             model_class_of(bad)
     # the server's evaluation loads the model the key names
     params = initial_params(model_class=DigitsLinear)
