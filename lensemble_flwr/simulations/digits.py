@@ -18,6 +18,7 @@ from lensemble_flwr.simulations.digits_data import (
     centralized_evaluate,
     initial_params,
     load_partition,
+    model_class_of,
 )
 from lensemble_flwr.simulations.flower_app import (
     checked_config,
@@ -32,7 +33,8 @@ def trainer_fn(context: Context) -> DigitsTrainer:
     """This node's trainer: its partition of the digits, a fresh model."""
     partition_id, count = partition_of(context, default_count=10)
     seed = int(context.run_config.get("data-seed", 0))
-    return DigitsTrainer(load_partition(partition_id, count, seed=seed))
+    model_class = model_class_of(context.run_config.get("model", "net"))
+    return DigitsTrainer(load_partition(partition_id, count, seed=seed), model_class=model_class)
 
 
 client_app = make_client_app(trainer_fn)
@@ -49,10 +51,11 @@ def main(grid: Grid, context: Context) -> None:
     config, strategy = strategy_from_context(context, config)
     seed = int(run_config.get("data-seed", 0))
     count = int(run_config.get("num-partitions", 10))
+    model_class = model_class_of(run_config.get("model", "net"))
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         loss, accuracy = centralized_evaluate(
-            record_to_arrays(arrays), seed=seed, num_partitions=count
+            record_to_arrays(arrays), seed=seed, num_partitions=count, model_class=model_class
         )
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
@@ -61,7 +64,7 @@ def main(grid: Grid, context: Context) -> None:
         grid,
         context,
         config,
-        initial_arrays=arrays_to_record(initial_params()),
+        initial_arrays=arrays_to_record(initial_params(model_class=model_class)),
         evaluate_fn=evaluate_fn,
         final_label="final centralized evaluation",
         final_metrics=lambda result: result.evaluate_metrics_serverapp,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lensemble_flwr.config import ParamGroupsConfig
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.params import load_shared
 
 D_IN, D_HIDDEN, NUM_CLASSES = 64, 32, 10
@@ -281,8 +282,10 @@ def centralized_evaluate(
     num_partitions: int = 10,
     alpha: float = 0.5,
     test_fraction: float = 0.2,
+    model_class: Callable[..., nn.Module] = DigitsNet,
 ) -> tuple[float, float]:
-    """(loss, accuracy) of ``params`` on the union of all partitions' test splits.
+    """(loss, accuracy) of ``params``, a ``model_class``'s, on the union of all
+    partitions' test splits.
 
     For reporting only: no participant holds this union. The partitioning arguments
     must match the participants' for it to be their held-out data.
@@ -291,8 +294,24 @@ def centralized_evaluate(
         load_partition(i, num_partitions, seed=seed, alpha=alpha, test_fraction=test_fraction)
         for i in range(num_partitions)
     ]
-    model = DigitsNet()
+    model = model_class()
     load_shared(model, params, _ALL_SHARED)
     x = np.concatenate([p.x_test for p in parts])
     y = np.concatenate([p.y_test for p in parts])
     return _evaluate(model, x, y)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"net": DigitsNet, "linear": DigitsLinear}
+"""The digits app's ``model`` key: ``"net"`` (:class:`DigitsNet`, 2,410 parameters) or
+``"linear"`` (:class:`DigitsLinear`, 650)."""
+
+
+def model_class_of(name: object) -> Callable[..., nn.Module]:
+    """The classifier the digits app's ``model`` key names.
+
+    Raises:
+        ConfigError: ``name`` is not one of :data:`MODELS`.
+    """
+    if not isinstance(name, str) or name not in MODELS:
+        raise ConfigError("model", f"{name!r} is not a digits model; use one of {sorted(MODELS)}")
+    return MODELS[name]

@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from torch import nn
+
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import RoundOutcome
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.simulations.digits_data import (
+    DigitsNet,
     DigitsTrainer,
     centralized_evaluate,
     initial_params,
@@ -36,10 +39,13 @@ def run_digits(
     num_partitions: int = 10,
     data_seed: int = 0,
     on_accuracy: Callable[[int, float, float], None] | None = None,
+    model_class: Callable[..., nn.Module] = DigitsNet,
 ) -> list[float]:
     """Run ``rounds`` rounds of the digits app over ``num_partitions`` in-process
     participants (the app's non-IID split of ``data_seed``; each participant keeps its
-    budget where ``config``'s ``dp-state-dir`` says), writing the run to ``run_dir``.
+    budget where ``config``'s ``dp-state-dir`` says), each training a ``model_class``
+    (the app's ``model`` key, :func:`~lensemble_flwr.simulations.digits_data.model_class_of`),
+    writing the run to ``run_dir``.
 
     Returns:
         The held-out accuracy (the union of the partitions' test splits, as the app's
@@ -53,7 +59,7 @@ def run_digits(
             return
         params = coordinator.global_state().params
         loss, accuracy = centralized_evaluate(
-            params, seed=data_seed, num_partitions=num_partitions
+            params, seed=data_seed, num_partitions=num_partitions, model_class=model_class
         )
         accuracies.append(accuracy)
         if on_accuracy is not None:
@@ -64,8 +70,10 @@ def run_digits(
         run_dir,
         participants=num_partitions,
         on_round=evaluate,
-        trainer_of=lambda i: DigitsTrainer(load_partition(i, num_partitions, seed=data_seed)),
-        params=initial_params(),
+        trainer_of=lambda i: DigitsTrainer(
+            load_partition(i, num_partitions, seed=data_seed), model_class=model_class
+        ),
+        params=initial_params(model_class=model_class),
     )
     coordinator.run(rounds)
     return accuracies

@@ -177,3 +177,23 @@ def test_the_linear_model_is_seeded_trains_and_is_what_its_trainer_holds():
 def test_centralized_evaluate():
     loss, acc = centralized_evaluate(initial_params())
     assert np.isfinite(loss) and 0.0 <= acc <= 0.3
+
+
+def test_the_apps_model_key_names_a_digits_model_and_refuses_another() -> None:
+    from lensemble_flwr.errors import ConfigError
+    from lensemble_flwr.simulations.digits_data import (
+        DigitsLinear,
+        DigitsNet,
+        centralized_evaluate,
+        model_class_of,
+    )
+
+    assert model_class_of("net") is DigitsNet
+    assert model_class_of("linear") is DigitsLinear
+    for bad in ("mlp", "", None, 3):
+        with pytest.raises(ConfigError, match=r"model: .* is not a digits model"):
+            model_class_of(bad)
+    # the server's evaluation loads the model the key names
+    params = initial_params(model_class=DigitsLinear)
+    loss, accuracy = centralized_evaluate(params, model_class=DigitsLinear)
+    assert loss > 0 and 0.0 <= accuracy <= 1.0

@@ -97,3 +97,18 @@ def test_the_apps_own_noise_multiplier_does_not_stop_the_serverapp() -> None:
     assert config.privacy.noise_multiplier == 0
     config, strategy = flower_app.strategy_from_context(context, config)
     assert strategy.config is config
+
+
+def test_the_digits_client_app_trains_the_model_its_run_config_names() -> None:
+    from lensemble_flwr.simulations.digits_data import DigitsLinear, DigitsNet
+
+    def context(run_config: dict[str, Any]) -> Context:
+        return Context(
+            run_id=1, node_id=3, node_config={"partition-id": 2, "num-partitions": 10},
+            state=RecordDict(), run_config=run_config,
+        )  # fmt: skip
+
+    assert isinstance(digits.trainer_fn(context({})).model, DigitsNet)
+    assert isinstance(digits.trainer_fn(context({"model": "linear"})).model, DigitsLinear)
+    with pytest.raises(ConfigError, match="model: 'mlp' is not a digits model"):
+        digits.trainer_fn(context({"model": "mlp"}))
