@@ -9,7 +9,12 @@ import re
 
 from lensemble_flwr.cli.output import EXIT_FAILED, EXIT_OK, status, stdout
 from lensemble_flwr.identity.endorsement import RecordEndorsement
-from lensemble_flwr.identity.endorsement_report import endorsements_json, review_run, summary
+from lensemble_flwr.identity.endorsement_report import (
+    endorsements_json,
+    review_run,
+    round_spans,
+    summary,
+)
 from lensemble_flwr.provenance.audit import AuditReport, Finding, audit_run, open_run
 from lensemble_flwr.provenance.ledger import EndorsementPolicy
 from lensemble_flwr.provenance.verify import LinkBreak
@@ -83,7 +88,7 @@ def _print(
     out.print(f"  checkpoints        {report.checkpoints}")
     if report.pruned:
         out.print(
-            f"  pruned             {len(report.pruned)} (rounds {_rounds(report.pruned)}; "
+            f"  pruned             {len(report.pruned)} (rounds {round_spans(report.pruned)}; "
             "the ledger keeps their hashes)"
         )
     out.print(f"  final global hash  {report.final_global_hash or '-'}")
@@ -101,14 +106,3 @@ def _print(
             out.print(f"  also: {finding}")
     elif rest:
         out.print(f"  ({len(rest)} more finding{'s' if len(rest) != 1 else ''}; --all lists them)")
-
-
-def _rounds(rounds: tuple[int, ...]) -> str:
-    """``0-3, 5, 7-8``: ascending rounds as ranges."""
-    spans: list[list[int]] = []
-    for r in rounds:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

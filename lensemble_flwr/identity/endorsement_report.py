@@ -52,15 +52,15 @@ def summary(policy: EndorsementPolicy | None, reviews: Sequence[RecordEndorsemen
         "unendorsed": "UNENDORSED",
     }
     parts = [
-        f"round{'s' if len(by_status[s]) > 1 else ''} {_spans(by_status[s])} {words[s]}"
+        f"round{'s' if len(by_status[s]) > 1 else ''} {round_spans(by_status[s])} {words[s]}"
         for s in ("endorsed", "unendorsed", "keyless", "pending")
         if s in by_status
     ]
     return f"policy {policy}; " + ("; ".join(parts) if parts else "no records yet")
 
 
-def _spans(rounds: Sequence[int]) -> str:
-    """``1-3, 5``: ascending rounds as ranges."""
+def round_spans(rounds: Sequence[int]) -> str:
+    """``0-3, 5, 7-8``: ascending rounds as ranges."""
     spans: list[list[int]] = []
     for r in rounds:
         if spans and r == spans[-1][1] + 1:

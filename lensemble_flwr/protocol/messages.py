@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import numpy as np
 from pydantic import (
@@ -388,17 +388,7 @@ ControlMessage = Union[  # noqa: UP007
     SurvivorCheck,
     SurvivorAttestation,
 ]
-_MESSAGE_TYPES = (
-    RoundOpen,
-    Commitment,
-    Update,
-    Refusal,
-    UnmaskRequest,
-    UnmaskResponse,
-    RoundClose,
-    SurvivorCheck,
-    SurvivorAttestation,
-)
+_MESSAGE_TYPES: tuple[type[_Message], ...] = get_args(ControlMessage)
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(
     Annotated[ControlMessage, Field(discriminator="kind")]
 )
