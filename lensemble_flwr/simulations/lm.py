@@ -21,11 +21,13 @@ app's own keys (``docs/lm.md``): the split (``data-seed``, ``held-out-package``,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
@@ -56,7 +58,8 @@ from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 DEFAULT_NODES = 10
 DEFAULT_EVAL_BYTES = 4096
 NODE, NODES = "node", "nodes"
-GLOBAL, LOCAL, HELD_OUT = "global-bpb", "local-only-bpb", "held-out-package-bpb"
+GLOBAL, LOCAL = "global-bpb", "local-only-bpb"
+HELD_OUT, LOCAL_HELD_OUT = "held-out-package-bpb", "local-only-held-out-bpb"
 
 
 def corpus_settings(run_config: Mapping[str, Any], num_nodes: int) -> CorpusSettings:
@@ -86,6 +89,19 @@ def _eval_bytes(run_config: Mapping[str, Any]) -> int:
     return int(run_config.get("eval-bytes", DEFAULT_EVAL_BYTES))
 
 
+def held_out_windows(run_config: Mapping[str, Any]) -> torch.Tensor:
+    """The windows of the held-out package every model is measured on (the same on the
+    server and on every node, whatever the node count)."""
+    return _held_out_windows(
+        corpus_settings(run_config, 1), model_shape(run_config).seq_len, _eval_bytes(run_config)
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _held_out_windows(settings: CorpusSettings, seq_len: int, eval_bytes: int) -> torch.Tensor:
+    return evaluation_windows(as_bytes(held_out_files(settings)), seq_len, eval_bytes)
+
+
 def trainer_fn(context: Context) -> LmTraining:
     """This node's packages and model, with its saved state (its inner optimizer and
     local-only model) restored from ``context.state``."""
@@ -96,6 +112,7 @@ def trainer_fn(context: Context) -> LmTraining:
         model_shape(run),
         init_seed=int(run.get("init-seed", 0)),
         eval_bytes=_eval_bytes(run),
+        held_out=held_out_windows(run),
     )
     training = LmTraining(
         trainer, config_from_context(context), local_only=bool(run.get("local-only", True))
@@ -108,7 +125,8 @@ def evaluate_fn(
     training: LmTraining, params: Mapping[str, np.ndarray], config: Mapping[str, Any]
 ) -> dict[str, float]:
     """The global model's bits per byte on the node's held-out files and, when the node
-    keeps one, its local-only model's on the same bytes."""
+    keeps one, its local-only model's on the same bytes and on the held-out package
+    (what the global model is measured on at the server)."""
     trainer = training.lm
     metrics = {
         NODE: float(trainer.corpus.node),
@@ -119,6 +137,8 @@ def evaluate_fn(
     local = training.local_only_bpb()
     if local is not None:
         metrics[LOCAL] = local
+        if trainer.held_out is not None:
+            metrics[LOCAL_HELD_OUT] = training.local_only_bpb(trainer.held_out) or math.nan
     return metrics
 
 
@@ -144,7 +164,7 @@ class PerNodeBpb:
                     nodes[int(values[NODE])] = values
         self.by_node = dict(sorted(nodes.items()))
         out: dict[str, float] = {}
-        for key in (GLOBAL, LOCAL):
+        for key in (GLOBAL, LOCAL, LOCAL_HELD_OUT):
             values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
             if values:
                 out[key] = float(np.mean(values))
@@ -161,19 +181,22 @@ def round_report(
     by_node: Mapping[int, Mapping[str, float]],
     packages: tuple[tuple[str, ...], ...],
 ) -> str:
-    """The round's lines: the held-out package's bits per byte, then one line per node
-    (its packages, the global and the local-only model on its held-out files)."""
-    lines = [
-        f"round {server_round}: global model on held-out package {held_out!r}: "
-        f"{held_out_bpb:.3f} bits/byte"
-    ]
+    """The round's lines: the global model on the held-out package, then one line per
+    node: the global and the node's local-only model on the node's held-out files, its
+    local-only model on the held-out package, and its packages."""
+    head = f"round {server_round}, bits per byte: global model on held-out package "
+    lines = [f"{head}{held_out!r} {held_out_bpb:.3f}"]
     if by_node:
-        lines.append("  node  global  local-only  packages")
+        lines.append(f"  node  own files: global  local-only  {held_out!r}: local-only  packages")
     for node, m in by_node.items():
-        local = m.get(LOCAL)
+        local, local_held_out = m.get(LOCAL), m.get(LOCAL_HELD_OUT)
         local_text = "-" if local is None else f"{local:.3f}"
+        held_out_text = "-" if local_held_out is None else f"{local_held_out:.3f}"
         names = "+".join(packages[node]) if 0 <= node < len(packages) else "?"
-        lines.append(f"  {node:4d}  {m[GLOBAL]:6.3f}  {local_text:>10}  {names}")
+        lines.append(
+            f"  {node:4d}  {m[GLOBAL]:17.3f}  {local_text:>10}  "
+            f"{held_out_text:>{len(repr(held_out)) + 12}}  {names}"
+        )
     return "\n".join(lines)
 
 
@@ -187,9 +210,7 @@ class HeldOutEvaluation:
         settings = corpus_settings(run_config, 1)  # the held-out package: any node count
         self.held_out = split_packages(settings).held_out
         self.model = ByteLM(model_shape(run_config)).to(lm_device())
-        self.windows = evaluation_windows(
-            as_bytes(held_out_files(settings)), self.model.shape.seq_len, _eval_bytes(run_config)
-        )
+        self.windows = held_out_windows(run_config)
         self.per_node = per_node
 
     def packages(self, by_node: Mapping[int, Mapping[str, float]]) -> tuple[tuple[str, ...], ...]:

@@ -103,11 +103,15 @@ class ByteLM(nn.Module):
         super().__init__()
         shape = shape or ModelShape()
         self.shape = shape
-        self.embed = nn.Embedding(VOCAB, shape.d_model)
-        self.position = nn.Embedding(shape.seq_len, shape.d_model)
-        self.blocks = nn.ModuleList(Block(shape.d_model, shape.heads) for _ in range(shape.layers))
-        self.norm = nn.LayerNorm(shape.d_model)
-        self.head = nn.Linear(shape.d_model, VOCAB, bias=False)
+        # torch's default initialisation draws from the global generator; every weight is
+        # drawn again from the seed below, so the global generator is left as it was
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Embedding(VOCAB, shape.d_model)
+            self.position = nn.Embedding(shape.seq_len, shape.d_model)
+            blocks = (Block(shape.d_model, shape.heads) for _ in range(shape.layers))
+            self.blocks = nn.ModuleList(blocks)
+            self.norm = nn.LayerNorm(shape.d_model)
+            self.head = nn.Linear(shape.d_model, VOCAB, bias=False)
         self._init_weights(seed, shape.layers)
 
     def _init_weights(self, seed: int, layers: int) -> None:

@@ -57,6 +57,8 @@ class LmTrainer:
         init_seed: the initial model's seed, the same on every node.
         eval_bytes: about how many held-out bytes a validation measures.
         device: where the model trains (default: :func:`lm_device`).
+        held_out: the windows of the package no node trains on, if the node is to
+            measure its local-only model there too.
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class LmTrainer:
         init_seed: int = 0,
         eval_bytes: int = 4096,
         device: torch.device | None = None,
+        held_out: torch.Tensor | None = None,
     ) -> None:
         self.corpus = corpus
+        self.held_out = held_out
         self.shape = shape
         self.init_seed = init_seed
         self.device = device if device is not None else lm_device()
@@ -77,8 +81,10 @@ class LmTrainer:
         self.validation = evaluation_windows(as_bytes(corpus.validation), shape.seq_len, eval_bytes)
 
     def num_examples(self) -> int:
-        """The node's training bytes."""
-        return len(self._text)
+        """How many whole ``seq-len`` windows the node's training text holds (at least 1):
+        its update's weight under ``weighting = "num-examples"``, which ``max-weight``
+        bounds (a byte count would pass it with a few hundred kilobytes)."""
+        return max(1, len(self._text) // self.shape.seq_len)
 
     def dataset_records(self) -> Iterator[bytes]:
         """Each training file as its path, a NUL byte and its bytes, in path order."""
@@ -164,12 +170,14 @@ class LmTraining(TorchTraining):
             self.local_steps += steps
         return shared
 
-    def local_only_bpb(self) -> float | None:
-        """The local-only model's bits per byte on the node's held-out files (None
-        without one)."""
+    def local_only_bpb(self, windows: torch.Tensor | None = None) -> float | None:
+        """The local-only model's bits per byte on ``windows`` (default: the node's
+        held-out files); None without a local-only model."""
         if self.local_only is None:
             return None
-        return evaluate_bits_per_byte(self.local_only.model, self.lm.validation)
+        return evaluate_bits_per_byte(
+            self.local_only.model, self.lm.validation if windows is None else windows
+        )
 
     def export_state(self) -> PortableState:
         """:meth:`TorchTraining.export_state`, with the local-only model's weights and

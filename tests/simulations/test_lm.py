@@ -111,9 +111,9 @@ def test_a_tiny_lm_trains_a_round_and_prints_bits_per_byte_against_local_only(
     result, _grid, contexts, run_config = run_tiny(tmp_path, monkeypatch)
     out = capsys.readouterr().out
     held_out = lm.split_packages(lm.corpus_settings(run_config, 3)).held_out
-    assert f"round 0: global model on held-out package {held_out!r}" in out
-    assert f"round 1: global model on held-out package {held_out!r}" in out
-    assert "node  global  local-only  packages" in out
+    assert f"round 0, bits per byte: global model on held-out package {held_out!r}" in out
+    assert f"round 1, bits per byte: global model on held-out package {held_out!r}" in out
+    assert f"node  own files: global  local-only  {held_out!r}: local-only  packages" in out
     assert "final bits per byte (mean over the nodes' held-out files): {" in out
     # the server's number: the held-out package, before and after the round
     server = result.evaluate_metrics_serverapp
@@ -121,11 +121,13 @@ def test_a_tiny_lm_trains_a_round_and_prints_bits_per_byte_against_local_only(
     assert math.isfinite(after) and after < 8.0 and after < initial
     # the nodes': the global and the local-only model on each node's held-out files
     evaluation = result.evaluate_metrics_clientapp[1]
-    assert set(evaluation) == {"global-bpb", "local-only-bpb", "nodes-beating-local"}
-    assert all(
-        math.isfinite(evaluation[k]) and evaluation[k] < 8.0
-        for k in ("global-bpb", "local-only-bpb")
-    )
+    assert set(evaluation) == {
+        "global-bpb",
+        "local-only-bpb",
+        "local-only-held-out-bpb",
+        "nodes-beating-local",
+    }
+    assert all(math.isfinite(v) and v < 8.0 for k, v in evaluation.items() if k.endswith("bpb"))
     split = lm.split_packages(lm.corpus_settings(run_config, 3))
     for node, packages in enumerate(split.nodes):  # one row per node, with its packages
         assert f"  {node:4d}  " in out and "+".join(packages) in out
@@ -170,8 +172,8 @@ def test_a_masked_round_trains_the_tiny_lm_and_the_nodes_send_no_evaluation(
     # per-node metrics are not noised: under masking the nodes refuse to evaluate, and
     # the round prints the server's number only
     out = capsys.readouterr().out
-    assert "round 1: global model on held-out package" in out
-    assert "node  global  local-only" not in out
+    assert "round 1, bits per byte: global model on held-out package" in out
+    assert "own files" not in out
     assert not result.evaluate_metrics_clientapp.get(1)
 
 
