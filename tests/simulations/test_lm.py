@@ -4,6 +4,7 @@ grid, on a tiny configuration (3 nodes, a 2-block model of width 16)."""
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +76,15 @@ def lm_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]]:
 def run_tiny(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **overrides: Any
 ) -> tuple[Any, FakeGrid, dict[int, Context], dict[str, Any]]:
-    """One ServerApp run of the tiny configuration; its result, grid, node contexts and
-    run config."""
+    """One ServerApp run of the tiny configuration, with no network connection allowed;
+    its result, grid, node contexts and run config."""
     run_config = {**TINY, "run-dir": str(tmp_path), **overrides}
+
+    def no_network(self: socket.socket, *args: Any) -> None:
+        raise AssertionError(f"the app opened a connection to {args}: nothing is downloaded")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
     grid, contexts = lm_grid(run_config)
     results: list[Any] = []
     start = LensembleStrategy.start
