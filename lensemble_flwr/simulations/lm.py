@@ -137,8 +137,9 @@ def evaluate_fn(
     local = training.local_only_bpb()
     if local is not None:
         metrics[LOCAL] = local
-        if trainer.held_out is not None:
-            metrics[LOCAL_HELD_OUT] = training.local_only_bpb(trainer.held_out) or math.nan
+        held_out = None if trainer.held_out is None else training.local_only_bpb(trainer.held_out)
+        if held_out is not None:
+            metrics[LOCAL_HELD_OUT] = held_out
     return metrics
 
 
