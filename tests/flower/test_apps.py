@@ -1,4 +1,4 @@
-"""Both Flower Apps of the repository are valid apps whose run configs the apps accept."""
+"""The Flower Apps of the repository are valid apps whose run configs the apps accept."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from flwr.common.config import flatten_dict, validate_config
 
 from lensemble_flwr.config import NAMESPACE, LensembleConfig, run_config_keys
-from lensemble_flwr.simulations import digits, world
+from lensemble_flwr.simulations import digits, lm, world
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("app_dir", "module"),
-    [(REPO, world), (REPO / "apps" / "digits", digits)],
-    ids=["world (default)", "digits"],
+    [(REPO, world), (REPO / "apps" / "digits", digits), (REPO / "apps" / "lm", lm)],
+    ids=["world (default)", "digits", "lm"],
 )
 def test_the_app_is_valid_and_its_run_config_loads(app_dir: Path, module) -> None:
     config = tomllib.loads((app_dir / "pyproject.toml").read_text())
@@ -37,3 +37,5 @@ def test_the_app_is_valid_and_its_run_config_loads(app_dir: Path, module) -> Non
     if module is world:
         world.check_groups(loaded)  # the action heads stay local
         assert loaded.gauge.align
+    if module is lm:
+        lm.check_app_keys(run_config)  # the app's own keys: the split, the model

@@ -189,7 +189,12 @@ def test_a_missing_extra_names_itself(
 
 
 @pytest.mark.parametrize(
-    "app", ["lensemble_flwr.simulations.world", "lensemble_flwr.simulations.digits"]
+    "app",
+    [
+        "lensemble_flwr.simulations.world",
+        "lensemble_flwr.simulations.digits",
+        "lensemble_flwr.simulations.lm",
+    ],
 )
 def test_a_clientapp_process_imports_neither_opacus_nor_the_superlink(app: str) -> None:
     """A SuperNode may start a process for every message, and each one imports the app's
