@@ -1,5 +1,6 @@
 """``lensemble-flwr export RUN_DIR OUT``: the run's global model as a file a training
-script loads (safetensors by default, or a torch ``state_dict``), checked against the
+script loads (safetensors, by the app's names: ``safetensors.torch.load_file`` gives the
+``state_dict``), checked against the
 ledger first (:mod:`lensemble_flwr.provenance.export`)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     """Add the ``export`` subcommand."""
     parser = commands.add_parser(
         "export",
-        help="write the run's global model (safetensors or a torch state_dict)",
+        help="write the run's global model (safetensors)",
         description="Verify the run, then write the global model round N left (the newest "
         "round by default) by the names the app gave its arrays, after checking its "
         "checkpoint against the hash the ledger names. Written to a temporary file, then "
@@ -33,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--format",
         choices=FORMATS,
         default="safetensors",
-        help="safetensors (default), or torch: a torch.save'd dict of tensors",
+        help="safetensors (the one format: loading it runs no code, unlike a pickle)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing OUT")
     parser.set_defaults(run=run)

@@ -10,11 +10,10 @@ checkpoint is the un-noised sum, which is not what the run released. The blob is
 re-hashed on read, the checkpoint's params are re-hashed, and that hash must be the one
 the ledger (or the step) names.
 
-:func:`encode_model` writes it as safetensors (no code runs on load) or as a torch
-``state_dict`` file (``torch.save`` of a dict of tensors, which is a pickle: load it
-with ``torch.load(path, weights_only=True)``). A safetensors file is a function of the
-model alone (its header in name order): the same model exports to the same bytes. Either
-way the tensors carry the names
+:func:`encode_model` writes it as safetensors, never as a pickle: loading it runs no
+code, and ``safetensors.torch.load_file`` gives a torch ``state_dict``. The file is a
+function of the model alone (its header in name order): the same model exports to the
+same bytes. The tensors carry the names
 the app gave its arrays (a Flower ``ArrayRecord``'s keys, a torch ``state_dict``'s), as
 the checkpoint stores them, with the same dtypes and bytes. What is not in a checkpoint
 is not in the file: the arrays that never leave a node (local parameter groups) and the
@@ -25,7 +24,6 @@ non-floating arrays a Flower layer carries beside the model (BatchNorm's
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import struct
 from typing import Literal
@@ -41,8 +39,8 @@ from lensemble_flwr.provenance.retention import step_after
 from lensemble_flwr.provenance.verify import verify
 
 FORMAT = "lensemble-export/1"
-Format = Literal["safetensors", "torch"]
-FORMATS: tuple[Format, ...] = ("safetensors", "torch")
+Format = Literal["safetensors"]
+FORMATS: tuple[Format, ...] = ("safetensors",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,25 +119,17 @@ def committed_model(store: Store, round: int | None = None) -> CommittedModel:
 
 
 def encode_model(model: CommittedModel, format: Format = "safetensors") -> bytes:
-    """The file's bytes: safetensors with :meth:`CommittedModel.metadata`, or a torch
-    ``state_dict`` (a dict of CPU tensors, by name).
+    """The file's bytes: safetensors with :meth:`CommittedModel.metadata` (the one
+    format: a torch ``state_dict`` saved with ``torch.save`` would be a pickle).
 
     Raises:
-        ConfigError: ``format`` is neither.
+        ConfigError: ``format`` is not one of :data:`FORMATS`.
     """
     if format == "safetensors":
         from safetensors.numpy import save
 
         arrays = {n: np.asarray(a, order="C") for n, a in model.params.items()}  # 0-d stays
         return _in_name_order(save(arrays, metadata=model.metadata()))
-    if format == "torch":
-        import torch
-
-        # copies: a checkpoint's arrays view its read-only bytes, which torch would share
-        state = {n: torch.from_numpy(np.array(a, copy=True)) for n, a in model.params.items()}
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
     raise ConfigError("format", f"must be one of {', '.join(FORMATS)}, got {format!r}")
 
 

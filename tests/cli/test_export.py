@@ -10,6 +10,7 @@ import pytest
 import torch
 from run_dir_helpers import blob_path, flip_byte, read_json, synthetic_run
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch_file
 
 from lensemble_flwr.artifacts.checkpoint import decode_checkpoint
 from lensemble_flwr.cli import main
@@ -44,12 +45,13 @@ def test_export_writes_the_newest_model_bit_for_bit(
     assert [p.name for p in out.parent.iterdir()] == ["model.safetensors"]  # no temp file
 
 
-def test_export_of_a_round_as_a_torch_state_dict(
+def test_export_of_a_round_loads_as_a_torch_state_dict(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "model.pt"
-    assert cli(capsys, "export", run, out, "--round", 1, "--format", "torch")[0] == EXIT_OK
-    state = torch.load(out, weights_only=True)
+    out = tmp_path / "round1.safetensors"
+    assert cli(capsys, "export", run, out, "--round", 1)[0] == EXIT_OK
+    state = load_torch_file(out)  # safetensors: never a pickle
+    assert all(isinstance(t, torch.Tensor) for t in state.values())
     expected = checkpoint_params(run, 1)
     assert sorted(state) == sorted(expected)
     assert all(state[n].numpy().tobytes() == a.tobytes() for n, a in expected.items())

@@ -628,7 +628,7 @@ def test_the_cli_md_export_snippet_loads_the_exported_model_into_the_apps_net(
     (result,) = results
     monkeypatch.chdir(tmp_path)
     assert main(["export", str(result.run_dir), "model.safetensors"]) == 0
-    assert main(["export", str(result.run_dir), "model.pt", "--format", "torch"]) == 0
+    assert main(["export", str(result.run_dir), "round1.safetensors", "--round", "1"]) == 0
     (block,) = python_blocks(REPO / "docs" / "cli.md", "`export`")
     page = {"Net": namespace["Net"], "__name__": "cli_md"}
     exec(compile(block, "docs/cli.md[export]", "exec"), page)
