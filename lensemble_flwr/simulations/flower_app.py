@@ -4,13 +4,14 @@ LensembleStrategy built from the run config, and the run's start and final repor
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from logging import ERROR
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 from flwr.common import log as say
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
@@ -112,3 +113,39 @@ def start_and_report(
     print(f"run directory: {result.run_dir}", flush=True)
     print(f"{final_label}: {last_metrics(final_metrics(result))}", flush=True)
     return result
+
+
+class PerNodeMetrics:
+    """An app's ``evaluate_metrics_aggr_fn`` over per-node replies that carry their node
+    (``node_key``): the mean over the nodes of each of ``means`` (each node counts once,
+    non-finite values left out), and ``nodes-beating-local``, how many nodes ``better``
+    serves better than ``worse`` (a lower value is better); the round's per-node values
+    stay in :attr:`by_node`."""
+
+    def __init__(
+        self, means: tuple[str, ...], better: str, worse: str, node_key: str = "node"
+    ) -> None:
+        self.means, self.better, self.worse, self.node_key = means, better, worse, node_key
+        self.by_node: dict[int, dict[str, float]] = {}
+
+    def __call__(self, contents: list[RecordDict], weighting_key: str) -> MetricRecord:
+        from lensemble_flwr.strategies.records import records_of
+
+        nodes: dict[int, dict[str, float]] = {}
+        for content in contents:
+            for record in records_of(content, MetricRecord).values():
+                values = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
+                if self.node_key in values:
+                    nodes[int(values[self.node_key])] = values
+        self.by_node = dict(sorted(nodes.items()))
+        out: dict[str, float] = {}
+        for key in self.means:
+            values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
+            if values:
+                out[key] = sum(values) / len(values)
+        compared = [m for m in nodes.values() if self.better in m and self.worse in m]
+        if compared:
+            out["nodes-beating-local"] = float(
+                sum(m[self.better] < m[self.worse] for m in compared)
+            )
+        return MetricRecord(out)

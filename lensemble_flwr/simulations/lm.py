@@ -22,13 +22,12 @@ app's own keys (``docs/lm.md``): the split (``data-seed``, ``held-out-package``,
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
@@ -53,7 +52,7 @@ from lensemble_flwr.simulations.lm_model import (
     lm_device,
 )
 from lensemble_flwr.simulations.lm_training import ALL_SHARED, LmTrainer, LmTraining
-from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays, records_of
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 DEFAULT_NODES = 10
 DEFAULT_EVAL_BYTES = 4096
@@ -148,31 +147,13 @@ client_app = make_client_app(trainer_fn, evaluate_fn=evaluate_fn)
 server_app = ServerApp()
 
 
-class PerNodeBpb:
+class PerNodeBpb(flower_app.PerNodeMetrics):
     """The app's ``evaluate_metrics_aggr_fn``: the mean of each node's bits per byte
     (each node counts once) and how many nodes the global model serves better than
     their local-only one; the round's per-node values stay in :attr:`by_node`."""
 
     def __init__(self) -> None:
-        self.by_node: dict[int, dict[str, float]] = {}
-
-    def __call__(self, contents: list[RecordDict], weighting_key: str) -> MetricRecord:
-        nodes: dict[int, dict[str, float]] = {}
-        for content in contents:
-            for record in records_of(content, MetricRecord).values():
-                values = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
-                if NODE in values:
-                    nodes[int(values[NODE])] = values
-        self.by_node = dict(sorted(nodes.items()))
-        out: dict[str, float] = {}
-        for key in (GLOBAL, LOCAL, LOCAL_HELD_OUT):
-            values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
-            if values:
-                out[key] = float(np.mean(values))
-        compared = [m for m in nodes.values() if LOCAL in m and GLOBAL in m]
-        if compared:
-            out["nodes-beating-local"] = float(sum(m[GLOBAL] < m[LOCAL] for m in compared))
-        return MetricRecord(out)
+        super().__init__((GLOBAL, LOCAL, LOCAL_HELD_OUT), GLOBAL, LOCAL, NODE)
 
 
 def round_report(

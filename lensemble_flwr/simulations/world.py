@@ -27,13 +27,12 @@ skips it). The run ends with a per-node table of the last round.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from lensemble_flwr.clients.app import config_from_context, make_client_app
@@ -53,7 +52,7 @@ from lensemble_flwr.simulations.world_model import (
     WorldTraining,
     initial_params,
 )
-from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays, records_of
+from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 DEFAULT_ROUNDS = 5  # start_and_report's default
 DATA_DEFAULTS: dict[str, Any] = {
@@ -225,36 +224,14 @@ def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> flo
     return float(np.sum((z.T @ z / len(z) - np.eye(d)) ** 2) / d)
 
 
-class PerNodeEvaluation:
+class PerNodeEvaluation(flower_app.PerNodeMetrics):
     """The world App's ``evaluate_metrics_aggr_fn``: each metric's mean over the nodes
     that replied (each node counts once), and how many of them the federation serves
     better than local-only; the last round's per-node metrics stay in :attr:`by_node`
     for the final table."""
 
     def __init__(self) -> None:
-        self.by_node: dict[int, dict[str, float]] = {}
-
-    def __call__(self, contents: list[RecordDict], weighting_key: str) -> MetricRecord:
-        nodes: dict[int, dict[str, float]] = {}
-        for content in contents:
-            for record in records_of(content, MetricRecord).values():
-                values = {
-                    k: float(v)
-                    for k, v in record.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)
-                }
-                if NODE in values:
-                    nodes[int(values[NODE])] = values
-        self.by_node = dict(sorted(nodes.items()))
-        out: dict[str, float] = {}
-        for key in (GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL):
-            values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
-            if values:
-                out[key] = float(np.mean(values))
-        compared = [m for m in nodes.values() if LOCAL_VAL in m and GLOBAL_VAL in m]
-        if compared:
-            out["nodes-beating-local"] = float(sum(m[GLOBAL_VAL] < m[LOCAL_VAL] for m in compared))
-        return MetricRecord(out)
+        super().__init__((GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL), GLOBAL_VAL, LOCAL_VAL, NODE)
 
 
 def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:

@@ -112,3 +112,26 @@ def test_the_digits_client_app_trains_the_model_its_run_config_names() -> None:
     assert isinstance(digits.trainer_fn(context({"model": "linear"})).model, DigitsLinear)
     with pytest.raises(ConfigError, match="model: 'mlp' is not a digits model"):
         digits.trainer_fn(context({"model": "mlp"}))
+
+
+def test_per_node_metrics_average_each_node_once_and_count_who_beats_local() -> None:
+    from flwr.app import MetricRecord, RecordDict
+
+    from lensemble_flwr.simulations.flower_app import PerNodeMetrics
+
+    def reply(node: int, glob: float, local: float) -> RecordDict:
+        return RecordDict({"metrics": MetricRecord({"node": node, "g": glob, "l": local})})
+
+    aggregate = PerNodeMetrics(("g", "l"), "g", "l")
+    out = aggregate(
+        [
+            reply(0, 1.0, 2.0),
+            reply(1, 5.0, 1.0),  # the same node again: its last reply counts
+            reply(1, 3.0, 2.0),
+            reply(2, float("nan"), 4.0),
+        ],
+        "num-examples",
+    )
+    assert out["g"] == 2.0 and out["l"] == (2.0 + 2.0 + 4.0) / 3  # node 1 once, NaN left out
+    assert out["nodes-beating-local"] == 1.0  # node 0 only (NaN < 4 is false)
+    assert sorted(aggregate.by_node) == [0, 1, 2]
