@@ -312,7 +312,7 @@ def commit_round(
     attempt.machine.fire(RoundEvent.COMMITTED)
     if on_transition is not None:
         on_transition(attempt.machine)
-    _warn_unbound(committed.record)
+    _say_unbound(committed.record)
     # the closed round's entries stay in the store only: memory does not grow
     manifest, next_round = run.manifest, committed.state.next_round
     entry, failure = after_commit_point(
@@ -354,11 +354,13 @@ def after_commit_point(
         return None, exc
 
 
-def _warn_unbound(record: ContributionRecord) -> None:
-    """Warn of contributions the round summed without a dataset commitment."""
+def _say_unbound(record: ContributionRecord) -> None:
+    """Name the contributions the round summed without a dataset commitment: an INFO
+    line, since the WARNING is said once per participant when its first unbound update
+    is admitted (a stock app's nodes are unbound every round)."""
     if unbound := record.unbound:
         more = f" and {len(unbound) - 5} more (lensemble-flwr show lists them)"
-        log.warning(
+        log.info(
             "round %d closed with UNBOUND contributions (no dataset commitment) from %s%s",
             record.round,
             ", ".join(unbound[:5]),

@@ -138,14 +138,12 @@ class PerNodeMetrics:
                 if self.node_key in values:
                     nodes[int(values[self.node_key])] = values
         self.by_node = dict(sorted(nodes.items()))
-        out: dict[str, float] = {}
+        out: dict[str, int | float] = {}  # a count stays an integer
         for key in self.means:
             values = [m[key] for m in nodes.values() if math.isfinite(m.get(key, math.nan))]
             if values:
                 out[key] = sum(values) / len(values)
         compared = [m for m in nodes.values() if self.better in m and self.worse in m]
         if compared:
-            out["nodes-beating-local"] = float(
-                sum(m[self.better] < m[self.worse] for m in compared)
-            )
+            out["nodes-beating-local"] = sum(m[self.better] < m[self.worse] for m in compared)
         return MetricRecord(out)

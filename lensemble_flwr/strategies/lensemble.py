@@ -277,6 +277,7 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         transport = self._transport
         assert transport is not None
         replies = list(replies)
+        reporting.say_received("aggregate_train", replies)
         if driver is not None and fed_already:
             _say_left_out(attempt.round, driver.reply_ids, replies)
             outcome = driver.conclude()
@@ -324,6 +325,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
     ) -> MetricRecord | None:
         """Aggregate the replies' metrics with ``evaluate_metrics_aggr_fn`` (default: the
         mean weighted by ``weighted_by_key``, as FedAvg does)."""
+        replies = list(replies)
+        reporting.say_received("aggregate_evaluate", replies)
         contents = usable_evaluations(
             server_round, replies, self._names.name_of, self._weighted_by_key
         )

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from logging import INFO, WARNING
 from pathlib import Path
 
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 from flwr.common import log as say
 from flwr.serverapp.strategy import Result
 
@@ -76,14 +76,14 @@ def round_metrics(
     ``lensemble.`` (with ``exchanges``: the round's exchanges and bytes, which only a loop
     that moved the messages itself counts; with ``epsilon``, the largest cumulative ε a
     contributor claimed, as ``lensemble.epsilon``)."""
-    book: dict[str, float] = {
-        "C_t": float(outcome.count),
-        "attempts": float(attempts),
-        "aborted-attempts": float(attempts - (outcome.state is RoundState.CLOSED)),
+    book: dict[str, int | float] = {  # counts stay integers
+        "C_t": int(outcome.count),
+        "attempts": int(attempts),
+        "aborted-attempts": int(attempts - (outcome.state is RoundState.CLOSED)),
         "seconds": float(outcome.elapsed),
-        "late": float(len(outcome.late)),
-        "rejected": float(outcome.rejected),
-        "refused": float(len(outcome.refused)),
+        "late": len(outcome.late),
+        "rejected": int(outcome.rejected),
+        "refused": len(outcome.refused),
     }
     if epsilon is not None:
         book["epsilon"] = float(epsilon)
@@ -95,10 +95,10 @@ def round_metrics(
     if "frame_drift" in outcome.diagnostics:
         book["frame-drift"] = float(outcome.diagnostics["frame_drift"])
     if exchanges:
-        book["exchanges"] = float(traffic.exchanges(outcome.round))
+        book["exchanges"] = int(traffic.exchanges(outcome.round))
         sent, received = traffic.round_bytes(outcome.round)
-        book["bytes-sent"] = float(sent)  # this round's, not the run's so far
-        book["bytes-received"] = float(received)
+        book["bytes-sent"] = int(sent)  # this round's, not the run's so far
+        book["bytes-received"] = int(received)
     client_metrics = [
         RecordDict({records.METRICS: MetricRecord(m)})
         for (rnd, peer), m in sorted(traffic.client_metrics.items())
@@ -130,7 +130,7 @@ def report(
     shown, prefix = (evaluation, "") if evaluation is not None else (server, "server-")
     if shown is not None:
         parts += [
-            f"{prefix}{k}={float(v):.4f}"
+            f"{prefix}{k}={_shown(v)}"
             for k, v in shown.items()
             if k != "num-examples" and isinstance(v, (int, float))
         ]
@@ -153,6 +153,22 @@ def report(
     say(INFO, "\t├──> %s", line)
     if on_round is not None:
         on_round(line)
+
+
+def _shown(value: float) -> str:
+    """A metric as the round line shows it: a count (an int) as it is, a measurement
+    to four decimals."""
+    return str(value) if isinstance(value, int) else f"{float(value):.4f}"
+
+
+def say_received(kind: str, replies: list[Message]) -> None:
+    """FedAvg's line for a batch of replies (``kind``: ``aggregate_train`` or
+    ``aggregate_evaluate``): how many carry content and how many an error. Like
+    FedAvg, nothing for no replies."""
+    if not replies:
+        return
+    failures = sum(1 for reply in replies if reply.has_error())
+    say(INFO, "%s: Received %s results and %s failures", kind, len(replies) - failures, failures)
 
 
 def keep_metrics(

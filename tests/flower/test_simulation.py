@@ -265,7 +265,7 @@ def test_fedavg_equivalence_with_a_stock_clientapp_unchanged(
         groups={"shared": "*", "local": ""},
     )
     box: dict = {}
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         simulate(
             lensemble_server(config, tmp_path / "run", rounds, box, initial),
             stock_client_app(),

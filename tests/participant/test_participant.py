@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -73,15 +74,18 @@ def test_unbound_contributions_are_admitted_and_recorded_as_unbound(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     coordinator, _ = mixed_federation(tmp_path, require_binding=False)
-    coordinator.run(2)
+    with caplog.at_level(logging.INFO):
+        coordinator.run(2)
     records = verify(Store(tmp_path / "run"))
     assert all(r.count == 3 for r in records)
     assert records[0].dataset_roots["p02"] is None
     assert records[0].dataset_roots["p00"] is not None
     warnings = [r for r in caplog.records if "contributes UNBOUND" in r.getMessage()]
     assert len(warnings) == 1  # said once per participant, not every round
+    assert warnings[0].levelno == logging.WARNING
     closes = [r for r in caplog.records if "closed with UNBOUND" in r.getMessage()]
-    assert len(closes) == 2  # and each round that had them is named
+    assert len(closes) == 2  # and each round that had them is named, as INFO
+    assert all(r.levelno == logging.INFO for r in closes)
 
 
 def test_require_binding_refuses_unbound_contributions(tmp_path: Path) -> None:

@@ -190,12 +190,18 @@ def test_a_subclass_in_start_reports_each_round_once_with_its_evaluation(
     assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
     assert all("C_t=4" in line and f"accuracy={mean:.4f}" in line for line in lines)
     assert lines[0] in caplog.text
+    # FedAvg's lines for the replies, each round
+    for kind in ("aggregate_train", "aggregate_evaluate"):
+        assert caplog.text.count(f"{kind}: Received 4 results and 0 failures") == 2, kind
     jsonl = (tmp_path / "run" / "round-metrics.jsonl").read_text()
     written = [json.loads(line) for line in jsonl.splitlines()]
     assert [w["round"] for w in written] == [1, 2]
     for line in written:
         assert line["evaluate"]["accuracy"] == pytest.approx(mean)
-        assert line["train"]["lensemble.C_t"] == 4.0
+        counts = ("C_t", "attempts", "aborted-attempts", "late", "rejected", "refused")
+        assert [line["train"][f"lensemble.{c}"] for c in counts] == [4, 1, 0, 0, 0, 0]
+    for metrics in result.train_metrics_clientapp.values():  # counts are integers
+        assert all(isinstance(metrics[f"lensemble.{c}"], int) for c in counts)
     assert result.evaluate_metrics_clientapp[2]["accuracy"] == pytest.approx(mean)
 
 
@@ -1474,3 +1480,19 @@ def test_adaptive_deadlines_in_start_set_each_attempts_ttl_and_are_reported(
     assert ttls[4:] == [(2, pytest.approx(2 * expected))] * 4
     outcomes = result.outcomes
     assert [o.deadlines.mode for o in outcomes if o.deadlines] == ["adaptive"] * 2
+
+
+def test_the_round_line_prints_counts_as_integers_and_measurements_to_four_places() -> None:
+    from lensemble_flwr.coordinator.attempt import RoundOutcome
+    from lensemble_flwr.strategies.reporting import report
+
+    outcome = RoundOutcome(
+        round=3, attempt=1, state=RoundState.CLOSED, error=None, count=10, contributors=(),
+        late=(), rejected=0, global_hash="", diagnostics={}, elapsed=1.0,
+        path=(RoundState.OPEN, RoundState.CLOSED),
+    )  # fmt: skip
+    lines: list[str] = []
+    evaluation = MetricRecord({"nodes-beating-local": 7, "global-val-loss": 0.25})
+    report(outcome, MetricRecord(), evaluation, [], lines.append)
+    assert "C_t=10 " in lines[0]
+    assert "nodes-beating-local=7 " in lines[0] and "global-val-loss=0.2500" in lines[0]
