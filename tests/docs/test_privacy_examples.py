@@ -1,8 +1,8 @@
 """Every private run config of docs/privacy.md, run as written on the digits app
-(apps/digits/pyproject.toml with the example's keys over it), in process. Each that the
-page presents as learning is forecast to learn by its privacy plan and does, beating
-chance by the margin the page states. The one the page says does not learn (its first,
-local DP under substitution on 10 nodes, and no other) is warned about before round 1."""
+(apps/digits/pyproject.toml with the example's keys over it), in process. Each is
+forecast to learn by its privacy plan and does, beating chance by the margin the page
+states. The page's first example with dp-mode "local", which the page says the plan
+warns about, is warned about before round 1."""
 
 from __future__ import annotations
 
@@ -48,19 +48,19 @@ def stated_margin() -> float:
 
 
 EXAMPLES = [(w, c) for w, c in private_run_configs() if w.startswith("privacy.md")]
-# privacy.md: "This example is the page's one that does not learn" (its first)
-NOT_LEARNING = EXAMPLES[:1]
-LEARNING = EXAMPLES[1:]
+LEARNING = EXAMPLES
+# privacy.md: "The same run with `dp-mode = "local"` is warned about, before round 1"
+(FIRST_WHERE, FIRST), *_ = EXAMPLES
+NOT_LEARNING = [(f"{FIRST_WHERE} with dp-mode local", {**FIRST, "lensemble.dp-mode": "local"})]
 
 
-def test_the_page_says_which_example_does_not_learn() -> None:
+def test_the_page_opens_with_a_learning_example_and_says_which_variant_is_warned() -> None:
     page = PAGE.read_text()
-    said = page.index("This example is the page's one that does not learn")
-    first_example, second_example = (
-        page.index(c) for c in ("```toml", 'dp-adjacency = "zero-out"   #')
-    )
-    assert first_example < said < second_example
-    assert len(LEARNING) == 3  # zero-out, sampling, distributed
+    first_example = page.index("```toml")
+    assert FIRST["lensemble.dp-mode"] == "distributed"
+    assert first_example < page.index('The same run with `dp-mode = "local"` is warned about')
+    assert len(LEARNING) == 3  # distributed (the first), zero-out, sampling
+    assert "distributed DP, ε = 8 (the first)" in page
 
 
 def _plan(example: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -104,8 +104,9 @@ def test_the_example_that_does_not_learn_is_warned_about_before_round_1(
     config = with_budget_dir(LensembleConfig.from_run_config(run_config), tmp_path / "budgets")
     with caplog.at_level(logging.INFO):
         run_digits(
-            config, tmp_path / "run", rounds=1, num_partitions=int(run_config["num-partitions"])
-        )
+            config, tmp_path / "run", rounds=1, num_partitions=int(run_config["num-partitions"]),
+            model_class=model_class_of(run_config["model"]),
+        )  # fmt: skip
     messages = [(r.levelno, r.getMessage()) for r in caplog.records]
     warned = [i for i, (level, m) in enumerate(messages)
               if level == logging.WARNING and "not expected to learn" in m]  # fmt: skip
