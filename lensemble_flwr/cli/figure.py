@@ -40,7 +40,10 @@ BOOKKEEPING: dict[str, tuple[str, str, str, float, bool]] = {
     # name -> (panel title, y label, curve label, scale, a count)
     "attempts": ("Attempts per round", "attempts", "attempts", 1.0, True),
     "aborted-attempts": ("Attempts per round", "attempts", "aborted attempts", 1.0, True),
-    "seconds": ("Round duration", "seconds", "wall-clock time", 1.0, False),
+    "seconds": ("Round duration", "seconds", "whole attempt", 1.0, False),
+    "round-time": ("Round duration", "seconds", "until its last admitted update", 1.0, False),
+    "open-deadline": ("Deadlines", "seconds", "open deadline", 1.0, False),
+    "collect-deadline": ("Deadlines", "seconds", "collect deadline", 1.0, False),
     "late": ("Participants left out", "participants", "late", 1.0, True),
     "rejected": ("Participants left out", "participants", "rejected", 1.0, True),
     "refused": ("Participants left out", "participants", "refused", 1.0, True),
@@ -52,7 +55,11 @@ DIAGNOSTICS = {  # ledger diagnostic -> (panel title, y label)
     "mean_delta_l2": ("Mean update norm", "L2 norm of the mean update"),
     FRAME_DRIFT: ("Latent frame drift", "frame drift"),
 }
-SAME_AS_LEDGER = {"lensemble.C_t": "C_t", "lensemble.frame-drift": FRAME_DRIFT}
+SAME_AS_LEDGER = {
+    "lensemble.C_t": "C_t",
+    "lensemble.frame-drift": FRAME_DRIFT,
+    "lensemble.epsilon": "epsilon",
+}
 """Bookkeeping metrics that repeat a ledger series: drawn once, as the ledger's."""
 CONTRIBUTORS = ("Contributors per round", "contributors (C_t)")
 EPSILON = ("Privacy spent", "ε (largest cumulative)")
@@ -149,7 +156,7 @@ def ledger_panels(summary: RunSummary, metrics: RoundMetrics) -> list[Panel]:
     panels = [Panel(*CONTRIBUTORS, [contributors], integer=True)]
     eps = [(a.round, a.epsilon_max) for a in closed if a.epsilon_max is not None]
     if eps:
-        curve = Curve("ε", [r for r, _ in eps], [float(e) for _, e in eps], ("ledger:epsilon",))
+        curve = Curve("ε", [r for r, _ in eps], [float(e) for _, e in eps], draws("epsilon"))
         panels.append(Panel(*EPSILON, [curve]))
     names = summary.diagnostic_names()
     for name in [n for n in DIAGNOSTICS if n in names] + [n for n in names if n not in DIAGNOSTICS]:

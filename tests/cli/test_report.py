@@ -283,7 +283,21 @@ def test_metric_families_titles_and_labels() -> None:
         ("Accuracy", "accuracy", ["federated evaluation: top1_acc"]),
     ]
     assert bookkeeping == []  # C_t is the ledger's series
-    assert set(SAME_AS_LEDGER) == {"lensemble.C_t", "lensemble.frame-drift"}
+    assert set(SAME_AS_LEDGER) == {"lensemble.C_t", "lensemble.frame-drift", "lensemble.epsilon"}
+    # the deadlines share a panel in seconds; the round's two times share another
+    _, timing = metric_panels(
+        {
+            1: {
+                "train": {
+                    "lensemble.open-deadline": 30.0, "lensemble.collect-deadline": 30.0,
+                    "lensemble.seconds": 2.0, "lensemble.round-time": 1.5,
+                }
+            }
+        }
+    )  # fmt: skip
+    assert [(p.title, p.ylabel, len(p.curves)) for p in timing] == [
+        ("Round duration", "seconds", 2), ("Deadlines", "seconds", 2)
+    ]
     assert readable("global-val-loss") == "Global val loss"
     assert readable("mean_delta_l2") == "Mean delta l2"
     assert readable("lensemble.new-counter") == "Lensemble new counter"
