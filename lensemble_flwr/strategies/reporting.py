@@ -163,12 +163,14 @@ def _shown(value: float) -> str:
 
 def say_received(kind: str, replies: list[Message]) -> None:
     """FedAvg's line for a batch of replies (``kind``: ``aggregate_train`` or
-    ``aggregate_evaluate``): how many carry content and how many an error. Like
+    ``aggregate_evaluate``): how many nodes replied with content, and how many with
+    errors only. A masked round's node replies once per exchange, and counts once. Like
     FedAvg, nothing for no replies."""
     if not replies:
         return
-    failures = sum(1 for reply in replies if reply.has_error())
-    say(INFO, "%s: Received %s results and %s failures", kind, len(replies) - failures, failures)
+    answered = {r.metadata.src_node_id for r in replies if not r.has_error()}
+    failed = {r.metadata.src_node_id for r in replies if r.has_error()} - answered
+    say(INFO, "%s: Received %s results and %s failures", kind, len(answered), len(failed))
 
 
 def keep_metrics(

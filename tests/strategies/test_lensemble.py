@@ -472,15 +472,22 @@ def test_flowers_loop_checks_what_starts_own_loop_checks_before_anything(
     assert not (tmp_path / "few").exists()  # the run it began is taken back
 
 
-def test_a_subclass_runs_masked_rounds_with_its_hooks_called(tmp_path: Path) -> None:
+def test_a_subclass_runs_masked_rounds_with_its_hooks_called(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The unmask exchange happens within the attempt, in the default aggregate_train:
-    a subclass's hooks run every masked round, as in plaintext ones."""
+    a subclass's hooks run every masked round, as in plaintext ones. FedAvg's line counts
+    each node once, whatever the exchanges."""
     config = small_config(min_participants=3, secagg_threshold=3)
     grid = clientapp_grid(config)
     strategy = _DecayingLearningRate(config, run_dir=tmp_path / "masked", run_id="masked")
-    result = strategy.start(
-        grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
-    )
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(
+            grid=grid, initial_arrays=arrays_to_record(initial_params()), num_rounds=2
+        )
+    said = [r.getMessage() for r in caplog.records]
+    received = [m for m in said if "aggregate_train: Received" in m]
+    assert received == ["aggregate_train: Received 4 results and 0 failures"] * 2
     assert strategy.aggregated == [1, 2]
     records = verify(Store(tmp_path / "masked"))
     assert [r.count for r in records] == [4, 4]
