@@ -299,11 +299,11 @@ def params_of(model: torch.nn.Module) -> NamedArrays:
 
 
 def run_sync(
-    setup: Setup, data: Data, seed: int, observe: Callable[[list[torch.Tensor]], None] | None = None
+    setup: Setup, data: Data, seed: int, observe: Callable[[int, torch.Tensor], None] | None = None
 ) -> Result:
     """``sync``: one model; every step the weighted mean of the nodes' gradients, each on
-    its node's own batch, then one AdamW step. ``observe`` sees each step's per-node
-    gradients (flattened), before they are averaged."""
+    its node's own batch, then one AdamW step. ``observe(step, gradient)`` sees the
+    gradient each step takes (flattened), just before the AdamW step."""
     config = federated_config(setup, "diloco", 1, seed)  # only its inner settings are used
     trainers = trainers_of(setup, data, seed)
     weights = node_weights(trainers)
@@ -319,20 +319,12 @@ def run_sync(
     for step in range(1, setup.steps + 1):
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        per_node: list[torch.Tensor] = []
         with deterministic_algorithms(config.inner.deterministic):
             for trainer, generator, weight in zip(trainers, generators, weights, strict=True):
                 batch = trainer.sample_batch(generator, setup.batch)
-                loss = trainer.loss(model, batch)
-                if observe is None:
-                    (weight * loss).backward()
-                else:
-                    grads = torch.autograd.grad(loss, list(model.parameters()))
-                    per_node.append(torch.cat([g.flatten() for g in grads]))
-                    for p, g in zip(model.parameters(), grads, strict=True):
-                        p.grad = weight * g if p.grad is None else p.grad + weight * g
+                (weight * trainer.loss(model, batch)).backward()  # accumulates Σ w_i g_i
             if observe is not None:
-                observe(per_node)
+                observe(step, torch.cat([p.grad.flatten() for p in model.parameters()]))
             optimizer.step()
         exchanges += 1  # the nodes' gradients met once this step
         if step % setup.eval_every == 0 or step == setup.steps:
