@@ -79,7 +79,8 @@ def test_every_arm_takes_the_same_steps_and_communicates_as_designed(data: Any) 
     assert len({(r.curve[0].nodes_bpb, r.curve[0].held_out_bpb) for r in results}) == 1
     # and they end apart: the arms are different trainings
     assert len({r.curve[-1].held_out_bpb for r in results}) == len(results)
-    ratios = {(row["arm"], row["h"]): row["communication_ratio"] for row in bench.summarise(results)}
+    rows = bench.summarise(results)
+    ratios = {(row["arm"], row["h"]): row["communication_ratio"] for row in rows}
     assert ratios[("diloco", 2)] == 2.0 and ratios[("diloco", 4)] == 4.0
     assert ratios[("sync", None)] == 1.0 and ratios[("local", None)] is None
 
