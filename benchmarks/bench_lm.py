@@ -97,7 +97,7 @@ class Setup:
     steps: int = 300  # inner steps per node (T): every arm's compute
     batch: int = 8  # windows per node per step
     shape: ModelShape = dataclasses.field(
-        default_factory=lambda: ModelShape(d_model=128, layers=2, heads=4, seq_len=64)
+        default_factory=lambda: ModelShape(d_model=64, layers=2, heads=4, seq_len=64)
     )
     node_eval_bytes: int = 2048  # about how many bytes of each node's held-out files
     held_out_eval_bytes: int = 4096  # and of the held-out package
@@ -535,7 +535,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.nodes, args.steps, args.hs = 2, 2, 40, [5, 20]
-        args.d_model, args.eval_every = 64, 5
+        args.d_model, args.eval_every = 32, 5
     return args
 
 
@@ -558,39 +558,45 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     plan = [(arm, h) for arm in args.arms for h in (args.hs if arm in OUTER else [None])]
+    out = args.out or RESULTS / ("lm-quick.json" if args.quick else "lm.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {
+        "setup": {**dataclasses.asdict(setup), "hs": args.hs, "seeds": args.seeds,
+                  "parameters": params, "held_out": data.held_out_name,
+                  "packages": [list(c.packages) for c in data.corpora]},
+        "complete": False,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }  # fmt: skip
     results: list[Result] = []
+    loads = [load_before[0]]
     started = time.perf_counter()
     for seed in range(args.seeds):
         for arm, h in plan:
             result = run_arm(setup, data, arm, h, seed)
             results.append(result)
+            loads.append(os.getloadavg()[0])
             last = result.curve[-1]
             print(
                 f"  seed {seed} {arm:<6} H={h or '-':<3} rounds {result.rounds:>4}  files "
                 f"{last.nodes_bpb:.3f}  {data.held_out_name!r} {last.held_out_bpb:.3f}  "
-                f"({result.seconds:.0f} s, load {os.getloadavg()[0]:.1f})",
+                f"({result.seconds:.0f} s, load {loads[-1]:.1f})",
                 flush=True,
             )
-    seconds = time.perf_counter() - started
+            # written after every run: an interrupted run keeps the seeds it finished
+            payload |= {"runs": [dataclasses.asdict(r) for r in results],
+                        "seconds": time.perf_counter() - started,
+                        "load": {"start": load_before, "after_each_run": loads[1:]}}  # fmt: skip
+            out.write_text(json.dumps(payload, indent=1) + "\n")
     rows = summarise(results)
     lines = report(rows, results, data.held_out_name)
-    print(f"\nfinal bits per byte, mean ± std over {args.seeds} seeds "
-          f"({seconds / 60:.1f} min):")  # fmt: skip
+    minutes = payload["seconds"] / 60
+    print(
+        f"\nfinal bits per byte, mean ± std over {args.seeds} seeds ({minutes:.1f} min, "
+        f"load {min(loads):.1f} to {max(loads):.1f}):"
+    )
     print("\n".join(lines))
-    out = args.out or RESULTS / ("lm-quick.json" if args.quick else "lm.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "setup": {**dataclasses.asdict(setup), "hs": args.hs, "seeds": args.seeds,
-                  "parameters": params, "held_out": data.held_out_name,
-                  "packages": [list(c.packages) for c in data.corpora]},
-        "rows": rows,
-        "report": lines,
-        "runs": [dataclasses.asdict(r) for r in results],
-        "seconds": seconds,
-        "load": {"start": load_before, "end": os.getloadavg()},
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }  # fmt: skip
+    payload |= {"complete": True, "rows": rows, "report": lines}
     out.write_text(json.dumps(payload, indent=1) + "\n")
     plot(out.with_suffix(".png"), results, setup, data.held_out_name)
     print(f"wrote {out.name} and {out.with_suffix('.png').name} under {out.parent.name}/")
