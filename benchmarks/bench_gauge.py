@@ -260,13 +260,13 @@ def extend_until_interior(
     per arm and side. Returns the final picks, the grids (sorted) and, per arm, whether
     its pick has grid values on both sides; False means the bound stopped the search."""
     if not grids or any(not g for g in grids.values()):
-        raise ConfigError("grids: every arm needs at least one value")
+        raise ConfigError("grids", "every arm needs at least one value")
     if any(v <= 0 or not math.isfinite(v) for g in grids.values() for v in g):
-        raise ConfigError(f"grids: values must be positive and finite, got {grids}")
+        raise ConfigError("grids", f"values must be positive and finite, got {grids}")
     if not factor > 1 or not math.isfinite(factor):
-        raise ConfigError(f"factor: must be finite and above 1, got {factor}")
+        raise ConfigError("factor", f"must be finite and above 1, got {factor}")
     if max_steps < 0:
-        raise ConfigError(f"max_steps: must be >= 0, got {max_steps}")
+        raise ConfigError("max_steps", f"must be >= 0, got {max_steps}")
     grids = {arm: sorted(g) for arm, g in grids.items()}
     steps = {(arm, side): 0 for arm in grids for side in ("low", "high")}
     while True:
