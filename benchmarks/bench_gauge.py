@@ -21,13 +21,19 @@ Nesterov momentum 0.9):
 and on (c)'s setting, plain averaging (outer lr 1, momentum 0) for ``--plain-factor``
 times as many rounds.
 
-Tuning (``--tune-lrs``, default 1e-3, 3e-3 and 7e-3): the two arms the rounds claim
-compares, (c) DiLoCo and plain averaging, run at every inner learning rate of the grid.
-DiLoCo's is the one with the lowest mean final loss over the seeds; plain averaging's is
-the one that reaches that loss in the fewest rounds (median over the seeds): the best case
-for the baseline. (a) and (b) run at ``--inner-lr``, and (a)/(c), (b)/(c) compare them
-with (c) at that same rate. With ``--tune-lrs`` empty, every arm runs at ``--inner-lr``
-only (the benchmark as it first was).
+Tuning (``--tune-lrs``, default 3e-3, 7e-3, 1.5e-2 and 3e-2) on ``--tune-seeds``
+(default 0, 1, 2), which the evaluation seeds ``--seeds`` (default 5, 6, 7) must not
+share: the two arms the rounds claim compares, (c) DiLoCo and plain averaging, run at
+every inner learning rate of the grid on the tuning seeds. DiLoCo's rate is the one with
+the lowest mean final loss; plain averaging's the one that reaches that loss (seed by
+seed) in the fewest rounds, median over the seeds: the best case for the baseline. Each
+arm's grid must extend past its pick: while a pick is the smallest or largest rate tried,
+the next rate past it (x or / ``--extend-factor``, default 2) is run and both arms are
+picked again, at most ``--max-extensions`` (default 3) times per arm and side; the final
+grids and picks are printed, and a pick still at an edge fails a target. The evaluation
+seeds then run both arms at the picked rates. (a) and (b) run at ``--inner-lr``, and
+(a)/(c), (b)/(c) compare them with (c) at that same rate. With ``--tune-lrs`` empty,
+every arm runs at ``--inner-lr`` only (the benchmark as it first was).
 
 Validation loss = mean over participants of the world-model loss on their own validation
 sets, with their own (local) action heads and the global shared weights. The loss is
@@ -38,8 +44,9 @@ Targets, checked on every seed:
   1. (a) ends within 10% of (c)'s final validation loss;
   2. (b) ends at least 2x worse than (c);
   3. DiLoCo (tuned) reaches its final loss in at most half the rounds plain averaging
-     (tuned) needs;
-  4. no round attempt aborted in any run (a retried round is still reported here).
+     (tuned) needs, on the held-out seeds;
+  4. no round attempt aborted in any run (a retried round is still reported here);
+  5. with tuning, both picks have grid values on both sides.
 A round that never closed (the federation stopped) has a NaN loss and drift, so every
 ratio that needs it is NaN and its target fails.
 Writes ``benchmarks/results/gauge.json`` and ``benchmarks/results/gauge.png`` and prints one
