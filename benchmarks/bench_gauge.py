@@ -21,13 +21,19 @@ Nesterov momentum 0.9):
 and on (c)'s setting, plain averaging (outer lr 1, momentum 0) for ``--plain-factor``
 times as many rounds.
 
-Tuning (``--tune-lrs``, default 1e-3, 3e-3 and 7e-3): the two arms the rounds claim
-compares, (c) DiLoCo and plain averaging, run at every inner learning rate of the grid.
-DiLoCo's is the one with the lowest mean final loss over the seeds; plain averaging's is
-the one that reaches that loss in the fewest rounds (median over the seeds): the best case
-for the baseline. (a) and (b) run at ``--inner-lr``, and (a)/(c), (b)/(c) compare them
-with (c) at that same rate. With ``--tune-lrs`` empty, every arm runs at ``--inner-lr``
-only (the benchmark as it first was).
+Tuning (``--tune-lrs``, default 3e-3, 7e-3, 1.5e-2 and 3e-2) on ``--tune-seeds``
+(default 0, 1, 2), which the evaluation seeds ``--seeds`` (default 5, 6, 7) must not
+share: the two arms the rounds claim compares, (c) DiLoCo and plain averaging, run at
+every inner learning rate of the grid on the tuning seeds. DiLoCo's rate is the one with
+the lowest mean final loss; plain averaging's the one that reaches that loss (seed by
+seed) in the fewest rounds, median over the seeds: the best case for the baseline. Each
+arm's grid must extend past its pick: while a pick is the smallest or largest rate tried,
+the next rate past it (x or / ``--extend-factor``, default 2) is run and both arms are
+picked again, at most ``--max-extensions`` (default 3) times per arm and side; the final
+grids and picks are printed, and a pick still at an edge fails a target. The evaluation
+seeds then run both arms at the picked rates. (a) and (b) run at ``--inner-lr``, and
+(a)/(c), (b)/(c) compare them with (c) at that same rate. With ``--tune-lrs`` empty,
+every arm runs at ``--inner-lr`` only (the benchmark as it first was).
 
 Validation loss = mean over participants of the world-model loss on their own validation
 sets, with their own (local) action heads and the global shared weights. The loss is
@@ -38,8 +44,9 @@ Targets, checked on every seed:
   1. (a) ends within 10% of (c)'s final validation loss;
   2. (b) ends at least 2x worse than (c);
   3. DiLoCo (tuned) reaches its final loss in at most half the rounds plain averaging
-     (tuned) needs;
-  4. no round attempt aborted in any run (a retried round is still reported here).
+     (tuned) needs, on the held-out seeds;
+  4. no round attempt aborted in any run (a retried round is still reported here);
+  5. with tuning, both picks have grid values on both sides.
 A round that never closed (the federation stopped) has a NaN loss and drift, so every
 ratio that needs it is NaN and its target fails.
 Writes ``benchmarks/results/gauge.json`` and ``benchmarks/results/gauge.png`` and prints one
@@ -56,7 +63,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +72,7 @@ import torch
 
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import RoundOutcome
-from lensemble_flwr.errors import LensembleError
+from lensemble_flwr.errors import ConfigError, LensembleError
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.simulations.world_federation import build_world, validation_loss
 
@@ -151,72 +158,144 @@ def first_round_at_or_below(curve: Sequence[float], level: float) -> int | None:
     return next((i for i, v in enumerate(curve) if v <= level), None)
 
 
+def rounds_ratio(
+    diloco: Sequence[float], plain: Sequence[float], rounds: int
+) -> dict[str, Any]:
+    """The rounds DiLoCo's curve takes to its loss at ``rounds`` over the rounds plain
+    averaging's curve takes to that loss. Plain averaging not reaching it within its
+    budget makes the ratio an upper bound (DiLoCo's rounds over the budget); a NaN final
+    loss makes it NaN."""
+    target = diloco[rounds]
+    d = first_round_at_or_below(diloco, target)  # None only if target is NaN
+    p = first_round_at_or_below(plain, target)
+    budget = len(plain) - 1
+    ratio = float("nan") if d is None else d / max(p if p is not None else budget, 1)
+    return {
+        "target": target,
+        "diloco_rounds": d,
+        "plain_rounds": p,
+        "plain_budget": budget,
+        "plain_reached": p is not None,
+        "rounds_ratio": ratio,
+    }
+
+
 def evaluate_seed(runs: dict[str, dict[str, Any]], rounds: int) -> dict[str, Any]:
-    control = runs["control"]["loss"]
-    final = control[rounds]
-    diloco = first_round_at_or_below(control, final)  # None only if final is NaN
-    plain = first_round_at_or_below(runs["plain-averaging"]["loss"], final)
-    plain_budget = len(runs["plain-averaging"]["loss"]) - 1
-    if diloco is None:
-        ratio = float("nan")
-    elif plain is not None:
-        ratio = diloco / plain
-    else:  # not reached within the budget: the true ratio is below diloco / budget
-        ratio = diloco / plain_budget
+    final = runs["control"]["loss"][rounds]
+    ratio = rounds_ratio(runs["control"]["loss"], runs["plain-averaging"]["loss"], rounds)
     return {
         "loss_at_round_R": {arm: run["loss"][rounds] for arm, run in runs.items()},
         "aligned_over_control": runs["aligned"]["loss"][rounds] / final,
         "unaligned_over_control": runs["unaligned"]["loss"][rounds] / final,
-        "diloco_rounds": diloco,
-        "plain_rounds": plain,
-        "plain_budget": plain_budget,
-        "rounds_ratio": ratio,
-        "plain_reached": plain is not None,
+        **{k: v for k, v in ratio.items() if k != "target"},
         "aborted_attempts": sum(len(run["aborted"]) for run in runs.values()),
         "stopped": {arm: run["stopped"] for arm, run in runs.items() if run["stopped"]},
     }
 
 
+def _finite(value: float) -> float:
+    """NaN (a diverged or stopped run) sorts after every real figure."""
+    return math.inf if math.isnan(value) else value
+
+
 def tune(
-    by_lr: dict[float, dict[str, dict[str, dict[str, Any]]]], rounds: int
+    diloco: dict[float, dict[str, dict[str, Any]]],
+    plain: dict[float, dict[str, dict[str, Any]]],
+    rounds: int,
 ) -> dict[str, Any]:
-    """DiLoCo's inner lr (lowest mean final loss), then per seed the rounds DiLoCo takes to
-    its final loss and the rounds plain averaging takes to the same loss at each of its
-    rates; plain averaging's rate is the one with the fewest rounds (median over seeds)."""
-    lrs = sorted(by_lr)
-    seeds = sorted(next(iter(by_lr.values())))
+    """Both arms' inner lr from their runs (lr -> seed -> run) on the tuning seeds.
+    DiLoCo's is the one with the lowest mean loss at ``rounds``. Plain averaging's is the
+    one that reaches DiLoCo's final loss (seed by seed) in the fewest rounds, median over
+    the seeds, ties going to the lower mean loss at the end of its budget: the best case
+    for the baseline. Also the per-seed rounds ratio at those rates (in-sample)."""
+    seeds = sorted(next(iter(diloco.values())))
 
     def final(lr: float, seed: str) -> float:
-        return by_lr[lr][seed]["control"]["loss"][rounds]
+        return diloco[lr][seed]["loss"][rounds]
 
-    diloco_lr = min(lrs, key=lambda lr: float(np.mean([final(lr, s) for s in seeds])))
-    per_seed: dict[str, Any] = {}
-    plain_rounds: dict[float, list[float]] = {lr: [] for lr in lrs}
-    for seed in seeds:
-        target = final(diloco_lr, seed)
-        curve = by_lr[diloco_lr][seed]["control"]["loss"]
-        per_seed[seed] = {"target": target, "diloco_rounds": first_round_at_or_below(curve, target)}
-        for lr in lrs:
-            plain = by_lr[lr][seed]["plain-averaging"]["loss"]
-            reached = first_round_at_or_below(plain, target)
-            plain_rounds[lr].append(float("inf") if reached is None else float(reached))
-    plain_lr = min(lrs, key=lambda lr: float(np.median(plain_rounds[lr])))
-    budget = len(by_lr[plain_lr][seeds[0]]["plain-averaging"]["loss"]) - 1
-    for i, seed in enumerate(seeds):
-        d, p = per_seed[seed]["diloco_rounds"], plain_rounds[plain_lr][i]
-        reached = math.isfinite(p)
-        per_seed[seed] |= {
-            "plain_rounds": int(p) if reached else None,
-            "plain_reached": reached,
-            "rounds_ratio": float("nan") if d is None else d / (p if reached else budget),
-        }
+    diloco_lr = min(
+        sorted(diloco), key=lambda lr: _finite(float(np.mean([final(lr, s) for s in seeds])))
+    )
+    plain_rounds: dict[float, list[float]] = {}
+    for lr in sorted(plain):
+        reached = [
+            first_round_at_or_below(plain[lr][s]["loss"], final(diloco_lr, s)) for s in seeds
+        ]
+        plain_rounds[lr] = [math.inf if r is None else float(r) for r in reached]
+
+    def plain_key(lr: float) -> tuple[float, float]:
+        end = _finite(float(np.mean([plain[lr][s]["loss"][-1] for s in seeds])))
+        return float(np.median(plain_rounds[lr])), end
+
+    plain_lr = min(sorted(plain), key=plain_key)
+    per_seed = {
+        s: rounds_ratio(diloco[diloco_lr][s]["loss"], plain[plain_lr][s]["loss"], rounds)
+        for s in seeds
+    }
     return {
         "diloco_inner_lr": diloco_lr,
         "plain_inner_lr": plain_lr,
-        "plain_budget": budget,
-        "diloco_final_loss": {lr: [final(lr, s) for s in seeds] for lr in lrs},
-        "plain_rounds_to_target": {lr: plain_rounds[lr] for lr in lrs},
+        "diloco_final_loss": {lr: [final(lr, s) for s in seeds] for lr in sorted(diloco)},
+        "plain_rounds_to_target": plain_rounds,
         "per_seed": per_seed,
+    }
+
+
+def grid_side(grid: Sequence[float], pick: float) -> str | None:
+    """Which edge of ``grid`` ``pick`` sits at: "low" or "high" when it is the smallest or
+    largest value (none was tried beyond it on that side), None when it has values on both."""
+    if pick == min(grid):
+        return "low"
+    if pick == max(grid):
+        return "high"
+    return None
+
+
+def extend_until_interior(
+    grids: dict[str, list[float]],
+    run: Callable[[str, float], None],
+    pick: Callable[[], dict[str, float]],
+    *,
+    factor: float = 2.0,
+    max_steps: int = 3,
+) -> dict[str, Any]:
+    """Tune every arm on a grid that extends past its pick. ``grids`` (arm -> values
+    already run) must have been run; ``pick()`` picks each arm's value from all the runs
+    so far. While an arm's pick is at an edge of its grid, ``run(arm, value)`` runs the
+    next value past that edge (edge x ``factor``, or edge / ``factor``) and every arm is
+    picked again (one arm's pick can move another's target), at most ``max_steps`` times
+    per arm and side. Returns the final picks, the grids (sorted) and, per arm, whether
+    its pick has grid values on both sides; False means the bound stopped the search."""
+    if not grids or any(not g for g in grids.values()):
+        raise ConfigError("grids", "every arm needs at least one value")
+    if any(v <= 0 or not math.isfinite(v) for g in grids.values() for v in g):
+        raise ConfigError("grids", f"values must be positive and finite, got {grids}")
+    if not factor > 1 or not math.isfinite(factor):
+        raise ConfigError("factor", f"must be finite and above 1, got {factor}")
+    if max_steps < 0:
+        raise ConfigError("max_steps", f"must be >= 0, got {max_steps}")
+    grids = {arm: sorted(g) for arm, g in grids.items()}
+    steps = {(arm, side): 0 for arm in grids for side in ("low", "high")}
+    while True:
+        picks = pick()
+        extended = False
+        for arm, grid in grids.items():
+            side = grid_side(grid, picks[arm])
+            if side is None or steps[arm, side] >= max_steps:
+                continue
+            value = grid[-1] * factor if side == "high" else grid[0] / factor
+            run(arm, value)
+            grid.append(value)
+            grid.sort()
+            steps[arm, side] += 1
+            extended = True
+        if not extended:
+            break
+    return {
+        "picks": picks,
+        "grids": grids,
+        "interior": {arm: grid_side(grid, picks[arm]) is None for arm, grid in grids.items()},
+        "extensions": {f"{arm} {side}": n for (arm, side), n in steps.items()},
     }
 
 
@@ -227,12 +306,17 @@ def worst(values: Sequence[float], pick: Any) -> float:
 
 
 def verdicts(
-    per_seed: dict[int, dict[str, Any]], tuned: dict[str, Any] | None = None
+    per_seed: dict[int, dict[str, Any]],
+    tuned: dict[str, Any] | None = None,
+    held_out: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
+    """One verdict per target. With tuning, the rounds target reads the held-out seeds'
+    ratios at the tuned rates, and a fifth target asks that both picks have grid values
+    on both sides."""
     seeds = list(per_seed.values())
     worst_a = worst([s["aligned_over_control"] for s in seeds], max)
     worst_b = worst([s["unaligned_over_control"] for s in seeds], min)
-    compared = list(tuned["per_seed"].values()) if tuned else seeds
+    compared = list(held_out.values()) if tuned and held_out else seeds
     worst_rounds = worst([s["rounds_ratio"] for s in compared], max)
     aborted = sum(s["aborted_attempts"] for s in seeds)
     stopped = sum(len(s["stopped"]) for s in seeds)
@@ -240,11 +324,12 @@ def verdicts(
         "" if all(s["plain_reached"] for s in compared) else " (upper bound: plain not reached)"
     )
     which = (
-        f"inner lr tuned: DiLoCo {tuned['diloco_inner_lr']:g}, plain {tuned['plain_inner_lr']:g}"
+        f"held-out seeds, inner lr tuned on seeds {tuned['tune_seeds']}: "
+        f"DiLoCo {tuned['diloco_inner_lr']:g}, plain {tuned['plain_inner_lr']:g}"
         if tuned
         else "inner lr not tuned"
     )
-    return [
+    checks = [
         {
             "target": "(a) aligned ends within 10% of (c) control",
             "measure": "max over seeds of final loss (a) / (c)",
@@ -274,6 +359,19 @@ def verdicts(
             "pass": aborted + stopped == 0,
         },
     ]
+    if tuned:
+        edge = [arm for arm, inside in tuned["interior"].items() if not inside]
+        checks.append(
+            {
+                "target": "every tuned inner lr has grid values on both sides of it",
+                "measure": "arms whose pick is at an edge of its grid"
+                + (f" ({', '.join(edge)})" if edge else ""),
+                "value": len(edge),
+                "threshold": "== 0",
+                "pass": not edge,
+            }
+        )
+    return checks
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -283,7 +381,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     seeds = results["seeds"]
-    runs = results["runs"]
     colors = {
         "aligned": "tab:blue",
         "unaligned": "tab:red",
@@ -298,8 +395,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     }
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
 
-    def draw(ax: Any, arm: str, key: str, start: int = 0) -> None:
-        curves = np.array([runs[str(s)][arm][key] for s in seeds])
+    def draw(ax: Any, arm: str, key: str, start: int = 0, source: str = "runs") -> None:
+        curves = np.array([results[source][str(s)][arm][key] for s in seeds])
         x = np.arange(start, start + curves.shape[1])
         for curve in curves:
             ax.plot(x, curve, color=colors[arm], alpha=0.25, linewidth=0.8)
@@ -312,15 +409,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
 
     ax = axes[1]
+    tuned = results["tuned"]
+    source, marks = ("tuned_runs", results["held_out"]) if tuned else ("runs", results["per_seed"])
+    if tuned:
+        labels["control"] = f"(c) DiLoCo, inner lr {tuned['diloco_inner_lr']:g} (tuned)"
+        labels["plain-averaging"] = f"plain averaging, inner lr {tuned['plain_inner_lr']:g} (tuned)"
     for arm in ("control", "plain-averaging"):
-        draw(ax, arm, "loss")
+        draw(ax, arm, "loss", source=source)
     for s in seeds:
-        seed = results["per_seed"][str(s)]
-        ax.axhline(
-            seed["loss_at_round_R"]["control"], color="tab:green", linestyle=":", linewidth=0.8
-        )
-        if seed["plain_rounds"] is not None:
-            ax.axvline(seed["plain_rounds"], color="tab:gray", linestyle=":", linewidth=0.8)
+        mark = marks[str(s)]
+        ax.axhline(mark["target"], color="tab:green", linestyle=":", linewidth=0.8)
+        if mark["plain_rounds"] is not None:
+            ax.axvline(mark["plain_rounds"], color="tab:gray", linestyle=":", linewidth=0.8)
     ax.set(
         xlabel="round",
         ylabel="validation loss",
@@ -329,6 +429,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=8)
 
     ax = axes[2]
+    labels["control"] = "(c) no rotation (control)"
     for arm in ("aligned", "unaligned", "control"):
         draw(ax, arm, "frame_drift", start=1)
     ax.set(
@@ -343,11 +444,102 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arm_rounds(args: argparse.Namespace, arm: str) -> int:
+    return args.rounds * (args.plain_factor if arm == "plain-averaging" else 1)
+
+
+def report_run(
+    args: argparse.Namespace, seed: int, arm: str, run: dict[str, Any], lr: float
+) -> None:
+    rounds = len(run["loss"]) - 1
+    print(
+        f"seed {seed} {arm:<16} inner lr {lr:<7g} {rounds:4d} rounds in {run['seconds']:5.1f} s: "
+        f"loss {run['loss'][0]:.4f} -> {run['loss'][args.rounds]:.4f} at round {args.rounds}"
+        + (f", {run['loss'][-1]:.4f} at round {rounds}" if rounds != args.rounds else "")
+        + (f", {len(run['aborted'])} aborted" if run["aborted"] else "")
+        + (f", stopped: {run['stopped']}" if run["stopped"] else ""),
+        flush=True,
+    )
+
+
+def run_tuning(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(c) DiLoCo and plain averaging at every rate of --tune-lrs on the tuning seeds, each
+    arm's grid extended past its pick (``extend_until_interior``); the tuning and its runs
+    (arm -> lr -> seed -> run)."""
+    runs: dict[str, dict[float, dict[str, dict[str, Any]]]] = {
+        "control": {},
+        "plain-averaging": {},
+    }
+
+    def run(arm: str, lr: float) -> None:
+        for seed in args.tune_seeds:
+            result = run_arm(args, arm, seed, arm_rounds(args, arm), inner_lr=lr)
+            runs[arm].setdefault(lr, {})[str(seed)] = result
+            report_run(args, seed, arm, result, lr)
+
+    grids = {arm: sorted(set(args.tune_lrs)) for arm in runs}
+    for lr in grids["control"]:
+        for arm in runs:
+            run(arm, lr)
+
+    def pick() -> dict[str, float]:
+        t = tune(runs["control"], runs["plain-averaging"], args.rounds)
+        return {"control": t["diloco_inner_lr"], "plain-averaging": t["plain_inner_lr"]}
+
+    grid = extend_until_interior(
+        grids, run, pick, factor=args.extend_factor, max_steps=args.max_extensions
+    )
+    tuned = tune(runs["control"], runs["plain-averaging"], args.rounds)
+    tuned |= {
+        "tune_seeds": args.tune_seeds,
+        "grids": grid["grids"],
+        "interior": grid["interior"],
+        "extensions": grid["extensions"],
+    }
+    for arm, name in (("control", "DiLoCo"), ("plain-averaging", "plain averaging")):
+        pick_lr = grid["picks"][arm]
+        where = "inside" if grid["interior"][arm] else "AT THE EDGE of"
+        print(
+            f"{name}: final grid {[float(f'{v:g}') for v in grid['grids'][arm]]}, "
+            f"pick {pick_lr:g} ({where} the grid)",
+            flush=True,
+        )
+    return tuned, {arm: {str(lr): v for lr, v in by_lr.items()} for arm, by_lr in runs.items()}
+
+
+def run_seed(
+    args: argparse.Namespace, seed: int, tuned: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The four arms at --inner-lr on one evaluation seed, and (c) DiLoCo and plain
+    averaging at their tuned rates (empty without tuning)."""
+    seed_runs = {}
+    for arm in ARMS:
+        seed_runs[arm] = run_arm(args, arm, seed, arm_rounds(args, arm))
+        report_run(args, seed, arm, seed_runs[arm], args.inner_lr)
+    tuned_runs = {}
+    if tuned:
+        lrs = {"control": tuned["diloco_inner_lr"], "plain-averaging": tuned["plain_inner_lr"]}
+        for arm, lr in lrs.items():
+            if lr == args.inner_lr:
+                tuned_runs[arm] = seed_runs[arm]
+                continue
+            tuned_runs[arm] = run_arm(args, arm, seed, arm_rounds(args, arm), inner_lr=lr)
+            report_run(args, seed, arm, tuned_runs[arm], lr)
+    return seed_runs, tuned_runs
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--participants", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[5, 6, 7],
+        help="evaluation seeds (with tuning: held out, none of --tune-seeds)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tune-seeds", type=int, nargs="+", default=[0, 1, 2],
+        help="the seeds the inner learning rates are tuned on",
+    )  # fmt: skip
     parser.add_argument(
         "--plain-factor",
         type=int,
@@ -358,74 +550,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--inner-lr", type=float, default=1e-3)
     parser.add_argument(
-        "--tune-lrs", type=float, nargs="*", default=[1e-3, 3e-3, 7e-3],
-        help="inner learning rates (c) and plain averaging are tuned over (none: no tuning)",
+        "--tune-lrs", type=float, nargs="*", default=[3e-3, 7e-3, 1.5e-2, 3e-2],
+        help="inner learning rates (c) and plain averaging are tuned over, each arm's grid "
+        "extended past its pick (none: no tuning)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--extend-factor", type=float, default=2.0,
+        help="a pick at an edge of its grid adds edge x this (or / this) and tunes again",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-extensions", type=int, default=3,
+        help="at most this many added rates per arm and side of its grid",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--sketch-rows", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR)
-    torch.set_num_threads(1)  # tiny models: one thread is faster, and the machine is shared
+    if args.tune_lrs and set(args.seeds) & set(args.tune_seeds):
+        parser.error(
+            f"--seeds {args.seeds} and --tune-seeds {args.tune_seeds} overlap: the "
+            "evaluation seeds must be held out from tuning"
+        )
+    return args
 
-    started = time.perf_counter()
-    runs: dict[str, dict[str, Any]] = {}
-    per_seed: dict[str, dict[str, Any]] = {}
-    by_lr: dict[float, dict[str, dict[str, dict[str, Any]]]] = {}
-    for seed in args.seeds:
-        seed_runs = {}
-        for arm in ARMS:
-            rounds = args.rounds * (args.plain_factor if arm == "plain-averaging" else 1)
-            seed_runs[arm] = run_arm(args, arm, seed, rounds)
-            run = seed_runs[arm]
-            print(
-                f"seed {seed} {arm:<16} {rounds:4d} rounds in {run['seconds']:5.1f} s: "
-                f"loss {run['loss'][0]:.4f} -> {run['loss'][args.rounds]:.4f} at round "
-                f"{args.rounds}"
-                + (f", {len(run['aborted'])} aborted" if run["aborted"] else "")
-                + (f", stopped: {run['stopped']}" if run["stopped"] else ""),
-                flush=True,
-            )
-        runs[str(seed)] = seed_runs
-        per_seed[str(seed)] = evaluate_seed(seed_runs, args.rounds)
-        for lr in args.tune_lrs:
-            tuned_runs = by_lr.setdefault(lr, {}).setdefault(str(seed), {})
-            for arm in ("control", "plain-averaging"):
-                if lr == args.inner_lr:
-                    tuned_runs[arm] = seed_runs[arm]
-                    continue
-                rounds = args.rounds * (args.plain_factor if arm == "plain-averaging" else 1)
-                tuned_runs[arm] = run_arm(args, arm, seed, rounds, inner_lr=lr)
-                run = tuned_runs[arm]
-                print(
-                    f"seed {seed} {arm:<16} inner lr {lr:g}: {rounds:4d} rounds in "
-                    f"{run['seconds']:5.1f} s: loss {run['loss'][args.rounds]:.4f} at round "
-                    f"{args.rounds}, {run['loss'][-1]:.4f} at round {rounds}",
-                    flush=True,
-                )
 
-    tuned = tune(by_lr, args.rounds) if by_lr else None
-    checks = verdicts({int(s): v for s, v in per_seed.items()}, tuned)
-    results = {
-        "command": "python benchmarks/bench_gauge.py " + " ".join(argv or sys.argv[1:]),
-        # (not --out: no path of the machine goes into the results)
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "outer": OUTER,
-        "arms": ARMS,
-        "seeds": args.seeds,
-        "per_seed": per_seed,
-        "tuned": tuned,
-        "tuned_runs": {str(lr): v for lr, v in by_lr.items() if lr != args.inner_lr},
-        "targets": checks,
-        "seconds": time.perf_counter() - started,
-        "machine": {"python": platform.python_version(), "torch": torch.__version__},
-        "runs": runs,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gauge.json").write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, args.out / "gauge.png")
-
+def print_summary(
+    args: argparse.Namespace, results: dict[str, Any], checks: list[dict[str, Any]]
+) -> None:
+    per_seed, tuned, held_out = results["per_seed"], results["tuned"], results["held_out"]
     print()
     print(f"seed  (a)/(c)  (b)/(c)  rounds DiLoCo / plain at inner lr {args.inner_lr:g}  tuned")
     for seed, s in per_seed.items():
@@ -435,14 +588,14 @@ def main(argv: list[str] | None = None) -> int:
             f"  {s['diloco_rounds']} / {plain} = {s['rounds_ratio']:.2f}"
         )
         if tuned:
-            t = tuned["per_seed"][seed]
-            tp = t["plain_rounds"] if t["plain_reached"] else f">{tuned['plain_budget']}"
+            t = held_out[seed]
+            tp = t["plain_rounds"] if t["plain_reached"] else f">{t['plain_budget']}"
             line += f"{'':28}{t['diloco_rounds']} / {tp} = {t['rounds_ratio']:.2f}"
         print(line)
     if tuned:
         print(
-            f"tuned over inner lr {args.tune_lrs}: DiLoCo {tuned['diloco_inner_lr']:g} "
-            f"(mean final loss by lr: "
+            f"tuned on seeds {args.tune_seeds}: DiLoCo {tuned['diloco_inner_lr']:g} (mean final "
+            "loss by lr: "
             + ", ".join(f"{lr:g}: {np.mean(v):.4f}" for lr, v in tuned["diloco_final_loss"].items())
             + f"); plain averaging {tuned['plain_inner_lr']:g} (median rounds to DiLoCo's "
             "final loss by lr: "
@@ -450,6 +603,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lr:g}: {np.median(v):g}" for lr, v in tuned["plain_rounds_to_target"].items()
             )
             + ")"
+        )
+        print(
+            "in-sample (tuning seeds) rounds DiLoCo / plain: "
+            + ", ".join(
+                f"seed {s}: {t['diloco_rounds']} / "
+                f"{t['plain_rounds'] if t['plain_reached'] else '>' + str(t['plain_budget'])}"
+                f" = {t['rounds_ratio']:.2f}"
+                for s, t in tuned["per_seed"].items()
+            )
         )
     print(
         f"\n{len(args.seeds)} seeds in {results['seconds']:.0f} s; wrote "
@@ -461,6 +623,50 @@ def main(argv: list[str] | None = None) -> int:
             f"{verdict}: {check['target']}: {check['measure']} = {check['value']:.3f} "
             f"({check['threshold']})"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)  # tiny models: one thread is faster, and the machine is shared
+
+    started = time.perf_counter()
+    tuned, tuning_runs = run_tuning(args) if args.tune_lrs else (None, {})
+    runs: dict[str, dict[str, Any]] = {}
+    tuned_runs: dict[str, dict[str, Any]] = {}
+    per_seed: dict[str, dict[str, Any]] = {}
+    held_out: dict[str, dict[str, Any]] = {}
+    for seed in args.seeds:
+        runs[str(seed)], tuned_runs[str(seed)] = run_seed(args, seed, tuned)
+        per_seed[str(seed)] = evaluate_seed(runs[str(seed)], args.rounds)
+        if tuned:
+            held_out[str(seed)] = rounds_ratio(
+                tuned_runs[str(seed)]["control"]["loss"],
+                tuned_runs[str(seed)]["plain-averaging"]["loss"],
+                args.rounds,
+            )
+    checks = verdicts({int(s): v for s, v in per_seed.items()}, tuned, held_out)
+    results = {
+        "command": "python benchmarks/bench_gauge.py " + " ".join(argv or sys.argv[1:]),
+        # (not --out: no path of the machine goes into the results)
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "outer": OUTER,
+        "arms": ARMS,
+        "seeds": args.seeds,
+        "per_seed": per_seed,
+        "tuned": tuned,
+        "held_out": held_out,
+        "targets": checks,
+        "seconds": time.perf_counter() - started,
+        "machine": {"python": platform.python_version(), "torch": torch.__version__},
+        "runs": runs,
+        "tuned_runs": tuned_runs if tuned else {},
+        "tuning_runs": tuning_runs,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gauge.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out / "gauge.png")
+    print_summary(args, results, checks)
     return 0
 
 
