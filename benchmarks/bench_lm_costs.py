@@ -455,6 +455,7 @@ def run_seed(
             base, arm, nodes=args.nodes, threshold=args.threshold, run_id=run_id, run_dir=tmp
         )
         result["summary"] = summarize(result, args.nodes)
+        result["load_after"] = os.getloadavg()
         out["arms"][arm] = result
         s = result["summary"]
         print(
@@ -597,16 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.perf_counter()
     per_seed: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-lm-costs-") as tmp:
-        warm_up(app, args.arms, Path(tmp))
-        for k, seed in enumerate(args.seeds):
-            order = args.arms[k % len(args.arms) :] + args.arms[: k % len(args.arms)]
-            per_seed[str(seed)] = run_seed(app, seed, args, order, Path(tmp))
-    rows = table(per_seed, args.arms)
-    print_table(rows)
-    checks = targets(per_seed, args.nodes, args.rounds)
-    load_after = os.getloadavg()
-    results = {
+    header = {
         "command": "python benchmarks/bench_lm_costs.py " + " ".join(argv or sys.argv[1:]),
         "settings": {
             "nodes": args.nodes,
@@ -617,11 +609,6 @@ def main(argv: list[str] | None = None) -> int:
             "eval_bytes": args.eval_bytes,
             "model": dataclasses.asdict(lm.model_shape(app)),
         },
-        "table": rows,
-        "per_seed": per_seed,
-        "targets": checks,
-        "seconds": time.perf_counter() - started,
-        "load": {"start": load, "end": load_after},
         "machine": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -630,12 +617,29 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    with tempfile.TemporaryDirectory(prefix="bench-lm-costs-") as tmp:
+        warm_up(app, args.arms, Path(tmp))
+        for k, seed in enumerate(args.seeds):
+            order = args.arms[k % len(args.arms) :] + args.arms[: k % len(args.arms)]
+            per_seed[str(seed)] = run_seed(app, seed, args, order, Path(tmp))
+            # after every seed, so that a run cut short keeps the seeds it finished
+            results = {
+                **header,
+                "complete": k == len(args.seeds) - 1,
+                "table": table(per_seed, args.arms),
+                "per_seed": per_seed,
+                "targets": targets(per_seed, args.nodes, args.rounds),
+                "seconds": time.perf_counter() - started,
+                "load": {"start": load, "end": os.getloadavg()},
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print_table(results["table"])
     print(
         f"\n{len(args.seeds)} seed(s) in {results['seconds']:.0f} s (load {load[0]:.1f} at the "
-        f"start, {load_after[0]:.1f} at the end); wrote {args.out.name}"
+        f"start, {results['load']['end'][0]:.1f} at the end); wrote {args.out.name}"
     )
+    checks = results["targets"]
     for t in checks:
         value = f"{t['value']:.4f}" if isinstance(t["value"], float) else str(t["value"])
         print(f"{'PASS' if t['pass'] else 'FAIL'}: {t['target']} ({value})")
