@@ -98,7 +98,8 @@ def test_every_rounds_time_splits_into_parts_that_add_up(
         parts = r["training"] + r["participant_other"] + r["coordinator"]
         assert parts == pytest.approx(r["wall"], rel=1e-9)
         assert r["coordinator_share"] == pytest.approx(r["coordinator"] / r["wall"])
-        assert 0 <= r["coordinator_cpu"] <= r["coordinator"] + 0.05  # CPU within its wall
+        # the process's CPU in the round less the ClientApp calls' (a part of it)
+        assert r["coordinator_cpu"] >= -0.01 and r["training_cpu"] > 0
     assert sum(r["wall"] for r in rounds) <= result["run_seconds"]
     summary = bench.summarize(result, NODES)
     assert summary["node_training_per_round"] == pytest.approx(
