@@ -253,32 +253,38 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds if args.rounds is not None else int(run["num-server-rounds"])
 
     started = time.perf_counter()
-    per_seed = {}
+    per_seed: dict[str, Any] = {}
+    loads = []
     for seed in args.seeds:
         per_seed[str(seed)] = run_seed(run, seed, nodes, rounds)
+        loads.append(os.getloadavg()[1])  # the 5-minute load average as the seed ended
         print_seed(seed, per_seed[str(seed)], nodes, rounds)
-    targets = targets_of(per_seed)
-    wins = [s["wins"] for s in per_seed.values()]
-    gains = [1 - s["mean"]["federated"] / s["mean"]["local_only"] for s in per_seed.values()]
-    results = {
-        "command": "python benchmarks/bench_main_job.py " + " ".join(argv or sys.argv[1:]),
-        "settings": {"nodes": nodes, "rounds": rounds, "seeds": args.seeds, "run_config": run},
-        "per_seed": per_seed,
-        "summary": {"wins": wins, "mean_gain": gains},
-        "targets": targets,
-        "seconds": time.perf_counter() - started,
-        "load_average": os.getloadavg(),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "main_job.json").write_text(json.dumps(results, indent=1) + "\n")
+        results = {
+            "command": "python benchmarks/bench_main_job.py " + " ".join(argv or sys.argv[1:]),
+            "settings": {"nodes": nodes, "rounds": rounds, "seeds": args.seeds, "run_config": run},
+            "complete": len(per_seed) == len(args.seeds),  # written after every seed
+            "per_seed": per_seed,
+            "summary": {
+                "wins": [s["wins"] for s in per_seed.values()],
+                "mean_gain": [
+                    1 - s["mean"]["federated"] / s["mean"]["local_only"] for s in per_seed.values()
+                ],
+            },
+            "targets": targets_of(per_seed),
+            "seconds": time.perf_counter() - started,
+            "load_average_5min": loads,
+            "machine": {"python": platform.python_version(), "torch": torch.__version__},
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "main_job.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, args.out / "main_job.png")
     print(f"\n{len(args.seeds)} seeds in {results['seconds']:.0f} s; wrote main_job.json/png")
-    print(f"nodes where federated beats tuned local-only, per seed: {wins}")
+    print(f"nodes where federated beats tuned local-only, per seed: {results['summary']['wins']}")
     print(
         "mean gain over tuned local-only (1 - federated / local-only): "
-        + ", ".join(f"{g:.3f}" for g in gains)
+        + ", ".join(f"{g:.3f}" for g in results["summary"]["mean_gain"])
     )
+    targets = results["targets"]
     for t in targets:
         value = f"{t['value']:.3f}" if isinstance(t["value"], float) else str(t["value"])
         print(f"{'PASS' if t['pass'] else 'FAIL'}: {t['target']} ({value})")

@@ -177,8 +177,8 @@ def search_lr(
 ) -> LrSearch:
     """Run ``trial`` at every learning rate of ``grid``; while the lowest tuning loss is
     at the grid's smallest (largest) rate, try that rate divided (multiplied) by
-    ``factor``, at most ``max_extensions`` times. The chosen trial has the lowest tuning
-    loss at its stopping step.
+    ``factor``, at most ``max_extensions`` times (a grid of one rate is not searched).
+    The chosen trial has the lowest tuning loss at its stopping step.
 
     Raises:
         ConfigError: an empty grid, a rate that is not finite and > 0, a repeated rate,
@@ -194,6 +194,8 @@ def search_lr(
             "lr grid", f"factor must be > 1 and max_extensions >= 0, got {factor}, {max_extensions}"
         )
     trials = {lr: trial(lr) for lr in rates}
+    if len(rates) == 1:  # one rate: a fixed rate, no search
+        max_extensions = 0
 
     def chosen() -> Trial:
         return min(trials.values(), key=lambda t: (_key(t.best_tune), t.lr))
