@@ -61,6 +61,10 @@ class Stopping:
             raise ConfigError("stopping", f"max_steps {self.max_steps} < every {self.every}")
 
 
+DEFAULT_STOPPING = Stopping()
+"""Every 20 steps, patience 10 evaluations (200 steps), at most 4000 steps."""
+
+
 def _key(loss: float) -> float:
     return loss if math.isfinite(loss) else math.inf
 
@@ -226,7 +230,7 @@ def tuned_local_only(
     *,
     init_seed: int = 0,
     grid: Sequence[float] | None = None,
-    stopping: Stopping = Stopping(),
+    stopping: Stopping = DEFAULT_STOPPING,
 ) -> LrSearch:
     """One node alone (its whole model from the federation's initial one), its learning
     rate and stopping step chosen on its tuning half, scored on its scoring half; the
@@ -268,7 +272,7 @@ def tuned_centralized(
     *,
     init_seed: int = 0,
     grid: Sequence[float] | None = None,
-    stopping: Stopping = Stopping(),
+    stopping: Stopping = DEFAULT_STOPPING,
 ) -> LrSearch:
     """One encoder and predictor, a head per node, each step on the mean loss over nodes
     of an ``inner-batch-size`` batch from each; learning rate and stopping step chosen
