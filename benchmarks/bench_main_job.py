@@ -126,16 +126,23 @@ def search_summary(search: LrSearch, node: int | None = None) -> dict[str, Any]:
     }
 
 
-def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[str, Any]:
-    """The three arms on one seed, each node scored on its scoring half."""
+def seed_setting(
+    run: dict[str, Any], seed: int, nodes: int
+) -> tuple[LensembleConfig, dict[str, Any]]:
+    """The federation config and the data settings of one seed."""
     run = {**run, "lensemble.root-seed": seed, "lensemble.min-participants": nodes}
-    config = LensembleConfig.from_run_config(run)
     data = {
         "trajectories": int(run["trajectories"]),
         "steps": int(run["trajectory-steps"]),
         "validation_trajectories": int(run["validation-trajectories"]),
         "actuation": str(run["actuation"]),
     }
+    return LensembleConfig.from_run_config(run), data
+
+
+def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[str, Any]:
+    """Federated and tuned local-only on one seed, each node scored on its scoring half."""
+    config, data = seed_setting(run, seed, nodes)
     started = time.perf_counter()
     fed = federated(config, data, seed, nodes, rounds)
     fed_seconds = time.perf_counter() - started
@@ -143,12 +150,9 @@ def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[st
     halves = data["validation_trajectories"]
     local = [search_summary(tuned_local_only(d, halves, config, init_seed=seed)) for d in datas]
     local_seconds = time.perf_counter() - started - fed_seconds
-    central_search = tuned_centralized(datas, halves, config, init_seed=seed)
-    central = [search_summary(central_search, node=i) for i in range(nodes)]
     final = {
         "federated": [c[-1] for c in fed["score"]],
         "local_only": [lo["score"] for lo in local],
-        "centralized": [c["score"] for c in central],
     }
     wins = sum(f < lo for f, lo in zip(final["federated"], final["local_only"], strict=True))
     return {
@@ -157,7 +161,6 @@ def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[st
         "wins": wins,
         "federated_curves": {"tune": fed["tune"], "score": fed["score"]},
         "local_only": local,
-        "centralized": {k: v for k, v in central[0].items() if k != "score"},
         "aborted_outcomes": fed["aborted_outcomes"],
         "seconds": {
             "federated": fed_seconds,
@@ -165,6 +168,19 @@ def run_seed(run: dict[str, Any], seed: int, nodes: int, rounds: int) -> dict[st
             "all": time.perf_counter() - started,
         },
     }
+
+
+def add_centralized(entry: dict[str, Any], run: dict[str, Any], seed: int, nodes: int) -> None:
+    """The tuned centralized arm of one seed, into its ``run_seed`` entry."""
+    config, data = seed_setting(run, seed, nodes)
+    started = time.perf_counter()
+    datas = [participant_data(i, seed=seed, **data) for i in range(nodes)]
+    search = tuned_centralized(datas, data["validation_trajectories"], config, init_seed=seed)
+    central = [search_summary(search, node=i) for i in range(nodes)]
+    entry["final"]["centralized"] = [c["score"] for c in central]
+    entry["mean"]["centralized"] = float(np.mean(entry["final"]["centralized"]))
+    entry["centralized"] = {k: v for k, v in central[0].items() if k != "score"}
+    entry["seconds"]["centralized"] = time.perf_counter() - started
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -182,7 +198,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         top = 1.05 * max(*local, *fed)
         ax.plot([0, top], [0, top], color="grey", lw=0.8)
         ax.scatter(local, fed, s=14, color="tab:blue", label="a node")
-        ax.axhline(s["mean"]["centralized"], color="tab:green", lw=0.8, label="centralized (mean)")
+        if "centralized" in s["mean"]:
+            ax.axhline(s["mean"]["centralized"], color="tab:green", lw=0.8, label="centralized")
         ax.set_xlim(0, top)
         ax.set_ylim(0, top)
         ax.set_title(f"seed {seed}: federated better on {s['wins']}/{len(fed)}", fontsize=9)
@@ -193,22 +210,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def print_seed(seed: int, s: dict[str, Any], nodes: int, rounds: int) -> None:
-    print(f"\nseed {seed} ({s['seconds']['all']:.0f} s), loss on each node's scoring half:")
+    took = ", ".join(f"{arm} {t:.0f} s" for arm, t in s["seconds"].items())
+    print(f"\nseed {seed}, loss on each node's scoring half ({took}):")
     print("node  federated  tuned local-only (lr, step)  tuned centralized  federated better")
+    central = s["final"].get("centralized", ["-"] * nodes)
     for i in range(nodes):
-        f, lo, c = (s["final"][k][i] for k in ("federated", "local_only", "centralized"))
+        f, lo, c = s["final"]["federated"][i], s["final"]["local_only"][i], central[i]
         pick = s["local_only"][i]
         chosen = f"{lo:.4f} ({pick['lr']:.4g}, {pick['step']})"
-        print(f"{i:4d}  {f:9.4f}  {chosen:>27}  {c:17.4f}  {'yes' if f < lo else 'no'}")
-    m, c = s["mean"], s["centralized"]
+        c_text = c if isinstance(c, str) else f"{c:.4f}"
+        print(f"{i:4d}  {f:9.4f}  {chosen:>27}  {c_text:>17}  {'yes' if f < lo else 'no'}")
+    m = s["mean"]
+    c_text = f"{m['centralized']:.4f}" if "centralized" in m else "-"
     print(
-        f"mean  {m['federated']:9.4f}  {m['local_only']:27.4f}  {m['centralized']:17.4f}"
-        f"  {s['wins']}/{nodes}"
+        f"mean  {m['federated']:9.4f}  {m['local_only']:27.4f}  {c_text:>17}  {s['wins']}/{nodes}"
     )
-    print(f"federated: round {rounds}, untuned; centralized: lr {c['lr']:.4g}, step {c['step']}")
+    print(f"federated: round {rounds}, untuned")
+    if "centralized" in s:
+        c = s["centralized"]
+        print(
+            f"centralized: lr {c['lr']:.4g}, step {c['step']}, at an edge or the cap: "
+            f"{c['at_edge'] or c['capped']}"
+        )
     edges = [i for i, p in enumerate(s["local_only"]) if p["at_edge"] or p["capped"]]
-    if edges or c["at_edge"] or c["capped"]:
-        print(f"at a grid edge or the step cap: nodes {edges}, centralized {c['at_edge']}")
+    if edges:
+        print(f"local-only at a grid edge or the step cap: nodes {edges}")
     sys.stdout.flush()
 
 
@@ -244,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     parser.add_argument("--nodes", type=int, default=None, help="default: num-partitions")
     parser.add_argument("--rounds", type=int, default=None, help="default: num-server-rounds")
+    parser.add_argument(
+        "--centralized-seeds",
+        type=int,
+        nargs="*",
+        default=None,
+        help="the seeds that also run the tuned centralized arm, after every seed's "
+        "federated and local-only arms (default: all; it costs the most)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -254,16 +288,14 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     per_seed: dict[str, Any] = {}
-    loads = []
-    for seed in args.seeds:
-        per_seed[str(seed)] = run_seed(run, seed, nodes, rounds)
-        loads.append(os.getloadavg()[1])  # the 5-minute load average as the seed ended
-        print_seed(seed, per_seed[str(seed)], nodes, rounds)
+    loads: list[float] = []
+
+    def write() -> dict[str, Any]:
+        loads.append(os.getloadavg()[1])  # the 5-minute load average as a part ended
         results = {
             "command": "python benchmarks/bench_main_job.py " + " ".join(argv or sys.argv[1:]),
             "settings": {"nodes": nodes, "rounds": rounds, "seeds": args.seeds, "run_config": run},
-            "complete": len(per_seed) == len(args.seeds),  # written after every seed
-            "per_seed": per_seed,
+            "per_seed": per_seed,  # written after every part: complete when all are in
             "summary": {
                 "wins": [s["wins"] for s in per_seed.values()],
                 "mean_gain": [
@@ -277,6 +309,18 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "main_job.json").write_text(json.dumps(results, indent=1) + "\n")
+        return results
+
+    for seed in args.seeds:
+        per_seed[str(seed)] = run_seed(run, seed, nodes, rounds)
+        results = write()
+        print_seed(seed, per_seed[str(seed)], nodes, rounds)
+    central = args.seeds if args.centralized_seeds is None else args.centralized_seeds
+    for seed in central:
+        if str(seed) in per_seed:
+            add_centralized(per_seed[str(seed)], run, seed, nodes)
+            results = write()
+            print_seed(seed, per_seed[str(seed)], nodes, rounds)
     plot(results, args.out / "main_job.png")
     print(f"\n{len(args.seeds)} seeds in {results['seconds']:.0f} s; wrote main_job.json/png")
     print(f"nodes where federated beats tuned local-only, per seed: {results['summary']['wins']}")
