@@ -15,8 +15,8 @@ needs ``lensemble.shared-groups = "encoder,predictor"`` and ``lensemble.local-gr
 
 The data keys (``trajectories``, ``trajectory-steps``, ``validation-trajectories``,
 ``actuation``) set each node's data; the defaults are the main job's setting, in which
-every node has too little data to learn the shared groups alone (48 transitions) and the
-embodiments drive one shared world (``actuation = "full"``). Every evaluation reports, per
+every node has little data (48 transitions) and the embodiments drive one shared world
+(``actuation = "full"``). Every evaluation reports, per
 node and averaged: the global model's loss on the node's training data
 (``global-train-loss``) and on its validation data (``global-val-loss``), both with the
 node's own head; and, unless ``baseline-cache = "off"``, the global model's loss on the
