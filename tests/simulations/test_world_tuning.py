@@ -73,6 +73,10 @@ def test_training_stops_after_patience_evaluations_without_improvement() -> None
     assert done == [24]
     assert (trial.best_step, trial.best_tune, trial.best_score) == (15, 2.9, (15.0,))
     assert not trial.capped
+    # a plateau is no improvement: equal losses count towards the patience
+    _, step, measure = scripted([5.0, 4.0, 4.0, 4.0, 4.0])
+    trial = train_until_stale(step, measure, lr=0.1, stopping=Stopping(every=1, patience=3))
+    assert trial.steps == (0, 1, 2, 3, 4) and trial.best_step == 1
 
 
 def test_training_stops_at_the_cap_and_says_so() -> None:
@@ -145,6 +149,7 @@ def test_tuned_local_only_never_looks_at_the_scoring_half(
     honest = tuned_local_only(data, 4, CONFIG, grid=[0.002, 0.01], stopping=QUICK)
     tune, score = split_validation(data.validation, 4)
     fresh = WorldTrainer(data)
+    assert fresh.loss_on(data.validation) == fresh.validation_loss()  # the same loss
     first = honest.trials[0]
     assert first.tune[0] == fresh.loss_on(tune) and first.score[0] == (fresh.loss_on(score),)
     assert honest.chosen.best_tune == min(t.best_tune for t in honest.trials)
