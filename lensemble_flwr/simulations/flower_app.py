@@ -31,7 +31,9 @@ def partition_of(context: Context, default_count: int) -> tuple[int, int]:
     return int(node.get("partition-id", 0)) % count, count
 
 
-def checked_config(context: Context, *checks: Callable[[LensembleConfig], None]) -> LensembleConfig:
+def checked_config(
+    context: Context, *checks: Callable[[LensembleConfig], None]
+) -> LensembleConfig:
     """The run's federation config (the run config's ``lensemble.`` keys), checked by
     lensemble and by the app's own ``checks``: the first thing the example ServerApps do,
     before they build anything or ask the Grid anything, so that a bad value stops the
