@@ -16,14 +16,14 @@ needs ``lensemble.shared-groups = "encoder,predictor"`` and ``lensemble.local-gr
 The data keys (``trajectories``, ``trajectory-steps``, ``validation-trajectories``,
 ``actuation``) set each node's data; the defaults are the main job's setting, in which
 every node has little data (48 transitions) and the embodiments drive one shared world
-(``actuation = "full"``). Every evaluation reports, per
-node and averaged: the global model's loss on the node's training data
-(``global-train-loss``) and on its validation data (``global-val-loss``), both with the
-node's own head; and, unless ``baseline-cache = "off"``, the global model's loss on the
-scoring half of the node's validation data (``global-held-out-loss``) against the node's
-tuned local-only baseline on the same half (``local-only-held-out-loss``: its own model,
-learning rate and stopping step chosen on the other half; :mod:`world_tuning`, cached by
-:mod:`world_baseline_cache`). The run ends with a per-node table of the last round.
+(``actuation = "full"``). Every evaluation reports, per node and averaged: the global
+model's loss on the node's training data (``global-train-loss``) and on its validation
+data (``global-val-loss``), both with the node's own head; and, unless
+``baseline-cache = "off"``, the global model's loss on the scoring half of the node's
+validation data (``global-held-out-loss``) against the node's tuned local-only baseline
+on the same half (``local-only-held-out-loss``: its own model, learning rate and stopping
+step chosen on the other half; :mod:`world_tuning`, cached by :mod:`world_baseline_cache`).
+The run ends with a per-node table of the last round.
 """
 
 from __future__ import annotations
