@@ -410,8 +410,8 @@ class PrivacyConfig(_Section):
         description="What epsilon protects: substitution, any change to a participant's "
         "whole dataset (sensitivity 2C); zero-out, its update against a zero update "
         "(sensitivity C, as add/remove of one update with no amplification claimed; half "
-        "the noise at the same epsilon; that it took part stays public). On a Flower node: must be the node's "
-        "dp-adjacency.",
+        "the noise at the same epsilon; that it took part stays public). On a Flower "
+        "node: must be the node's dp-adjacency.",
     )
     dp_mode: Literal["local", "distributed"] = Field(
         "local",
