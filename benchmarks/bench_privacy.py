@@ -31,11 +31,11 @@ update against none, which needs half the noise at the same ε). The arms:
   calibration assumes).
 
 Every run also trains the pooled reference (``lensemble_flwr.simulations.digits_pooled``,
-seconds): the same model class from the same seed, trained in one place on the union of
-the participants' examples, its learning rate tuned and its epochs early-stopped on a
-held-out 15% of them, scored on the same test set. The non-private federation can stop
-well short of it (at N = 1000 with one or two examples each), so each distributed arm is
-printed as a fraction of both. ``--pooled-only`` trains the reference alone.
+0.5-4 minutes on 2 shared cores): the same model class from the same seed, trained in one
+place on the union of the participants' examples, its learning rate tuned and its epochs
+early-stopped on a held-out 15% of them, scored on the same test set. The non-private
+federation can stop well short of it (at N = 1000 with one or two examples each), so each
+distributed arm is printed as a fraction of both. ``--pooled-only`` trains the reference alone.
 
 The lensemble arms use the outer step ``--outer-lr`` / ``--outer-momentum`` (default lr 1,
 momentum 0: FedAvg's step; with momentum 0.9 on the noised mean, distributed DP at ε = 8
@@ -318,7 +318,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--pooled-only", action="store_true",
-        help="train and print the pooled reference alone (seconds), no federation",
+        help="train and print the pooled reference alone (minutes), no federation",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = parser.parse_args()
