@@ -184,8 +184,22 @@ def test_the_local_only_model_never_leaves_its_node(
         for blob in (*blobs(instruction.content), *blobs(reply.content))
     ]
     assert sent and not any(LOCAL_ONLY.encode() in blob for blob in sent)
+    arrays = [
+        np.asarray(array.numpy(), dtype=np.float64)
+        for instruction, reply in grid.delivered
+        for content in (instruction.content, reply.content)
+        for record in content.array_records.values()
+        for array in record.values()
+    ]
     for context in contexts.values():
         model = digits.trainer_fn(context).local_only.model  # type: ignore[union-attr]
+        # nor as an update: the local-only weights, or their difference from any model a
+        # message carries (a broadcast global model), are not what any array is
+        for tensor in model.state_dict().values():
+            weights = tensor.numpy().astype(np.float64)
+            same = [a for a in arrays if a.shape == weights.shape]
+            derived = [weights, *(weights - a for a in same), *(a - weights for a in same)]
+            assert same and not any(np.allclose(a, d, atol=1e-6) for a in same for d in derived)
         # the first 16 weights of each tensor, as float32 bytes: in no message ...
         needles = [t.numpy().astype("<f4").tobytes()[:64] for t in model.state_dict().values()]
         assert not any(needle in blob for needle in needles for blob in sent)
