@@ -29,6 +29,7 @@ from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations.digits_data import (
     DigitsTrainer,
@@ -71,6 +72,29 @@ class DigitsTraining(LocalOnlyTraining):
         return self.digits.evaluate_model(self.local_only.model)
 
 
+def local_only_of(run_config: Mapping[str, Any]) -> bool:
+    """The app's ``local-only`` key (default true).
+
+    Raises:
+        ConfigError: it is not a boolean (a string such as ``'false'`` would read as true).
+    """
+    value = run_config.get("local-only", True)
+    if not isinstance(value, bool):
+        raise ConfigError("local-only", f"must be true or false, got {value!r}")
+    return value
+
+
+def check_app_keys(run_config: Mapping[str, Any]) -> None:
+    """Refuse the app's own keys that its nodes would refuse, before the ServerApp asks
+    the Grid anything.
+
+    Raises:
+        ConfigError: the key and why.
+    """
+    model_class_of(run_config.get("model", "net"))
+    local_only_of(run_config)
+
+
 def trainer_fn(context: Context) -> DigitsTraining:
     """This node's partition of the digits and a fresh model, with its saved state (its
     inner optimizer and local-only model) restored from ``context.state``."""
@@ -79,9 +103,7 @@ def trainer_fn(context: Context) -> DigitsTraining:
     seed = int(run.get("data-seed", 0))
     model_class = model_class_of(run.get("model", "net"))
     trainer = DigitsTrainer(load_partition(partition_id, count, seed=seed), model_class=model_class)
-    training = DigitsTraining(
-        trainer, config_from_context(context), local_only=bool(run.get("local-only", True))
-    )
+    training = DigitsTraining(trainer, config_from_context(context), local_only=local_only_of(run))
     training.import_state(training_state(load_state(context.state)))
     return training
 
@@ -150,9 +172,10 @@ def node_table(per_node: PerNodeMetrics) -> str:
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger), then print the
     per-node table of the last round."""
-    config = checked_config(context)  # first: a bad value stops the run in seconds
-    use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     run_config = dict(context.run_config)
+    # first: a bad value stops the run in seconds
+    config = checked_config(context, lambda _: check_app_keys(run_config))
+    use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     per_node = per_node_metrics()
     config, strategy = strategy_from_context(context, config, evaluate_metrics_aggr_fn=per_node)
     seed = int(run_config.get("data-seed", 0))

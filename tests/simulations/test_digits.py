@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, Context, Message, RecordDict
 
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.digits_data import DigitsNet, DigitsTrainer, load_partition
@@ -270,3 +271,22 @@ def test_the_local_only_model_takes_the_same_batches_and_never_the_global_model(
     after = training.local_only.model.state_dict()  # type: ignore[union-attr]
     assert all(np.abs(after[n].numpy() - moved[n]).max() > 0.1 for n in after)
     assert training.local_steps == 2 * STEPS
+
+
+def test_a_local_only_that_is_not_a_boolean_is_refused_before_any_grid_call() -> None:
+    from tests.simulations.test_flower_app import RecordingGrid, server_context
+
+    grid = RecordingGrid()
+    with pytest.raises(ConfigError, match="local-only: must be true or false, got 'false'"):
+        digits.main(grid, server_context({**TINY, "local-only": "false"}))
+    assert grid.calls == []
+    node = Context(
+        run_id=1,
+        node_id=NODES[0],
+        node_config={"partition-id": 0, "num-partitions": 3},
+        state=RecordDict(),
+        run_config={**TINY, "local-only": 0},
+    )
+    with pytest.raises(ConfigError, match="local-only: must be true or false, got 0"):
+        digits.trainer_fn(node)
+    assert digits.trainer_fn(Context(**{**vars(node), "run_config": TINY})).local_only is not None
