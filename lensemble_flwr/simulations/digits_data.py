@@ -212,6 +212,8 @@ class DigitsTrainer:
         model_class: Callable[..., nn.Module] = DigitsNet,
     ) -> None:
         self.partition = partition
+        self.init_seed = init_seed
+        self.model_class = model_class
         self.model = model_class(seed=init_seed)
         self._x, self._y = torch.from_numpy(partition.x_train), torch.from_numpy(partition.y_train)
 
@@ -247,6 +249,11 @@ class DigitsTrainer:
         model = copy.deepcopy(self.model)
         if params is not None:
             load_shared(model, params, _ALL_SHARED)
+        return self.evaluate_model(model)
+
+    def evaluate_model(self, model: nn.Module) -> tuple[float, float, int]:
+        """(loss, accuracy, number of examples) of ``model`` itself (e.g. the node's
+        local-only model) on the local test split; as :meth:`evaluate` for an empty one."""
         loss, acc = _evaluate(model, self.partition.x_test, self.partition.y_test)
         return loss, acc, len(self.partition.y_test)
 

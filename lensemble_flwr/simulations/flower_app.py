@@ -119,14 +119,27 @@ class PerNodeMetrics:
     """An app's ``evaluate_metrics_aggr_fn`` over per-node replies that carry their node
     (``node_key``): the mean over the nodes of each of ``means`` (each node counts once,
     non-finite values left out), and ``nodes-beating-local``, how many nodes ``better``
-    serves better than ``worse`` (a lower value is better); the round's per-node values
-    stay in :attr:`by_node`."""
+    serves better than ``worse``: a strictly lower value (a loss), or with
+    ``higher_is_better`` a strictly higher one (an accuracy); a tie does not count. The
+    round's per-node values stay in :attr:`by_node`."""
 
     def __init__(
-        self, means: tuple[str, ...], better: str, worse: str, node_key: str = "node"
+        self,
+        means: tuple[str, ...],
+        better: str,
+        worse: str,
+        node_key: str = "node",
+        *,
+        higher_is_better: bool = False,
     ) -> None:
         self.means, self.better, self.worse, self.node_key = means, better, worse, node_key
+        self.higher_is_better = higher_is_better
         self.by_node: dict[int, dict[str, float]] = {}
+
+    def beats(self, metrics: Mapping[str, float]) -> bool:
+        """Whether one node's ``better`` value beats its ``worse`` one (NaN never does)."""
+        ours, theirs = metrics[self.better], metrics[self.worse]
+        return ours > theirs if self.higher_is_better else ours < theirs
 
     def __call__(self, contents: list[RecordDict], weighting_key: str) -> MetricRecord:
         from lensemble_flwr.strategies.records import records_of
@@ -145,5 +158,5 @@ class PerNodeMetrics:
                 out[key] = sum(values) / len(values)
         compared = [m for m in nodes.values() if self.better in m and self.worse in m]
         if compared:
-            out["nodes-beating-local"] = sum(m[self.better] < m[self.worse] for m in compared)
+            out["nodes-beating-local"] = sum(self.beats(m) for m in compared)
         return MetricRecord(out)

@@ -7,13 +7,13 @@ federation against: a second model of the node's own that starts from the same i
 weights and, every time the node trains for the federation, takes as many AdamW steps on
 the same batches, but never leaves the node and never takes the global model. Its weights
 and inner optimizer ride in the node's saved state (``local-only/...`` arrays), so that a
-node rebuilt for an evaluate message still has it.
+node rebuilt for an evaluate message still has it (:mod:`~lensemble_flwr.simulations.local_only`,
+which the digits app shares).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,13 +22,7 @@ import torch
 from torch import nn
 
 from lensemble_flwr.config import LensembleConfig, ParamGroupsConfig
-from lensemble_flwr.params import NamedArrays, load_broadcast
-from lensemble_flwr.participant.local_training import (
-    PortableState,
-    TorchTraining,
-    deterministic_algorithms,
-    run_inner_loop,
-)
+from lensemble_flwr.params import load_broadcast
 from lensemble_flwr.simulations.lm_data import (
     NodeCorpus,
     as_bytes,
@@ -42,10 +36,9 @@ from lensemble_flwr.simulations.lm_model import (
     lm_device,
     next_byte_loss,
 )
+from lensemble_flwr.simulations.local_only import LocalOnlyTraining
 
 ALL_SHARED = ParamGroupsConfig(shared=("*",), local=())
-LOCAL_ONLY = "local-only/"
-"""The prefix of the local-only model's arrays in the node's saved state."""
 
 
 class LmTrainer:
@@ -112,63 +105,18 @@ class LmTrainer:
         return evaluate_bits_per_byte(model, self.validation)
 
 
-@dataclasses.dataclass
-class _LocalOnlyView:
-    """The node's data with the local-only model: what the inner loop trains."""
-
-    model: nn.Module
-    source: LmTrainer
-
-    def sample_batch(self, generator: torch.Generator, batch_size: int) -> Any:
-        return self.source.sample_batch(generator, batch_size)
-
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.source.loss(model, batch)
-
-
-class LmTraining(TorchTraining):
+class LmTraining(LocalOnlyTraining):
     """AdamW over an :class:`LmTrainer` and, with ``local_only``, the node's local-only
-    model trained beside it (see the module)."""
+    model trained beside it (:mod:`~lensemble_flwr.simulations.local_only`)."""
 
     def __init__(
         self, trainer: LmTrainer, config: LensembleConfig, *, local_only: bool = True
     ) -> None:
-        super().__init__(trainer, config)
-        self.lm = trainer
-        self.local_only: _LocalOnlyView | None = None
-        self.local_optimizer: torch.optim.Optimizer | None = None
-        self.local_steps = 0
+        model = None
         if local_only:
             model = ByteLM(trainer.shape, seed=trainer.init_seed).to(trainer.device)
-            self.local_only = _LocalOnlyView(model=model, source=trainer)
-
-    def _local_adamw(self, model: nn.Module) -> torch.optim.Optimizer:
-        inner = self.config.inner
-        return torch.optim.AdamW(
-            model.parameters(),
-            lr=inner.lr,
-            betas=(inner.beta1, inner.beta2),
-            eps=inner.eps,
-            weight_decay=inner.weight_decay,
-        )
-
-    def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
-        """:meth:`TorchTraining.fit`; then the local-only model takes ``steps`` steps on
-        the same batches (the same ``seed``)."""
-        shared = super().fit(global_params, steps=steps, seed=seed)
-        if self.local_only is not None:
-            if self.local_optimizer is None:
-                self.local_optimizer = self._local_adamw(self.local_only.model)
-            with deterministic_algorithms(self.config.inner.deterministic):
-                run_inner_loop(
-                    self.local_only,  # type: ignore[arg-type]  (the inner loop's part of a Trainer)
-                    self.local_optimizer,
-                    steps=steps,
-                    seed=seed,
-                    batch_size=self.config.inner.batch_size,
-                )
-            self.local_steps += steps
-        return shared
+        super().__init__(trainer, config, local_model=model)
+        self.lm = trainer
 
     def local_only_bpb(self, windows: torch.Tensor | None = None) -> float | None:
         """The local-only model's bits per byte on ``windows`` (default: the node's
@@ -178,57 +126,3 @@ class LmTraining(TorchTraining):
         return evaluate_bits_per_byte(
             self.local_only.model, self.lm.validation if windows is None else windows
         )
-
-    def export_state(self) -> PortableState:
-        """:meth:`TorchTraining.export_state`, with the local-only model's weights and
-        AdamW state under ``local-only/`` and its step count in ``meta``."""
-        state = super().export_state()
-        if self.local_only is None:
-            return state
-        arrays = dict(state.arrays)
-        for name, tensor in self.local_only.model.state_dict().items():
-            arrays[f"{LOCAL_ONLY}model/{name}"] = tensor.detach().cpu().numpy().copy()
-        groups = None
-        if self.local_optimizer is not None:
-            saved = self.local_optimizer.state_dict()
-            for index, slots in saved["state"].items():
-                for slot, value in slots.items():
-                    key = f"{LOCAL_ONLY}optimizer/{index}/{slot}"
-                    arrays[key] = torch.as_tensor(value).cpu().numpy().copy()
-            groups = [
-                {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
-                for group in saved["param_groups"]
-            ]
-        meta = {**state.meta, "local-only": {"steps": self.local_steps, "param_groups": groups}}
-        return PortableState(arrays=arrays, meta=meta)
-
-    def import_state(self, state: PortableState) -> None:
-        """:meth:`TorchTraining.import_state`, and the local-only model's part when the
-        state has one (otherwise it stays at its initial weights, with no optimizer)."""
-        super().import_state(state)
-        own = state.meta.get("local-only")
-        if self.local_only is None or not isinstance(own, dict):
-            return
-        weights = f"{LOCAL_ONLY}model/"
-        model_state = {
-            k[len(weights) :]: torch.from_numpy(np.array(v))
-            for k, v in state.arrays.items()
-            if k.startswith(weights)
-        }
-        self.local_only.model.load_state_dict(model_state)
-        self.local_steps = int(own.get("steps", 0))
-        groups = own.get("param_groups")
-        if groups is None:
-            self.local_optimizer = None
-            return
-        prefix = f"{LOCAL_ONLY}optimizer/"
-        slots: dict[int, dict[str, torch.Tensor]] = {}
-        for name, value in state.arrays.items():
-            if name.startswith(prefix):
-                index, slot = name[len(prefix) :].split("/", 1)
-                slots.setdefault(int(index), {})[slot] = torch.from_numpy(np.array(value))
-        param_groups = [
-            {k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in groups
-        ]
-        self.local_optimizer = self._local_adamw(self.local_only.model)
-        self.local_optimizer.load_state_dict({"state": slots, "param_groups": param_groups})

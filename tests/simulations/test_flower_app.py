@@ -108,8 +108,8 @@ def test_the_digits_client_app_trains_the_model_its_run_config_names() -> None:
             state=RecordDict(), run_config=run_config,
         )  # fmt: skip
 
-    assert isinstance(digits.trainer_fn(context({})).model, DigitsNet)
-    assert isinstance(digits.trainer_fn(context({"model": "linear"})).model, DigitsLinear)
+    assert isinstance(digits.trainer_fn(context({})).trainer.model, DigitsNet)
+    assert isinstance(digits.trainer_fn(context({"model": "linear"})).trainer.model, DigitsLinear)
     with pytest.raises(ConfigError, match="model: 'mlp' is not a digits model"):
         digits.trainer_fn(context({"model": "mlp"}))
 
@@ -136,3 +136,18 @@ def test_per_node_metrics_average_each_node_once_and_count_who_beats_local() -> 
     beating = out["nodes-beating-local"]
     assert beating == 1 and isinstance(beating, int)  # node 0 only (NaN < 4 is false); a count
     assert sorted(aggregate.by_node) == [0, 1, 2]
+
+
+def test_per_node_metrics_count_a_higher_accuracy_as_beating_local_when_told() -> None:
+    from flwr.app import MetricRecord, RecordDict
+
+    from lensemble_flwr.simulations.flower_app import PerNodeMetrics
+
+    def reply(node: int, glob: float, local: float) -> RecordDict:
+        return RecordDict({"metrics": MetricRecord({"node": node, "g": glob, "l": local})})
+
+    replies = [reply(0, 0.9, 0.8), reply(1, 0.7, 0.8), reply(2, 0.8, 0.8), reply(3, 0.9, 0.5)]
+    higher = PerNodeMetrics(("g", "l"), "g", "l", higher_is_better=True)(replies, "num-examples")
+    assert higher["nodes-beating-local"] == 2  # nodes 0 and 3; the tie (node 2) does not count
+    lower = PerNodeMetrics(("g", "l"), "g", "l")(replies, "num-examples")
+    assert lower["nodes-beating-local"] == 1  # as a loss: node 1 only

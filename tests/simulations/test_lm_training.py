@@ -9,7 +9,8 @@ import torch
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.simulations.lm_data import CorpusSettings, node_corpus
 from lensemble_flwr.simulations.lm_model import ByteLM, ModelShape
-from lensemble_flwr.simulations.lm_training import LOCAL_ONLY, LmTrainer, LmTraining
+from lensemble_flwr.simulations.lm_training import LmTrainer, LmTraining
+from lensemble_flwr.simulations.local_only import LOCAL_ONLY
 
 SHAPE = ModelShape(d_model=16, layers=1, heads=2, seq_len=16)
 CONFIG = LensembleConfig.from_run_config(
