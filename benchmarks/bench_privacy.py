@@ -13,8 +13,8 @@ rounds, seeds and local training (H AdamW steps, batches of 8 drawn with replace
 every arm. Each private arm clips every update to L2 norm ``--clip`` and calibrates its
 noise to ε over the planned rounds at δ = 1e-5 (``dp-rounds``; a participant's whole
 dataset is the unit, no amplification by sampling is claimed), under ``--adjacency``
-(``dp-adjacency``: ``substitution``, lensemble's default, or ``zero-out``, DP-FedAvg's
-user-level adjacency, which needs half the noise at the same ε). The arms:
+(``dp-adjacency``: ``substitution``, lensemble's default, or ``zero-out``, a participant's
+update against none, which needs half the noise at the same ε). The arms:
 
 * ``non-private``: no clip, no noise (the reference accuracy);
 * ``local``: every participant adds N(0, σ²C²) to its own release (today's mode);
@@ -29,6 +29,13 @@ user-level adjacency, which needs half the noise at the same ε). The arms:
   the noised model is adopted as the next round's external step; emulated here in
   process with ``Coordinator.adopt``, outer step lr 1, momentum 0, as the wrapper's
   calibration assumes).
+
+Every run also trains the pooled reference (``lensemble_flwr.simulations.digits_pooled``,
+0.5-4 minutes on 2 shared cores): the same model class from the same seed, trained in one
+place on the union of the participants' examples, its learning rate tuned and its epochs
+early-stopped on a held-out 15% of them, scored on the same test set. The non-private
+federation can stop well short of it (at N = 1000 with one or two examples each), so each
+distributed arm is printed as a fraction of both. ``--pooled-only`` trains the reference alone.
 
 The lensemble arms use the outer step ``--outer-lr`` / ``--outer-momentum`` (default lr 1,
 momentum 0: FedAvg's step; with momentum 0.9 on the noised mean, distributed DP at ε = 8
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -75,6 +83,7 @@ from lensemble_flwr.simulations.digits_data import (
     DigitsTrainer,
 )
 from lensemble_flwr.simulations.digits_data import initial_params as digits_params
+from lensemble_flwr.simulations.digits_pooled import PooledResult, pooled_reference
 from lensemble_flwr.transports.inprocess import InProcessNetwork
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -304,7 +313,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--adjacency", choices=["substitution", "zero-out"], default="substitution",
-        help="dp-adjacency of the private arms (zero-out: DP-FedAvg's, half the noise)",
+        help="dp-adjacency of the private arms (zero-out: an update against none, half "
+        "the noise)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pooled-only", action="store_true",
+        help="train and print the pooled reference alone (minutes), no federation",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "privacy.json")
     args = parser.parse_args()
@@ -312,8 +326,9 @@ def main() -> None:
         parser.error(f"--average-decay must be in [0, 1), got {args.average_decay}")
     torch.set_num_threads(1)
     data = split(args.participants, args.seed)
-    rows = []
-    for arm in args.arms.split(","):
+    pooled = run_pooled(data, args)
+    rows: list[dict] = []
+    for arm in [] if args.pooled_only else args.arms.split(","):
         for epsilon in [0.0] if arm == "non-private" else map(float, args.epsilons.split(",")):
             with tempfile.TemporaryDirectory(prefix="bench-privacy-") as tmp:
                 row = run_arm(arm, epsilon, args, data, Path(tmp))
@@ -329,10 +344,49 @@ def main() -> None:
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items() if k != "out"}  # no local paths
-    args.out.write_text(json.dumps({"args": settings, "rows": rows}, indent=1))
+    record = {"args": settings, "pooled": dataclasses.asdict(pooled), "rows": rows}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
-    verdicts(rows, args)
-    plot(rows, args.out.with_suffix(".png"))
+    if rows:
+        verdicts(rows, args)
+        ratios(rows, pooled.test_accuracy, args)
+        plot(rows, args.out.with_suffix(".png"), pooled.test_accuracy)
+
+
+def run_pooled(data: tuple, args: argparse.Namespace) -> PooledResult:
+    """The pooled reference on the federation's examples and test set; prints it."""
+    parts, x_test, y_test = data
+    started = time.perf_counter()
+    pooled = pooled_reference(parts, x_test, y_test, model_class=MODELS[args.model],
+                              seed=args.seed)  # fmt: skip
+    tried = ", ".join(f"{t.lr:g}: {t.validation_accuracy:.3f}" for t in pooled.tried)
+    print(
+        f"{'pooled reference':<22}        : test accuracy {pooled.test_accuracy:.3f} "
+        f"({args.model}, {pooled.fit_examples} examples + {pooled.validation_examples} "
+        f"for validation, lr {pooled.lr:g}{'' if pooled.grid_interior else ' AT AN END'} "
+        f"of the grid, epoch {pooled.epochs}; validation accuracy by lr: {tried}; "
+        f"{time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
+    return pooled
+
+
+def ratios(rows: list[dict], pooled: float, args: argparse.Namespace) -> None:
+    """Each distributed arm's accuracy as a fraction of the non-private federation's
+    and of the pooled reference's."""
+    final = {(r["arm"], r["epsilon_target"]): r for r in rows}
+    federation = final.get(("non-private", 0.0))
+    for (arm, eps), row in sorted(final.items()):
+        if not arm.startswith("distributed"):
+            continue
+        for label, key in (("final", "final_accuracy"), ("published average", "averaged_accuracy")):
+            value = row[key]
+            against = (
+                f"{value / federation[key]:.3f} x the non-private federation "
+                f"({federation[key]:.3f}), " if federation else ""
+            )
+            print(f"N={args.participants} eps={eps:g}: {arm}, {label} {value:.3f} = {against}"
+                  f"{value / pooled:.3f} x the pooled reference ({pooled:.3f})")  # fmt: skip
 
 
 def verdicts(rows: list[dict], args: argparse.Namespace) -> None:
@@ -368,7 +422,7 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> None:
                   f"{local:.3f} (+0.2): {'PASS' if ok else 'FAIL'}")  # fmt: skip
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, pooled: float) -> None:
     try:
         import matplotlib
 
@@ -384,6 +438,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in rows:
             if r["epsilon_target"] in (eps, 0.0):
                 ax.plot(range(1, len(r["accuracy"]) + 1), r["accuracy"], label=r["arm"])
+        ax.axhline(pooled, color="grey", linestyle="--", label="pooled reference")
         ax.set_title(f"epsilon = {eps:g}")
         ax.set_xlabel("round")
         ax.set_ylabel("held-out accuracy")

@@ -409,9 +409,9 @@ class PrivacyConfig(_Section):
         "substitution",
         description="What epsilon protects: substitution, any change to a participant's "
         "whole dataset (sensitivity 2C); zero-out, its update against a zero update "
-        "(sensitivity C: DP-FedAvg's user-level adjacency, half the noise at the same "
-        "epsilon; that it took part stays public). On a Flower node: must be the node's "
-        "dp-adjacency.",
+        "(sensitivity C, as add/remove of one update with no amplification claimed; half "
+        "the noise at the same epsilon; that it took part stays public). On a Flower "
+        "node: must be the node's dp-adjacency.",
     )
     dp_mode: Literal["local", "distributed"] = Field(
         "local",

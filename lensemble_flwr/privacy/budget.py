@@ -15,12 +15,12 @@ neighbouring datasets are any two versions of this participant's dataset (they m
 differ in any number of records, the participant's whole dataset included). The clipped
 update of either lies in the ball of radius C, so the L2 sensitivity is 2C and each
 release is a Gaussian mechanism with effective noise multiplier σ/2. That is the default
-``dp-adjacency = "substitution"``. With ``"zero-out"`` the neighbouring dataset is the
-participant's absence: its update replaced by zero (the user-level adjacency of DP-FedAvg
-and of Opacus's add/remove accounting), so the sensitivity is C and the effective
-multiplier σ. A budget is kept under one adjacency: its file records which, and a
-participant configured with the other is refused (the two epsilons do not compose). The
-participant knows when it releases, so there is no sampling amplification: sample rate 1,
+``dp-adjacency = "substitution"``. With ``"zero-out"`` the neighbour is the same run
+with the participant's update replaced by zero, so the sensitivity is C, as for adding or
+removing one update (Opacus's add/remove accounting), and the effective multiplier σ.
+A budget is kept under one adjacency: its file records which, and a participant
+configured with the other is refused (the two epsilons do not compose). The participant
+knows when it releases, so there is no sampling amplification: sample rate 1,
 one step per release.
 """
 

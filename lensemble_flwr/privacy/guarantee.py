@@ -17,9 +17,9 @@ mechanisms, in the terms of docs/privacy.md:
 
 Each figure is under one adjacency, recorded with it: ``substitution`` (the default; any
 change to a participant's whole dataset) or ``zero-out`` (the participant's update against
-none: DP-FedAvg's user-level adjacency, a weaker promise that needs half the noise for the
-same epsilon). A record of the default leaves the field out, so ledgers written before the
-choice existed keep their hashes.
+none, sensitivity C: a weaker promise that needs half the noise for the same epsilon). A
+record of the default leaves the field out, so ledgers written before the choice existed
+keep their hashes.
 
 No amplification by sampling is claimed against any party: the coordinator chooses and
 knows the sample, and the ledger records every round's invited set, so whoever reads the

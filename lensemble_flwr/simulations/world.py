@@ -15,13 +15,15 @@ needs ``lensemble.shared-groups = "encoder,predictor"`` and ``lensemble.local-gr
 
 The data keys (``trajectories``, ``trajectory-steps``, ``validation-trajectories``,
 ``actuation``) set each node's data; the defaults are the main job's setting, in which
-every node has too little data to learn the shared groups alone (48 transitions) and the
-embodiments drive one shared world (``actuation = "full"``). Every evaluation reports, per
-node and averaged: the global model's loss on the node's training data
-(``global-train-loss``) and on its validation data (``global-val-loss``), both with the
-node's own head, and the node's local-only baseline after the same number of AdamW steps
-(``local-only-val-loss``, from :mod:`world_baseline_cache`; ``baseline-cache = "off"``
-skips it). The run ends with a per-node table of the last round.
+every node has little data (48 transitions) and the embodiments drive one shared world
+(``actuation = "full"``). Every evaluation reports, per node and averaged: the global
+model's loss on the node's training data (``global-train-loss``) and on its validation
+data (``global-val-loss``), both with the node's own head; and, unless
+``baseline-cache = "off"``, the global model's loss on the scoring half of the node's
+validation data (``global-held-out-loss``) against the node's tuned local-only baseline
+on the same half (``local-only-held-out-loss``: its own model, learning rate and stopping
+step chosen on the other half; :mod:`world_tuning`, cached by :mod:`world_baseline_cache`).
+The run ends with a per-node table of the last round.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from lensemble_flwr.gauge.runtime import GaugeSetup
 from lensemble_flwr.params import is_local, is_shared
 from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations import flower_app
-from lensemble_flwr.simulations.world_baseline_cache import local_only_curve
+from lensemble_flwr.simulations.world_baseline_cache import tuned_local_only_result
 from lensemble_flwr.simulations.world_data import participant_data
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import (
@@ -52,9 +54,9 @@ from lensemble_flwr.simulations.world_model import (
     WorldTraining,
     initial_params,
 )
+from lensemble_flwr.simulations.world_tuning import split_validation
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
-DEFAULT_ROUNDS = 5  # start_and_report's default
 DATA_DEFAULTS: dict[str, Any] = {
     "trajectories": 2,
     "trajectory-steps": 24,
@@ -62,11 +64,12 @@ DATA_DEFAULTS: dict[str, Any] = {
     "actuation": "full",
 }
 """The app's data keys and their defaults (the main job's setting)."""
-NODE, GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL = (
+NODE, GLOBAL_TRAIN, GLOBAL_VAL, GLOBAL_HELD_OUT, LOCAL_HELD_OUT = (
     "node",
     "global-train-loss",
     "global-val-loss",
-    "local-only-val-loss",
+    "global-held-out-loss",
+    "local-only-held-out-loss",
 )
 
 
@@ -100,6 +103,21 @@ def data_settings(context: Context) -> dict[str, Any]:
     }
 
 
+def check_baseline_split(context: Context) -> None:
+    """Refuse a run whose local-only baseline has no validation data to split.
+
+    Raises:
+        ConfigError: ``validation-trajectories`` < 2 while ``baseline-cache`` is not "off".
+    """
+    trajectories = data_settings(context)["validation_trajectories"]
+    if baseline_cache(context) is not False and trajectories < 2:
+        raise ConfigError(
+            "validation-trajectories",
+            f"the local-only baseline tunes on one half and scores on the other: it needs"
+            f' >= 2, got {trajectories} (or set baseline-cache = "off")',
+        )
+
+
 def baseline_cache(context: Context) -> Path | bool | None:
     """The ``baseline-cache`` key: False for ``"off"``, None for the user-level default
     (empty), else the folder it names."""
@@ -124,7 +142,6 @@ def trainer_fn(context: Context) -> WorldTraining:
     if cache is not False:
         baseline = LocalOnlyBaseline(
             data=data_settings(context),
-            rounds=int(context.run_config.get("num-server-rounds", DEFAULT_ROUNDS)),
             data_seed=data_seed,
             init_seed=init_seed,
             cache_dir=cache,
@@ -162,29 +179,25 @@ class NodeTraining(WorldTraining):
 
 @dataclasses.dataclass(frozen=True)
 class LocalOnlyBaseline:
-    """The run's settings of a node's local-only curve (``world_baseline_cache``)."""
+    """The run's settings of a node's tuned local-only baseline (``world_baseline_cache``)."""
 
     data: Mapping[str, Any]
-    rounds: int
     data_seed: int
     init_seed: int
     cache_dir: Path | None
 
-    def validation_at(self, index: int, config: LensembleConfig, at: int) -> float | None:
-        """Node ``index``'s local-only validation loss after round ``at`` (None past the
-        run's rounds)."""
-        if not 0 <= at <= self.rounds:
-            return None
-        curve = local_only_curve(
+    def held_out(self, index: int, config: LensembleConfig) -> float:
+        """Node ``index``'s tuned local-only loss on the scoring half of its validation
+        data."""
+        result = tuned_local_only_result(
             index,
             self.data,
             config,
-            rounds=self.rounds,
             data_seed=self.data_seed,
             init_seed=self.init_seed,
             cache_dir=self.cache_dir,
         )
-        return curve["validation"][at]
+        return result["score"]
 
 
 def evaluate_fn(
@@ -192,7 +205,8 @@ def evaluate_fn(
 ) -> dict[str, float]:
     """The node's losses of the global shared weights with its own action head: on its
     whole training set and on its validation set (no inner mini-batch), and, when the
-    run keeps one, its local-only baseline at the evaluated round."""
+    run keeps a baseline, on the scoring half of its validation set beside its tuned
+    local-only baseline's loss there."""
     trainer = training.trainer
     assert isinstance(trainer, WorldTrainer)
     index = trainer.data.embodiment.index
@@ -204,10 +218,10 @@ def evaluate_fn(
     }
     baseline = getattr(training, "baseline", None)
     if baseline is not None:
-        at = int(config.get("server-round", -1))
-        local = baseline.validation_at(index, training.config, at)
-        if local is not None:
-            metrics[LOCAL_VAL] = local
+        trajectories = int(baseline.data["validation_trajectories"])
+        _tune, score = split_validation(trainer.data.validation, trajectories)
+        metrics[GLOBAL_HELD_OUT] = trainer.loss_on(score, params)
+        metrics[LOCAL_HELD_OUT] = baseline.held_out(index, training.config)
     return metrics
 
 
@@ -227,24 +241,29 @@ def probe_moment_gap(gauge: GaugeSetup, params: Mapping[str, np.ndarray]) -> flo
 class PerNodeEvaluation(flower_app.PerNodeMetrics):
     """The world App's ``evaluate_metrics_aggr_fn``: each metric's mean over the nodes
     that replied (each node counts once), and how many of them the federation serves
-    better than local-only; the last round's per-node metrics stay in :attr:`by_node`
-    for the final table."""
+    better than tuned local-only on held-out data; the last round's per-node metrics stay
+    in :attr:`by_node` for the final table."""
 
     def __init__(self) -> None:
-        super().__init__((GLOBAL_TRAIN, GLOBAL_VAL, LOCAL_VAL), GLOBAL_VAL, LOCAL_VAL, NODE)
+        means = (GLOBAL_TRAIN, GLOBAL_VAL, GLOBAL_HELD_OUT, LOCAL_HELD_OUT)
+        super().__init__(means, GLOBAL_HELD_OUT, LOCAL_HELD_OUT, NODE)
 
 
 def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:
-    """The per-node table of federated against local-only validation loss."""
+    """The per-node table: the global model's losses, and on the scoring half of the
+    node's validation data, the global model against the tuned local-only baseline."""
     lines = [
-        "node  global-train-loss  global-val-loss  local-only-val-loss  federated better",
+        "node  global-train-loss  global-val-loss  global-held-out-loss"
+        "  local-only-held-out-loss  federated better",
     ]
     for node, m in by_node.items():
-        local = m.get(LOCAL_VAL)
-        better = "-" if local is None else ("yes" if m[GLOBAL_VAL] < local else "no")
+        fed, local = m.get(GLOBAL_HELD_OUT), m.get(LOCAL_HELD_OUT)
+        better = "-" if fed is None or local is None else ("yes" if fed < local else "no")
+        fed_text = "-" if fed is None else f"{fed:.4f}"
         local_text = "-" if local is None else f"{local:.4f}"
         lines.append(
-            f"{node:4d}  {m[GLOBAL_TRAIN]:17.4f}  {m[GLOBAL_VAL]:15.4f}  {local_text:>19}  {better}"
+            f"{node:4d}  {m[GLOBAL_TRAIN]:17.4f}  {m[GLOBAL_VAL]:15.4f}  {fed_text:>20}"
+            f"  {local_text:>24}  {better}"
         )
     return "\n".join(lines)
 
@@ -253,7 +272,10 @@ def node_table(by_node: Mapping[int, Mapping[str, float]]) -> str:
 def main(grid: Grid, context: Context) -> None:
     """Run the federation (one line per round through Flower's logger), then print the
     per-node table of the last round."""
-    config = flower_app.checked_config(context, check_groups)  # first: refused in seconds
+    # first: refused in seconds
+    config = flower_app.checked_config(
+        context, check_groups, lambda _config: check_baseline_split(context)
+    )
     use_torch_threads()  # the ServerApp evaluates beside the nodes (clients/threads.py)
     data_seed, init_seed = _seeds(context)
     gauge = world_gauge(data_seed)

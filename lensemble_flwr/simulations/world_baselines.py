@@ -42,11 +42,15 @@ class Curves:
     train: list[list[float]]  # [node][round]
 
 
-def _adamw(params: Sequence[torch.nn.Parameter], config: LensembleConfig) -> torch.optim.AdamW:
+def adamw(
+    params: Sequence[torch.nn.Parameter], config: LensembleConfig, *, lr: float | None = None
+) -> torch.optim.AdamW:
+    """The federation's inner optimizer over ``params`` (AdamW with the config's betas,
+    eps and weight decay), at ``lr`` (default: the config's ``inner-lr``)."""
     inner = config.inner
     return torch.optim.AdamW(
         params,
-        lr=inner.lr,
+        lr=inner.lr if lr is None else lr,
         betas=(inner.beta1, inner.beta2),
         eps=inner.eps,
         weight_decay=inner.weight_decay,
@@ -86,7 +90,7 @@ def local_only(
     inner = config.inner
     with deterministic_algorithms(inner.deterministic):
         for i, trainer in enumerate(trainers):
-            optimizer = _adamw(list(trainer.model.parameters()), config)
+            optimizer = adamw(list(trainer.model.parameters()), config)
             index = trainer.data.embodiment.index
             generator = torch.Generator().manual_seed(derive_seed(init_seed, "local-only", index))
             trainer.model.train()
@@ -101,6 +105,18 @@ def local_only(
                 curves.validation[i].append(trainer.validation_loss())
                 curves.train[i].append(trainer.train_loss())
     return curves
+
+
+def share_encoder_and_predictor(trainers: Sequence[WorldTrainer]) -> list[torch.nn.Parameter]:
+    """Make every trainer use the first one's encoder and predictor (each keeps its own
+    action head); returns the parameters to train: the shared ones, then every head's."""
+    shared = trainers[0].model
+    for trainer in trainers[1:]:
+        trainer.model.encoder = shared.encoder
+        trainer.model.predictor = shared.predictor
+    params = list(shared.encoder.parameters()) + list(shared.predictor.parameters())
+    heads = (t.model.action_head.parameters() for t in trainers)
+    return params + list(itertools.chain.from_iterable(heads))
 
 
 def centralized(
@@ -119,14 +135,7 @@ def centralized(
     _check(rounds, datas)
     curves = Curves([[] for _ in datas], [[] for _ in datas])
     trainers = [WorldTrainer(d, init_seed=init_seed) for d in datas]
-    shared = trainers[0].model
-    for trainer in trainers[1:]:  # one encoder and predictor, everyone's own head
-        trainer.model.encoder = shared.encoder
-        trainer.model.predictor = shared.predictor
-    params = list(shared.encoder.parameters()) + list(shared.predictor.parameters())
-    heads = (t.model.action_head.parameters() for t in trainers)
-    params += list(itertools.chain.from_iterable(heads))
-    optimizer = _adamw(params, config)
+    optimizer = adamw(share_encoder_and_predictor(trainers), config)
     generator = torch.Generator().manual_seed(derive_seed(init_seed, "centralized"))
     _record(trainers, curves)
     inner = config.inner

@@ -35,7 +35,12 @@ from lensemble_flwr.config import LensembleConfig, ParamGroupsConfig
 from lensemble_flwr.errors import ParameterMismatch
 from lensemble_flwr.params import NamedArrays, export_shared, load_shared
 from lensemble_flwr.participant.local_training import TorchTraining
-from lensemble_flwr.simulations.world_data import LATENT_DIM, OBS_DIM, ParticipantData
+from lensemble_flwr.simulations.world_data import (
+    LATENT_DIM,
+    OBS_DIM,
+    ParticipantData,
+    Transitions,
+)
 
 HIDDEN, EMBED_DIM = 64, 8
 MOMENT_WEIGHT = 1.0
@@ -248,6 +253,19 @@ class WorldTrainer:
             ParameterMismatch: ``params`` are not exactly the model's shared tensors.
         """
         return self._full_loss(self._train, params)
+
+    def loss_on(
+        self, transitions: Transitions, params: Mapping[str, np.ndarray] | None = None
+    ) -> float:
+        """The loss on ``transitions`` (e.g. one half of the validation set), with this
+        participant's action head and the given shared ``params`` (default: the model's
+        own).
+
+        Raises:
+            ParameterMismatch: ``params`` are not exactly the model's shared tensors.
+        """
+        tensors = (transitions.obs, transitions.actions, transitions.next_obs)
+        return self._full_loss(tuple(map(torch.from_numpy, tensors)), params)
 
     def _full_loss(
         self, data: tuple[torch.Tensor, ...], params: Mapping[str, np.ndarray] | None

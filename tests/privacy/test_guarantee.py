@@ -1,10 +1,10 @@
 """``dp-adjacency``: what an epsilon protects, and what it costs in noise.
 
 Substitution (the default): any change to a participant's whole dataset, sensitivity 2C.
-Zero-out: the participant's update against none, sensitivity C (DP-FedAvg's user-level
-adjacency). The same epsilon needs half the noise under zero-out; a budget is kept under
-one adjacency; the ledger says which one its epsilon figures are for, and records of the
-default keep the bytes (and so the hashes) they had before the choice existed.
+Zero-out: the participant's update against none, sensitivity C. The same epsilon needs
+half the noise under zero-out; a budget is kept under one adjacency; the ledger says which
+one its epsilon figures are for, and records of the default keep the bytes (and so the
+hashes) they had before the choice existed.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.provenance.round_metrics import read_round_metrics
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations import flower_app, world
+from lensemble_flwr.simulations.world_baseline_cache import tuned_local_only_result
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
+from lensemble_flwr.simulations.world_tuning import Stopping
 from lensemble_flwr.strategies import LensembleStrategy, records
 from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
@@ -80,11 +82,20 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         return results[-1]
 
     monkeypatch.setattr(LensembleStrategy, "start", keep_result)
+    tuned: list[int] = []
+
+    def quick_baseline(index: int, *args: Any, **kwargs: Any) -> dict[str, float]:
+        tuned.append(index)  # a short stopping rule: the test's seconds
+        quick = Stopping(every=5, patience=1, max_steps=10)
+        return tuned_local_only_result(index, *args, **kwargs, stopping=quick)
+
+    monkeypatch.setattr(world, "tuned_local_only_result", quick_baseline)
     world.main(grid, server)
     out = capsys.readouterr().out
     assert "final losses (mean over nodes, global model with each node's own head): {" in out
     # every round's evaluation: the global model on each node's training and validation
-    # data, and the node's local-only baseline after as many steps; then a per-node table
+    # data, and on the scoring half of its validation data beside the node's tuned
+    # local-only baseline there; then a per-node table
     (result,) = results
     evaluation = result.evaluate_metrics_clientapp
     assert sorted(evaluation) == [1, 2]
@@ -92,12 +103,18 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         assert set(metrics) == {
             "global-train-loss",
             "global-val-loss",
-            "local-only-val-loss",
+            "global-held-out-loss",
+            "local-only-held-out-loss",
             "nodes-beating-local",
         }
         assert 0 <= metrics["nodes-beating-local"] <= 3
-    assert "node  global-train-loss  global-val-loss  local-only-val-loss" in out
+    header = "global-val-loss  global-held-out-loss  local-only-held-out-loss  federated better"
+    assert header in out
     assert len(list((tmp_path / "c" / "world-local-only").glob("*.json"))) == 3  # one per node
+    assert sorted(set(tuned)) == [0, 1, 2]  # the baseline is the tuned one
+    # the baseline does not depend on the round: the same in every round
+    assert evaluation[1]["local-only-held-out-loss"] == evaluation[2]["local-only-held-out-loss"]
+    assert evaluation[1]["global-held-out-loss"] != evaluation[2]["global-held-out-loss"]
     # the strategy keeps the round's metrics for `lensemble-flwr report`'s curves
     kept = read_round_metrics(tmp_path / "flwr-7")
     assert sorted(kept) == [0, 1, 2] and "global-val-loss" in kept[2]["evaluate"]
@@ -153,6 +170,20 @@ def test_the_world_app_refuses_groups_that_would_share_action_heads(
 ) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
         world.check_groups(LensembleConfig.from_flat(groups))
+
+
+def test_a_baseline_needs_two_validation_trajectories(tmp_path: Path) -> None:
+    def server(run_config: dict[str, Any]) -> Context:
+        return Context(
+            run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config
+        )
+
+    run_config = {**RUN_CONFIG, "run-dir": str(tmp_path), "validation-trajectories": 1}
+    grid, _ = world_grid(run_config)
+    with pytest.raises(ConfigError, match=r"^validation-trajectories"):
+        world.main(grid, server(run_config))
+    assert grid.delivered == []  # refused before anything was asked of a node
+    world.check_baseline_split(server({**run_config, "baseline-cache": "off"}))  # no baseline
 
 
 def test_probe_moment_gap_by_hand() -> None:

@@ -1,5 +1,5 @@
 """The main job's world and its baselines: full actuation, local-only and centralized
-curves, and the local-only cache."""
+curves, and the tuned local-only cache."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from lensemble_flwr.simulations.world_data import (
     make_embodiment,
     participant_data,
 )
+from lensemble_flwr.simulations.world_tuning import Stopping, lr_grid
 
 CONFIG = LensembleConfig(inner={"steps": 2, "lr": 0.002, "batch_size": 8})
 DATA = {"trajectories": 1, "steps": 6, "validation_trajectories": 1, "actuation": "full"}
@@ -68,29 +69,35 @@ def test_local_only_is_per_node_and_centralized_shares_the_encoder() -> None:
     assert central.validation[0][-1] != both.validation[0][-1]
 
 
-def test_the_local_only_cache_computes_once(
+def test_the_tuned_local_only_cache_computes_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    args = {"rounds": 2, "data_seed": 0, "init_seed": 0, "cache_dir": tmp_path}
-    first = cache.local_only_curve(1, DATA, CONFIG, **args)
+    data = {**DATA, "validation_trajectories": 2}
+    quick = Stopping(every=2, patience=1, max_steps=4)
+    args = {"data_seed": 0, "init_seed": 0, "cache_dir": tmp_path, "stopping": quick}
+    first = cache.tuned_local_only_result(1, data, CONFIG, **args)
+    assert set(first) == {"lr", "step", "tune", "score"}
+    assert first["lr"] in lr_grid(CONFIG) or first["lr"] < min(lr_grid(CONFIG))
     assert len(list((tmp_path / cache.SUBFOLDER).iterdir())) == 1
     calls = []
-    monkeypatch.setattr(cache, "local_only", lambda *a, **k: calls.append(a))
-    assert cache.local_only_curve(1, DATA, CONFIG, **args) == first  # from the file
+    monkeypatch.setattr(cache, "tuned_local_only", lambda *a, **k: calls.append(a))
+    assert cache.tuned_local_only_result(1, data, CONFIG, **args) == first  # from the file
     assert calls == []
-    with pytest.raises(ConfigError, match=r"^num-server-rounds"):
-        cache.local_only_curve(1, DATA, CONFIG, **{**args, "rounds": -1})
     monkeypatch.undo()
     # a corrupt entry is recomputed; other settings get another entry
     (path,) = (tmp_path / cache.SUBFOLDER).iterdir()
     path.write_text("{not json")
-    assert cache.local_only_curve(1, DATA, CONFIG, **args) == first
-    cache.local_only_curve(1, DATA, CONFIG, **{**args, "rounds": 3})
+    assert cache.tuned_local_only_result(1, data, CONFIG, **args) == first
+    cache.tuned_local_only_result(
+        1, data, CONFIG, **{**args, "stopping": Stopping(every=4, patience=1, max_steps=8)}
+    )
+    assert len(list((tmp_path / cache.SUBFOLDER).iterdir())) == 2
+    # one validation trajectory: nothing to split, refused before any file is written
+    with pytest.raises(ConfigError, match=r"^validation-trajectories"):
+        cache.tuned_local_only_result(1, DATA, CONFIG, **args)
     assert len(list((tmp_path / cache.SUBFOLDER).iterdir())) == 2
 
 
-def test_the_default_cache_is_user_level(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_default_cache_is_user_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache.default_cache_dir() == tmp_path / "lensemble-flwr"
