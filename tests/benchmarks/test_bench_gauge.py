@@ -1,5 +1,6 @@
-"""The tuning logic of benchmarks/bench_gauge.py: every arm's grid extends past its pick,
-the ratio of rounds, and the picks themselves, on made-up loss curves (no federation runs)."""
+"""The tuning logic of benchmarks/bench_gauge.py: the ratio of rounds, the picks and the
+edge target, on made-up loss curves (no federation runs). The grid extension itself is
+benchmarks/tuning.py's (tests/benchmarks/test_tuning.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from typing import Any
 
 import pytest
 
-from lensemble_flwr.errors import ConfigError
-
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gauge.py"
 
 
@@ -25,103 +24,6 @@ def bench() -> ModuleType:
     sys.modules.setdefault("bench_gauge", module)
     spec.loader.exec_module(module)
     return module
-
-
-def best_near(optimum: float):
-    """A pick function over the values run so far: the one nearest ``optimum`` in log."""
-
-    def pick(values: list[float]) -> float:
-        return min(values, key=lambda v: abs(math.log(v / optimum)))
-
-    return pick
-
-
-def search(bench: ModuleType, grid: list[float], optimum: float, **kwargs: Any) -> Any:
-    ran: list[float] = []
-    nearest = best_near(optimum)
-    result = bench.extend_until_interior(
-        {"arm": list(grid)},
-        lambda arm, value: ran.append(value),
-        lambda: {"arm": nearest(grid + ran)},
-        **kwargs,
-    )
-    return result, ran
-
-
-def test_grid_side(bench: ModuleType) -> None:
-    assert bench.grid_side([1, 2, 3], 1) == "low"
-    assert bench.grid_side([1, 2, 3], 3) == "high"
-    assert bench.grid_side([1, 2, 3], 2) is None
-    assert bench.grid_side([2], 2) == "low"  # one value has no neighbour on either side
-
-
-def test_a_pick_at_the_top_edge_extends_the_grid_until_it_is_inside(bench: ModuleType) -> None:
-    # the issue's case: a grid ending at 7e-3 whose best value lies above it
-    result, ran = search(bench, [1e-3, 3e-3, 7e-3], optimum=2.5e-2)
-    assert ran == pytest.approx([1.4e-2, 2.8e-2, 5.6e-2])
-    assert result["picks"]["arm"] == pytest.approx(2.8e-2)
-    assert result["grids"]["arm"] == pytest.approx([1e-3, 3e-3, 7e-3, 1.4e-2, 2.8e-2, 5.6e-2])
-    assert result["interior"] == {"arm": True}
-    assert result["extensions"] == {"arm low": 0, "arm high": 3}
-
-
-def test_a_pick_at_the_bottom_edge_extends_downwards(bench: ModuleType) -> None:
-    result, ran = search(bench, [3e-3, 7e-3, 1.5e-2], optimum=2.5e-3)
-    assert ran == pytest.approx([1.5e-3])
-    assert result["picks"]["arm"] == 3e-3
-    assert result["interior"] == {"arm": True}
-
-
-def test_an_inside_pick_runs_nothing(bench: ModuleType) -> None:
-    result, ran = search(bench, [1e-3, 3e-3, 7e-3], optimum=3e-3)
-    assert ran == []
-    assert result["interior"] == {"arm": True}
-
-
-def test_the_bound_stops_the_search_and_says_the_pick_is_at_the_edge(bench: ModuleType) -> None:
-    result, ran = search(bench, [1e-3, 3e-3], optimum=10.0, max_steps=2, factor=3.0)
-    assert ran == pytest.approx([9e-3, 2.7e-2])
-    assert result["picks"]["arm"] == pytest.approx(2.7e-2)
-    assert result["interior"] == {"arm": False}
-
-
-def test_one_arms_new_pick_moves_the_other_arms_and_both_end_inside(bench: ModuleType) -> None:
-    # arm b's best value is twice arm a's pick: extending a's grid moves b's pick too
-    ran: dict[str, list[float]] = {"a": [], "b": []}
-    grids = {"a": [1.0, 2.0, 4.0], "b": [1.0, 2.0, 4.0]}
-
-    def pick() -> dict[str, float]:
-        a = best_near(6.0)(grids["a"] + ran["a"])
-        return {"a": a, "b": best_near(2 * a)(grids["b"] + ran["b"])}
-
-    result = bench.extend_until_interior(
-        grids, lambda arm, value: ran[arm].append(value), pick
-    )
-    assert result["picks"] == {"a": 8.0, "b": 16.0}
-    assert ran == {"a": [8.0, 16.0], "b": [8.0, 16.0, 32.0]}
-    assert result["interior"] == {"a": True, "b": True}
-
-
-@pytest.mark.parametrize(
-    ("grids", "kwargs", "field"),
-    [
-        ({}, {}, "grids"),
-        ({"arm": []}, {}, "grids"),
-        ({"arm": [0.0, 1e-3]}, {}, "grids"),
-        ({"arm": [1e-3, math.nan]}, {}, "grids"),
-        ({"arm": [1e-3]}, {"factor": 1.0}, "factor"),
-        ({"arm": [1e-3]}, {"max_steps": -1}, "max_steps"),
-    ],
-)
-def test_bad_grids_and_settings_are_refused_before_anything_runs(
-    bench: ModuleType, grids: dict[str, list[float]], kwargs: dict[str, Any], field: str
-) -> None:
-    ran: list[float] = []
-    with pytest.raises(ConfigError, match=field):
-        bench.extend_until_interior(
-            grids, lambda arm, value: ran.append(value), lambda: {"arm": 1e-3}, **kwargs
-        )
-    assert ran == []
 
 
 def run(curve: list[float]) -> dict[str, Any]:
@@ -191,3 +93,9 @@ def test_tuning_and_evaluation_seeds_must_not_overlap(bench: ModuleType) -> None
         bench.parse(["--seeds", "0", "5", "--tune-seeds", "0", "1"])
     assert bench.parse(["--seeds", "0", "--tune-seeds", "0", "--tune-lrs"]).tune_lrs == []
     assert bench.parse(["--seeds", "5", "--tune-seeds", "0"]).seeds == [5]
+
+
+def test_the_gauge_tunes_with_the_shared_grid_extension(bench: ModuleType) -> None:
+    import tuning
+
+    assert bench.extend_until_interior is tuning.extend_until_interior
