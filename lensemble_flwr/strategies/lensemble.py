@@ -330,13 +330,8 @@ class LensembleStrategy(FedAvgAttributes, Strategy):
         contents = usable_evaluations(
             server_round, replies, self._names.name_of, self._weighted_by_key
         )
-        evaluation = (
-            aggregated(
-                self._evaluate_metrics_aggr_fn, contents, self._weighted_by_key, "evaluation"
-            )
-            if contents
-            else None
-        )
+        aggr, key = self._evaluate_metrics_aggr_fn, self._weighted_by_key
+        evaluation = aggregated(aggr, contents, key, "evaluation") if contents else None
         # in Flower's own loop, the round aggregate_train reported gets its full line
         # (start writes its lines itself, once the round is evaluated)
         reported = self._train_reported.pop(server_round, None)
