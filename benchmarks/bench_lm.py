@@ -13,8 +13,9 @@ same initial model (``ByteLM`` of ``--d-model``/``--layers``, the seed's weights
 
 * ``diloco``: lensemble's Coordinator and Participants in one process
   (:func:`lensemble_flwr.simulations.inprocess.build`, each node an ``LmTraining``), with
-  the lm app's lensemble settings (``apps/lm/pyproject.toml``) and its outer step:
-  Nesterov, outer lr 0.7, momentum 0.9; a round is H inner steps per node, the updates
+  the lm app's lensemble settings (``apps/lm/pyproject.toml``) and DiLoCo's outer step
+  (lensemble's default; the app itself now ships plain averaging): Nesterov, outer lr
+  0.7, momentum 0.9; a round is H inner steps per node, the updates
   weighted by the nodes' window counts (``weighting = "num-examples"``). Each node's
   AdamW state persists across rounds (DiLoCo's inner optimizer).
 * ``fedavg``: the same code with outer lr 1 and momentum 0, so that the new global model

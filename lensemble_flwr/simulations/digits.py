@@ -29,7 +29,6 @@ from lensemble_flwr.clients.app import config_from_context, make_client_app
 from lensemble_flwr.clients.state import load_state
 from lensemble_flwr.clients.threads import use_torch_threads
 from lensemble_flwr.config import LensembleConfig
-from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations.digits_data import (
     DigitsTrainer,
@@ -45,7 +44,7 @@ from lensemble_flwr.simulations.flower_app import (
     start_and_report,
     strategy_from_context,
 )
-from lensemble_flwr.simulations.local_only import LocalOnlyTraining
+from lensemble_flwr.simulations.local_only import LocalOnlyTraining, local_only_of
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 NODE, EXAMPLES = "node", "num-examples"
@@ -70,18 +69,6 @@ class DigitsTraining(LocalOnlyTraining):
         if self.local_only is None:
             return None
         return self.digits.evaluate_model(self.local_only.model)
-
-
-def local_only_of(run_config: Mapping[str, Any]) -> bool:
-    """The app's ``local-only`` key (default true).
-
-    Raises:
-        ConfigError: it is not a boolean (a string such as ``'false'`` would read as true).
-    """
-    value = run_config.get("local-only", True)
-    if not isinstance(value, bool):
-        raise ConfigError("local-only", f"must be true or false, got {value!r}")
-    return value
 
 
 def check_app_keys(run_config: Mapping[str, Any]) -> None:

@@ -76,8 +76,9 @@ class PooledResult:
 
 
 def pooled_examples(parts: Sequence[DigitsPartition]) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the participants' training examples, in a canonical order (by label,
-    then features): the same union split another way over participants pools the same."""
+    """The union of the participants' training examples, in a canonical order (by the
+    features, column by column, then the label): the same union split another way over
+    participants pools the same."""
     if not parts:
         raise ConfigError("parts", "no participant: there is nothing to pool")
     x = np.concatenate([p.x_train for p in parts]).astype(np.float32, copy=False)
@@ -159,8 +160,16 @@ def _early_stopped(
 
 
 def _check(
-    lrs: Sequence[float], validation_fraction: float, settings: _Settings, extend: float
+    lrs: Sequence[float],
+    validation_fraction: float,
+    settings: _Settings,
+    limits: tuple[float, float, float],
 ) -> None:
+    min_lr, max_lr, extend = limits
+    if not (math.isfinite(min_lr) and math.isfinite(max_lr) and 0.0 < min_lr <= max_lr):
+        raise ConfigError(
+            "min_lr", f"need 0 < min_lr <= max_lr, both finite, got {min_lr} and {max_lr}"
+        )  # fmt: skip
     if not lrs or any(not (math.isfinite(lr) and lr > 0) for lr in lrs):
         raise ConfigError("lrs", f"need one or more positive learning rates, got {list(lrs)}")
     if not 0.0 < validation_fraction < 1.0:
@@ -223,10 +232,11 @@ def pooled_reference(
         ConfigError: no participant, an empty test set, a union too small to hold out a
             validation split and keep a fit split, or a setting out of range (``lrs``
             empty or not positive, ``validation_fraction`` outside (0, 1), ``batch_size``,
-            ``max_epochs`` or ``patience`` below 1, ``extend_factor`` not above 1).
+            ``max_epochs`` or ``patience`` below 1, ``extend_factor`` not above 1,
+            ``min_lr`` not positive or above ``max_lr``: the grid could then grow forever).
     """
     settings = _Settings(model_class, weight_decay, batch_size, max_epochs, patience, seed)
-    _check(lrs, validation_fraction, settings, extend_factor)
+    _check(lrs, validation_fraction, settings, (min_lr, max_lr, extend_factor))
     x, y = pooled_examples(parts)
     if len(y_test) == 0:
         raise ConfigError("y_test", "the test set is empty")

@@ -52,6 +52,7 @@ from lensemble_flwr.simulations.lm_model import (
     lm_device,
 )
 from lensemble_flwr.simulations.lm_training import ALL_SHARED, LmTrainer, LmTraining
+from lensemble_flwr.simulations.local_only import local_only_of
 from lensemble_flwr.strategies.records import arrays_to_record, record_to_arrays
 
 DEFAULT_NODES = 10
@@ -114,7 +115,7 @@ def trainer_fn(context: Context) -> LmTraining:
         held_out=held_out_windows(run),
     )
     training = LmTraining(
-        trainer, config_from_context(context), local_only=bool(run.get("local-only", True))
+        trainer, config_from_context(context), local_only=local_only_of(run)
     )
     training.import_state(training_state(load_state(context.state)))
     return training
@@ -221,6 +222,7 @@ def check_app_keys(run_config: Mapping[str, Any]) -> None:
     """
     split_packages(corpus_settings(run_config, int(run_config.get("num-partitions", 1))))
     model_shape(run_config)
+    local_only_of(run_config)
     if _eval_bytes(run_config) < 1:
         raise ConfigError("eval-bytes", f"must be at least 1, got {_eval_bytes(run_config)}")
 

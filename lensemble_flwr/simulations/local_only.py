@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lensemble_flwr.config import LensembleConfig
+from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.params import NamedArrays
 from lensemble_flwr.participant.local_training import (
     PortableState,
@@ -145,3 +146,15 @@ class LocalOnlyTraining(TorchTraining):
         ]
         self.local_optimizer = self._local_adamw(self.local_only.model)
         self.local_optimizer.load_state_dict({"state": slots, "param_groups": param_groups})
+
+
+def local_only_of(run_config: Mapping[str, Any]) -> bool:
+    """The app's ``local-only`` key (default true).
+
+    Raises:
+        ConfigError: it is not a boolean (a string such as ``'false'`` would read as true).
+    """
+    value = run_config.get("local-only", True)
+    if not isinstance(value, bool):
+        raise ConfigError("local-only", f"must be true or false, got {value!r}")
+    return value

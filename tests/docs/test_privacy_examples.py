@@ -28,8 +28,9 @@ NOISE_SEED = 0
 def _repeatable_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     """The noise is fresh in every real run, by design (privacy/gaussian.py keys its
     ChaCha20 stream from os.urandom): here it is keyed from a seeded stream instead, so
-    that each example is the same run every time the test runs (one draw of the noise,
-    not the best of several), and a pass or fail is the code's, not the draw's."""
+    that each example is the same run every time the test runs: one draw of the noise,
+    not the best of several, which a change in how many bytes are drawn, or in what
+    order, replaces by another draw. The page's figures are fresh-noise runs."""
     import random
     from types import SimpleNamespace
 

@@ -125,6 +125,9 @@ def test_it_stops_patience_epochs_after_the_best():
         ("max_epochs", {"max_epochs": 0}),
         ("patience", {"patience": 0}),
         ("extend_factor", {"extend_factor": 1.0}),
+        ("min_lr", {"min_lr": 0.0}),  # a pick at the bottom would extend forever
+        ("min_lr", {"min_lr": 1.0, "max_lr": 0.1}),
+        ("min_lr", {"max_lr": float("inf")}),
     ],
 )
 def test_bad_settings_are_refused(field, kwargs):

@@ -192,6 +192,7 @@ def test_a_masked_round_trains_the_tiny_lm_and_the_nodes_send_no_evaluation(
         ({"d-model": 10, "heads": 4}, "heads"),
         ({"eval-bytes": 0}, "eval-bytes"),
         ({"validation-fraction": 1.0}, "validation-fraction"),
+        ({"local-only": "false"}, "local-only"),  # a string would have read as true
     ],
 )
 def test_the_lm_serverapp_refuses_a_bad_app_key_before_any_grid_call(

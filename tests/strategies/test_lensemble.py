@@ -1503,3 +1503,30 @@ def test_the_round_line_prints_counts_as_integers_and_measurements_to_four_place
     report(outcome, MetricRecord(), evaluation, [], lines.append)
     assert "C_t=10 " in lines[0]
     assert "nodes-beating-local=7 " in lines[0] and "global-val-loss=0.2500" in lines[0]
+
+
+def test_fedavgs_reply_line_counts_nodes_with_content_and_nodes_with_errors_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from flwr.app import Error, Metadata
+
+    from lensemble_flwr.strategies.reporting import say_received
+
+    def reply(node: int, error: bool) -> Message:
+        metadata = Metadata(
+            run_id=1, message_id="", src_node_id=node, dst_node_id=0, reply_to_message_id="m",
+            group_id="1", created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN,
+        )  # fmt: skip
+        if error:
+            return Message(Error(code=1, reason="x"), metadata=metadata)  # type: ignore[call-arg]
+        return Message(RecordDict(), metadata=metadata)  # type: ignore[call-arg]
+
+    # node 1: content; node 2: an error, then content (counts once, as a result);
+    # node 3: errors only (a failure); node 4: content in two exchanges (once)
+    replies = [reply(1, False), reply(2, True), reply(2, False), reply(3, True), reply(3, True),
+               reply(4, False), reply(4, False)]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        say_received("aggregate_train", replies)
+        say_received("aggregate_evaluate", [])  # nothing, as FedAvg says nothing
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["aggregate_train: Received 3 results and 1 failures"]
