@@ -11,7 +11,6 @@ import pytest
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
 from lensemble_flwr.simulations import world_baseline_cache as cache
-from lensemble_flwr.simulations.world_baselines import centralized, local_only
 from lensemble_flwr.simulations.world_data import (
     CONTROL_DIM,
     FULL_ACTION_DIMS,
@@ -46,27 +45,6 @@ def test_full_actuation_drives_the_whole_control_with_identity_covariance() -> N
 def test_bad_data_settings_are_refused(kwargs: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=f"^{key}"):
         participant_data(0, **kwargs)  # type: ignore[arg-type]
-
-
-def test_baselines_refuse_negative_rounds_and_no_nodes() -> None:
-    datas = [participant_data(0, **DATA)]
-    for baseline in (local_only, centralized):
-        with pytest.raises(ConfigError, match=r"^num-server-rounds"):
-            baseline(datas, CONFIG, rounds=-1)
-        with pytest.raises(ConfigError, match=r"^num-partitions"):
-            baseline([], CONFIG, rounds=1)
-
-
-def test_local_only_is_per_node_and_centralized_shares_the_encoder() -> None:
-    datas = [participant_data(i, **DATA) for i in range(2)]
-    both = local_only(datas, CONFIG, rounds=2)
-    alone = local_only(datas[1:], CONFIG, rounds=2)
-    assert both.validation[1] == alone.validation[0]  # a node's curve ignores the others
-    assert len(both.validation[0]) == 3 and len(both.train[0]) == 3
-    assert both.validation[0][-1] != both.validation[0][0]  # it trained
-    central = centralized(datas, CONFIG, rounds=2)
-    assert central.validation[0][0] == both.validation[0][0]  # the same initial model
-    assert central.validation[0][-1] != both.validation[0][-1]
 
 
 def test_the_tuned_local_only_cache_computes_once(
