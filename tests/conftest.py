@@ -8,10 +8,12 @@ tamper with and prove against a federated run.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,15 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(pristine: Path, tmp_path: Path) -> Path:
     """A fresh copy of the module's federated run, to tamper with."""
     return copy_run(pristine, tmp_path / "run")
+
+
+@pytest.fixture(autouse=True)
+def _loggers_as_they_were() -> Iterator[None]:
+    """Flower's and lensemble's logger levels, put back after every test: a benchmark's
+    ``main`` run by a test quiets them for its own output, and later tests check the
+    lines they log."""
+    loggers = [logging.getLogger(name) for name in ("flwr", "lensemble_flwr")]
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
