@@ -75,7 +75,8 @@ def check_budget_affords_release(
     left = max(privacy.dp_epsilon - spent, 0.0)
     raise PrivacyBudgetExceeded(
         f"privacy budget {budget.path} (in dp-budget-dir {directory}; a Flower node's is "
-        f"its node config dp-budget-dir): epsilon {spent:.4g} of {privacy.dp_epsilon:g} "
+        f"its node config dp-budget-dir, else $LENSEMBLE_PRIVACY_DIR, else the default "
+        f"folder): epsilon {spent:.4g} of {privacy.dp_epsilon:g} "
         f"spent by earlier releases ({budget.releases()}), {left:.4g} "
         f"left; one more release would bring it to {after:.4g}{plan}: refused before "
         "training, nothing released"
