@@ -40,6 +40,7 @@ from lensemble_flwr.config import (
     run_config_keys,
 )
 from lensemble_flwr.errors import ConfigError
+from lensemble_flwr.privacy.calibration import noise_multiplier_of
 
 TABLE = "[tool.flwr.app.config]"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -166,7 +167,10 @@ def check_run_config(app_dir: Path, run_config_args: Sequence[str]) -> RunConfig
     errors += undeclared(overrides, declared)
     fused = fuse_dicts(declared, overrides, check_keys=False)  # what Flower merges
     try:
-        LensembleConfig.from_run_config(fused)
+        config = LensembleConfig.from_run_config(fused)
+        # the DP plan the ServerApp checks first: it fits the budget and the run's rounds
+        rounds = fused.get("num-server-rounds")
+        noise_multiplier_of(config, rounds=rounds if isinstance(rounds, int) else None)
     except ConfigError as exc:
         errors.append(exc)
     return RunConfigCheck(fused, tuple(errors), tuple(same_name_notes(fused)))

@@ -73,6 +73,20 @@ def test_a_negative_value_names_the_key_and_the_reason(
     assert "check-config: lensemble.collect-timeout: Input should be greater than 0 (got -5)" in err
 
 
+def test_a_dp_plan_that_the_run_outlasts_or_the_budget_cannot_pay_is_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    dp = "lensemble.clip-norm=1.0 lensemble.dp-epsilon=8.0"
+    code, err = run(capsys, str(DIGITS), "-c", f"num-server-rounds=6 {dp} lensemble.dp-rounds=5")
+    assert code == EXIT_FAILED
+    assert "check-config: dp-rounds: the run plans 6 rounds but the noise is planned" in err
+    cheap = "lensemble.noise-multiplier=0.5"  # 5 rounds of it cost far more than epsilon 8
+    code, err = run(capsys, str(DIGITS), "-c", f"num-server-rounds=5 {dp} {cheap}")
+    assert code == EXIT_FAILED and "would spend epsilon" in err
+    code, _ = run(capsys, str(DIGITS), "-c", f"num-server-rounds=5 {dp} lensemble.dp-rounds=5")
+    assert code == EXIT_OK  # a plan that fits passes
+
+
 def test_an_unknown_app_key_is_named_with_the_declared_key_it_meant(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
