@@ -57,7 +57,7 @@ from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.coordinator.coordinator import RoundOutcome
 from lensemble_flwr.params import NamedArrays
-from lensemble_flwr.participant.local_training import deterministic_algorithms
+from lensemble_flwr.participant.local_training import deterministic_algorithms, inner_adamw
 from lensemble_flwr.protocol.round import RoundState
 from lensemble_flwr.simulations.inprocess import build
 from lensemble_flwr.simulations.lm_data import (
@@ -283,18 +283,6 @@ def run_federated(
     )  # fmt: skip
 
 
-def adamw(model: torch.nn.Module, config: LensembleConfig) -> torch.optim.Optimizer:
-    """The participants' inner AdamW, with the same settings."""
-    inner = config.inner
-    return torch.optim.AdamW(
-        model.parameters(),
-        lr=inner.lr,
-        betas=(inner.beta1, inner.beta2),
-        eps=inner.eps,
-        weight_decay=inner.weight_decay,
-    )
-
-
 def params_of(model: torch.nn.Module) -> NamedArrays:
     return {n: t.detach().cpu().numpy().copy() for n, t in model.state_dict().items()}
 
@@ -310,7 +298,7 @@ def run_sync(
     weights = node_weights(trainers)
     meter = Meter(setup, data, trainers)
     model = ByteLM(setup.shape, seed=seed).to(trainers[0].device)
-    optimizer = adamw(model, config)
+    optimizer = inner_adamw(model.parameters(), config)
     generators = [torch.Generator().manual_seed(derive_seed(seed, "bench-lm-sync", i))
                   for i in range(setup.nodes)]  # fmt: skip
     curve = [meter.point(0, 0, params_of(model))]
@@ -340,7 +328,7 @@ def run_local(setup: Setup, data: Data, seed: int) -> Result:
     config = federated_config(setup, "diloco", 1, seed)
     trainers = trainers_of(setup, data, seed)
     meters = [Meter(setup, data, [t]) for t in trainers]
-    optimizers = [adamw(t.model, config) for t in trainers]
+    optimizers = [inner_adamw(t.model.parameters(), config) for t in trainers]
     generators = [torch.Generator().manual_seed(derive_seed(seed, "bench-lm-local", i))
                   for i in range(setup.nodes)]  # fmt: skip
 

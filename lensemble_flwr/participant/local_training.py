@@ -128,6 +128,22 @@ def run_inner_loop(
     return loss_value
 
 
+def inner_adamw(
+    params: Iterable[torch.nn.Parameter], config: LensembleConfig, *, lr: float | None = None
+) -> torch.optim.AdamW:
+    """The inner optimizer of ``config`` over ``params``: AdamW with its betas, eps and
+    weight decay, at ``lr`` (default: its ``inner-lr``). Participants train with it, and
+    the example apps' baselines with the same settings."""
+    inner = config.inner
+    return torch.optim.AdamW(
+        params,
+        lr=inner.lr if lr is None else lr,
+        betas=(inner.beta1, inner.beta2),
+        eps=inner.eps,
+        weight_decay=inner.weight_decay,
+    )
+
+
 class TorchTraining:
     """H AdamW steps over a :class:`Trainer`, under deterministic algorithms.
 
@@ -161,14 +177,7 @@ class TorchTraining:
 
     def _ensure_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            inner = self.config.inner
-            self.optimizer = torch.optim.AdamW(
-                self.trainer.model.parameters(),
-                lr=inner.lr,
-                betas=(inner.beta1, inner.beta2),
-                eps=inner.eps,
-                weight_decay=inner.weight_decay,
-            )
+            self.optimizer = inner_adamw(self.trainer.model.parameters(), self.config)
         return self.optimizer
 
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:

@@ -27,6 +27,7 @@ from lensemble_flwr.participant.local_training import (
     TorchTraining,
     Trainer,
     deterministic_algorithms,
+    inner_adamw,
     run_inner_loop,
 )
 
@@ -65,23 +66,13 @@ class LocalOnlyTraining(TorchTraining):
         if local_model is not None:
             self.local_only = LocalOnlyView(model=local_model, source=trainer)
 
-    def _local_adamw(self, model: nn.Module) -> torch.optim.Optimizer:
-        inner = self.config.inner
-        return torch.optim.AdamW(
-            model.parameters(),
-            lr=inner.lr,
-            betas=(inner.beta1, inner.beta2),
-            eps=inner.eps,
-            weight_decay=inner.weight_decay,
-        )
-
     def fit(self, global_params: Mapping[str, np.ndarray], *, steps: int, seed: int) -> NamedArrays:
         """:meth:`TorchTraining.fit`; then the local-only model takes ``steps`` steps on
         the same batches (the same ``seed``)."""
         shared = super().fit(global_params, steps=steps, seed=seed)
         if self.local_only is not None:
             if self.local_optimizer is None:
-                self.local_optimizer = self._local_adamw(self.local_only.model)
+                self.local_optimizer = inner_adamw(self.local_only.model.parameters(), self.config)
             with deterministic_algorithms(self.config.inner.deterministic):
                 run_inner_loop(
                     self.local_only,  # type: ignore[arg-type]  (the inner loop's part of a Trainer)
@@ -144,7 +135,7 @@ class LocalOnlyTraining(TorchTraining):
         param_groups = [
             {k: tuple(v) if k == "betas" else v for k, v in group.items()} for group in groups
         ]
-        self.local_optimizer = self._local_adamw(self.local_only.model)
+        self.local_optimizer = inner_adamw(self.local_only.model.parameters(), self.config)
         self.local_optimizer.load_state_dict({"state": slots, "param_groups": param_groups})
 
 

@@ -1,6 +1,5 @@
-"""The world model's training pieces that its baselines share (``world_tuning``): the
-federation's inner AdamW optimizer, built from a run's config with a chosen learning
-rate, and the parameters every node shares in a pooled (centralized) model."""
+"""What the world model's pooled (centralized) baseline shares (``world_tuning``): one
+encoder and predictor for every node, each node keeping its own action head."""
 
 from __future__ import annotations
 
@@ -9,23 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.simulations.world_model import WorldTrainer
-
-
-def adamw(
-    params: Sequence[torch.nn.Parameter], config: LensembleConfig, *, lr: float | None = None
-) -> torch.optim.AdamW:
-    """The federation's inner optimizer over ``params`` (AdamW with the config's betas,
-    eps and weight decay), at ``lr`` (default: the config's ``inner-lr``)."""
-    inner = config.inner
-    return torch.optim.AdamW(
-        params,
-        lr=inner.lr if lr is None else lr,
-        betas=(inner.beta1, inner.beta2),
-        eps=inner.eps,
-        weight_decay=inner.weight_decay,
-    )
 
 
 def share_encoder_and_predictor(trainers: Sequence[WorldTrainer]) -> list[torch.nn.Parameter]:

@@ -30,8 +30,8 @@ import torch
 from lensemble_flwr.canonical import derive_seed
 from lensemble_flwr.config import LensembleConfig
 from lensemble_flwr.errors import ConfigError
-from lensemble_flwr.participant.local_training import deterministic_algorithms
-from lensemble_flwr.simulations.world_baselines import adamw, share_encoder_and_predictor
+from lensemble_flwr.participant.local_training import deterministic_algorithms, inner_adamw
+from lensemble_flwr.simulations.world_baselines import share_encoder_and_predictor
 from lensemble_flwr.simulations.world_data import ParticipantData, Transitions
 from lensemble_flwr.simulations.world_model import WorldTrainer
 
@@ -244,7 +244,7 @@ def tuned_local_only(
 
     def trial(lr: float) -> Trial:
         trainer = WorldTrainer(data, init_seed=init_seed)
-        optimizer = adamw(list(trainer.model.parameters()), config, lr=lr)
+        optimizer = inner_adamw(trainer.model.parameters(), config, lr=lr)
         seed = derive_seed(init_seed, "local-only", data.embodiment.index)
         generator = torch.Generator().manual_seed(seed)
         trainer.model.train()
@@ -288,7 +288,7 @@ def tuned_centralized(
 
     def trial(lr: float) -> Trial:
         trainers = [WorldTrainer(d, init_seed=init_seed) for d in datas]
-        optimizer = adamw(share_encoder_and_predictor(trainers), config, lr=lr)
+        optimizer = inner_adamw(share_encoder_and_predictor(trainers), config, lr=lr)
         generator = torch.Generator().manual_seed(derive_seed(init_seed, "centralized"))
         for trainer in trainers:
             trainer.model.train()
