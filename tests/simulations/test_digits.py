@@ -5,7 +5,6 @@ federated one."""
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from lensemble_flwr.participant.participant import training_state
 from lensemble_flwr.simulations import digits
 from lensemble_flwr.simulations.digits_data import DigitsNet, DigitsTrainer, load_partition
 from lensemble_flwr.simulations.local_only import LOCAL_ONLY
-from lensemble_flwr.strategies import LensembleStrategy
+from tests.simulations.test_flower_app import app_grid, forbid_network, run_server_app
 from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
     FakeGrid,
@@ -67,40 +66,10 @@ def run_tiny(
     result, grid and node contexts."""
     run_config = {**TINY, "run-dir": str(tmp_path / "runs"), **overrides}
 
-    def no_network(self: socket.socket, *args: Any) -> None:
-        raise AssertionError(f"the app opened a connection to {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
-    node_config = {"num-partitions": len(NODES), "dp-budget-dir": str(tmp_path / "budgets")}
-    contexts = {
-        n: Context(
-            run_id=1,
-            node_id=n,
-            node_config={"partition-id": i, **node_config},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        for i, n in enumerate(NODES)
-    }
-
-    def node(context: Context):  # type: ignore[no-untyped-def]
-        return lambda message: digits.client_app(message, context)
-
-    grid = FakeGrid(FakeClock(), {n: node(contexts[n]) for n in NODES})
-    results: list[Any] = []
-    start = LensembleStrategy.start
-
-    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
-        results.append(start(self, *args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
-    digits.main(
-        grid,
-        Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
-    )
-    (result,) = results
+    forbid_network(monkeypatch)
+    budgets = {"dp-budget-dir": str(tmp_path / "budgets")}
+    grid, contexts = app_grid(digits.client_app, run_config, NODES, budgets)
+    result = run_server_app(digits.main, grid, run_config, monkeypatch)
     return result, grid, contexts
 
 
@@ -274,7 +243,10 @@ def test_the_local_only_model_takes_the_same_batches_and_never_the_global_model(
 
 
 def test_a_local_only_that_is_not_a_boolean_is_refused_before_any_grid_call() -> None:
-    from tests.simulations.test_flower_app import RecordingGrid, server_context
+    from tests.simulations.test_flower_app import (
+        RecordingGrid,
+        server_context,
+    )
 
     grid = RecordingGrid()
     with pytest.raises(ConfigError, match="local-only: must be true or false, got 'false'"):

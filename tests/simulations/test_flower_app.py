@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import socket
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
@@ -50,6 +51,65 @@ class RecordingGrid(FakeGrid):
 
 def server_context(run_config: dict[str, Any]) -> Context:
     return Context(run_id=3, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+
+
+def app_grid(
+    client_app: Callable[[Message, Context], Message],
+    run_config: dict[str, Any],
+    nodes: Sequence[int],
+    node_config: dict[str, Any] | None = None,
+) -> tuple[FakeGrid, dict[int, Context]]:
+    """A fake Grid whose nodes run ``client_app``, node i as ``partition-id`` i of
+    ``len(nodes)`` (with ``node_config`` over that), and the nodes' contexts."""
+    contexts = {
+        n: Context(
+            run_id=1,
+            node_id=n,
+            node_config={"partition-id": i, "num-partitions": len(nodes), **(node_config or {})},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        for i, n in enumerate(nodes)
+    }
+
+    def node(context: Context) -> Callable[[Message], Message]:
+        return lambda message: client_app(message, context)
+
+    return FakeGrid(FakeClock(), {n: node(contexts[n]) for n in nodes}), contexts
+
+
+def run_server_app(
+    main: Callable[[Any, Context], None],
+    grid: FakeGrid,
+    run_config: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Any:
+    """Run a ServerApp's ``main`` over ``grid``; the result its strategy's ``start``
+    returned."""
+    from lensemble_flwr.strategies import LensembleStrategy
+
+    results: list[Any] = []
+    start = LensembleStrategy.start
+
+    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
+        results.append(start(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
+    server = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    main(grid, server)
+    (result,) = results
+    return result
+
+
+def forbid_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection the code under test opens fails the test: nothing is downloaded."""
+
+    def no_network(self: socket.socket, *args: Any) -> None:
+        raise AssertionError(f"the app opened a connection to {args}: nothing is downloaded")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
 
 
 def test_the_digits_serverapp_refuses_a_bad_value_before_any_grid_call(

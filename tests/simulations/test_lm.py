@@ -4,13 +4,12 @@ grid, on a tiny configuration (3 nodes, a 2-block model of width 16)."""
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.errors import ConfigError
@@ -18,8 +17,14 @@ from lensemble_flwr.protocol.messages import MessageKind, kind_of
 from lensemble_flwr.provenance.verify import verify
 from lensemble_flwr.simulations import lm
 from lensemble_flwr.simulations.lm_model import ByteLM
-from lensemble_flwr.strategies import LensembleStrategy, records
-from tests.simulations.test_flower_app import RecordingGrid, server_context
+from lensemble_flwr.strategies import records
+from tests.simulations.test_flower_app import (
+    RecordingGrid,
+    app_grid,
+    forbid_network,
+    run_server_app,
+    server_context,
+)
 from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
     FakeGrid,
@@ -53,24 +58,7 @@ TINY: dict[str, Any] = {
 
 
 def lm_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]]:
-    contexts = {
-        n: Context(
-            run_id=1,
-            node_id=n,
-            node_config={"partition-id": i, "num-partitions": len(NODES)},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        for i, n in enumerate(NODES)
-    }
-
-    def node(context: Context):  # type: ignore[no-untyped-def]
-        def answer(message: Message) -> Message:
-            return lm.client_app(message, context)
-
-        return answer
-
-    return FakeGrid(FakeClock(), {n: node(contexts[n]) for n in NODES}), contexts
+    return app_grid(lm.client_app, run_config, NODES)
 
 
 def run_tiny(
@@ -80,25 +68,9 @@ def run_tiny(
     its result, grid, node contexts and run config."""
     run_config = {**TINY, "run-dir": str(tmp_path), **overrides}
 
-    def no_network(self: socket.socket, *args: Any) -> None:
-        raise AssertionError(f"the app opened a connection to {args}: nothing is downloaded")
-
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    forbid_network(monkeypatch)
     grid, contexts = lm_grid(run_config)
-    results: list[Any] = []
-    start = LensembleStrategy.start
-
-    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
-        results.append(start(self, *args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
-    lm.main(
-        grid,
-        Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
-    )
-    (result,) = results
+    result = run_server_app(lm.main, grid, run_config, monkeypatch)
     return result, grid, contexts, run_config
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, MetricRecord, RecordDict
 
 from lensemble_flwr.artifacts.store import Store
 from lensemble_flwr.config import LensembleConfig
@@ -21,7 +21,8 @@ from lensemble_flwr.simulations.world_baseline_cache import tuned_local_only_res
 from lensemble_flwr.simulations.world_federation import world_gauge
 from lensemble_flwr.simulations.world_model import initial_params, random_orthogonal
 from lensemble_flwr.simulations.world_tuning import Stopping
-from lensemble_flwr.strategies import LensembleStrategy, records
+from lensemble_flwr.strategies import records
+from tests.simulations.test_flower_app import app_grid, run_server_app
 from tests.strategies.test_grid_transport import (  # noqa: F401  (the autouse fixture sets the ServerApp identity)
     FakeClock,
     FakeGrid,
@@ -48,24 +49,7 @@ RUN_CONFIG: dict[str, Any] = {
 
 
 def world_grid(run_config: dict[str, Any]) -> tuple[FakeGrid, dict[int, Context]]:
-    contexts = {
-        n: Context(
-            run_id=1,
-            node_id=n,
-            node_config={"partition-id": i, "num-partitions": len(NODES)},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        for i, n in enumerate(NODES)
-    }
-
-    def node(context: Context):  # type: ignore[no-untyped-def]
-        def answer(message: Message) -> Message:
-            return world.client_app(message, context)
-
-        return answer
-
-    return FakeGrid(FakeClock(), {n: node(contexts[n]) for n in NODES}), contexts
+    return app_grid(world.client_app, run_config, NODES)
 
 
 def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
@@ -73,15 +57,6 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
 ) -> None:
     run_config = {**RUN_CONFIG, "run-dir": str(tmp_path), "baseline-cache": str(tmp_path / "c")}
     grid, contexts = world_grid(run_config)
-    server = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-    results = []
-    start = LensembleStrategy.start
-
-    def keep_result(self: LensembleStrategy, *args: Any, **kwargs: Any) -> Any:
-        results.append(start(self, *args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(LensembleStrategy, "start", keep_result)
     tuned: list[int] = []
 
     def quick_baseline(index: int, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -90,13 +65,12 @@ def test_the_world_app_aligns_trains_and_evaluates_with_local_heads(
         return tuned_local_only_result(index, *args, **kwargs, stopping=quick)
 
     monkeypatch.setattr(world, "tuned_local_only_result", quick_baseline)
-    world.main(grid, server)
+    result = run_server_app(world.main, grid, run_config, monkeypatch)
     out = capsys.readouterr().out
     assert "final losses (mean over nodes, global model with each node's own head): {" in out
     # every round's evaluation: the global model on each node's training and validation
     # data, and on the scoring half of its validation data beside the node's tuned
     # local-only baseline there; then a per-node table
-    (result,) = results
     evaluation = result.evaluate_metrics_clientapp
     assert sorted(evaluation) == [1, 2]
     for metrics in evaluation.values():
